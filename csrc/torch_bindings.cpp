@@ -1,0 +1,27 @@
+// torch.ops.oppo.*: schemas declared once, implemented per dispatch key. Fake (meta) kernels are
+// registered in Python (oppo_engine/ops.py) so torch.compile and opcheck can trace the ops.
+#include <torch/library.h>
+
+#include "cache_ops.h"
+
+TORCH_LIBRARY(oppo, m) {
+  // key/value: [T, H, D]; kv_cache: one model's view [num_pages, L, 2, page_size, H, D];
+  // slot_mapping: [T] int64, -1 = skip. Writes K to kv_cache[p, layer, 0, o] and V to [p, layer, 1, o]
+  // with p = slot // page_size, o = slot % page_size.
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, int layer) -> ()");
+  // src/dst: [P, page_bytes] uint8 (the arena, or a pinned host buffer); src_ids/dst_ids: [n] int64 on the
+  // CPU. Copies page src_ids[i] of src onto page dst_ids[i] of dst.
+  m.def("copy_pages(Tensor src, Tensor(a!) dst, Tensor src_ids, Tensor dst_ids) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(oppo, CPU, m) {
+  m.impl("reshape_and_cache", &oppo::reshape_and_cache_cpu);
+  m.impl("copy_pages", &oppo::copy_pages_cpu);
+}
+
+#ifdef OPPO_WITH_CUDA
+TORCH_LIBRARY_IMPL(oppo, CUDA, m) {
+  m.impl("reshape_and_cache", &oppo::reshape_and_cache_cuda);
+  m.impl("copy_pages", &oppo::copy_pages_cuda);
+}
+#endif

@@ -1,0 +1,95 @@
+"""The one module that touches the compiled extension and the Triton kernels.
+
+Everything else in oppo_engine calls ``ops.*``. Each function picks its implementation from the device of
+its inputs: the C++ CPU ops and the torch references on the CPU, the CUDA ops and the Triton kernels (or
+flash-attn, where selected and importable) on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oppo_engine import _C
+from oppo_engine.kernels import paged_attention as _attn
+from oppo_engine.kernels import sample as _sample
+
+PageAllocator = _C.PageAllocator
+
+ATTENTION_BACKENDS = ("triton", "flash_attn")
+
+
+@torch.library.register_fake("oppo::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, kv_cache, slot_mapping, layer):  # noqa: ARG001
+    return None
+
+
+@torch.library.register_fake("oppo::copy_pages")
+def _copy_pages_fake(src, dst, src_ids, dst_ids):  # noqa: ARG001
+    return None
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: int
+) -> None:
+    """Write new K/V ``[T, H, D]`` of one layer into the pages of ``kv_cache`` at ``slot_mapping`` (``-1`` skips).
+
+    ``kv_cache`` is one model's view ``[num_pages, L, 2, page_size, H, D]`` of the arena; the write happens on
+    the caller's current stream.
+    """
+    torch.ops.oppo.reshape_and_cache(key, value, kv_cache, slot_mapping, layer)
+
+
+def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Copy page ``src_ids[i]`` of ``src`` onto page ``dst_ids[i]`` of ``dst`` (``[P, page_bytes]`` uint8 views).
+
+    ``src``/``dst`` may be the arena or a pinned host buffer; the ids are int64 CPU tensors.
+    """
+    torch.ops.oppo.copy_pages(src, dst, src_ids, dst_ids)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    max_context_len: int | None = None,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """Varlen paged attention of packed queries ``q [T, Hq, D]`` over the cache; returns ``[T, Hq, D]``.
+
+    ``context_lens`` counts the cached tokens including the new ones (already written); new token ``i`` of
+    sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``.
+    """
+    if not q.is_cuda:
+        return _attn.paged_attention_ref(
+            q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale,
+            max_q_len=max_q_len, max_context_len=max_context_len,
+        )
+    if backend == "flash_attn":
+        from oppo_engine.kernels import flash_backend
+
+        return flash_backend.paged_attention(
+            q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale,
+            max_q_len=max_q_len, max_context_len=max_context_len,
+        )
+    return _attn.paged_attention(
+        q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale,
+        max_q_len=max_q_len, max_context_len=max_context_len,
+    )
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-max sampling with counter-based noise keyed by (seed, position); ``temperature == 0`` is greedy.
+
+    Returns ``(tokens [N] int64, logprobs [N] float32)``, the log-prob under the distribution sampled from.
+    """
+    if logits.is_cuda:
+        return _sample.sample(logits, temperature, seeds, positions)
+    return _sample.sample_ref(logits, temperature, seeds, positions)
