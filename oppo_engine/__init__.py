@@ -1,1 +1,32 @@
-"""oppo_engine: a rollout backend for PPO-RLHF that overlaps generation with scoring (OPPO, ICLR 2026)."""
+"""oppo_engine: a rollout backend for PPO-RLHF that overlaps generation with scoring (OPPO, ICLR 2026).
+
+Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams`` (see README.md and DESIGN.md). They are
+imported lazily, so ``import oppo_engine.ops`` (or ``.cache``) does not pull in transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "EngineConfig": "oppo_engine.config",
+    "SamplingParams": "oppo_engine.config",
+    "RolloutEngine": "oppo_engine.engine",
+    "Rollout": "oppo_engine.engine",
+    "StepResult": "oppo_engine.engine",
+    "CacheStats": "oppo_engine.engine",
+    "StepMetrics": "oppo_engine.obs.metrics",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from oppo_engine.config import EngineConfig, SamplingParams
+    from oppo_engine.engine import CacheStats, Rollout, RolloutEngine, StepResult
+    from oppo_engine.obs.metrics import StepMetrics
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'oppo_engine' has no attribute {name!r}")

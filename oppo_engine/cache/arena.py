@@ -1,0 +1,113 @@
+"""One byte arena for the KV caches of every model, seen by each model through its own strided view."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oppo_engine import ops
+
+# Page sizes are byte counts rounded to this, so every dtype's view of a page starts on an element boundary
+# and pages stay aligned for vectorised loads.
+PAGE_ALIGN_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The shape of one model's KV cache per token: layers ``L``, KV heads ``H``, head dim ``D``, dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V of one token over all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @classmethod
+    def from_hf_config(cls, config, dtype: torch.dtype) -> KVSpec:
+        """The spec of an HF decoder config (``num_key_value_heads`` and ``head_dim`` where given)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        return cls(text.num_hidden_layers, num_kv_heads, head_dim, dtype)
+
+
+def page_bytes_for(specs: dict[str, KVSpec], page_size: int) -> int:
+    """Bytes of one page: ``page_size`` tokens of the model with the most bytes per token, aligned."""
+    largest = max(spec.token_bytes for spec in specs.values())
+    return -(-page_size * largest // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES
+
+
+def fit_page_size(spec: KVSpec, page_bytes: int) -> int:
+    """Tokens per page for ``spec``: the largest power of two whose KV fits in ``page_bytes``."""
+    tokens = page_bytes // spec.token_bytes
+    return 1 << (tokens.bit_length() - 1)
+
+
+class KVArena:
+    """``num_pages`` pages of ``page_bytes`` bytes on one device, shared by several models.
+
+    A page is a number of bytes, not of tokens: model ``m`` stores ``page_size(m)`` tokens of all its layers
+    in one page (the largest power of two that fits), so a page freed by one model can next hold another's
+    KV. Each model sees the arena as ``[num_pages, L, 2, page_size_m, H, D]`` (``view(name)``), with a page
+    stride of ``page_bytes / itemsize`` elements. Pages are handed out by one thread-safe allocator.
+    """
+
+    def __init__(
+        self,
+        specs: dict[str, KVSpec],
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not specs:
+            raise ValueError("KVArena: specs must name at least one model")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"KVArena: page_size must be a power of two, got {page_size}")
+        self.specs = dict(specs)
+        self.page_bytes = page_bytes_for(self.specs, page_size)
+        if num_pages is None:
+            if kv_cache_bytes is None:
+                raise ValueError("KVArena: give num_pages or kv_cache_bytes")
+            num_pages = kv_cache_bytes // self.page_bytes
+        if num_pages < 1:
+            raise ValueError(
+                f"KVArena: kv_cache_bytes={kv_cache_bytes} holds no page of {self.page_bytes} bytes"
+            )
+        self.num_pages = int(num_pages)
+        self.device = torch.device(device)
+        self.buffer = torch.empty(self.num_pages * self.page_bytes, dtype=torch.uint8, device=self.device)
+        self.allocator = ops.PageAllocator(self.num_pages)
+        self._page_sizes = {name: fit_page_size(spec, self.page_bytes) for name, spec in self.specs.items()}
+        self._views = {name: self._make_view(name) for name in self.specs}
+
+    def _make_view(self, name: str) -> torch.Tensor:
+        spec, ps = self.specs[name], self._page_sizes[name]
+        L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        flat = self.buffer.view(spec.dtype)
+        return flat.as_strided(
+            (self.num_pages, L, 2, ps, H, D),
+            (self.page_bytes // spec.dtype.itemsize, 2 * ps * H * D, ps * H * D, H * D, D, 1),
+        )
+
+    def page_size(self, name: str) -> int:
+        """Tokens per page for model ``name``."""
+        return self._page_sizes[name]
+
+    def view(self, name: str) -> torch.Tensor:
+        """Model ``name``'s view ``[num_pages, L, 2, page_size, H, D]`` of the arena."""
+        return self._views[name]
+
+    def page_view(self) -> torch.Tensor:
+        """The arena as ``[num_pages, page_bytes]`` uint8, for page copies (swap, fork)."""
+        return self.buffer.view(self.num_pages, self.page_bytes)
+
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free()

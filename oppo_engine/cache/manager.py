@@ -1,0 +1,94 @@
+"""Per-model bookkeeping of which pages hold which sequence's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from oppo_engine.cache.arena import KVArena
+
+
+class KVCacheManager:
+    """Sequence -> page list and cached-token count for one model over a shared ``KVArena``.
+
+    Token ``t`` of a sequence lives in slot ``pages[t // page_size] * page_size + t % page_size`` of the
+    model's view. The scheduler asks ``can_append`` and then calls ``append_slots``; because other managers
+    draw from the same allocator concurrently, ``append_slots`` can still come back ``None`` (nothing taken),
+    never raise, when the pool ran short in between.
+
+    NOTE: the manager owns one reference to each page in ``pages(seq)``; ``free(seq)`` drops them all.
+    Only one thread mutates a given manager (its lane); the allocator is the shared, locked part.
+    """
+
+    def __init__(self, arena: KVArena, name: str) -> None:
+        self.arena = arena
+        self.name = name
+        self.page_size = arena.page_size(name)
+        self.kv_cache = arena.view(name)
+        self._allocator = arena.allocator
+        self._pages: dict[Hashable, list[int]] = {}
+        self._num_tokens: dict[Hashable, int] = {}
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._pages
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of ``seq_id`` with a slot (0 for an unknown sequence)."""
+        return self._num_tokens.get(seq_id, 0)
+
+    def pages(self, seq_id: Hashable) -> list[int]:
+        return list(self._pages.get(seq_id, ()))
+
+    def pages_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """New pages that appending ``num_new_tokens`` to ``seq_id`` would take."""
+        have = len(self._pages.get(seq_id, ()))
+        need = -(-(self.num_tokens(seq_id) + num_new_tokens) // self.page_size)
+        return max(0, need - have)
+
+    def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        return self.pages_needed(seq_id, num_new_tokens) <= self._allocator.num_free()
+
+    def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[int] | None:
+        """Slots for the next ``num_new_tokens`` tokens of ``seq_id``, allocating pages as needed.
+
+        Returns ``None`` and changes nothing when the pool is short.
+        """
+        needed = self.pages_needed(seq_id, num_new_tokens)
+        pages = self._pages.setdefault(seq_id, [])
+        if needed:
+            new = self._allocator.alloc(needed)
+            if new is None:
+                if not pages:
+                    del self._pages[seq_id]
+                return None
+            pages.extend(new)
+        start = self._num_tokens.get(seq_id, 0)
+        self._num_tokens[seq_id] = start + num_new_tokens
+        ps = self.page_size
+        return [pages[t // ps] * ps + t % ps for t in range(start, start + num_new_tokens)]
+
+    def free(self, seq_id: Hashable) -> None:
+        """Return all of ``seq_id``'s pages; unknown ids are ignored (freeing twice is harmless)."""
+        pages = self._pages.pop(seq_id, None)
+        self._num_tokens.pop(seq_id, None)
+        if pages:
+            self._allocator.free(pages)
+
+    def block_tables(self, seq_ids: Sequence[Hashable], device: torch.device | None = None) -> torch.Tensor:
+        """``[N, max_pages]`` int32 page ids of ``seq_ids``, zero-padded (kernels read only valid entries)."""
+        rows = [self._pages.get(s, ()) for s in seq_ids]
+        width = max((len(r) for r in rows), default=0) or 1
+        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            if r:
+                table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        return table.to(device or self.kv_cache.device)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._pages)
+
+    @property
+    def num_pages_used(self) -> int:
+        return sum(len(p) for p in self._pages.values())

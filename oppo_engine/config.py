@@ -1,0 +1,91 @@
+"""Engine and sampling configuration (public API: see DESIGN.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("sequential", "intra", "inter", "oppo")
+RETAINED_KV_POLICIES = ("recompute", "reuse")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How a prompt's response is sampled.
+
+    ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1.0`` disable truncation. ``seed=None`` derives
+    the sequence's RNG seed from the engine's default seed and the prompt's index, so results do not depend
+    on batch composition; an explicit seed is used as given. ``ignore_eos=True`` generates exactly
+    ``max_new_tokens`` tokens (benchmarks).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine configuration.
+
+    ``batch_size`` (B) rollouts are returned per ``step()``. ``mode`` picks the pipeline: ``sequential``
+    (generate all, then score all), ``intra`` (streamed scoring), ``inter`` (overcommit), ``oppo`` (both).
+    ``chunk_size`` (tokens per streamed chunk) and ``overcommit`` (Δ) are ints or ``"auto"`` (online
+    control). ``kv_cache_bytes=None`` sizes the arena for B sequences of ``max_model_len`` tokens in every
+    model (capped to a share of free device memory on CUDA). ``max_num_batched_tokens`` bounds the tokens
+    of one forward (chunked prefill). ``attention_backend`` is ``"triton"`` or ``"flash_attn"`` (CUDA only).
+    """
+
+    batch_size: int = 64
+    mode: str = "oppo"
+    chunk_size: int | str = "auto"
+    overcommit: int | str = "auto"
+    page_size: int = 16
+    kv_cache_bytes: int | None = None
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 4096
+    retained_kv: str = "recompute"
+    attention_backend: str = "triton"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"EngineConfig.batch_size must be >= 1, got {self.batch_size}")
+        if self.mode not in MODES:
+            raise ValueError(f"EngineConfig.mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("chunk_size", "overcommit"):
+            value = getattr(self, name)
+            minimum = 1 if name == "chunk_size" else 0
+            if value != "auto" and not (isinstance(value, int) and value >= minimum):
+                raise ValueError(f"EngineConfig.{name} must be 'auto' or an int >= {minimum}, got {value!r}")
+        if self.page_size < 8 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"EngineConfig.page_size must be a power of two >= 8, got {self.page_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(
+                f"EngineConfig.kv_cache_bytes must be positive or None, got {self.kv_cache_bytes}"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"EngineConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.retained_kv not in RETAINED_KV_POLICIES:
+            raise ValueError(
+                f"EngineConfig.retained_kv must be one of {RETAINED_KV_POLICIES}, got {self.retained_kv!r}"
+            )
+        if self.attention_backend not in ("triton", "flash_attn"):
+            raise ValueError(
+                f"EngineConfig.attention_backend must be 'triton' or 'flash_attn', got {self.attention_backend!r}"
+            )

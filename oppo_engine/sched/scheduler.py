@@ -1,0 +1,138 @@
+"""Actor-side scheduling: admission, chunked prefill, decode and preemption over a page budget.
+
+The scheduler decides which tokens of which sequences go into the next actor forward and reserves their
+KV slots; it never reads tensor contents (sampled tokens come back to it as Python ints).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from oppo_engine.cache import KVCacheManager
+from oppo_engine.sched.sequence import SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + len(token_ids))`` of ``seq`` in the next forward, with their KV slots.
+
+    ``samples`` is set when the chunk reaches the sequence's last token, so its logits draw the next token.
+    """
+
+    seq: Sequence
+    start: int
+    token_ids: list[int]
+    slots: list[int]
+    samples: bool
+
+
+class ActorScheduler:
+    """Continuous batching of the actor: running sequences first (oldest first), then admission.
+
+    A running sequence that cannot get a page preempts the most recently admitted one (its pages are freed,
+    its tokens kept; it is recomputed when readmitted, which reproduces the same tokens since sampling is
+    keyed by seed and position). Admission never preempts: it waits for pages, keeping a small watermark
+    free for the running sequences' next pages.
+    """
+
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.watermark_pages = max(1, cache.arena.num_pages // 100)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Reserve slots for the next forward and return its chunks (empty only when there is no work)."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            slots = self.cache.append_slots(seq.seq_id, n)
+            while slots is None and self.running[-1] is not seq:
+                self.preempt(self.running[-1])
+                slots = self.cache.append_slots(seq.seq_id, n)
+            if slots is None:
+                self.preempt(seq)  # the youngest itself: wait for pages freed by finishing sequences
+                break
+            chunks.append(self._chunk(seq, n, slots))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            reserve = self.watermark_pages if self.running else 0
+            if self.cache.pages_needed(seq.seq_id, n) + reserve > self.cache.arena.num_free_pages():
+                break
+            slots = self.cache.append_slots(seq.seq_id, n)
+            if slots is None:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, n, slots))
+            budget -= n
+        return chunks
+
+    def _chunk(self, seq: Sequence, n: int, slots: list[int]) -> ScheduledChunk:
+        start = seq.num_computed
+        seq.num_computed += n
+        return ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, seq.num_pending == 0)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s actor pages and put it first in line; its tokens are kept for recomputation."""
+        self.cache.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def append_token(self, seq: Sequence, token: int, logprob: float, policy_version: int) -> bool:
+        """Record a sampled token; returns True (and frees the actor pages) when the sequence is finished."""
+        seq.response_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.policy_versions.append(policy_version)
+        done = (
+            len(seq.response_ids) >= seq.sampling.max_new_tokens
+            or seq.num_tokens >= self.max_model_len
+            or (not seq.sampling.ignore_eos and token in self.eos_token_ids)
+        )
+        if done:
+            self.cache.free(seq.seq_id)
+            self.running.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        return done
+
+    def abort_all(self) -> list[Sequence]:
+        """Free every page and return all sequences (running first), reset to their prompts."""
+        seqs = self.running + list(self.waiting)
+        for seq in seqs:
+            self.cache.free(seq.seq_id)
+            seq.num_computed = 0
+        self.running.clear()
+        self.waiting.clear()
+        return seqs

@@ -1,0 +1,68 @@
+"""The state of one rollout as the scheduler sees it: token ids and counters, never tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from oppo_engine.config import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no actor KV; tokens (prompt, and any response kept over a preemption) pending
+    RUNNING = "running"  # in the actor's batch
+    FINISHED = "finished"  # response complete, actor pages freed; scoring may still be in flight
+    SCORED = "scored"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A prompt and its growing response.
+
+    ``num_computed`` counts the tokens whose actor KV is in the cache; the tokens after it are pending and
+    go into the next forward (a prompt's prefill, possibly in chunks; then one token per decode step).
+    ``num_scored`` is the same counter for the reward model.
+    """
+
+    seq_id: int
+    prompt_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_scored: int = 0
+    reward: float | None = None
+    deferred_steps: int = 0
+    num_preemptions: int = 0
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids ``[start, stop)`` of prompt + response, without building the concatenation."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.response_ids[start - p : stop - p]
+        return self.prompt_ids[start:] + self.response_ids[: stop - p]
+
+    def reset(self) -> None:
+        """Back to the bare prompt (after a failed step): no response, no KV anywhere."""
+        self.response_ids.clear()
+        self.logprobs.clear()
+        self.policy_versions.clear()
+        self.status = SeqStatus.WAITING
+        self.num_computed = self.num_scored = 0
+        self.reward = None
+        self.finish_time = None
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed

@@ -1,0 +1,106 @@
+"""KVArena and KVCacheManager: exact page ids, slot mappings, and pages flowing between models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
+
+ACTOR = KVSpec(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)  # 1024 B/token
+REWARD = KVSpec(num_layers=1, num_kv_heads=3, head_dim=20, dtype=torch.bfloat16)  # 240 B/token
+
+
+def make_arena(num_pages: int = 8, page_size: int = 8) -> KVArena:
+    return KVArena({"actor": ACTOR, "reward": REWARD}, page_size=page_size, num_pages=num_pages)
+
+
+def test_page_geometry_follows_the_largest_model():
+    arena = make_arena()
+    assert arena.page_bytes == 8 * ACTOR.token_bytes
+    assert arena.page_size("actor") == 8
+    # 8192 B / 240 B = 34 tokens -> 32, the largest power of two that fits.
+    assert arena.page_size("reward") == 32
+    view = arena.view("reward")
+    assert view.shape == (8, 1, 2, 32, 3, 20)
+    assert view.stride(0) == arena.page_bytes // 2
+    assert view.untyped_storage().data_ptr() == arena.buffer.untyped_storage().data_ptr()
+
+
+def test_views_of_two_models_alias_the_same_page_bytes():
+    arena = make_arena()
+    arena.buffer.zero_()
+    arena.view("reward")[3].fill_(1.0)
+    pages = arena.page_view()
+    assert pages[3].count_nonzero() > 0
+    assert pages[2].count_nonzero() == 0 and pages[4].count_nonzero() == 0
+    # The reward model's page 3 is exactly the bytes of page 3 of the actor's view.
+    actor_page = arena.view("actor")[3]
+    assert actor_page.data_ptr() == arena.buffer.data_ptr() + 3 * arena.page_bytes
+
+
+def test_exact_page_ids_and_slot_mapping():
+    arena = make_arena()
+    m = KVCacheManager(arena, "actor")
+    assert m.append_slots("a", 3) == [0, 1, 2]  # page 0
+    assert m.append_slots("b", 10) == [8 + i for i in range(8)] + [16, 17]  # pages 1, 2
+    assert m.append_slots("a", 6) == [3, 4, 5, 6, 7, 24]  # fills page 0, opens page 3
+    assert m.pages("a") == [0, 3] and m.pages("b") == [1, 2]
+    assert m.num_tokens("a") == 9 and m.num_tokens("b") == 10
+    table = m.block_tables(["a", "b", "unknown"])
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[0, 3], [1, 2], [0, 0]]
+    m.free("b")
+    # LIFO reuse: the freed pages come back first, in the order they were held.
+    assert m.append_slots("c", 9) == [8 + i for i in range(8)] + [16]
+
+
+def test_append_is_all_or_nothing_when_short():
+    arena = make_arena(num_pages=3)
+    m = KVCacheManager(arena, "actor")
+    assert m.append_slots("a", 16) is not None
+    assert not m.can_append("b", 9)
+    assert m.append_slots("b", 9) is None
+    assert "b" not in m and arena.num_free_pages() == 1
+    assert m.append_slots("a", 9) is None
+    assert m.num_tokens("a") == 16 and m.pages("a") == [0, 1]
+    assert m.can_append("b", 8) and m.append_slots("b", 8) == [16 + i for i in range(8)]
+
+
+def test_page_freed_by_one_model_is_reused_by_the_other():
+    arena = make_arena(num_pages=2)
+    actor = KVCacheManager(arena, "actor")
+    reward = KVCacheManager(arena, "reward")
+    actor.append_slots("s", 16)
+    assert reward.append_slots("s", 1) is None  # arena full
+    actor.free("s")
+    slots = reward.append_slots("s", 40)  # 32 tokens per reward page: two pages
+    assert reward.pages("s") == [0, 1]
+    assert slots[:3] == [0, 1, 2] and slots[32] == 32
+    assert arena.num_free_pages() == 0
+    reward.free("s")
+    assert arena.num_free_pages() == 2
+
+
+def test_free_is_idempotent_and_invariant_holds():
+    arena = make_arena(num_pages=5)
+    managers = [KVCacheManager(arena, "actor"), KVCacheManager(arena, "reward")]
+    managers[0].append_slots(1, 20)
+    managers[1].append_slots(1, 33)
+    used = sum(m.num_pages_used for m in managers)
+    assert arena.num_free_pages() + used == arena.num_pages
+    for m in managers:
+        m.free(1)
+        m.free(1)
+    assert arena.num_free_pages() == arena.num_pages
+
+
+@pytest.mark.parametrize("page_size", [0, 12])
+def test_bad_page_size_raises(page_size):
+    with pytest.raises(ValueError, match="page_size"):
+        make_arena(page_size=page_size)
+
+
+def test_kv_cache_bytes_too_small_raises():
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        KVArena({"actor": ACTOR}, page_size=8, kv_cache_bytes=100)
