@@ -1,0 +1,475 @@
+"""RolloutEngine: the facade a PPO loop holds (public API: see DESIGN.md)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
+from oppo_engine.cache.arena import fit_page_size, page_bytes_for
+from oppo_engine.config import EngineConfig, SamplingParams
+from oppo_engine.model.runner import ModelRunner, SeqChunk
+from oppo_engine.model.sampler import Sampler
+from oppo_engine.model.scorer import RewardScorer
+from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
+from oppo_engine.sched.reward import RewardScheduler
+from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
+from oppo_engine.sched.sequence import SeqStatus
+from oppo_engine.sched.sequence import Sequence as _Seq
+
+ACTOR, REWARD = "actor", "reward"
+# Share of the free device memory the arena may take when kv_cache_bytes is not given (CUDA only).
+DEFAULT_CUDA_MEMORY_FRACTION = 0.4
+_MODES_NOT_YET = {
+    "intra": "streamed scoring (mode='intra') arrives with the intra-step overlap issue",
+    "inter": "overcommit (mode='inter') arrives with the inter-step overlap issue",
+    "oppo": "mode='oppo' needs both overlaps; they arrive with the intra- and inter-step overlap issues",
+}
+
+RuleReward = Callable[[list[int], list[int]], float]
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One scored rollout. ``logprobs[i]`` and ``policy_versions[i]`` belong to ``response_ids[i]``."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    policy_versions: list[int]
+    deferred_steps: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The rollouts of one ``step()`` in finish order, and what the step measured."""
+
+    rollouts: list[Rollout]
+    metrics: StepMetrics
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Pages of the shared arena: total, free, held per model, and retained across steps."""
+
+    total_pages: int
+    free_pages: int
+    pages_per_model: dict[str, int] = field(default_factory=dict)
+    retained_pages: int = 0
+    page_bytes: int = 0
+
+
+def derive_seed(base_seed: int, prompt_index: int) -> int:
+    """A sequence's RNG seed from the engine seed and its prompt's index (splitmix64, 63 bits)."""
+    z = (base_seed * 0x9E3779B97F4A7C15 + prompt_index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _dtype_of(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+class RolloutEngine:
+    """Produces ``batch_size`` scored rollouts per ``step()`` from a queue of prompts.
+
+    ``actor`` is an HF causal LM and ``reward`` an HF sequence-classification model with one label (or a
+    plain callable ``reward(prompt_ids, response_ids) -> float``, which is not streamed). Both are used as
+    they are (shared with the trainer); the engine keeps their KV in one paged arena of its own.
+    """
+
+    def __init__(
+        self,
+        actor: torch.nn.Module,
+        reward: torch.nn.Module | RuleReward,
+        config: EngineConfig | None = None,
+        sampling: SamplingParams | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.sampling = sampling or SamplingParams()
+        if self.config.mode in _MODES_NOT_YET:
+            raise NotImplementedError(_MODES_NOT_YET[self.config.mode])
+        if not isinstance(actor, torch.nn.Module) or actor.get_output_embeddings() is None:
+            raise ValueError("actor must be an HF causal LM (a model with an output embedding / LM head)")
+        self.actor = actor
+        self.reward = reward
+        self.device = _device_of(actor)
+        self.reward_is_model = isinstance(reward, torch.nn.Module)
+        if self.reward_is_model and _device_of(reward) != self.device:
+            raise ValueError(
+                f"reward is on {_device_of(reward)} but actor is on {self.device}: models on different devices "
+                "need a configured placement, which this engine does not support yet"
+            )
+        if not self.reward_is_model and not callable(reward):
+            raise ValueError(
+                "reward must be an HF sequence-classification model or a callable(prompt, response)"
+            )
+        if eos_token_id is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos_token_id, int):
+            eos_ids = (eos_token_id,)
+        else:
+            eos_ids = tuple(eos_token_id)
+        self.eos_token_ids = eos_ids
+        text_config = (
+            actor.config.get_text_config() if hasattr(actor.config, "get_text_config") else actor.config
+        )
+        self.vocab_size = int(text_config.vocab_size)
+
+        self._specs = {ACTOR: KVSpec.from_hf_config(actor.config, _dtype_of(actor))}
+        if self.reward_is_model:
+            self._specs[REWARD] = KVSpec.from_hf_config(reward.config, _dtype_of(reward))
+        self._num_pages = self._plan_pages()
+        self._sampler = Sampler()
+        self._timeline = Timeline()
+        self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
+        self._pending: deque[tuple[list[int], SamplingParams | None]] = deque()
+        self._requeued: deque[_Seq] = deque()  # sequences of a failed step, reset, taken first
+        self._source: Iterator[list[int]] | None = None
+        self._next_prompt_index = 0
+        self._next_seq_id = 0
+        self._policy_version = 0
+        self._step_index = 0
+        self._closed = False
+        self._arena: KVArena | None = None
+        self._build_cache()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _plan_pages(self) -> int:
+        """Pages of the arena, validated against what one step needs at the least."""
+        cfg = self.config
+        page_bytes = page_bytes_for(self._specs, cfg.page_size)
+        pages_per_seq = {
+            name: -(-cfg.max_model_len // fit_page_size(spec, page_bytes))
+            for name, spec in self._specs.items()
+        }
+        if cfg.kv_cache_bytes is not None:
+            num_pages = cfg.kv_cache_bytes // page_bytes
+        else:
+            num_pages = cfg.batch_size * sum(pages_per_seq.values())
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                num_pages = min(num_pages, int(free * DEFAULT_CUDA_MEMORY_FRACTION) // page_bytes)
+        one_sequence = sum(pages_per_seq.values())
+        if num_pages < one_sequence:
+            raise ValueError(
+                f"kv_cache_bytes={cfg.kv_cache_bytes} gives {num_pages} pages of {page_bytes} bytes, but one "
+                f"sequence of max_model_len={cfg.max_model_len} tokens needs {one_sequence} pages in the actor and "
+                "reward caches together; raise kv_cache_bytes or lower max_model_len"
+            )
+        if num_pages < cfg.batch_size:
+            raise ValueError(
+                f"batch_size={cfg.batch_size} exceeds what the cache can ever hold: {num_pages} pages, at least one "
+                "page per in-flight sequence; lower batch_size or raise kv_cache_bytes"
+            )
+        return num_pages
+
+    def _build_cache(self) -> None:
+        cfg = self.config
+        self._arena = KVArena(
+            self._specs, page_size=cfg.page_size, num_pages=self._num_pages, device=self.device
+        )
+        actor_cache = KVCacheManager(self._arena, ACTOR)
+        self._actor_runner = ModelRunner(self.actor, actor_cache, backend=cfg.attention_backend)
+        self._actor_sched = ActorScheduler(
+            actor_cache,
+            max_num_seqs=cfg.batch_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self._caches = {ACTOR: actor_cache}
+        if self.reward_is_model:
+            reward_cache = KVCacheManager(self._arena, REWARD)
+            self._scorer = RewardScorer(ModelRunner(self.reward, reward_cache, backend=cfg.attention_backend))
+            self._reward_sched = RewardScheduler(
+                reward_cache, max_num_batched_tokens=cfg.max_num_batched_tokens
+            )
+            self._caches[REWARD] = reward_cache
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RolloutEngine is closed")
+        if self._arena is None:
+            raise RuntimeError("RolloutEngine memory is released: call resume() first")
+
+    # ------------------------------------------------------------------ prompts
+
+    def _validate_prompt(self, where: str, ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"{where} is empty: a prompt needs at least one token")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"{where} has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves room for prompts "
+                f"of at most {self.config.max_model_len - 1} tokens"
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{where} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def add_prompts(
+        self, prompt_token_ids: Iterable[Sequence[int]], sampling: Sequence[SamplingParams] | None = None
+    ) -> None:
+        """Queue prompts (lists of token ids); ``sampling`` optionally gives one SamplingParams per prompt.
+
+        All prompts are validated before any is queued, so a bad call queues nothing.
+        """
+        self._check_open()
+        prompts = list(prompt_token_ids)
+        if sampling is not None:
+            sampling = list(sampling)
+            if len(sampling) != len(prompts):
+                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
+            if not all(isinstance(s, SamplingParams) for s in sampling):
+                raise ValueError("sampling must hold SamplingParams")
+        checked = [self._validate_prompt(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
+        per_prompt = sampling if sampling is not None else [None] * len(checked)
+        self._pending.extend(zip(checked, per_prompt, strict=True))
+
+    def set_prompt_source(self, source: Iterable[Sequence[int]]) -> None:
+        """Pull prompts lazily from ``source`` once the queued ones run out."""
+        self._check_open()
+        self._source = iter(source)
+
+    def _take_prompts(self, n: int) -> list[_Seq]:
+        seqs = []
+        while len(seqs) < n:
+            if self._requeued:
+                seqs.append(self._requeued.popleft())
+                continue
+            if self._pending:
+                ids, params = self._pending.popleft()
+            elif self._source is not None:
+                try:
+                    raw = next(self._source)
+                except StopIteration:
+                    self._source = None
+                    break
+                ids, params = self._validate_prompt("a prompt from the prompt source", raw), None
+            else:
+                break
+            seqs.append(self._new_sequence(ids, params))
+        return seqs
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams | None) -> _Seq:
+        index = self._next_prompt_index
+        self._next_prompt_index += 1
+        effective = params or self.sampling
+        if params is not None and params.seed is not None:
+            seed = params.seed
+        else:
+            seed = derive_seed(self.sampling.seed or 0, index)
+        seq = _Seq(self._next_seq_id, index, ids, effective, seed)
+        self._next_seq_id += 1
+        return seq
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> StepResult:
+        """Generate and score the next ``batch_size`` rollouts; blocks until they are done.
+
+        Once the prompt supply is exhausted it returns what remains (fewer than B), then empty results.
+        An error inside the step frees every page the step held, puts its prompts back at the front of the
+        queue (their tokens are regenerated identically next time) and propagates.
+        """
+        self._check_open()
+        seqs = self._take_prompts(self.config.batch_size)
+        t0 = time.perf_counter()
+        self._timeline.clear()
+        self._peak_pages = 0
+        if self._gpu is not None:
+            self._gpu.start()
+        try:
+            finished, tokens = self._generate(seqs)
+            t_gen = time.perf_counter()
+            self._score(finished)
+            t_end = time.perf_counter()
+        except BaseException:
+            self._abort(seqs)
+            raise
+        finally:
+            gpu = self._gpu.stop() if self._gpu is not None else None
+        metrics = StepMetrics(
+            wall_s=t_end - t0,
+            generation_s=t_gen - t0,
+            exposed_scoring_s=t_end - t_gen,
+            tokens_generated=tokens,
+            rollouts=len(finished),
+            chunk_size=None,
+            overcommit=0,
+            deferred=0,
+            pages_used=self._peak_pages,
+            lane_busy=self._timeline.busy_fraction(t0, t_end) if t_end > t0 else {},
+            gpu_util=gpu.mean_util_pct if gpu is not None else None,
+        )
+        self._step_index += 1
+        log_step(self._step_index, metrics)
+        rollouts = [
+            Rollout(
+                prompt_ids=list(s.prompt_ids),
+                response_ids=list(s.response_ids),
+                logprobs=list(s.logprobs),
+                reward=float(s.reward),
+                policy_versions=list(s.policy_versions),
+                deferred_steps=s.deferred_steps,
+            )
+            for s in finished
+        ]
+        return StepResult(rollouts, metrics)
+
+    def _note_pages(self) -> None:
+        self._peak_pages = max(self._peak_pages, self._arena.num_pages - self._arena.num_free_pages())
+
+    def _generate(self, seqs: list[_Seq]) -> tuple[list[_Seq], int]:
+        """Continuous batching of the actor until every sequence of the step is finished."""
+        sched = self._actor_sched
+        for seq in seqs:
+            sched.add(seq)
+        finished: list[_Seq] = []
+        tokens = 0
+        while sched.has_work:
+            chunks = sched.schedule()
+            if not chunks:
+                raise RuntimeError(
+                    "actor scheduler made no progress: the cache cannot hold any waiting sequence"
+                )
+            self._note_pages()
+            with self._timeline.span(ACTOR, "forward", tokens=sum(len(c.token_ids) for c in chunks)):
+                sampling = [c for c in chunks if c.samples]
+                logits = self._actor_runner.logits_last(_seq_chunks(chunks))
+                if not sampling:
+                    continue
+                if len(sampling) != len(chunks):
+                    rows = [i for i, c in enumerate(chunks) if c.samples]
+                    logits = logits[torch.tensor(rows, device=logits.device)]
+                token_t, logprob_t = self._sampler(
+                    logits,
+                    temperatures=[c.seq.sampling.temperature for c in sampling],
+                    top_ks=[c.seq.sampling.top_k for c in sampling],
+                    top_ps=[c.seq.sampling.top_p for c in sampling],
+                    seeds=[c.seq.seed for c in sampling],
+                    positions=[c.seq.num_tokens for c in sampling],
+                )
+                new_tokens, new_logprobs = token_t.tolist(), logprob_t.tolist()
+            now = time.perf_counter()
+            for chunk, tok, lp in zip(sampling, new_tokens, new_logprobs, strict=True):
+                tokens += 1
+                if sched.append_token(chunk.seq, tok, lp, self._policy_version):
+                    chunk.seq.finish_time = now
+                    finished.append(chunk.seq)
+        return finished, tokens
+
+    def _score(self, finished: list[_Seq]) -> None:
+        if not self.reward_is_model:
+            with self._timeline.span(REWARD, "rule"):
+                for seq in finished:
+                    seq.reward = float(self.reward(list(seq.prompt_ids), list(seq.response_ids)))
+                    seq.status = SeqStatus.SCORED
+            return
+        sched = self._reward_sched
+        for seq in finished:
+            sched.add(seq)
+        while sched.has_work:
+            chunks = sched.schedule()
+            if not chunks:
+                raise RuntimeError(
+                    "reward scheduler made no progress: the cache cannot hold a finished sequence"
+                )
+            self._note_pages()
+            with self._timeline.span(REWARD, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
+                scores = self._scorer.prefill(_seq_chunks(chunks)).tolist()
+            for chunk, score in zip(chunks, scores, strict=True):
+                if chunk.samples:
+                    chunk.seq.reward = score
+                    chunk.seq.status = SeqStatus.SCORED
+                    sched.complete(chunk.seq)
+
+    def _abort(self, seqs: list[_Seq]) -> None:
+        """Free every page of the failed step and requeue its sequences first, reset to their prompts.
+
+        They keep their prompt index and seed, so the retry regenerates exactly the same tokens.
+        """
+        self._actor_sched.abort_all()
+        if self.reward_is_model:
+            self._reward_sched.abort_all()
+        for seq in reversed(seqs):
+            seq.reset()
+            self._requeued.appendleft(seq)
+
+    # ------------------------------------------------------------------ between steps
+
+    def update_policy(self) -> None:
+        """Call after ``optimizer.step()``: tokens sampled from now on carry the next policy version."""
+        self._check_open()
+        self._policy_version += 1
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    def release_memory(self) -> None:
+        """Free the KV arena (for training); ``resume()`` rebuilds it. Queued prompts are kept."""
+        if self._closed or self._arena is None:
+            return
+        self._drop_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        """Rebuild the KV arena after ``release_memory()``."""
+        if self._closed:
+            raise RuntimeError("RolloutEngine is closed")
+        if self._arena is None:
+            self._build_cache()
+
+    def _drop_cache(self) -> None:
+        self._arena = None
+        self._caches = {}
+        self._actor_runner = self._actor_sched = None
+        self._scorer = self._reward_sched = None
+
+    def cache_stats(self) -> CacheStats:
+        """Pages of the arena: total, free, per model, and retained for deferred sequences."""
+        self._check_open()
+        return CacheStats(
+            total_pages=self._arena.num_pages,
+            free_pages=self._arena.num_free_pages(),
+            pages_per_model={name: cache.num_pages_used for name, cache in self._caches.items()},
+            retained_pages=0,
+            page_bytes=self._arena.page_bytes,
+        )
+
+    @property
+    def timeline(self) -> Timeline:
+        """Lane spans of the last step (export with ``timeline.to_chrome_trace(path)``)."""
+        return self._timeline
+
+    def close(self) -> None:
+        """Free the arena and refuse further use. Idempotent."""
+        if not self._closed:
+            self._drop_cache()
+            self._closed = True
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _seq_chunks(chunks: list[ScheduledChunk]) -> list[SeqChunk]:
+    return [SeqChunk(c.seq.seq_id, c.token_ids, c.slots) for c in chunks]
