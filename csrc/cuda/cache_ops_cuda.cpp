@@ -14,9 +14,11 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   // NOTE: slots are not range-checked on the device (that would cost a sync); the cache manager only
   // hands out slots of pages it owns.
   const int64_t itemsize = kv_cache.element_size();
+  // The kernel indexes slot_mapping[t] densely; a strided view (a column of a wider tensor) needs a copy.
+  const auto slots = slot_mapping.contiguous();
   char* layer_base = static_cast<char*>(kv_cache.data_ptr()) + layer * kv_cache.stride(1) * itemsize;
   const auto err = cuda::launch_reshape_and_cache(
-      key.data_ptr(), value.data_ptr(), layer_base, slot_mapping.data_ptr<int64_t>(), key.size(0), key.size(1),
+      key.data_ptr(), value.data_ptr(), layer_base, slots.data_ptr<int64_t>(), key.size(0), key.size(1),
       key.size(2), itemsize, key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
       kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4), kv_cache.size(3),
       at::cuda::getCurrentCUDAStream());
