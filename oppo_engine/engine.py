@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -12,6 +13,7 @@ import torch
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.config import EngineConfig, SamplingParams
+from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 from oppo_engine.model.sampler import Sampler
 from oppo_engine.model.scorer import RewardScorer
@@ -294,10 +296,15 @@ class RolloutEngine:
         if self._gpu is not None:
             self._gpu.start()
         try:
-            finished, tokens = self._generate(seqs)
-            t_gen = time.perf_counter()
-            self._score(finished)
-            t_end = time.perf_counter()
+            # Hold the models' paged-attention switch for the whole step (one switch, not one per forward).
+            with contextlib.ExitStack() as models:
+                models.enter_context(paged_attention_enabled(self.actor))
+                if self.reward_is_model:
+                    models.enter_context(paged_attention_enabled(self.reward))
+                finished, tokens = self._generate(seqs)
+                t_gen = time.perf_counter()
+                self._score(finished)
+                t_end = time.perf_counter()
         except BaseException:
             self._abort(seqs)
             raise
