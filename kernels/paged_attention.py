@@ -1,0 +1,556 @@
+"""Varlen attention of packed queries over the paged KV cache: decode and chunked prefill in one launch.
+
+Layout (DESIGN.md, "The paged KV cache"): ``kv_cache`` is one model's view of the byte arena,
+``[num_pages, L, 2, page_size, Hkv, D]``; index 0 of dim 2 is K, 1 is V; the page stride may exceed
+``L * 2 * page_size * Hkv * D`` because pages are a fixed number of bytes shared between models. Token
+``t`` of sequence ``n`` lives in page ``block_tables[n, t // page_size]`` at offset ``t % page_size``.
+
+Queries are packed ``[T, Hq, D]``; sequence ``n`` owns rows ``cu_seqlens_q[n]:cu_seqlens_q[n + 1]``
+(``q_len_n`` new tokens, whose K/V are already in the cache) and ``context_lens[n]`` cached tokens
+including the new ones. New token ``i`` sits at position ``context_lens[n] - q_len_n + i`` and attends to
+cache positions ``0..`` that position inclusive.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+# Split-KV rule constants (see _choose_num_splits).
+_MIN_KV_PER_SPLIT = 256
+_MAX_SPLITS = 64
+_TARGET_PROGRAMS_PER_SM = 2
+_MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    kv_ptr,  # [num_pages, L, 2, page_size, Hkv, D], already offset to `layer`
+    block_tables_ptr,  # [N, max_pages] int32
+    context_lens_ptr,  # [N] int32
+    cu_seqlens_q_ptr,  # [N + 1] int32
+    out_ptr,  # [T, Hq, D] in q.dtype, or [num_splits, T, Hq, D] fp32 partials when SPLIT_KV
+    lse_ptr,  # [num_splits, T, Hq] fp32 (SPLIT_KV only), log2-sum-exp of the scaled scores
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    num_splits,
+    kv_per_split,  # tokens per split, a multiple of BLOCK_N
+    stride_q_tok,
+    stride_q_head,
+    stride_kv_page,
+    stride_kv_kv,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_bt_seq,
+    stride_bt_page,
+    stride_o_split,
+    stride_o_tok,
+    stride_o_head,
+    stride_lse_split,
+    stride_lse_tok,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,  # q heads per KV head
+    BLOCK_M: tl.constexpr,  # rows of the dot: BLOCK_Q tokens x GROUP heads (padded to a power of two)
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast operands before tl.dot (bf16 under the interpreter is wrong)
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    # The grid is sized for the longest query chunk; shorter sequences leave these programs idle.
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + seq)
+
+    # All GROUP heads of one KV head share the K/V tiles, so they ride in the M dimension together:
+    # row r is query token r // GROUP, head r % GROUP of this KV group.
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    pos = ctx_len - q_len + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_row = (q_start + tok).to(tl.int64)
+    row_mask = row_valid[:, None] & d_mask[None, :]
+
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Causal bound of the block's last token: no row of this block needs keys at or past it.
+    kv_end = ctx_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
+    if SPLIT_KV:
+        kv_lo = split * kv_per_split
+        kv_hi = tl.minimum(kv_end, kv_lo + kv_per_split)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_head_ptr = kv_ptr + kv_head * stride_kv_head
+
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_hi
+        # A KV block may span several pages (or part of one): resolve the page of every token.
+        page = tl.load(bt_row + (offs_n // PAGE_SIZE) * stride_bt_page, mask=n_mask, other=0)
+        # NOTE: the arena can exceed 2**31 elements, so page offsets are computed in int64.
+        tok_off = page.to(tl.int64) * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_tok
+        kv_off = tok_off[:, None] + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_head_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(k_head_ptr + stride_kv_kv + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row may see no key yet (padding rows, or a split past its causal end): keep exp2 away from
+        # (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_ptrs = out_ptr + q_row[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+    if SPLIT_KV:
+        split64 = split.to(tl.int64)
+        tl.store(o_ptrs + split64 * stride_o_split, o, mask=row_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + split64 * stride_lse_split + q_row * stride_lse_tok + head, lse, mask=row_valid)
+    else:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    part_ptr,  # [num_splits, T, Hq, D] fp32, each split's output normalised by its own sum
+    lse_ptr,  # [num_splits, T, Hq] fp32, base 2; -inf for a split that saw no key
+    out_ptr,  # [T, Hq, D]
+    num_splits,
+    stride_p_split,
+    stride_p_tok,
+    stride_p_head,
+    stride_l_split,
+    stride_l_tok,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(
+        lse_ptr + offs_s * stride_l_split + tok * stride_l_tok + head, mask=s_mask, other=float("-inf")
+    )
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    part = tl.load(
+        part_ptr
+        + offs_s[:, None] * stride_p_split
+        + tok * stride_p_tok
+        + head * stride_p_head
+        + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+# Host-side twins of triton.cdiv / triton.next_power_of_2, which are constexpr functions costing ~0.1 ms
+# per call outside a kernel: too much on the decode launch path.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(frozen=True, slots=True)
+class _Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _launch_config(max_q_len: int, block_d: int, group: int, dtype: torch.dtype) -> _Config:
+    """Tile sizes by a fixed heuristic (no autotune: it needs a GPU, and CPU tests must run the same code).
+
+    Decode packs one token's GROUP heads into the minimum 16-row dot; prefill uses taller tiles so each
+    K/V tile is reused by more query rows. Head dim 256 halves BLOCK_N to stay within registers, and so
+    does fp32 (tests only: its exact "ieee" dot runs on FMA units and spills at the bf16 tile sizes).
+    """
+    block_n = 64 if block_d <= 128 and dtype != torch.float32 else 32
+    if max_q_len == 1:
+        block_m, num_warps, num_stages = 16, 4, 3
+    elif block_d <= 128 and dtype != torch.float32:
+        block_m, num_warps, num_stages = 128, 8, 2
+    else:
+        block_m, num_warps, num_stages = 64, 8, 2
+    return _Config(max(block_m, _next_pow2(group)), block_n, num_warps, num_stages)
+
+
+def _choose_num_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
+    """Number of KV splits (flash-decoding) for a launch of ``num_programs`` useful programs.
+
+    Rule: split only when the unsplit grid leaves the GPU underfilled (fewer than
+    ``_TARGET_PROGRAMS_PER_SM * num_sms`` programs) and contexts are long enough that each split still
+    walks at least ``_MIN_KV_PER_SPLIT`` keys; then split just enough to reach the target, capped at
+    ``_MAX_SPLITS``. A batch of 64 decodes x 8 KV heads never splits; 1 sequence x 8 KV heads at 16k
+    context splits 33 ways on 132 SMs.
+    """
+    target = _TARGET_PROGRAMS_PER_SM * num_sms
+    if num_programs >= target or max_context_len < 2 * _MIN_KV_PER_SPLIT:
+        return 1
+    return max(1, min(_cdiv(target, num_programs), max_context_len // _MIN_KV_PER_SPLIT, _MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    config: _Config
+    block_d: int
+    block_q: int  # query tokens per program
+    num_q_blocks: int
+    num_splits: int
+    kv_per_split: int
+
+
+def _plan(
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_q_len: int,
+    max_context_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> _Plan:
+    """Everything about a launch that follows from the batch shape (the benchmark reports it too)."""
+    group = num_q_heads // num_kv_heads
+    block_d = max(16, _next_pow2(head_dim))
+    cfg = _launch_config(max_q_len, block_d, group, dtype)
+    block_q = cfg.block_m // group
+    num_q_blocks = _cdiv(max_q_len, block_q)
+    if num_splits is None:
+        num_splits = _choose_num_splits(
+            num_q_blocks * num_seqs * num_kv_heads, max_context_len, _num_sms(device)
+        )
+    kv_per_split = _cdiv(_cdiv(max_context_len, num_splits), cfg.block_n) * cfg.block_n
+    # Rounding kv_per_split up can leave trailing splits that no sequence reaches: drop them.
+    num_splits = _cdiv(max_context_len, kv_per_split)
+    return _Plan(cfg, block_d, block_q, num_q_blocks, num_splits, kv_per_split)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must be contiguous in head_dim, got strides {q.stride()}")
+    head_dim = q.shape[2]
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"q head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
+    if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        raise ValueError(
+            f"kv_cache must be [num_pages, L, 2, page_size, Hkv, D], got shape {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+    if kv_cache.shape[5] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[5]} must equal q head_dim {head_dim}")
+    if kv_cache.stride(5) != 1:
+        raise ValueError(f"kv_cache must be contiguous in head_dim, got strides {kv_cache.stride()}")
+    num_kv_heads = kv_cache.shape[4]
+    if q.shape[1] % num_kv_heads != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv_cache heads ({num_kv_heads})")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer must be an int in [0, {kv_cache.shape[1]}), got {layer!r}")
+    if context_lens.dim() != 1 or context_lens.dtype != torch.int32:
+        raise ValueError(
+            f"context_lens must be a 1-D int32 tensor, got {context_lens.dtype} {tuple(context_lens.shape)}"
+        )
+    num_seqs = context_lens.shape[0]
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"cu_seqlens_q must be int32 [N + 1] = [{num_seqs + 1}], "
+            f"got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be int32 [N, max_pages] with N = {num_seqs}, "
+            f"got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    for name, t in (
+        ("kv_cache", kv_cache),
+        ("block_tables", block_tables),
+        ("context_lens", context_lens),
+        ("cu_seqlens_q", cu_seqlens_q),
+    ):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(
+                f"out must match q ({q.dtype} {tuple(q.shape)} on {q.device}), "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must be contiguous in head_dim, got strides {out.stride()}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of packed new tokens over their sequences' cached K/V (Triton).
+
+    Args:
+        q: ``[T, Hq, D]`` fp16/bf16/fp32, the queries of N sequences packed back to back.
+        kv_cache: ``[num_pages, L, 2, page_size, Hkv, D]`` view of the arena, same dtype as q; any page
+            stride, contiguous in D.
+        layer: which layer of the cache to read.
+        block_tables: ``[N, max_pages]`` int32 page ids; entries past a sequence's pages are never read.
+        context_lens: ``[N]`` int32 cached tokens per sequence, including the new ones.
+        cu_seqlens_q: ``[N + 1]`` int32 offsets of each sequence's rows in q.
+        scale: softmax scale (usually ``D ** -0.5``).
+        max_q_len, max_context_len: host-side maxima of the query and context lengths; pass them to
+            avoid a device sync.
+        out: optional ``[T, Hq, D]`` output buffer (same dtype as q).
+        num_splits: force the number of KV splits (1 = no split-KV); ``None`` picks it from the batch shape.
+
+    Returns:
+        ``out``, ``[T, Hq, D]`` in q.dtype.
+    """
+    _check_inputs(q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, out)
+    interpreted = q.device.type != "cuda"
+    if interpreted and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"paged_attention runs on CUDA tensors (q is on {q.device}); use paged_attention_ref on CPU "
+            "or set TRITON_INTERPRET=1 before importing triton"
+        )
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if out is None:
+        out = torch.empty_like(q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item())
+    if max_q_len == 0 or max_context_len == 0:
+        return out
+
+    num_kv_heads = kv_cache.shape[4]
+    plan = _plan(
+        num_seqs,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        max_q_len,
+        max_context_len,
+        q.dtype,
+        q.device,
+        num_splits,
+    )
+    cfg = plan.config
+    num_splits = plan.num_splits
+    split_kv = num_splits > 1
+    if num_seqs * num_splits > _MAX_GRID_YZ:
+        raise ValueError(
+            f"context_lens: {num_seqs} sequences x {num_splits} KV splits exceed the grid limit "
+            f"{_MAX_GRID_YZ}"
+        )
+
+    if split_kv:
+        partial = torch.empty(
+            (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+        o_buf, o_split_stride, lse_strides = partial, partial.stride(0), lse.stride()[:2]
+    else:
+        lse = out  # unused by the kernel when SPLIT_KV is off
+        o_buf, o_split_stride, lse_strides = out, 0, (0, 0)
+
+    grid = (plan.num_q_blocks, num_kv_heads, num_seqs * num_splits)
+    _paged_attention_kernel[grid](
+        q,
+        kv_cache[:, layer],
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        o_buf,
+        lse,
+        scale * math.log2(math.e),
+        num_splits,
+        plan.kv_per_split,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.stride(4),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        o_split_stride,
+        o_buf.stride(-3),
+        o_buf.stride(-2),
+        *lse_strides,
+        HEAD_DIM=head_dim,
+        BLOCK_D=plan.block_d,
+        GROUP=num_q_heads // num_kv_heads,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=plan.block_q,
+        BLOCK_N=cfg.block_n,
+        PAGE_SIZE=kv_cache.shape[3],
+        SPLIT_KV=split_kv,
+        DOT_FP32=interpreted and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split_kv:
+        _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
+            partial,
+            lse,
+            out,
+            num_splits,
+            partial.stride(0),
+            partial.stride(1),
+            partial.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=plan.block_d,
+            BLOCK_S=_next_pow2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Pure-torch paged attention (same signature as :func:`paged_attention`; the CPU engine path).
+
+    Gathers each sequence's pages with one indexing op and runs ``scaled_dot_product_attention`` in
+    float32 with the causal offset of the new tokens. Loops over sequences only. ``max_q_len``,
+    ``max_context_len`` and ``num_splits`` are accepted for signature parity and ignored.
+    """
+    _check_inputs(q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, out)
+    if out is None:
+        out = torch.empty_like(q)
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+    group = num_q_heads // num_kv_heads
+    layer_cache = kv_cache[:, layer]  # [num_pages, 2, page_size, Hkv, D]
+    cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    tables = block_tables.to(device=kv_cache.device, dtype=torch.long)
+    for n, ctx_len in enumerate(ctx):
+        q_lo, q_hi = cu[n], cu[n + 1]
+        q_len = q_hi - q_lo
+        if q_len == 0:
+            continue
+        pages = tables[n, : _cdiv(ctx_len, page_size)]
+        kv = layer_cache.index_select(0, pages).float()  # [pages, 2, page_size, Hkv, D]
+        k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
+        v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
+        # GQA without copying K/V per q head: a group's heads become extra query rows ([Hkv, G * q_len, D]),
+        # several times faster on CPU than repeat_interleave or enable_gqa.
+        qn = q[q_lo:q_hi].float().transpose(0, 1).reshape(num_kv_heads, group * q_len, head_dim)
+        mask = None
+        if q_len > 1:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+            mask = (torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]).repeat(group, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(qn, k, v, attn_mask=mask, scale=scale)
+        out[q_lo:q_hi] = o.view(num_q_heads, q_len, head_dim).transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,276 @@
+"""paged_attention (Triton) against paged_attention_ref, and the reference against dense attention.
+
+Every cache is built the way the arena builds it: a uint8 byte buffer viewed through ``as_strided`` as
+``[num_pages, L, 2, page_size, Hkv, D]``. Everything a correct kernel must not read is NaN -- padding
+bytes between pages, pages no sequence owns, slots past a sequence's context, the other layer, and
+block-table entries past a sequence's pages point at NaN pages -- and outputs start as NaN, so a stray
+read or an unwritten element fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from oppo_engine.kernels.paged_attention import _choose_num_splits, paged_attention, paged_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_LAYERS, LAYER = 2, 1
+
+# (dtype, atol, rtol). Under the interpreter bf16 operands are upcast before tl.dot, on GPU they are not.
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [T, Hq, D]
+    kv_cache: torch.Tensor  # [num_pages, L, 2, page_size, Hkv, D] strided view of a byte arena
+    block_tables: torch.Tensor  # [N, max_pages] int32
+    context_lens: torch.Tensor  # [N] int32
+    cu_seqlens_q: torch.Tensor  # [N + 1] int32
+    scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.q,
+            self.kv_cache,
+            LAYER,
+            self.block_tables,
+            self.context_lens,
+            self.cu_seqlens_q,
+            self.scale,
+        )
+
+
+def make_case(
+    seqs: list[tuple[int, int]],
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    page_size: int = 16,
+    page_pad_bytes: int = 0,
+    seed: int = 0,
+) -> Case:
+    """Random case for sequences given as (q_len, context_len), pages scattered in shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    pages_per_seq = [math.ceil(ctx / page_size) for _, ctx in seqs]
+    num_pages = sum(pages_per_seq) + 3  # spare pages stay NaN
+    layer_elems = 2 * page_size * num_kv_heads * head_dim
+    page_bytes = NUM_LAYERS * layer_elems * itemsize + page_pad_bytes
+    assert page_bytes % itemsize == 0
+    arena = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=DEVICE)
+    arena.view(dtype).fill_(float("nan"))
+    kv_cache = arena.view(dtype).as_strided(
+        (num_pages, NUM_LAYERS, 2, page_size, num_kv_heads, head_dim),
+        (page_bytes // itemsize, layer_elems, layer_elems // 2, num_kv_heads * head_dim, head_dim, 1),
+    )
+
+    page_ids = torch.randperm(num_pages, generator=gen)
+    spare = page_ids[sum(pages_per_seq) :]
+    max_pages = max(pages_per_seq) + 2
+    # Entries past a sequence's pages are arbitrary: make them NaN pages so reading one shows.
+    block_tables = spare[torch.randint(len(spare), (len(seqs), max_pages), generator=gen)].to(torch.int32)
+    next_page = 0
+    for n, (_, ctx) in enumerate(seqs):
+        ids = page_ids[next_page : next_page + pages_per_seq[n]]
+        next_page += pages_per_seq[n]
+        block_tables[n, : len(ids)] = ids.to(torch.int32)
+        values = torch.randn((len(ids), 2, page_size, num_kv_heads, head_dim), generator=gen).to(dtype)
+        values[-1, :, ctx - (len(ids) - 1) * page_size :] = float("nan")  # slots past the context
+        kv_cache[ids.to(DEVICE), LAYER] = values.to(DEVICE)
+
+    q_lens = torch.tensor([q_len for q_len, _ in seqs])
+    cu_seqlens_q = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = torch.cumsum(q_lens, 0)
+    q = torch.randn((int(cu_seqlens_q[-1]), num_q_heads, head_dim), generator=gen).to(dtype)
+    return Case(
+        q=q.to(DEVICE),
+        kv_cache=kv_cache,
+        block_tables=block_tables.to(DEVICE),
+        context_lens=torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32, device=DEVICE),
+        cu_seqlens_q=cu_seqlens_q.to(DEVICE),
+        scale=head_dim**-0.5,
+    )
+
+
+def assert_kernel_matches_reference(case: Case, num_splits: int | None = None) -> torch.Tensor:
+    out = torch.full_like(case.q, float("nan"))
+    result = paged_attention(*case.args(), out=out, num_splits=num_splits)
+    assert result is out
+    expected = paged_attention_ref(*case.args(), out=torch.full_like(case.q, float("nan")))
+    assert not expected.isnan().any(), "the reference read a poisoned element"
+    atol, rtol = TOLERANCES[case.q.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+    return out
+
+
+def test_decode_matches_reference_for_one_token_contexts():
+    assert_kernel_matches_reference(make_case([(1, 1), (1, 1), (1, 1)]))
+
+
+def test_decode_matches_reference_when_context_exactly_fills_pages():
+    assert_kernel_matches_reference(make_case([(1, 16), (1, 32), (1, 64)]))
+
+
+def test_prefill_chunks_crossing_page_boundaries_match_reference():
+    # A fresh prompt, a chunk starting mid-page, a chunk ending exactly on a page boundary.
+    assert_kernel_matches_reference(make_case([(40, 40), (20, 37), (11, 48)]))
+
+
+def test_mixed_decode_and_prefill_in_one_launch_match_reference():
+    # (0, 20): a sequence with no new token this step owns no rows and must not disturb its neighbours.
+    assert_kernel_matches_reference(make_case([(1, 70), (33, 33), (1, 5), (0, 20), (9, 100), (1, 17)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_matches_reference_in_each_dtype(dtype: torch.dtype):
+    assert_kernel_matches_reference(make_case([(1, 45), (19, 50)], dtype=dtype, seed=1))
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (7, 1), (14, 2)])
+def test_gqa_groups_match_reference(num_q_heads: int, num_kv_heads: int):
+    # Group 7 is not a power of two: tokens x heads do not tile the 2^k rows of the dot evenly.
+    case = make_case([(1, 30), (25, 41)], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, seed=2)
+    assert_kernel_matches_reference(case)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_head_dims_match_reference(head_dim: int):
+    case = make_case([(1, 20), (6, 23)], head_dim=head_dim, dtype=torch.float16, seed=3)
+    assert_kernel_matches_reference(case)
+
+
+@pytest.mark.parametrize("page_size", [8, 32, 128])
+def test_page_sizes_smaller_and_larger_than_kv_block_match_reference(page_size: int):
+    assert_kernel_matches_reference(make_case([(1, 130), (12, 75)], page_size=page_size, seed=4))
+
+
+def test_page_stride_larger_than_page_matches_reference():
+    # Pages are a fixed number of bytes shared by models: this model uses only part of each page.
+    case = make_case([(1, 40), (10, 26)], dtype=torch.float16, page_pad_bytes=4096 + 6, seed=5)
+    assert case.kv_cache.stride(0) > NUM_LAYERS * case.kv_cache[0, 0].numel()
+    assert_kernel_matches_reference(case)
+
+
+def test_strided_query_view_matches_reference():
+    # The model may hand a view into a fused qkv projection: rows are not contiguous.
+    case = make_case([(1, 20), (7, 30)], seed=6)
+    fused = torch.randn((case.q.shape[0], case.q.shape[1] + 4, case.q.shape[2]), device=DEVICE)
+    fused[:, : case.q.shape[1]] = case.q
+    case.q = fused[:, : case.q.shape[1]]
+    assert not case.q.is_contiguous()
+    assert_kernel_matches_reference(case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_split_kv_matches_reference_for_decode_and_prefill(num_splits: int):
+    # Shorter sequences leave some splits empty; the prefill chunk has rows whose causal end falls
+    # before a split's start.
+    case = make_case([(1, 150), (1, 3), (30, 130)], num_q_heads=8, num_kv_heads=2, seed=7)
+    assert_kernel_matches_reference(case, num_splits=num_splits)
+
+
+def test_split_kv_and_unsplit_paths_agree():
+    case = make_case([(1, 200), (1, 64)], dtype=torch.float16, seed=8)
+    split = paged_attention(*case.args(), num_splits=4)
+    unsplit = paged_attention(*case.args(), num_splits=1)
+    torch.testing.assert_close(split, unsplit, atol=2e-3, rtol=2e-3)
+
+
+def test_host_maxima_give_the_same_output_as_computed_ones():
+    case = make_case([(1, 50), (8, 20)], seed=9)
+    computed = paged_attention(*case.args())
+    given = paged_attention(*case.args(), max_q_len=8, max_context_len=50)
+    torch.testing.assert_close(given, computed, atol=0, rtol=0)
+
+
+def test_split_rule_splits_only_underfilled_long_context_launches():
+    sms = 132
+    assert _choose_num_splits(64 * 8, 16384, sms) == 1  # enough programs already
+    assert _choose_num_splits(1 * 8, 256, sms) == 1  # too short to split
+    assert _choose_num_splits(1 * 8, 16384, sms) == 33  # 8 programs -> 2 * 132 target
+    assert _choose_num_splits(8 * 8, 4096, sms) == 5
+    assert _choose_num_splits(1, 1 << 20, sms) == 64  # capped
+    for programs, ctx in [(1, 600), (3, 2000), (100, 5000)]:
+        splits = _choose_num_splits(programs, ctx, sms)
+        assert 1 <= splits <= ctx // 256
+
+
+def dense_causal_attention_f64(case: Case) -> torch.Tensor:
+    """Independent oracle: token-by-token page walk, explicit softmax in float64."""
+    q = case.q.double().cpu()
+    kv = case.kv_cache[:, LAYER].double().cpu()
+    page_size = kv.shape[2]
+    group = q.shape[1] // kv.shape[3]
+    out = torch.empty_like(q)
+    cu = case.cu_seqlens_q.tolist()
+    for n, ctx in enumerate(case.context_lens.tolist()):
+        slots = [(int(case.block_tables[n, t // page_size]), t % page_size) for t in range(ctx)]
+        k = torch.stack([kv[p, 0, o] for p, o in slots]).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = torch.stack([kv[p, 1, o] for p, o in slots]).repeat_interleave(group, dim=1)
+        q_len = cu[n + 1] - cu[n]
+        for i in range(q_len):
+            pos = ctx - q_len + i
+            scores = torch.einsum("hd,thd->ht", q[cu[n] + i], k[: pos + 1]) * case.scale
+            out[cu[n] + i] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v[: pos + 1])
+    return out
+
+
+def test_reference_matches_dense_causal_attention_in_float64():
+    case = make_case(
+        [(1, 1), (1, 33), (12, 12), (7, 40)], num_q_heads=6, num_kv_heads=2, head_dim=80, seed=10
+    )
+    expected = dense_causal_attention_f64(case)
+    torch.testing.assert_close(
+        paged_attention_ref(*case.args()).double().cpu(), expected, atol=1e-5, rtol=1e-5
+    )
+
+
+def _bad_inputs():
+    case = make_case([(1, 5), (3, 20)], seed=11)
+    good = dict(
+        q=case.q,
+        kv_cache=case.kv_cache,
+        layer=LAYER,
+        block_tables=case.block_tables,
+        context_lens=case.context_lens,
+        cu_seqlens_q=case.cu_seqlens_q,
+    )
+    return [
+        ("q", dict(good, q=case.q[0])),
+        ("q", dict(good, q=case.q.to(torch.int32))),
+        ("q", dict(good, q=case.q.transpose(1, 2).contiguous().transpose(1, 2))),
+        ("kv_cache", dict(good, kv_cache=case.kv_cache.to(torch.float16))),
+        ("kv_cache", dict(good, kv_cache=case.kv_cache[:, :, :1])),
+        ("q heads", dict(good, q=case.q[:, :3])),
+        ("layer", dict(good, layer=NUM_LAYERS)),
+        ("block_tables", dict(good, block_tables=case.block_tables.long())),
+        ("context_lens", dict(good, context_lens=case.context_lens.long())),
+        ("cu_seqlens_q", dict(good, cu_seqlens_q=case.cu_seqlens_q[:-1])),
+        ("out", dict(good, out=torch.empty_like(case.q[:, :, :8]))),
+    ]
+
+
+@pytest.mark.parametrize("fn", [paged_attention, paged_attention_ref], ids=["kernel", "reference"])
+def test_bad_arguments_raise_value_error_naming_the_argument(fn):
+    for name, kwargs in _bad_inputs():
+        out = kwargs.pop("out", None)
+        with pytest.raises(ValueError, match=f"^{name} "):
+            fn(**kwargs, scale=0.125, out=out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("batch", "q_len", "ctx"), [(8, 1, 4096), (2, 512, 2048), (1, 1, 16384)])
+def test_7b_shapes_match_reference_on_gpu(batch: int, q_len: int, ctx: int):
+    case = make_case(
+        [(q_len, ctx)] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, seed=12
+    )
+    assert_kernel_matches_reference(case)
