@@ -535,6 +535,9 @@ def paged_attention_ref(
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     tables = block_tables.to(device=kv_cache.device, dtype=torch.long)
+    if q.shape[0] == len(ctx) and cu[-1] == len(ctx) and all(b - a == 1 for a, b in zip(cu, cu[1:])):
+        out.copy_(_decode_ref_batched(q, layer_cache, tables, context_lens, ctx, scale))
+        return out
     for n, ctx_len in enumerate(ctx):
         q_lo, q_hi = cu[n], cu[n + 1]
         q_len = q_hi - q_lo
@@ -554,3 +557,41 @@ def paged_attention_ref(
         o = torch.nn.functional.scaled_dot_product_attention(qn, k, v, attn_mask=mask, scale=scale)
         out[q_lo:q_hi] = o.view(num_q_heads, q_len, head_dim).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _decode_ref_batched(
+    q: torch.Tensor,  # [N, Hq, D], one new token per sequence
+    layer_cache: torch.Tensor,  # [num_pages, 2, page_size, Hkv, D]
+    tables: torch.Tensor,  # [N, max_pages] int64
+    context_lens: torch.Tensor,  # [N]
+    ctx: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """All-decode batches in one SDPA call over contexts padded to the longest (the CPU engine's hot path).
+
+    Positions past a context are zeroed before the matmuls: the padding pages are arbitrary memory, and a
+    NaN there would survive a -inf mask (``0 * NaN``).
+    """
+    num_seqs, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    num_pages = _cdiv(max(ctx), page_size)
+    width = num_pages * page_size
+    pages = tables[:, :num_pages]
+    # Table entries past a sequence's pages are arbitrary too: point them at page 0 (masked out below).
+    pages = torch.where(
+        torch.arange(num_pages, device=pages.device) * page_size < context_lens[:, None].to(pages.device),
+        pages,
+        0,
+    )
+    kv = layer_cache.index_select(0, pages.reshape(-1)).float()  # [N * pages, 2, page_size, Hkv, D]
+    kv = kv.view(num_seqs, num_pages, 2, page_size, num_kv_heads, head_dim).transpose(2, 0).transpose(1, 2)
+    kv = kv.reshape(2, num_seqs, width, num_kv_heads, head_dim)  # [2, N, width, Hkv, D]
+    valid = torch.arange(width, device=q.device)[None, :] < context_lens.to(q.device)[:, None]  # [N, width]
+    kv = torch.where(valid[None, :, :, None, None], kv, 0.0)
+    k = kv[0].permute(0, 2, 1, 3)  # [N, Hkv, width, D]
+    v = kv[1].permute(0, 2, 1, 3)
+    qn = q.float().view(num_seqs, num_kv_heads, group, head_dim)  # a group's heads as query rows
+    mask = valid[:, None, None, :]  # [N, 1, 1, width]
+    o = torch.nn.functional.scaled_dot_product_attention(qn, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

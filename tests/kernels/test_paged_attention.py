@@ -234,6 +234,18 @@ def test_reference_matches_dense_causal_attention_in_float64():
     )
 
 
+def test_batched_decode_reference_matches_dense_attention_with_poisoned_padding():
+    # All-decode batches take the reference's batched path (one SDPA over padded contexts); the padding
+    # pages and table entries are NaN/arbitrary, so a missing mask-before-matmul would show up as NaN.
+    case = make_case(
+        [(1, 1), (1, 47), (1, 16), (1, 33)], num_q_heads=6, num_kv_heads=2, head_dim=80, page_size=8, seed=11
+    )
+    expected = dense_causal_attention_f64(case)
+    torch.testing.assert_close(
+        paged_attention_ref(*case.args()).double().cpu(), expected, atol=1e-5, rtol=1e-5
+    )
+
+
 def _bad_inputs():
     case = make_case([(1, 5), (3, 20)], seed=11)
     good = dict(
