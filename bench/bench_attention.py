@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 import triton.testing
-from oppo_engine.kernels.paged_attention import _plan, paged_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from oppo_engine.kernels.paged_attention import _plan, paged_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 FLASH_PAGE_SIZE = 256

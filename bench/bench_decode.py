@@ -81,11 +81,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tok = args.batch_size * args.new_tokens
     rates = {name: tok / statistics.median(ts) for name, ts in times.items()}
     print(
-        f"preset={args.preset} device={device} B={args.batch_size} prompt={args.prompt_len} new={args.new_tokens}"
+        f"preset={args.preset} device={device} B={args.batch_size} "
+        f"prompt={args.prompt_len} new={args.new_tokens}"
     )
     for name, rate in rates.items():
         print(
-            f"{name:>7}: {rate:10.1f} tok/s  (median of {args.repeats}: {statistics.median(times[name]):.3f}s)"
+            f"{name:>7}: {rate:10.1f} tok/s  "
+            f"(median of {args.repeats}: {statistics.median(times[name]):.3f}s)"
         )
     ratio = rates["engine"] / rates["hf"]
     print(f"decode_throughput_engine_vs_hf={ratio:.2f}")

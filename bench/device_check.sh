@@ -156,8 +156,10 @@ pytest_step cuda-tests 100 "$OUT_DIR/cuda_tests.log" -m cuda tests
 pytest_step kernel-tests 120 "$OUT_DIR/kernel_tests.log" tests/kernels
 
 # --- 4. benchmarks (GPU only) ------------------------------------------------------------------------------
-bench_step bench-attention 60 "$OUT_DIR/bench_attention.log" bench/bench_attention.py . \
+bench_step bench-attention 90 "$OUT_DIR/bench_attention.log" bench/bench_attention.py . \
   "$PYTHON" bench/bench_attention.py --quick --out "$OUT_DIR/bench_attention.csv"
+bench_step bench-decode 60 "$OUT_DIR/bench_decode.log" bench/bench_decode.py 'decode_throughput_engine_vs_hf=' \
+  "$PYTHON" -m bench.bench_decode --preset 0.5b --batch-size 32 --new-tokens 64 --repeats 2
 bench_step bench-e2e 180 "$OUT_DIR/e2e.log" bench/bench_e2e.py 'speedup_oppo_vs_(sequential|hf)=' \
   "$PYTHON" -m bench.bench_e2e --preset 0.5b --out "$OUT_DIR/e2e"
 

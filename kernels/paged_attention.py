@@ -535,7 +535,11 @@ def paged_attention_ref(
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     tables = block_tables.to(device=kv_cache.device, dtype=torch.long)
-    if q.shape[0] == len(ctx) and cu[-1] == len(ctx) and all(b - a == 1 for a, b in zip(cu, cu[1:])):
+    if (
+        q.shape[0] == len(ctx)
+        and cu[-1] == len(ctx)
+        and all(b - a == 1 for a, b in zip(cu, cu[1:], strict=False))
+    ):
         out.copy_(_decode_ref_batched(q, layer_cache, tables, context_lens, ctx, scale))
         return out
     for n, ctx_len in enumerate(ctx):

@@ -18,7 +18,15 @@ _EXPORTS = {
     "CacheStats": "oppo_engine.engine",
     "StepMetrics": "oppo_engine.obs.metrics",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CacheStats",
+    "EngineConfig",
+    "Rollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "StepMetrics",
+    "StepResult",
+]
 
 if TYPE_CHECKING:
     from oppo_engine.config import EngineConfig, SamplingParams

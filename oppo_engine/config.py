@@ -87,5 +87,6 @@ class EngineConfig:
             )
         if self.attention_backend not in ("triton", "flash_attn"):
             raise ValueError(
-                f"EngineConfig.attention_backend must be 'triton' or 'flash_attn', got {self.attention_backend!r}"
+                "EngineConfig.attention_backend must be 'triton' or 'flash_attn', "
+                f"got {self.attention_backend!r}"
             )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from oppo_engine import ops
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.config import EngineConfig, SamplingParams
@@ -110,7 +111,8 @@ class RolloutEngine:
         self.reward_is_model = isinstance(reward, torch.nn.Module)
         if self.reward_is_model and _device_of(reward) != self.device:
             raise ValueError(
-                f"reward is on {_device_of(reward)} but actor is on {self.device}: models on different devices "
+                f"reward is on {_device_of(reward)} but actor is on {self.device}: "
+                "models on different devices "
                 "need a configured placement, which this engine does not support yet"
             )
         if not self.reward_is_model and not callable(reward):
@@ -133,6 +135,13 @@ class RolloutEngine:
         if self.reward_is_model:
             self._specs[REWARD] = KVSpec.from_hf_config(reward.config, _dtype_of(reward))
         self._num_pages = self._plan_pages()
+        for spec in self._specs.values():
+            page_size = fit_page_size(spec, self._page_bytes)
+            reason = ops.attention_backend_unavailable(self.config.attention_backend, page_size, self.device)
+            if reason is not None:
+                raise ValueError(
+                    f"attention_backend={self.config.attention_backend!r} cannot be used: {reason}"
+                )
         self._sampler = Sampler()
         self._timeline = Timeline()
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
@@ -152,7 +161,7 @@ class RolloutEngine:
     def _plan_pages(self) -> int:
         """Pages of the arena, validated against what one step needs at the least."""
         cfg = self.config
-        page_bytes = page_bytes_for(self._specs, cfg.page_size)
+        page_bytes = self._page_bytes = page_bytes_for(self._specs, cfg.page_size)
         pages_per_seq = {
             name: -(-cfg.max_model_len // fit_page_size(spec, page_bytes))
             for name, spec in self._specs.items()
@@ -168,12 +177,14 @@ class RolloutEngine:
         if num_pages < one_sequence:
             raise ValueError(
                 f"kv_cache_bytes={cfg.kv_cache_bytes} gives {num_pages} pages of {page_bytes} bytes, but one "
-                f"sequence of max_model_len={cfg.max_model_len} tokens needs {one_sequence} pages in the actor and "
+                f"sequence of max_model_len={cfg.max_model_len} tokens needs {one_sequence} pages "
+                "in the actor and "
                 "reward caches together; raise kv_cache_bytes or lower max_model_len"
             )
         if num_pages < cfg.batch_size:
             raise ValueError(
-                f"batch_size={cfg.batch_size} exceeds what the cache can ever hold: {num_pages} pages, at least one "
+                f"batch_size={cfg.batch_size} exceeds what the cache can ever hold: {num_pages} pages, "
+                "at least one "
                 "page per in-flight sequence; lower batch_size or raise kv_cache_bytes"
             )
         return num_pages
@@ -215,7 +226,8 @@ class RolloutEngine:
             raise ValueError(f"{where} is empty: a prompt needs at least one token")
         if len(ids) >= self.config.max_model_len:
             raise ValueError(
-                f"{where} has {len(ids)} tokens; max_model_len={self.config.max_model_len} leaves room for prompts "
+                f"{where} has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
+                "leaves room for prompts "
                 f"of at most {self.config.max_model_len - 1} tokens"
             )
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from oppo_engine import _C
+from oppo_engine.kernels import flash_backend as _flash
 from oppo_engine.kernels import paged_attention as _attn
 from oppo_engine.kernels import sample as _sample
 
@@ -31,7 +32,7 @@ def _copy_pages_fake(src, dst, src_ids, dst_ids):  # noqa: ARG001
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: int
 ) -> None:
-    """Write new K/V ``[T, H, D]`` of one layer into the pages of ``kv_cache`` at ``slot_mapping`` (``-1`` skips).
+    """Write one layer's new K/V ``[T, H, D]`` into ``kv_cache`` at ``slot_mapping`` (``-1`` skips).
 
     ``kv_cache`` is one model's view ``[num_pages, L, 2, page_size, H, D]`` of the arena; the write happens on
     the caller's current stream.
@@ -40,7 +41,7 @@ def reshape_and_cache(
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
-    """Copy page ``src_ids[i]`` of ``src`` onto page ``dst_ids[i]`` of ``dst`` (``[P, page_bytes]`` uint8 views).
+    """Copy page ``src_ids[i]`` of ``src`` onto page ``dst_ids[i]`` of ``dst`` (``[P, page_bytes]`` uint8).
 
     ``src``/``dst`` may be the arena or a pinned host buffer; the ids are int64 CPU tensors.
     """
@@ -67,20 +68,48 @@ def paged_attention(
     """
     if not q.is_cuda:
         return _attn.paged_attention_ref(
-            q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale,
-            max_q_len=max_q_len, max_context_len=max_context_len,
+            q,
+            kv_cache,
+            layer,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            scale,
+            max_q_len=max_q_len,
+            max_context_len=max_context_len,
         )
     if backend == "flash_attn":
-        from oppo_engine.kernels import flash_backend
-
-        return flash_backend.paged_attention(
-            q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale,
-            max_q_len=max_q_len, max_context_len=max_context_len,
+        return _flash.paged_attention(
+            q,
+            kv_cache,
+            layer,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            scale,
+            max_q_len=max_q_len,
+            max_context_len=max_context_len,
         )
     return _attn.paged_attention(
-        q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale,
-        max_q_len=max_q_len, max_context_len=max_context_len,
+        q,
+        kv_cache,
+        layer,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        scale,
+        max_q_len=max_q_len,
+        max_context_len=max_context_len,
     )
+
+
+def attention_backend_unavailable(backend: str, page_size: int, device: torch.device) -> str | None:
+    """Why ``backend`` cannot run attention for a cache of ``page_size`` on ``device``; None if it can."""
+    if backend == "triton":
+        return None
+    if backend == "flash_attn":
+        return _flash.unavailable_reason(page_size, device)
+    return f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}"
 
 
 def sample(

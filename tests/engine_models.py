@@ -33,7 +33,9 @@ def make_actor(seed: int = 0) -> torch.nn.Module:
 
 def make_reward(seed: int = 1) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = actor_config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_key_value_heads=4, num_labels=1)
+    cfg = actor_config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_key_value_heads=4, num_labels=1
+    )
     return AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
 
 

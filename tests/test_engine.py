@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_models import EOS, VOCAB, make_actor, make_reward, random_prompts
+
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
 
@@ -116,7 +116,8 @@ def test_rollouts_come_in_finish_order(actor, reward):
     lengths = [9, 2, 6, 4]
     engine = make_engine(actor, reward, batch_size=4)
     engine.add_prompts(
-        [prompt] * 4, sampling=[SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in lengths]
+        [prompt] * 4,
+        sampling=[SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in lengths],
     )
     result = engine.step()
     assert [len(r.response_ids) for r in result.rollouts] == sorted(lengths)
@@ -150,15 +151,21 @@ def test_error_in_step_leaks_no_page_and_retry_reproduces(actor, reward):
         return float(len(response_ids))
 
     prompts = random_prompts(3, seed=5)
-    engine = make_engine(actor, flaky_reward, batch_size=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=6))
+    engine = make_engine(
+        actor, flaky_reward, batch_size=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=6)
+    )
     engine.add_prompts(prompts)
     with pytest.raises(RuntimeError, match="reward service down"):
         engine.step()
     assert_all_pages_free(engine)
     retried = engine.step().rollouts
     assert len(retried) == 3
-    reference = make_engine(actor, lambda p, r: float(len(r)), batch_size=3,
-                            sampling=SamplingParams(temperature=1.0, max_new_tokens=6))
+    reference = make_engine(
+        actor,
+        lambda p, r: float(len(r)),
+        batch_size=3,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=6),
+    )
     reference.add_prompts(prompts)
     want = {tuple(r.prompt_ids): r.response_ids for r in reference.step().rollouts}
     assert {tuple(r.prompt_ids): r.response_ids for r in retried} == want
@@ -240,6 +247,11 @@ def test_reward_without_score_head_raises(actor):
 def test_bad_config_raises_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_unavailable_attention_backend_raises(actor, reward):
+    with pytest.raises(ValueError, match="attention_backend='flash_attn' cannot be used"):
+        make_engine(actor, reward, attention_backend="flash_attn")
 
 
 def test_unimplemented_modes_name_their_issue(actor, reward):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from oppo_engine.kernels.paged_attention import _choose_num_splits, paged_attention, paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from oppo_engine.kernels.sample import gumbel_noise, sample, sample_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
