@@ -273,7 +273,11 @@ class RolloutEngine:
                 except StopIteration:
                     self._source = None
                     break
-                ids, params = self._validate_prompt("a prompt from the prompt source", raw), None
+                try:
+                    ids, params = self._validate_prompt("a prompt from the prompt source", raw), None
+                except ValueError:
+                    self._requeued.extendleft(reversed(seqs))  # keep the good ones taken so far
+                    raise
             else:
                 break
             seqs.append(self._new_sequence(ids, params))

@@ -257,3 +257,51 @@ def test_unavailable_attention_backend_raises(actor, reward):
 def test_unimplemented_modes_name_their_issue(actor, reward):
     with pytest.raises(NotImplementedError, match="intra"):
         RolloutEngine(actor=actor, reward=reward, config=EngineConfig(batch_size=2, mode="intra"))
+
+
+def test_error_mid_decode_frees_actor_and_reward_pages(actor, reward):
+    prompts = random_prompts(4, seed=9)
+    engine = make_engine(
+        actor, reward, batch_size=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=12)
+    )
+    engine.add_prompts(prompts)
+    calls = {"n": 0}
+
+    def fail_on_fifth_forward(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("device fell over")
+
+    handle = actor.model.register_forward_pre_hook(fail_on_fifth_forward, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="device fell over"):
+            engine.step()
+    finally:
+        handle.remove()
+    assert_all_pages_free(engine)
+    # Nothing was lost: the same four prompts come back, regenerated exactly as an untouched engine does.
+    retried = {tuple(r.prompt_ids): r.response_ids for r in engine.step().rollouts}
+    fresh = make_engine(
+        actor, reward, batch_size=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=12)
+    )
+    fresh.add_prompts(prompts)
+    assert retried == {tuple(r.prompt_ids): r.response_ids for r in fresh.step().rollouts}
+
+
+def test_prompt_source_is_pulled_lazily_and_bad_prompts_are_reported(actor, reward):
+    pulled = []
+
+    def source():
+        for p in random_prompts(3, seed=10) + [[]] + random_prompts(1, seed=11):
+            pulled.append(p)
+            yield p
+
+    engine = make_engine(actor, reward, batch_size=2)
+    engine.set_prompt_source(source())
+    assert pulled == []
+    assert len(engine.step().rollouts) == 2 and len(pulled) == 2
+    with pytest.raises(ValueError, match="prompt source is empty"):
+        engine.step()  # the third prompt is fine, the fourth is empty
+    assert_all_pages_free(engine)
+    sizes = [len(engine.step().rollouts) for _ in range(2)]
+    assert sizes == [2, 0]  # the good third prompt was kept, then the fifth
