@@ -1,5 +1,5 @@
 // Torch side of the CUDA cache ops: checks, device guard, current stream, then the torch-free launchers.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cache_ops.h"
@@ -21,7 +21,7 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
       key.data_ptr(), value.data_ptr(), layer_base, slots.data_ptr<int64_t>(), key.size(0), key.size(1),
       key.size(2), itemsize, key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
       kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4), kv_cache.size(3),
-      at::cuda::getCurrentCUDAStream());
+      c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "reshape_and_cache: CUDA launch failed: ", cudaGetErrorString(err));
 }
 
@@ -32,7 +32,7 @@ void copy_pages_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& s
   const auto s = src_ids.contiguous(), d = dst_ids.contiguous();
   const auto err = cuda::launch_copy_pages(src.data_ptr<uint8_t>(), src.stride(0), dst.data_ptr<uint8_t>(),
                                            dst.stride(0), s.data_ptr<int64_t>(), d.data_ptr<int64_t>(), s.size(0),
-                                           src.size(1), at::cuda::getCurrentCUDAStream());
+                                           src.size(1), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "copy_pages: cudaMemcpyAsync failed: ", cudaGetErrorString(err));
 }
 
