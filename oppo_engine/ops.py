@@ -7,6 +7,10 @@ flash-attn, where selected and importable) on CUDA.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 
 from oppo_engine import _C
@@ -17,6 +21,21 @@ from oppo_engine.kernels import sample as _sample
 PageAllocator = _C.PageAllocator
 
 ATTENTION_BACKENDS = ("triton", "flash_attn")
+
+# Run the Triton kernels on CPU tensors too (only under TRITON_INTERPRET=1): lets the CPU test suite drive
+# the real kernels through the whole engine, as they run on CUDA.
+_triton_on_cpu = os.environ.get("OPPO_TRITON_ON_CPU") == "1"
+
+
+@contextlib.contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Within the block, CPU tensors go through the Triton kernels (interpreted) instead of the references."""
+    global _triton_on_cpu
+    saved, _triton_on_cpu = _triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _triton_on_cpu = saved
 
 
 @torch.library.register_fake("oppo::reshape_and_cache")
@@ -66,7 +85,7 @@ def paged_attention(
     ``context_lens`` counts the cached tokens including the new ones (already written); new token ``i`` of
     sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``.
     """
-    if not q.is_cuda:
+    if not (q.is_cuda or _triton_on_cpu):
         return _attn.paged_attention_ref(
             q,
             kv_cache,
@@ -119,6 +138,6 @@ def sample(
 
     Returns ``(tokens [N] int64, logprobs [N] float32)``, the log-prob under the distribution sampled from.
     """
-    if logits.is_cuda:
+    if logits.is_cuda or _triton_on_cpu:
         return _sample.sample(logits, temperature, seeds, positions)
     return _sample.sample_ref(logits, temperature, seeds, positions)
