@@ -215,7 +215,11 @@ def sample_ref(
     """Pure-torch :func:`sample` with the same noise (same signature; the CPU engine path)."""
     _check_inputs(logits, temperature, seeds, positions)
     z = logits.float() * _inverse_temperature(temperature)[:, None]
-    y = torch.where((temperature <= 0)[:, None], z, z + gumbel_noise(seeds, positions, logits.shape[1]))
-    tokens = y.argmax(dim=-1)
+    greedy = temperature <= 0
+    if bool(greedy.all()):  # an all-greedy batch needs no noise (the CPU engine's greedy decode)
+        tokens = z.argmax(dim=-1)
+    else:
+        y = torch.where(greedy[:, None], z, z + gumbel_noise(seeds, positions, logits.shape[1]))
+        tokens = y.argmax(dim=-1)
     logprobs = torch.log_softmax(z, dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
