@@ -86,30 +86,12 @@ def paged_attention(
     sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``.
     """
     if not (q.is_cuda or _triton_on_cpu):
-        return _attn.paged_attention_ref(
-            q,
-            kv_cache,
-            layer,
-            block_tables,
-            context_lens,
-            cu_seqlens_q,
-            scale,
-            max_q_len=max_q_len,
-            max_context_len=max_context_len,
-        )
-    if backend == "flash_attn":
-        return _flash.paged_attention(
-            q,
-            kv_cache,
-            layer,
-            block_tables,
-            context_lens,
-            cu_seqlens_q,
-            scale,
-            max_q_len=max_q_len,
-            max_context_len=max_context_len,
-        )
-    return _attn.paged_attention(
+        impl = _attn.paged_attention_ref
+    elif backend == "flash_attn":
+        impl = _flash.paged_attention
+    else:
+        impl = _attn.paged_attention
+    return impl(
         q,
         kv_cache,
         layer,
