@@ -48,7 +48,7 @@ def assert_all_pages_free(engine: RolloutEngine) -> None:
 
 @torch.inference_mode()
 def hf_reward(reward, ids: list[int]) -> float:
-    return reward(torch.tensor([ids])).logits[0, 0].item()
+    return reward(torch.tensor([ids], device=reward.device)).logits[0, 0].item()
 
 
 def test_greedy_rollouts_equal_hf_generate(actor, reward):
@@ -305,3 +305,33 @@ def test_prompt_source_is_pulled_lazily_and_bad_prompts_are_reported(actor, rewa
     assert_all_pages_free(engine)
     sizes = [len(engine.step().rollouts) for _ in range(2)]
     assert sizes == [2, 0]  # the good third prompt was kept, then the fifth
+
+
+@pytest.mark.cuda
+def test_on_cuda_greedy_rollouts_equal_hf_generate_and_sampling_is_batch_invariant():
+    actor, reward = make_actor().cuda(), make_reward().cuda()
+    prompts = random_prompts(8, seed=12)
+    engine = make_engine(actor, reward, batch_size=8)
+    engine.add_prompts(prompts)
+    for r in drain(engine):
+        with torch.inference_mode():
+            out = actor.generate(
+                torch.tensor([r.prompt_ids], device="cuda"),
+                do_sample=False,
+                max_new_tokens=10,
+                eos_token_id=EOS,
+                pad_token_id=0,
+            )
+        expected = out[0, len(r.prompt_ids) :].tolist()
+        if EOS in expected:
+            expected = expected[: expected.index(EOS) + 1]
+        assert r.response_ids == expected
+        assert r.reward == pytest.approx(hf_reward(reward, r.prompt_ids + r.response_ids), abs=1e-3)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8)
+    outs = []
+    for batch_size in (8, 1):
+        engine = make_engine(actor, reward, batch_size=batch_size, sampling=sampling)
+        engine.add_prompts(prompts)
+        outs.append({tuple(r.prompt_ids): r.response_ids for r in drain(engine)})
+        assert_all_pages_free(engine)
+    assert outs[0] == outs[1]
