@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,17 +14,18 @@ from oppo_engine import ops
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.config import EngineConfig, SamplingParams
+from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
-from oppo_engine.model.runner import ModelRunner, SeqChunk
-from oppo_engine.model.sampler import Sampler
+from oppo_engine.model.runner import ModelRunner
 from oppo_engine.model.scorer import RewardScorer
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.sched.reward import RewardScheduler
-from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
-from oppo_engine.sched.sequence import SeqStatus
+from oppo_engine.sched.scheduler import ActorScheduler
 from oppo_engine.sched.sequence import Sequence as _Seq
+from oppo_engine.sched.step import ACTOR_LANE as ACTOR
+from oppo_engine.sched.step import REWARD_LANE as REWARD
+from oppo_engine.sched.step import RuleReward, SequentialStep
 
-ACTOR, REWARD = "actor", "reward"
 # Share of the free device memory the arena may take when kv_cache_bytes is not given (CUDA only).
 DEFAULT_CUDA_MEMORY_FRACTION = 0.4
 _MODES_NOT_YET = {
@@ -32,8 +33,6 @@ _MODES_NOT_YET = {
     "inter": "overcommit (mode='inter') arrives with the inter-step overlap issue",
     "oppo": "mode='oppo' needs both overlaps; they arrive with the intra- and inter-step overlap issues",
 }
-
-RuleReward = Callable[[list[int], list[int]], float]
 
 
 @dataclass(slots=True)
@@ -142,7 +141,6 @@ class RolloutEngine:
                 raise ValueError(
                     f"attention_backend={self.config.attention_backend!r} cannot be used: {reason}"
                 )
-        self._sampler = Sampler()
         self._timeline = Timeline()
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
         self._pending: deque[tuple[list[int], SamplingParams | None]] = deque()
@@ -191,26 +189,32 @@ class RolloutEngine:
 
     def _build_cache(self) -> None:
         cfg = self.config
-        self._arena = KVArena(
+        self._arena = arena = KVArena(
             self._specs, page_size=cfg.page_size, num_pages=self._num_pages, device=self.device
         )
-        actor_cache = KVCacheManager(self._arena, ACTOR)
-        self._actor_runner = ModelRunner(self.actor, actor_cache, backend=cfg.attention_backend)
-        self._actor_sched = ActorScheduler(
+        actor_cache = KVCacheManager(arena, ACTOR)
+        self._caches = {ACTOR: actor_cache}
+        actor_sched = ActorScheduler(
             actor_cache,
             max_num_seqs=cfg.batch_size,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
-        self._caches = {ACTOR: actor_cache}
+        reward: tuple[RewardScheduler, RewardScorer] | RuleReward = self.reward
         if self.reward_is_model:
-            reward_cache = KVCacheManager(self._arena, REWARD)
-            self._scorer = RewardScorer(ModelRunner(self.reward, reward_cache, backend=cfg.attention_backend))
-            self._reward_sched = RewardScheduler(
-                reward_cache, max_num_batched_tokens=cfg.max_num_batched_tokens
+            reward_cache = self._caches[REWARD] = KVCacheManager(arena, REWARD)
+            reward = (
+                RewardScheduler(reward_cache, max_num_batched_tokens=cfg.max_num_batched_tokens),
+                RewardScorer(ModelRunner(self.reward, reward_cache, backend=cfg.attention_backend)),
             )
-            self._caches[REWARD] = reward_cache
+        self._loop = SequentialStep(
+            actor_sched=actor_sched,
+            actor=ActorWorker(ModelRunner(self.actor, actor_cache, backend=cfg.attention_backend)),
+            reward=reward,
+            timeline=self._timeline,
+            pages_in_use=lambda: arena.num_pages - arena.num_free_pages(),
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -308,7 +312,6 @@ class RolloutEngine:
         seqs = self._take_prompts(self.config.batch_size)
         t0 = time.perf_counter()
         self._timeline.clear()
-        self._peak_pages = 0
         if self._gpu is not None:
             self._gpu.start()
         try:
@@ -317,26 +320,27 @@ class RolloutEngine:
                 models.enter_context(paged_attention_enabled(self.actor))
                 if self.reward_is_model:
                     models.enter_context(paged_attention_enabled(self.reward))
-                finished, tokens = self._generate(seqs)
-                t_gen = time.perf_counter()
-                self._score(finished)
-                t_end = time.perf_counter()
+                out = self._loop.run(seqs, self._policy_version)
         except BaseException:
-            self._abort(seqs)
+            # Nothing is lost: pages go back, and the sequences (with their seeds) go first in line.
+            self._loop.abort()
+            for seq in reversed(seqs):
+                seq.reset()
+                self._requeued.appendleft(seq)
             raise
         finally:
             gpu = self._gpu.stop() if self._gpu is not None else None
         metrics = StepMetrics(
-            wall_s=t_end - t0,
-            generation_s=t_gen - t0,
-            exposed_scoring_s=t_end - t_gen,
-            tokens_generated=tokens,
-            rollouts=len(finished),
+            wall_s=out.end_s - t0,
+            generation_s=out.generation_end_s - t0,
+            exposed_scoring_s=out.end_s - out.generation_end_s,
+            tokens_generated=out.tokens_generated,
+            rollouts=len(out.finished),
             chunk_size=None,
             overcommit=0,
             deferred=0,
-            pages_used=self._peak_pages,
-            lane_busy=self._timeline.busy_fraction(t0, t_end) if t_end > t0 else {},
+            pages_used=out.peak_pages,
+            lane_busy=self._timeline.busy_fraction(t0, out.end_s) if out.end_s > t0 else {},
             gpu_util=gpu.mean_util_pct if gpu is not None else None,
         )
         self._step_index += 1
@@ -350,88 +354,9 @@ class RolloutEngine:
                 policy_versions=list(s.policy_versions),
                 deferred_steps=s.deferred_steps,
             )
-            for s in finished
+            for s in out.finished
         ]
         return StepResult(rollouts, metrics)
-
-    def _note_pages(self) -> None:
-        self._peak_pages = max(self._peak_pages, self._arena.num_pages - self._arena.num_free_pages())
-
-    def _generate(self, seqs: list[_Seq]) -> tuple[list[_Seq], int]:
-        """Continuous batching of the actor until every sequence of the step is finished."""
-        sched = self._actor_sched
-        for seq in seqs:
-            sched.add(seq)
-        finished: list[_Seq] = []
-        tokens = 0
-        while sched.has_work:
-            chunks = sched.schedule()
-            if not chunks:
-                raise RuntimeError(
-                    "actor scheduler made no progress: the cache cannot hold any waiting sequence"
-                )
-            self._note_pages()
-            with self._timeline.span(ACTOR, "forward", tokens=sum(len(c.token_ids) for c in chunks)):
-                sampling = [c for c in chunks if c.samples]
-                logits = self._actor_runner.logits_last(_seq_chunks(chunks))
-                if not sampling:
-                    continue
-                if len(sampling) != len(chunks):
-                    rows = [i for i, c in enumerate(chunks) if c.samples]
-                    logits = logits[torch.tensor(rows, device=logits.device)]
-                token_t, logprob_t = self._sampler(
-                    logits,
-                    temperatures=[c.seq.sampling.temperature for c in sampling],
-                    top_ks=[c.seq.sampling.top_k for c in sampling],
-                    top_ps=[c.seq.sampling.top_p for c in sampling],
-                    seeds=[c.seq.seed for c in sampling],
-                    positions=[c.seq.num_tokens for c in sampling],
-                )
-                new_tokens, new_logprobs = token_t.tolist(), logprob_t.tolist()
-            now = time.perf_counter()
-            for chunk, tok, lp in zip(sampling, new_tokens, new_logprobs, strict=True):
-                tokens += 1
-                if sched.append_token(chunk.seq, tok, lp, self._policy_version):
-                    chunk.seq.finish_time = now
-                    finished.append(chunk.seq)
-        return finished, tokens
-
-    def _score(self, finished: list[_Seq]) -> None:
-        if not self.reward_is_model:
-            with self._timeline.span(REWARD, "rule"):
-                for seq in finished:
-                    seq.reward = float(self.reward(list(seq.prompt_ids), list(seq.response_ids)))
-                    seq.status = SeqStatus.SCORED
-            return
-        sched = self._reward_sched
-        for seq in finished:
-            sched.add(seq)
-        while sched.has_work:
-            chunks = sched.schedule()
-            if not chunks:
-                raise RuntimeError(
-                    "reward scheduler made no progress: the cache cannot hold a finished sequence"
-                )
-            self._note_pages()
-            with self._timeline.span(REWARD, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
-                scores = self._scorer.prefill(_seq_chunks(chunks)).tolist()
-            for chunk, score in zip(chunks, scores, strict=True):
-                if chunk.samples:
-                    chunk.seq.reward = score
-                    chunk.seq.status = SeqStatus.SCORED
-                    sched.complete(chunk.seq)
-
-    def _abort(self, seqs: list[_Seq]) -> None:
-        """Free every page of the failed step and requeue its sequences first, reset to their prompts.
-
-        They keep their prompt index and seed, so the retry regenerates exactly the same tokens.
-        """
-        self._actor_sched.abort_all()
-        if self.reward_is_model:
-            self._reward_sched.abort_all()
-        for seq in reversed(seqs):
-            seq.reset()
-            self._requeued.appendleft(seq)
 
     # ------------------------------------------------------------------ between steps
 
@@ -462,8 +387,7 @@ class RolloutEngine:
     def _drop_cache(self) -> None:
         self._arena = None
         self._caches = {}
-        self._actor_runner = self._actor_sched = None
-        self._scorer = self._reward_sched = None
+        self._loop = None
 
     def cache_stats(self) -> CacheStats:
         """Pages of the arena: total, free, per model, and retained for deferred sequences."""
@@ -492,7 +416,3 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _seq_chunks(chunks: list[ScheduledChunk]) -> list[SeqChunk]:
-    return [SeqChunk(c.seq.seq_id, c.token_ids, c.slots) for c in chunks]

@@ -136,7 +136,7 @@ def test_no_page_leaks_after_preemption_and_tokens_unchanged(actor, reward):
     tight = make_engine(actor, reward, batch_size=8, sampling=sampling, kv_cache_bytes=spec_pages * 18)
     tight.add_prompts(prompts)
     got = {tuple(r.prompt_ids): r.response_ids for r in drain(tight)}
-    assert tight._actor_sched is not None
+    assert tight._loop.actor_sched.num_preemptions > 0  # the scenario really preempted
     assert got == expected
     assert_all_pages_free(tight)
 

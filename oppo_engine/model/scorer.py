@@ -33,6 +33,10 @@ class RewardScorer:
         """Prefill the chunks; returns the score ``[N]`` float32 at each chunk's last token."""
         return self.runner.score_last(chunks)
 
+    def prefill_scores(self, chunks: Sequence[SeqChunk]) -> list[float]:
+        """``prefill`` with the scores read back to the host (one sync), for the schedulers."""
+        return self.prefill(chunks).tolist()
+
     def release(self, seq_id: Hashable) -> None:
         """Free every reward-model page of ``seq_id`` (harmless if already released)."""
         self.cache.free(seq_id)

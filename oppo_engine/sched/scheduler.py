@@ -54,6 +54,7 @@ class ActorScheduler:
         self.watermark_pages = max(1, cache.arena.num_pages // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -108,6 +109,7 @@ class ActorScheduler:
         self.running.remove(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
