@@ -70,11 +70,13 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def bench(argv: list[str]) -> int:
+    """Run the end-to-end benchmark (bench/bench_e2e.py) with ``argv``."""
     _bench_module().main(argv)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench`` and ``trace``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in ("bench", "trace"):

@@ -367,6 +367,7 @@ class RolloutEngine:
 
     @property
     def policy_version(self) -> int:
+        """Version tagged on tokens sampled now; ``update_policy()`` bumps it."""
         return self._policy_version
 
     def release_memory(self) -> None:

@@ -110,4 +110,5 @@ class KVArena:
         return self.buffer.view(self.num_pages, self.page_bytes)
 
     def num_free_pages(self) -> int:
+        """Pages no model holds right now."""
         return self.allocator.num_free()

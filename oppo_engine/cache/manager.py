@@ -38,6 +38,7 @@ class KVCacheManager:
         return self._num_tokens.get(seq_id, 0)
 
     def pages(self, seq_id: Hashable) -> list[int]:
+        """A copy of ``seq_id``'s page ids, in token order (empty for an unknown sequence)."""
         return list(self._pages.get(seq_id, ()))
 
     def pages_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
@@ -47,6 +48,7 @@ class KVCacheManager:
         return max(0, need - have)
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
+        """Whether the pool has the pages ``append_slots`` would take (another lane may take them first)."""
         return self.pages_needed(seq_id, num_new_tokens) <= self._allocator.num_free()
 
     def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[int] | None:
@@ -87,8 +89,10 @@ class KVCacheManager:
 
     @property
     def num_sequences(self) -> int:
+        """Sequences holding pages in this model."""
         return len(self._pages)
 
     @property
     def num_pages_used(self) -> int:
+        """Pages this model holds, over all its sequences."""
         return sum(len(p) for p in self._pages.values())

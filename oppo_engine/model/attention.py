@@ -127,11 +127,13 @@ class _Switch:
             )
 
     def enable(self) -> None:
+        """Switch every config of the model to ``ATTN_IMPL``, saving what it had."""
         self.saved = [c._attn_implementation for c in self.configs]
         for c in self.configs:
             c._attn_implementation = ATTN_IMPL
 
     def restore(self) -> None:
+        """Give every config back its saved implementation."""
         for c, impl in zip(self.configs, self.saved, strict=True):
             c._attn_implementation = impl
 

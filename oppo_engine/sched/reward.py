@@ -25,13 +25,16 @@ class RewardScheduler:
         self._slots: dict[int, list[int]] = {}
 
     def add(self, seq: Sequence) -> None:
+        """Queue a finished sequence for scoring."""
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
+        """Sequences are waiting or partly scored."""
         return bool(self.waiting or self.active)
 
     def schedule(self) -> list[ScheduledChunk]:
+        """Admit what fits, then the next forward's chunks; ``samples`` marks a sequence's final chunk."""
         while self.waiting:
             seq = self.waiting[0]
             slots = self.cache.append_slots(seq.seq_id, seq.num_tokens - seq.num_scored)
@@ -64,6 +67,7 @@ class RewardScheduler:
         self._slots.pop(seq.seq_id, None)
 
     def abort_all(self) -> list[Sequence]:
+        """Free every reward page and return all sequences, reset to unscored."""
         seqs = self.active + list(self.waiting)
         for seq in seqs:
             self.cache.free(seq.seq_id)

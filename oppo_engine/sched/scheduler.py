@@ -57,11 +57,13 @@ class ActorScheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` for admission (after those already waiting)."""
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
+        """Sequences are waiting or running."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:

@@ -9,6 +9,8 @@ from oppo_engine.config import SamplingParams
 
 
 class SeqStatus(enum.Enum):
+    """Where a sequence is in a step's pipeline."""
+
     WAITING = "waiting"  # no actor KV; tokens (prompt, and any response kept over a preemption) pending
     RUNNING = "running"  # in the actor's batch
     FINISHED = "finished"  # response complete, actor pages freed; scoring may still be in flight
@@ -42,6 +44,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus response tokens."""
         return len(self.prompt_ids) + len(self.response_ids)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
@@ -65,4 +68,5 @@ class Sequence:
 
     @property
     def num_pending(self) -> int:
+        """Tokens not yet in the actor cache: the next forward feeds them."""
         return self.num_tokens - self.num_computed

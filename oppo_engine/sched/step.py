@@ -53,6 +53,7 @@ class SequentialStep:
         self.pages_in_use = pages_in_use
 
     def run(self, seqs: list[Sequence], policy_version: int) -> StepOutcome:
+        """Generate, then score, ``seqs``; tokens are tagged with ``policy_version``."""
         out = StepOutcome()
         self._generate(seqs, policy_version, out)
         out.generation_end_s = time.perf_counter()
