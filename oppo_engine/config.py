@@ -44,8 +44,9 @@ class EngineConfig:
     (generate all, then score all), ``intra`` (streamed scoring), ``inter`` (overcommit), ``oppo`` (both).
     ``chunk_size`` (tokens per streamed chunk) and ``overcommit`` (Δ) are ints or ``"auto"`` (online
     control). ``kv_cache_bytes=None`` sizes the arena for B sequences of ``max_model_len`` tokens in every
-    model (capped to a share of free device memory on CUDA). ``max_num_batched_tokens`` bounds the tokens
-    of one forward (chunked prefill). ``attention_backend`` is ``"triton"`` or ``"flash_attn"`` (CUDA only).
+    model, capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
+    ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
+    ``"triton"`` or ``"flash_attn"`` (CUDA only).
     """
 
     batch_size: int = 64

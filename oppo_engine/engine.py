@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,8 +27,10 @@ from oppo_engine.sched.step import ACTOR_LANE as ACTOR
 from oppo_engine.sched.step import REWARD_LANE as REWARD
 from oppo_engine.sched.step import RuleReward, SequentialStep
 
-# Share of the free device memory the arena may take when kv_cache_bytes is not given (CUDA only).
+# Share of memory the arena may take when kv_cache_bytes is not given: of the free device memory on
+# CUDA, of the physical memory on the CPU.
 DEFAULT_CUDA_MEMORY_FRACTION = 0.4
+DEFAULT_HOST_MEMORY_FRACTION = 0.25
 _MODES_NOT_YET = {
     "intra": "streamed scoring (mode='intra') arrives with the intra-step overlap issue",
     "inter": "overcommit (mode='inter') arrives with the inter-step overlap issue",
@@ -170,7 +173,12 @@ class RolloutEngine:
             num_pages = cfg.batch_size * sum(pages_per_seq.values())
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                num_pages = min(num_pages, int(free * DEFAULT_CUDA_MEMORY_FRACTION) // page_bytes)
+                budget = int(free * DEFAULT_CUDA_MEMORY_FRACTION)
+            else:
+                budget = int(
+                    os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_HOST_MEMORY_FRACTION
+                )
+            num_pages = min(num_pages, budget // page_bytes)
         one_sequence = sum(pages_per_seq.values())
         if num_pages < one_sequence:
             raise ValueError(
