@@ -588,13 +588,16 @@ def _decode_ref_batched(
         pages,
         0,
     )
-    kv = layer_cache.index_select(0, pages.reshape(-1)).float()  # [N * pages, 2, page_size, Hkv, D]
-    kv = kv.view(num_seqs, num_pages, 2, page_size, num_kv_heads, head_dim).transpose(2, 0).transpose(1, 2)
-    kv = kv.reshape(2, num_seqs, width, num_kv_heads, head_dim)  # [2, N, width, Hkv, D]
     valid = torch.arange(width, device=q.device)[None, :] < context_lens.to(q.device)[:, None]  # [N, width]
-    kv = torch.where(valid[None, :, :, None, None], kv, 0.0)
-    k = kv[0].permute(0, 2, 1, 3)  # [N, Hkv, width, D]
-    v = kv[1].permute(0, 2, 1, 3)
+    invalid = ~valid[:, :, None, None]
+    flat_pages = pages.reshape(-1)
+    # K and V gathered separately: each lands as [N, width, Hkv, D] with no further copy.
+    k, v = (
+        layer_cache[:, i].index_select(0, flat_pages).view(num_seqs, width, num_kv_heads, head_dim).float()
+        for i in (0, 1)
+    )
+    k = k.masked_fill_(invalid, 0.0).permute(0, 2, 1, 3)  # [N, Hkv, width, D]
+    v = v.masked_fill_(invalid, 0.0).permute(0, 2, 1, 3)
     qn = q.float().view(num_seqs, num_kv_heads, group, head_dim)  # a group's heads as query rows
     mask = valid[:, None, None, :]  # [N, 1, 1, width]
     o = torch.nn.functional.scaled_dot_product_attention(qn, k, v, attn_mask=mask, scale=scale)
