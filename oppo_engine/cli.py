@@ -94,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     args = parser.parse_args(argv)
-    return demo(args)
+    try:
+        return demo(args)
+    except (ValueError, NotImplementedError) as e:  # bad options: a message, not a traceback
+        parser.exit(2, f"oppo-engine demo: {e}\n")
 
 
 if __name__ == "__main__":
