@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MODES = ("sequential", "intra", "inter", "oppo")
 RETAINED_KV_POLICIES = ("recompute", "reuse")
+# The knobs only some modes read: a knob set (to other than its default) for a mode that ignores it is an
+# error, not a silent no-op.
+_KNOB_MODES = {
+    "chunk_size": ("intra", "oppo"),  # streamed scoring
+    "overcommit": ("inter", "oppo"),  # the overcommit buffer
+    "retained_kv": ("inter", "oppo"),  # deferred sequences across a policy update
+}
 
 
 @dataclass(slots=True)
@@ -41,16 +48,18 @@ class EngineConfig:
     """Engine configuration.
 
     ``batch_size`` (B) rollouts are returned per ``step()``. ``mode`` picks the pipeline: ``sequential``
-    (generate all, then score all), ``intra`` (streamed scoring), ``inter`` (overcommit), ``oppo`` (both).
-    ``chunk_size`` (tokens per streamed chunk) and ``overcommit`` (Δ) are ints or ``"auto"`` (online
-    control). ``kv_cache_bytes=None`` sizes the arena for B sequences of ``max_model_len`` tokens in every
+    (generate all, then score all; the default until both overlaps exist), ``intra`` (streamed scoring),
+    ``inter`` (overcommit), ``oppo`` (both). ``chunk_size`` (tokens per streamed chunk) and ``overcommit``
+    (Δ) are ints or ``"auto"`` (online control). A knob set explicitly that the chosen mode ignores
+    (``chunk_size`` outside ``intra``/``oppo``; ``overcommit`` and ``retained_kv`` outside
+    ``inter``/``oppo``) raises ``ValueError``; defaults never do. ``kv_cache_bytes=None`` sizes the arena for B sequences of ``max_model_len`` tokens in every
     model, capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only).
     """
 
     batch_size: int = 64
-    mode: str = "oppo"
+    mode: str = "sequential"
     chunk_size: int | str = "auto"
     overcommit: int | str = "auto"
     page_size: int = 16
@@ -91,3 +100,11 @@ class EngineConfig:
                 "EngineConfig.attention_backend must be 'triton' or 'flash_attn', "
                 f"got {self.attention_backend!r}"
             )
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, modes in _KNOB_MODES.items():
+            value = getattr(self, name)
+            if value != defaults[name] and self.mode not in modes:
+                raise ValueError(
+                    f"EngineConfig.{name}={value!r} is ignored by mode={self.mode!r}: it applies only to "
+                    f"mode in {modes}; leave it at its default ({defaults[name]!r}) or change the mode"
+                )

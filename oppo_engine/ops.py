@@ -76,6 +76,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     max_q_len: int | None = None,
     max_context_len: int | None = None,
     backend: str = "triton",
@@ -85,6 +87,8 @@ def paged_attention(
     ``context_lens`` counts the cached tokens including the new ones (already written); new token ``i`` of
     sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``.
     """
+    if sliding_window is not None or softcap is not None:
+        raise NotImplementedError("sliding windows / softcap: pending the kernel merge")
     if not (q.is_cuda or _triton_on_cpu):
         impl = _attn.paged_attention_ref
     elif backend == "flash_attn":

@@ -192,15 +192,34 @@ def test_attention_implementation_is_restored_and_plain_forward_still_works(impl
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
-def test_plain_forward_without_metadata_falls_back_to_sdpa(device):
+def test_plain_forward_while_switched_raises_instead_of_returning_wrong_numbers(device):
+    """A padded HF batch run while the engine holds the switch must not silently skip its padding mask."""
     torch.manual_seed(5)
     model = causal_lm(llama_config(), device)
-    ids = torch.randint(0, model.config.vocab_size, (17,))
-    want = hf_logits(model, ids)
+    ids = torch.randint(1, model.config.vocab_size, (2, 9), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+    errors = []
+
+    def other_thread():  # the metadata is bound per thread: another thread's forward has none
+        try:
+            with torch.no_grad():
+                model(ids, attention_mask=mask)
+        except RuntimeError as e:
+            errors.append(e)
+
     with paged_attention_enabled(model):
-        assert model.config._attn_implementation == ATTN_IMPL
-        got = hf_logits(model, ids)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        with pytest.raises(RuntimeError, match="paged attention.*outside the engine's forward"):
+            with torch.no_grad():
+                model(ids, attention_mask=mask)
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+    assert len(errors) == 1
+    with torch.no_grad():  # switched off: the model is HF's again
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, want, atol=0, rtol=0)
 
 
 def test_switch_is_reentrant_thread_safe_and_restores_on_error():

@@ -67,9 +67,9 @@ def stream(scorer: RewardScorer, seqs: dict, chunk_sizes) -> dict[str, list[tupl
             if done < len(ids):
                 new = ids[done : done + chunk_sizes(s)]
                 chunks.append(SeqChunk(s, new, cache.append_slots(s, len(new))))
-        out = scorer.prefill(chunks)
-        assert out.dtype == torch.float32 and out.shape == (len(chunks),)
-        for c, score in zip(chunks, out, strict=True):
+        scorer.prefill(chunks)
+        for c in chunks:
+            score = torch.tensor(scorer.result(c.seq_id), dtype=torch.float32)
             scores[c.seq_id].append((cache.num_tokens(c.seq_id), score))
     return scores
 
@@ -113,6 +113,30 @@ def test_mixed_chunk_sizes_in_one_batch_score_like_full_forward(device):
         prefix_len, reward = scores[s][-1]
         assert prefix_len == len(ids)
         torch.testing.assert_close(reward, hf_score(model, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_pad_equal_to_eos_scores_the_last_non_pad_token_like_hf(chunk_size, device):
+    """With pad_token_id == EOS, HF scores the last token that is not pad: trailing EOS tokens (which may
+    fill whole chunks) are skipped, and a sequence of pads alone is scored at position 0."""
+    torch.manual_seed(20 + chunk_size)
+    eos = 5
+    model = reward_model(device, pad_token_id=eos, eos_token_id=eos)
+    scorer = make_scorer(model, device)
+    body = [t for t in torch.randint(0, VOCAB, (20,)).tolist() if t != eos]
+    seqs = {
+        "ends_in_eos": body + [eos],
+        "eos_run": body[:9] + [eos] * 7,  # the scored token lies chunks before the end at small chunk sizes
+        "eos_inside": body[:4] + [eos] + body[4:11],
+        "only_pad": [eos] * 4,
+    }
+    scores = stream(scorer, seqs, lambda _: chunk_size)
+    for s, ids in seqs.items():
+        reward = scores[s][-1][1]
+        torch.testing.assert_close(reward, hf_score(model, ids), atol=ATOL, rtol=0)
+    # The property holds because the convention is followed, not by accident: the last token scores differently.
+    last_token = hf_prefix_scores(model, seqs["ends_in_eos"])[-1]
+    assert not torch.allclose(last_token, hf_score(model, seqs["ends_in_eos"]), atol=1e-3)
 
 
 def test_release_frees_every_page(device):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from oppo_engine.cache.arena import KVArena
@@ -19,6 +20,11 @@ class KVCacheManager:
 
     NOTE: the manager owns one reference to each page in ``pages(seq)``; ``free(seq)`` drops them all.
     Only one thread mutates a given manager (its lane); the allocator is the shared, locked part.
+
+    Block tables are persistent (as in vLLM v1): each sequence holding pages owns a row of a host int32
+    table, written when a page is appended or replaced, so a forward gathers its rows in one indexing op
+    instead of rebuilding a table from Python lists. Entries past a sequence's pages are stale and never
+    read (kernels read only ``ceil(context_len / page_size)`` entries).
     """
 
     def __init__(self, arena: KVArena, name: str) -> None:
@@ -29,6 +35,9 @@ class KVCacheManager:
         self._allocator = arena.allocator
         self._pages: dict[Hashable, list[int]] = {}
         self._num_tokens: dict[Hashable, int] = {}
+        self._rows: dict[Hashable, int] = {}  # seq -> row of self._table
+        self._free_rows: list[int] = []
+        self._table = np.zeros((16, 16), dtype=np.int32)  # [rows, max pages], grown by doubling
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._pages
@@ -64,6 +73,7 @@ class KVCacheManager:
                 if not pages:
                     del self._pages[seq_id]
                 return None
+            self._write_row(seq_id, len(pages), new)
             pages.extend(new)
         start = self._num_tokens.get(seq_id, 0)
         self._num_tokens[seq_id] = start + num_new_tokens
@@ -74,18 +84,60 @@ class KVCacheManager:
         """Return all of ``seq_id``'s pages; unknown ids are ignored (freeing twice is harmless)."""
         pages = self._pages.pop(seq_id, None)
         self._num_tokens.pop(seq_id, None)
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._free_rows.append(row)
         if pages:
             self._allocator.free(pages)
 
+    def replace_pages(self, seq_id: Hashable, pages: Sequence[int], num_tokens: int) -> None:
+        """Make ``pages`` (already referenced for this manager) hold ``seq_id``'s first ``num_tokens`` tokens.
+
+        For KV that moved (swapped back in to other page ids) or was forked from shared pages; the manager
+        takes over one reference per page and drops none (the caller freed any old pages).
+        """
+        if len(pages) != -(-num_tokens // self.page_size):
+            raise ValueError(
+                f"replace_pages: {num_tokens} tokens need {-(-num_tokens // self.page_size)} pages of "
+                f"{self.page_size}, got {len(pages)}"
+            )
+        self._pages[seq_id] = list(pages)
+        self._num_tokens[seq_id] = num_tokens
+        self._write_row(seq_id, 0, pages)
+
+    def block_table_rows(self, seq_ids: Sequence[Hashable], width: int) -> np.ndarray:
+        """``[N, width]`` int32 host copy of the first ``width`` table entries of ``seq_ids``' rows."""
+        if width > self._table.shape[1]:
+            self._grow(self._table.shape[0], width)
+        return self._table[[self._rows[s] for s in seq_ids], :width]
+
     def block_tables(self, seq_ids: Sequence[Hashable], device: torch.device | None = None) -> torch.Tensor:
-        """``[N, max_pages]`` int32 page ids of ``seq_ids``, zero-padded (kernels read only valid entries)."""
+        """``[N, max_pages]`` int32 page ids of ``seq_ids``, zero-padded (tests, tools; forwards use
+        ``block_table_rows``)."""
         rows = [self._pages.get(s, ()) for s in seq_ids]
         width = max((len(r) for r in rows), default=0) or 1
-        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        table = np.zeros((len(rows), width), dtype=np.int32)
         for i, r in enumerate(rows):
-            if r:
-                table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        return table.to(device or self.kv_cache.device)
+            table[i, : len(r)] = r
+        return torch.from_numpy(table).to(device or self.kv_cache.device)
+
+    def _write_row(self, seq_id: Hashable, start: int, pages: Sequence[int]) -> None:
+        row = self._rows.get(seq_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow(2 * self._table.shape[0], self._table.shape[1])
+            row = self._rows[seq_id] = self._free_rows.pop()
+        end = start + len(pages)
+        if end > self._table.shape[1]:
+            self._grow(self._table.shape[0], max(end, 2 * self._table.shape[1]))
+        self._table[row, start:end] = pages
+
+    def _grow(self, rows: int, width: int) -> None:
+        old = self._table
+        self._table = np.zeros((rows, width), dtype=np.int32)
+        self._table[: old.shape[0], : old.shape[1]] = old
+        # Hand out low rows first (pop from the end).
+        self._free_rows.extend(range(rows - 1, old.shape[0] - 1, -1))
 
     @property
     def num_sequences(self) -> int:

@@ -1,9 +1,11 @@
 """The engine's attention for unmodified HF decoders: K/V into the paged cache, paged attention out of it.
 
 The function is registered with ``transformers.AttentionInterface`` under ``ATTN_IMPL`` and switched on
-only while the engine runs a forward (``paged_attention_enabled``); the trainer sees the model as it was.
-No mask function is registered for ``ATTN_IMPL``, so HF skips building the ``T x T`` mask and passes
-``attention_mask=None``: the paged kernel does the causal masking from ``AttentionMetadata``.
+only while the engine runs (``paged_attention_enabled``), together with eval semantics (no dropout); the
+trainer gets the model back as it was. No mask function is registered for ``ATTN_IMPL``, so HF skips
+building the ``T x T`` mask and passes ``attention_mask=None``: the paged kernel does the causal masking
+(and each layer's sliding window) from ``AttentionMetadata``, which the runner binds to the thread for the
+duration of its forward.
 """
 
 from __future__ import annotations
@@ -43,6 +45,24 @@ class AttentionMetadata:
     backend: str = "triton"
 
 
+# The metadata of the forward running on this thread. It is bound around the model call rather than passed
+# as a keyword argument, because not every decoder forwards ``**kwargs`` to its attention modules (StableLM's
+# decoder layer drops them): a keyword could be lost silently, a binding cannot. Thread-local, because the
+# engine's lanes run different models' forwards on different threads at once.
+_bound = threading.local()
+
+
+@contextmanager
+def bound_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Make ``meta`` the metadata of every paged attention call on this thread inside the block."""
+    saved = getattr(_bound, "meta", None)
+    _bound.meta = meta
+    try:
+        yield
+    finally:
+        _bound.meta = saved
+
+
 def paged_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -51,22 +71,29 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention: ``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]`` -> ``([1, T, Hq, D], None)``.
 
-    With ``oppo_meta`` in ``kwargs`` the new K/V are written to the pages and the queries attend over the
-    cache; without it (a plain HF call while the switch is on) it is SDPA, causal, without padding masks.
+    The new K/V are written to the pages and the queries attend over the cache, as the metadata bound by
+    the runner (``bound_metadata``) says. ``sliding_window`` and ``softcap`` come from the model's attention
+    module, so they apply per layer. A call with no metadata bound (the model called outside the engine's
+    forward while the engine holds its attention switch) raises: plain attention over the new tokens alone
+    would be silently wrong from the first decode token on.
     """
-    meta: AttentionMetadata | None = kwargs.pop("oppo_meta", None)
+    meta: AttentionMetadata | None = getattr(_bound, "meta", None)
     if meta is None:
-        return _INTERFACE["sdpa"](
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        raise RuntimeError(
+            f"{type(module).__name__}: the model is switched to the engine's paged attention (a RolloutEngine "
+            "step is running, or a paged_attention_enabled block is open) and was called outside the "
+            "engine's forward; call it once the step has returned"
         )
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise NotImplementedError("oppo_paged attention supports neither sliding windows nor logit softcap")
     if dropout:
         raise ValueError(f"oppo_paged attention has no dropout (got {dropout}); run the model in eval mode")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{type(module).__name__}: attention sinks (s_aux) are not supported by the engine")
     layer = module.layer_idx
     # [1, H, T, D] -> [T, H, D]: a view; the ops need only the head dim contiguous.
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
@@ -79,6 +106,8 @@ def paged_attention_forward(
         meta.context_lens,
         meta.cu_seqlens_q,
         scaling if scaling is not None else q.shape[-1] ** -0.5,
+        sliding_window=sliding_window,
+        softcap=softcap,
         max_q_len=meta.max_q_len,
         max_context_len=meta.max_context_len,
         backend=meta.backend,
@@ -97,12 +126,19 @@ def register() -> None:
 
 
 class _Switch:
-    """Reference-counted switch of one model's attention implementation (nested and cross-thread safe)."""
+    """Reference-counted switch of one model to the engine's attention and eval mode (nested, cross-thread).
 
-    __slots__ = ("configs", "lock", "depth", "saved")
+    While on, every config of the model names ``ATTN_IMPL`` and every module is in eval mode (a trainer
+    holds its models in ``train()``: dropout would make rollouts random in a way the sampler does not
+    key); switching off restores both exactly as they were.
+    """
+
+    __slots__ = ("model", "configs", "lock", "depth", "saved", "training")
 
     def __init__(self, model: nn.Module) -> None:
         register()
+        # A weak reference: the switch is the value of a weak-keyed map whose key is the model.
+        self.model = weakref.ref(model)
         # Every PreTrainedModel inside the model reads its own config; parents come before children in
         # `modules()`, so restoring in this order undoes a parent's recursive set before a child's own value.
         configs: dict[int, object] = {}
@@ -112,6 +148,7 @@ class _Switch:
         self.configs = list(configs.values())
         self.lock = threading.Lock()
         self.depth = 0
+        self.training: list[nn.Module] = []
         self.saved = [c._attn_implementation for c in self.configs]
         # The public API validates once (it refuses models whose attention ignores the interface, with only
         # a warning, so check the result); later switches just set the configs' `_attn_implementation`.
@@ -119,7 +156,7 @@ class _Switch:
             model.set_attn_implementation(ATTN_IMPL)
             switched = all(c._attn_implementation == ATTN_IMPL for c in self.configs)
         finally:
-            self.restore()
+            self._restore_attention()
         if not switched:
             raise ValueError(
                 f"model: {type(model).__name__} does not dispatch attention through "
@@ -127,13 +164,22 @@ class _Switch:
             )
 
     def enable(self) -> None:
-        """Switch every config of the model to ``ATTN_IMPL``, saving what it had."""
+        """Switch every config of the model to ``ATTN_IMPL`` and every module to eval, saving both."""
         self.saved = [c._attn_implementation for c in self.configs]
         for c in self.configs:
             c._attn_implementation = ATTN_IMPL
+        self.training = [m for m in self.model().modules() if m.training]
+        for m in self.training:
+            m.training = False
 
     def restore(self) -> None:
-        """Give every config back its saved implementation."""
+        """Give every config back its saved implementation and every module its training flag."""
+        self._restore_attention()
+        for m in self.training:
+            m.training = True
+        self.training = []
+
+    def _restore_attention(self) -> None:
         for c, impl in zip(self.configs, self.saved, strict=True):
             c._attn_implementation = impl
 
@@ -144,7 +190,7 @@ _switches_lock = threading.Lock()
 
 @contextmanager
 def paged_attention_enabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Run ``model`` with ``ATTN_IMPL`` inside the block, restoring its previous implementation after.
+    """Run ``model`` with ``ATTN_IMPL`` in eval mode inside the block, restoring implementation and mode after.
 
     Re-entrant and thread-safe: the implementation is switched on by the outermost entry and restored by
     the last exit, so an engine may hold the switch for a whole step and the runner's own per-forward entry

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from oppo_engine.cache.arena import KVSpec
 from oppo_engine.cache.manager import KVCacheManager
-from oppo_engine.model.attention import AttentionMetadata, paged_attention_enabled
+from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_enabled
 
 
 @dataclass(slots=True)
@@ -30,14 +32,21 @@ class ModelRunner:
     """Runs ``model`` (``AutoModelForCausalLM`` or a one-label ``AutoModelForSequenceClassification``) on
     packed chunks of several sequences, writing their K/V into ``cache`` and attending over it.
 
+    Logits come from the model's own forward (``logits_to_keep`` selects the rows), so its head and every
+    post-processing step (Granite's ``logits_scaling``, Cohere's ``logit_scale``, Gemma2's final softcap)
+    apply exactly as in HF; scores come from the reward model's score head on the base model's final hidden
+    states (HF's sequence classifiers do nothing else). A PEFT wrapper is unwrapped to the HF model it
+    injected its adapters into.
+
     The model, ``cache.kv_cache`` and every output live on the model's device; the cache's dtype must be
-    the model's (checked here). Every call is one base-model forward over ``input_ids [1, T]`` under
+    the model's (checked here). Every call is one forward over ``input_ids [1, T]`` under
     ``torch.inference_mode()`` with the model's attention switched to the paged one for its duration, so
     outputs are inference tensors. Kernels and copies run on the caller's current stream. The scheduler
     has already reserved the slots: the runner never allocates or frees pages.
     """
 
     def __init__(self, model: nn.Module, cache: KVCacheManager, *, backend: str = "triton") -> None:
+        model = unwrap_model(model)
         self.model = model
         self.cache = cache
         self.backend = backend
@@ -46,8 +55,9 @@ class ModelRunner:
         self.score_head: nn.Module | None = None
         if self.lm_head is None:
             self.score_head = _reward_score_head(model)
+        # Causal LMs without `logits_to_keep` compute logits for every row, then the wanted rows are kept.
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = model.device
-        _check_model(model)
         _check_cache(model, cache)
         with paged_attention_enabled(model):  # validates the switch now rather than at the first forward
             pass
@@ -57,50 +67,70 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]`` of every new token, packed in chunk order."""
-        hidden, _ = self._run(chunks)
-        return hidden
+        batch = self._prepare(chunks)
+        return self._base_forward(batch)
 
     @torch.inference_mode()
     def hidden_last(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Hidden state ``[N, hidden]`` of each chunk's last token."""
-        hidden, last = self._run(chunks)
-        return hidden.index_select(0, last)
+        batch = self._prepare(chunks)
+        return self._base_forward(batch).index_select(0, batch.last)
 
     @torch.inference_mode()
     def logits_last(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Next-token logits ``[N, V]`` float32 after each chunk's last token."""
-        return self._lm_head()(self.hidden_last(chunks)).float()
+        batch = self._prepare(chunks)
+        return self._logits(batch, batch.last)
 
     @torch.inference_mode()
     def logits_all(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Logits ``[T, V]`` float32 after every new token (prefill log-probs, tests)."""
-        return self._lm_head()(self.forward(chunks)).float()
+        return self._logits(self._prepare(chunks), None)
+
+    @torch.inference_mode()
+    def score_at(self, chunks: Sequence[SeqChunk], rows: Sequence[int]) -> torch.Tensor:
+        """Score-head outputs ``[len(rows)]`` float32 at packed rows ``rows`` of the forward over ``chunks``."""
+        if self.score_head is None:
+            raise ValueError(f"reward: {type(self.model).__name__} is a language model, it has no score head")
+        batch = self._prepare(chunks)
+        hidden = self._base_forward(batch)
+        picked = hidden.index_select(0, torch.as_tensor(rows, dtype=torch.int64).to(hidden.device))
+        return self.score_head(picked).float()[:, 0]
 
     @torch.inference_mode()
     def score_last(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Reward-model score ``[N]`` float32 at each chunk's last token."""
+        """Score-head output ``[N]`` float32 at each chunk's last token."""
         if self.score_head is None:
             raise ValueError(f"reward: {type(self.model).__name__} is a language model, it has no score head")
-        return self.score_head(self.hidden_last(chunks)).float()[:, 0]
+        batch = self._prepare(chunks)
+        return self.score_head(self._base_forward(batch).index_select(0, batch.last)).float()[:, 0]
 
     # -- internals -------------------------------------------------------------------------------------
 
-    def _lm_head(self) -> nn.Module:
+    def _base_forward(self, batch: _Batch) -> torch.Tensor:
+        """One base-model forward; the hidden states ``[T, hidden]``."""
+        with paged_attention_enabled(self.model), bound_metadata(batch.meta):
+            out = self.base(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False)
+        return out.last_hidden_state[0]
+
+    def _logits(self, batch: _Batch, rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits ``[len(rows), V]`` (every row when ``rows`` is None) through the model's own forward."""
         if self.lm_head is None:
             raise ValueError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
-        return self.lm_head
+        keep = rows if rows is not None and self._keeps_logits else 0
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        with paged_attention_enabled(self.model), bound_metadata(batch.meta):
+            out = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs)
+        logits = out.logits[0]
+        if rows is not None and not self._keeps_logits:
+            logits = logits.index_select(0, rows)
+        return logits.float()
 
-    def _run(self, chunks: Sequence[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One base-model forward; returns ``(hidden [T, hidden], last-token rows [N] int64)``."""
-        input_ids, positions, last, meta = self._prepare(chunks)
-        with paged_attention_enabled(self.model):
-            out = self.base(input_ids=input_ids, position_ids=positions, use_cache=False, oppo_meta=meta)
-        return out.last_hidden_state[0], last
+    def _prepare(self, chunks: Sequence[SeqChunk]) -> _Batch:
+        """Index tensors of one forward, built on the host and moved in two copies (int64, int32), no sync.
 
-    def _prepare(
-        self, chunks: Sequence[SeqChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Build every index tensor on the host and move it in two copies (int64, int32), without a sync."""
+        Block tables are rows of the cache's persistent table, gathered in one indexing op.
+        """
         if not chunks:
             raise ValueError("chunks: a forward needs at least one chunk")
         if len({c.seq_id for c in chunks}) != len(chunks):
@@ -110,10 +140,9 @@ class ModelRunner:
         slots: list[int] = []
         cu = [0]
         context_lens: list[int] = []
-        tables: list[list[int]] = []
-        max_q_len = 0
+        num_tokens = self.cache.num_tokens
         for c in chunks:
-            q_len, ctx = len(c.token_ids), self.cache.num_tokens(c.seq_id)
+            q_len, ctx = len(c.token_ids), num_tokens(c.seq_id)
             if q_len == 0 or len(c.slots) != q_len or ctx < q_len:
                 raise ValueError(
                     f"chunks: sequence {c.seq_id!r} has {q_len} tokens, {len(c.slots)} slots, {ctx} cached; "
@@ -124,35 +153,50 @@ class ModelRunner:
             slots.extend(c.slots)
             cu.append(cu[-1] + q_len)
             context_lens.append(ctx)
-            tables.append(self.cache.pages(c.seq_id))
-            max_q_len = max(max_q_len, q_len)
         T, N = cu[-1], len(chunks)
-        width = max(len(t) for t in tables)
-        flat_tables: list[int] = []
-        for t in tables:  # zero-padded rows: the kernels read only the first ceil(ctx / page_size) entries
-            flat_tables += t + [0] * (width - len(t))
+        max_context_len = max(context_lens)
+        width = -(-max_context_len // self.cache.page_size)
+        tables = self.cache.block_table_rows([c.seq_id for c in chunks], width)
         last = [i - 1 for i in cu[1:]]
 
-        i64 = self._to_device(ids + positions + slots + last, torch.int64)
-        i32 = self._to_device(cu + context_lens + flat_tables, torch.int32)
+        i64 = self._to_device(np.array(ids + positions + slots + last, dtype=np.int64))
+        i32 = self._to_device(np.concatenate([np.array(cu + context_lens, dtype=np.int32), tables.ravel()]))
         meta = AttentionMetadata(
             kv_cache=self.cache.kv_cache,
             slot_mapping=i64[2 * T : 3 * T],
             block_tables=i32[2 * N + 1 :].view(N, width),
             context_lens=i32[N + 1 : 2 * N + 1],
             cu_seqlens_q=i32[: N + 1],
-            max_q_len=max_q_len,
-            max_context_len=max(context_lens),
+            max_q_len=max(c - p for p, c in zip(cu, cu[1:], strict=False)),
+            max_context_len=max_context_len,
             backend=self.backend,
         )
-        return i64[:T].view(1, T), i64[T : 2 * T].view(1, T), i64[3 * T :], meta
+        return _Batch(i64[:T].view(1, T), i64[T : 2 * T].view(1, T), i64[3 * T :], meta)
 
-    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(values)
         if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
+            return host
         # Pinned host memory makes the copy truly asynchronous on the caller's current stream.
-        host = torch.tensor(values, dtype=dtype, pin_memory=True)
-        return host.to(self.device, non_blocking=True)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """The device inputs of one forward."""
+
+    input_ids: torch.Tensor  # [1, T] int64
+    positions: torch.Tensor  # [1, T] int64, absolute position of each new token
+    last: torch.Tensor  # [N] int64, packed row of each chunk's last token
+    meta: AttentionMetadata
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The HF model to run: a PEFT wrapper gives way to the model its adapters are injected into."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and hasattr(model, "peft_config"):
+        return get_base_model()
+    return model
 
 
 def _reward_score_head(model: nn.Module) -> nn.Module:
@@ -170,13 +214,6 @@ def _reward_score_head(model: nn.Module) -> nn.Module:
             f" and a score head with out_features={out_features}"
         )
     return score
-
-
-def _check_model(model: nn.Module) -> None:
-    """The paged kernel is plain causal attention: no sliding windows."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise ValueError(f"model: {type(model).__name__} uses sliding-window layers, which the engine lacks")
 
 
 def _check_cache(model: nn.Module, cache: KVCacheManager) -> None:

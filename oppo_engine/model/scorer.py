@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-import torch
-
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 
 
@@ -14,11 +12,17 @@ class RewardScorer:
 
     Each ``prefill`` call is one packed forward over chunks of several sequences (any sizes); a sequence's
     chunks arrive in order over several calls, its KV staying in the reward model's pages in between, so
-    only the last chunk is left to prefill when the sequence ends. The score after a sequence's final
-    chunk is its reward (equal to the HF model's score on the whole sequence, up to rounding).
+    only the last chunk is left to prefill when the sequence ends. ``result(seq_id)`` after the final chunk
+    is the reward: equal, up to rounding, to the HF model's own score on the whole sequence.
+
+    HF's convention is followed exactly: with ``pad_token_id`` set, the score is read at the last token
+    that is not the pad token (position 0 when every token is pad) -- so when ``pad_token_id`` equals EOS, a
+    response ending in EOS is scored at the token before it, as the reward model was trained; without a
+    pad token it is the last token. That position may lie in an earlier chunk, so the score of the latest
+    non-pad token seen is kept per sequence.
 
     NOTE: the scheduler reserves the slots (``runner.cache.append_slots``) before ``prefill`` and calls
-    ``release`` once the reward is read or the sequence is dropped; the scorer owns no other state.
+    ``release`` once the reward is read or the sequence is dropped.
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -28,15 +32,44 @@ class RewardScorer:
             )
         self.runner = runner
         self.cache = runner.cache
+        config = runner.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.pad_token_id: int | None = text.pad_token_id
+        self._scores: dict[Hashable, float] = {}
 
-    def prefill(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Prefill the chunks; returns the score ``[N]`` float32 at each chunk's last token."""
-        return self.runner.score_last(chunks)
+    def prefill(self, chunks: Sequence[SeqChunk]) -> None:
+        """Prefill the chunks, keeping each sequence's score at its latest non-pad token."""
+        rows: list[int] = []
+        owners: list[Hashable] = []
+        offset = 0
+        for c in chunks:
+            row = self._score_row(c)
+            if row is not None:
+                rows.append(offset + row)
+                owners.append(c.seq_id)
+            offset += len(c.token_ids)
+        if not rows:  # every new token is pad: the forward still writes their KV
+            self.runner.forward(chunks)
+            return
+        scores = self.runner.score_at(chunks, rows).tolist()
+        self._scores.update(zip(owners, scores, strict=True))
 
-    def prefill_scores(self, chunks: Sequence[SeqChunk]) -> list[float]:
-        """``prefill`` with the scores read back to the host (one sync), for the schedulers."""
-        return self.prefill(chunks).tolist()
+    def result(self, seq_id: Hashable) -> float:
+        """The reward of ``seq_id`` once its final chunk is prefilled."""
+        return self._scores[seq_id]
 
     def release(self, seq_id: Hashable) -> None:
-        """Free every reward-model page of ``seq_id`` (harmless if already released)."""
+        """Free every reward-model page of ``seq_id`` and drop its score (harmless if already released)."""
         self.cache.free(seq_id)
+        self._scores.pop(seq_id, None)
+
+    def _score_row(self, chunk: SeqChunk) -> int | None:
+        """Row of ``chunk`` whose score HF would read if the sequence ended here, or None to keep the last."""
+        tokens = chunk.token_ids
+        if self.pad_token_id is None:
+            return len(tokens) - 1
+        for i in range(len(tokens) - 1, -1, -1):
+            if tokens[i] != self.pad_token_id:
+                return i
+        starts_sequence = self.cache.num_tokens(chunk.seq_id) == len(tokens)
+        return 0 if starts_sequence else None

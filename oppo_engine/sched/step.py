@@ -65,7 +65,9 @@ class SequentialStep:
         """Free every page the step holds (actor and reward); the caller requeues the sequences."""
         self.actor_sched.abort_all()
         if isinstance(self.reward, tuple):
-            self.reward[0].abort_all()
+            sched, scorer = self.reward
+            for seq in sched.abort_all():
+                scorer.release(seq.seq_id)
 
     def _generate(self, seqs: list[Sequence], policy_version: int, out: StepOutcome) -> None:
         sched = self.actor_sched
@@ -107,11 +109,12 @@ class SequentialStep:
                 )
             out.peak_pages = max(out.peak_pages, self.pages_in_use())
             with self.timeline.span(REWARD_LANE, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
-                scores = scorer.prefill_scores(_seq_chunks(chunks))
-            for chunk, score in zip(chunks, scores, strict=True):
-                if chunk.samples:  # the chunk that reaches the last token carries the reward
-                    chunk.seq.reward = score
+                scorer.prefill(_seq_chunks(chunks))
+            for chunk in chunks:
+                if chunk.samples:  # the chunk that reaches the last token completes the reward
+                    chunk.seq.reward = scorer.result(chunk.seq.seq_id)
                     chunk.seq.status = SeqStatus.SCORED
+                    scorer.release(chunk.seq.seq_id)
                     sched.complete(chunk.seq)
 
 
