@@ -52,8 +52,9 @@ class EngineConfig:
     ``inter`` (overcommit), ``oppo`` (both). ``chunk_size`` (tokens per streamed chunk) and ``overcommit``
     (Δ) are ints or ``"auto"`` (online control). A knob set explicitly that the chosen mode ignores
     (``chunk_size`` outside ``intra``/``oppo``; ``overcommit`` and ``retained_kv`` outside
-    ``inter``/``oppo``) raises ``ValueError``; defaults never do. ``kv_cache_bytes=None`` sizes the arena for B sequences of ``max_model_len`` tokens in every
-    model, capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
+    ``inter``/``oppo``) raises ``ValueError``; defaults never do. ``kv_cache_bytes=None`` sizes the arena
+    for B sequences of ``max_model_len`` tokens in every model, capped to 40% of the free device memory on
+    CUDA or 25% of the RAM on the CPU.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only).
     """

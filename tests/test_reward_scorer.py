@@ -134,7 +134,7 @@ def test_pad_equal_to_eos_scores_the_last_non_pad_token_like_hf(chunk_size, devi
     for s, ids in seqs.items():
         reward = scores[s][-1][1]
         torch.testing.assert_close(reward, hf_score(model, ids), atol=ATOL, rtol=0)
-    # The property holds because the convention is followed, not by accident: the last token scores differently.
+    # It holds because the convention is followed, not by accident: the last token scores differently.
     last_token = hf_prefix_scores(model, seqs["ends_in_eos"])[-1]
     assert not torch.allclose(last_token, hf_score(model, seqs["ends_in_eos"]), atol=1e-3)
 

@@ -86,9 +86,9 @@ def paged_attention_forward(
     meta: AttentionMetadata | None = getattr(_bound, "meta", None)
     if meta is None:
         raise RuntimeError(
-            f"{type(module).__name__}: the model is switched to the engine's paged attention (a RolloutEngine "
-            "step is running, or a paged_attention_enabled block is open) and was called outside the "
-            "engine's forward; call it once the step has returned"
+            f"{type(module).__name__}: the model is switched to the engine's paged attention (a "
+            "RolloutEngine step is running, or a paged_attention_enabled block is open) and was called "
+            "outside the engine's forward; call it once the step has returned"
         )
     if dropout:
         raise ValueError(f"oppo_paged attention has no dropout (got {dropout}); run the model in eval mode")
@@ -190,7 +190,7 @@ _switches_lock = threading.Lock()
 
 @contextmanager
 def paged_attention_enabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Run ``model`` with ``ATTN_IMPL`` in eval mode inside the block, restoring implementation and mode after.
+    """Run ``model`` with ``ATTN_IMPL``, in eval mode, inside the block; restore both after it.
 
     Re-entrant and thread-safe: the implementation is switched on by the outermost entry and restored by
     the last exit, so an engine may hold the switch for a whole step and the runner's own per-forward entry

@@ -89,7 +89,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score_at(self, chunks: Sequence[SeqChunk], rows: Sequence[int]) -> torch.Tensor:
-        """Score-head outputs ``[len(rows)]`` float32 at packed rows ``rows`` of the forward over ``chunks``."""
+        """Score-head outputs ``[len(rows)]`` float32 at packed ``rows`` of the forward over ``chunks``."""
         if self.score_head is None:
             raise ValueError(f"reward: {type(self.model).__name__} is a language model, it has no score head")
         batch = self._prepare(chunks)
@@ -120,7 +120,9 @@ class ModelRunner:
         keep = rows if rows is not None and self._keeps_logits else 0
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         with paged_attention_enabled(self.model), bound_metadata(batch.meta):
-            out = self.model(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs)
+            out = self.model(
+                input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs
+            )
         logits = out.logits[0]
         if rows is not None and not self._keeps_logits:
             logits = logits.index_select(0, rows)
