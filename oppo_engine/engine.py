@@ -17,8 +17,9 @@ from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
-from oppo_engine.model.runner import ModelRunner
-from oppo_engine.model.scorer import RewardScorer
+from oppo_engine.model.runner import ModelRunner, unwrap_model
+from oppo_engine.model.scorer import RetokenizedReward, RewardScorer
+from oppo_engine.model.support import check_model, text_config
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.sched.reward import RewardScheduler
 from oppo_engine.sched.scheduler import ActorScheduler
@@ -90,7 +91,15 @@ class RolloutEngine:
 
     ``actor`` is an HF causal LM and ``reward`` an HF sequence-classification model with one label (or a
     plain callable ``reward(prompt_ids, response_ids) -> float``, which is not streamed). Both are used as
-    they are (shared with the trainer); the engine keeps their KV in one paged arena of its own.
+    they are (shared with the trainer, in train mode or not, PEFT-wrapped or not); the engine keeps their
+    KV in one paged arena of its own. A model the engine cannot run exactly is refused here, with a
+    ``ValueError`` naming the feature.
+
+    The reward model reads the actor's token ids, so its vocabulary must be the actor's. A reward model
+    with another vocabulary is refused unless both tokenizers are given (``tokenizer`` for the actor,
+    ``reward_tokenizer``); when their vocabularies differ, each finished sequence is decoded with the
+    actor's tokenizer (special tokens skipped), re-encoded with the reward model's (its own special tokens
+    added) and scored by the reward model's own HF forward -- exact, but not streamed.
     """
 
     def __init__(
@@ -100,6 +109,8 @@ class RolloutEngine:
         config: EngineConfig | None = None,
         sampling: SamplingParams | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        tokenizer=None,
+        reward_tokenizer=None,
     ) -> None:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
@@ -110,6 +121,10 @@ class RolloutEngine:
         self.actor = actor
         self.reward = reward
         self.device = _device_of(actor)
+        check_model(actor, role="actor", max_model_len=self.config.max_model_len)
+        self.vocab_size = int(text_config(actor).vocab_size)
+        if isinstance(reward, torch.nn.Module):
+            reward = self.reward = self._reward_for_vocab(reward, tokenizer, reward_tokenizer)
         self.reward_is_model = isinstance(reward, torch.nn.Module)
         if self.reward_is_model and _device_of(reward) != self.device:
             raise ValueError(
@@ -128,13 +143,12 @@ class RolloutEngine:
         else:
             eos_ids = tuple(eos_token_id)
         self.eos_token_ids = eos_ids
-        text_config = (
-            actor.config.get_text_config() if hasattr(actor.config, "get_text_config") else actor.config
-        )
-        self.vocab_size = int(text_config.vocab_size)
 
+        # The models whose attention the engine switches for a step (PEFT wrappers give way to the model).
+        self._streamed_models = [unwrap_model(m) for m in (actor, reward) if isinstance(m, torch.nn.Module)]
         self._specs = {ACTOR: KVSpec.from_hf_config(actor.config, _dtype_of(actor))}
         if self.reward_is_model:
+            check_model(reward, role="reward", max_model_len=self.config.max_model_len)
             self._specs[REWARD] = KVSpec.from_hf_config(reward.config, _dtype_of(reward))
         self._num_pages = self._plan_pages()
         for spec in self._specs.values():
@@ -158,6 +172,21 @@ class RolloutEngine:
         self._build_cache()
 
     # ------------------------------------------------------------------ set-up
+
+    def _reward_for_vocab(self, reward: torch.nn.Module, tokenizer, reward_tokenizer):
+        """The reward model itself when it reads the actor's ids; a re-tokenizing scorer when it cannot."""
+        if (tokenizer is None) != (reward_tokenizer is None):
+            raise ValueError("tokenizer and reward_tokenizer go together: pass both or neither")
+        if tokenizer is not None and tokenizer.get_vocab() != reward_tokenizer.get_vocab():
+            return RetokenizedReward(unwrap_model(reward), tokenizer, reward_tokenizer)
+        reward_vocab = getattr(text_config(reward), "vocab_size", None)
+        if reward_vocab != self.vocab_size:
+            raise ValueError(
+                f"reward: its vocabulary has {reward_vocab} tokens, the actor's {self.vocab_size}; the "
+                "actor's token ids would be read as other tokens. Pass tokenizer= and reward_tokenizer= "
+                "to re-tokenize each response for the reward model (not streamed)"
+            )
+        return reward
 
     def _plan_pages(self) -> int:
         """Pages of the arena, validated against what one step needs at the least."""
@@ -325,9 +354,8 @@ class RolloutEngine:
         try:
             # Hold the models' paged-attention switch for the whole step (one switch, not one per forward).
             with contextlib.ExitStack() as models:
-                models.enter_context(paged_attention_enabled(self.actor))
-                if self.reward_is_model:
-                    models.enter_context(paged_attention_enabled(self.reward))
+                for model in self._streamed_models:
+                    models.enter_context(paged_attention_enabled(model))
                 out = self._loop.run(seqs, self._policy_version)
         except BaseException:
             # Nothing is lost: pages go back, and the sequences (with their seeds) go first in line.

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import torch
+from torch import nn
+
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 
 
@@ -73,3 +76,30 @@ class RewardScorer:
                 return i
         starts_sequence = self.cache.num_tokens(chunk.seq_id) == len(tokens)
         return 0 if starts_sequence else None
+
+
+class RetokenizedReward:
+    """A reward model of another vocabulary, as a callable ``(prompt_ids, response_ids) -> float``.
+
+    The actor's ids are decoded with ``tokenizer`` (special tokens skipped), the text is re-encoded with
+    ``reward_tokenizer`` (which adds its own special tokens, as its ``__call__`` does) and scored by the
+    reward model's own HF forward in eval mode -- exact for that text, and not streamed: the engine calls it
+    once a sequence has finished.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, reward_tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.reward_tokenizer = reward_tokenizer
+
+    def __call__(self, prompt_ids: list[int], response_ids: list[int]) -> float:
+        text = self.tokenizer.decode(list(prompt_ids) + list(response_ids), skip_special_tokens=True)
+        ids = self.reward_tokenizer(text, return_tensors="pt")["input_ids"].to(self.model.device)
+        training = [m for m in self.model.modules() if m.training]
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                return float(self.model(input_ids=ids).logits[0, 0])
+        finally:
+            for m in training:
+                m.training = True
