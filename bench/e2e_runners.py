@@ -168,7 +168,7 @@ class EngineRunner:
             _sync(self.device)
             t1 = time.perf_counter()
             sample = self.gpu.stop() if self.gpu else None
-            total_pages = _stat(self.engine.cache_stats(), "total_pages")
+            total_pages = self.engine.cache_stats().total_pages
             # A PPO loop updates the policy here; retained KV is then recomputed or reused per config.
             t_swap = time.perf_counter()
             self.engine.update_policy()
@@ -178,11 +178,7 @@ class EngineRunner:
         metrics = dataclasses.replace(
             m, wall_s=t1 - t0, gpu_util=sample.mean_util_pct if sample else m.gpu_util
         )
-        # NOTE: the lane timeline is not part of the public API; shown when the engine exposes one.
-        tl = getattr(self.engine, "timeline", None)
-        spans = (
-            [s for s in tl.spans() if s.end_s >= t0 and s.start_s <= t1] if isinstance(tl, Timeline) else []
-        )
+        spans = [s for s in self.engine.timeline.spans() if s.end_s >= t0 and s.start_s <= t1]
         return StepRecord(self.mode, k, metrics, spans, swap, total_pages)
 
     def close(self) -> None:
@@ -190,13 +186,5 @@ class EngineRunner:
         if self.gpu:
             self.gpu.stop()
         if self.engine is not None:
-            # An engine whose close() has not landed holds nothing worth failing the report for.
-            with contextlib.suppress(NotImplementedError):
-                self.engine.close()
+            self.engine.close()
             self.engine = None
-
-
-def _stat(stats: Any, name: str) -> int | None:
-    """Field `name` of cache_stats(), whether it is a mapping or an object with attributes."""
-    value = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-    return None if value is None else int(value)
