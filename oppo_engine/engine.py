@@ -18,15 +18,28 @@ from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.runner import ModelRunner, unwrap_model
-from oppo_engine.model.scorer import RetokenizedReward, RewardScorer
+from oppo_engine.model.scorer import (
+    CriticScorer,
+    ReferenceScorer,
+    RetokenizedReward,
+    RewardScorer,
+    RuleReward,
+    RuleScorer,
+    Scorer,
+)
 from oppo_engine.model.support import check_model, text_config
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
-from oppo_engine.sched.reward import RewardScheduler
 from oppo_engine.sched.scheduler import ActorScheduler
 from oppo_engine.sched.sequence import Sequence as _Seq
-from oppo_engine.sched.step import ACTOR_LANE as ACTOR
-from oppo_engine.sched.step import REWARD_LANE as REWARD
-from oppo_engine.sched.step import RuleReward, SequentialStep
+from oppo_engine.sched.step import SequentialStep
+
+ACTOR, REWARD, REFERENCE, CRITIC = "actor", "reward", "reference", "critic"
+# The streamed scorers, in the order the sequential loop runs them, with the class that drives each.
+_SCORER_CLASSES: dict[str, type[Scorer]] = {
+    REWARD: RewardScorer,
+    REFERENCE: ReferenceScorer,
+    CRITIC: CriticScorer,
+}
 
 # Share of memory the arena may take when kv_cache_bytes is not given: of the free device memory on
 # CUDA, of the physical memory on the CPU.
@@ -41,7 +54,14 @@ _MODES_NOT_YET = {
 
 @dataclass(slots=True)
 class Rollout:
-    """One scored rollout. ``logprobs[i]`` and ``policy_versions[i]`` belong to ``response_ids[i]``."""
+    """One scored rollout. ``logprobs[i]``, ``policy_versions[i]``, ``ref_logprobs[i]`` and ``values[i]``
+    belong to ``response_ids[i]``.
+
+    ``logprobs`` are the behaviour log-probs (of the distribution the token was drawn from, after
+    temperature, top-k and top-p); ``ref_logprobs`` the reference model's (logits over the temperature, no
+    truncation; None without a reference); ``values`` the critic's value of the state before each token
+    (None without a critic).
+    """
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -49,6 +69,8 @@ class Rollout:
     reward: float
     policy_versions: list[int]
     deferred_steps: int
+    ref_logprobs: list[float] | None = None
+    values: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -90,10 +112,11 @@ class RolloutEngine:
     """Produces ``batch_size`` scored rollouts per ``step()`` from a queue of prompts.
 
     ``actor`` is an HF causal LM and ``reward`` an HF sequence-classification model with one label (or a
-    plain callable ``reward(prompt_ids, response_ids) -> float``, which is not streamed). Both are used as
-    they are (shared with the trainer, in train mode or not, PEFT-wrapped or not); the engine keeps their
-    KV in one paged arena of its own. A model the engine cannot run exactly is refused here, with a
-    ``ValueError`` naming the feature.
+    plain callable ``reward(prompt_ids, response_ids) -> float``, which is not streamed). ``reference`` (a
+    frozen causal LM) and ``critic`` (a one-label value model) are optional scorers that fill
+    ``Rollout.ref_logprobs`` and ``Rollout.values``. All are used as they are (shared with the trainer,
+    in train mode or not, PEFT-wrapped or not); the engine keeps their KV in one paged arena of its own. A
+    model the engine cannot run exactly is refused here, with a ``ValueError`` naming the feature.
 
     The reward model reads the actor's token ids, so its vocabulary must be the actor's. A reward model
     with another vocabulary is refused unless both tokenizers are given (``tokenizer`` for the actor,
@@ -111,6 +134,8 @@ class RolloutEngine:
         eos_token_id: int | Sequence[int] | None = None,
         tokenizer=None,
         reward_tokenizer=None,
+        reference: torch.nn.Module | None = None,
+        critic: torch.nn.Module | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
@@ -126,16 +151,32 @@ class RolloutEngine:
         if isinstance(reward, torch.nn.Module):
             reward = self.reward = self._reward_for_vocab(reward, tokenizer, reward_tokenizer)
         self.reward_is_model = isinstance(reward, torch.nn.Module)
-        if self.reward_is_model and _device_of(reward) != self.device:
-            raise ValueError(
-                f"reward is on {_device_of(reward)} but actor is on {self.device}: "
-                "models on different devices "
-                "need a configured placement, which this engine does not support yet"
-            )
         if not self.reward_is_model and not callable(reward):
             raise ValueError(
                 "reward must be an HF sequence-classification model or a callable(prompt, response)"
             )
+        # The models the engine runs through its paged cache, by name (the name of their cache and lane).
+        self._models: dict[str, torch.nn.Module] = {ACTOR: actor}
+        for name, model in ((REWARD, reward if self.reward_is_model else None), (REFERENCE, reference),
+                            (CRITIC, critic)):  # fmt: skip
+            if model is None:
+                continue
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(f"{name} must be an HF model, got {type(model).__name__}")
+            if _device_of(model) != self.device:
+                raise ValueError(
+                    f"{name} is on {_device_of(model)} but actor is on {self.device}: models on different "
+                    "devices need a configured placement, which this engine does not support yet"
+                )
+            if name != REWARD:  # the reward's vocabulary was settled above
+                vocab = getattr(text_config(model), "vocab_size", None)
+                if vocab != self.vocab_size:
+                    raise ValueError(
+                        f"{name}: its vocabulary has {vocab} tokens, the actor's {self.vocab_size}; it reads "
+                        "the actor's token ids, so it needs the actor's vocabulary"
+                    )
+            check_model(model, role=name, max_model_len=self.config.max_model_len)
+            self._models[name] = model
         if eos_token_id is None:
             eos_ids: tuple[int, ...] = ()
         elif isinstance(eos_token_id, int):
@@ -144,12 +185,8 @@ class RolloutEngine:
             eos_ids = tuple(eos_token_id)
         self.eos_token_ids = eos_ids
 
-        # The models whose attention the engine switches for a step (PEFT wrappers give way to the model).
-        self._streamed_models = [unwrap_model(m) for m in (actor, reward) if isinstance(m, torch.nn.Module)]
-        self._specs = {ACTOR: KVSpec.from_hf_config(actor.config, _dtype_of(actor))}
-        if self.reward_is_model:
-            check_model(reward, role="reward", max_model_len=self.config.max_model_len)
-            self._specs[REWARD] = KVSpec.from_hf_config(reward.config, _dtype_of(reward))
+        self._specs = {name: KVSpec.from_hf_config(m.config, _dtype_of(m))
+                       for name, m in self._models.items()}
         self._num_pages = self._plan_pages()
         for spec in self._specs.values():
             page_size = fit_page_size(spec, self._page_bytes)
@@ -213,8 +250,8 @@ class RolloutEngine:
             raise ValueError(
                 f"kv_cache_bytes={cfg.kv_cache_bytes} gives {num_pages} pages of {page_bytes} bytes, but one "
                 f"sequence of max_model_len={cfg.max_model_len} tokens needs {one_sequence} pages "
-                "in the actor and "
-                "reward caches together; raise kv_cache_bytes or lower max_model_len"
+                f"in the caches of {', '.join(self._specs)} together; raise kv_cache_bytes or lower "
+                "max_model_len"
             )
         if num_pages < cfg.batch_size:
             raise ValueError(
@@ -238,17 +275,17 @@ class RolloutEngine:
             max_model_len=cfg.max_model_len,
             eos_token_ids=self.eos_token_ids,
         )
-        reward: tuple[RewardScheduler, RewardScorer] | RuleReward = self.reward
-        if self.reward_is_model:
-            reward_cache = self._caches[REWARD] = KVCacheManager(arena, REWARD)
-            reward = (
-                RewardScheduler(reward_cache, max_num_batched_tokens=cfg.max_num_batched_tokens),
-                RewardScorer(ModelRunner(self.reward, reward_cache, backend=cfg.attention_backend)),
-            )
+        backend = cfg.attention_backend
+        scorers: list[Scorer] = [] if self.reward_is_model else [RuleScorer(self.reward)]
+        for name, scorer_class in _SCORER_CLASSES.items():
+            if name in self._models:
+                cache = self._caches[name] = KVCacheManager(arena, name)
+                scorers.append(scorer_class(ModelRunner(self._models[name], cache, backend=backend)))
         self._loop = SequentialStep(
             actor_sched=actor_sched,
-            actor=ActorWorker(ModelRunner(self.actor, actor_cache, backend=cfg.attention_backend)),
-            reward=reward,
+            actor=ActorWorker(ModelRunner(self.actor, actor_cache, backend=backend)),
+            scorers=scorers,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
             timeline=self._timeline,
             pages_in_use=lambda: arena.num_pages - arena.num_free_pages(),
         )
@@ -354,8 +391,8 @@ class RolloutEngine:
         try:
             # Hold the models' paged-attention switch for the whole step (one switch, not one per forward).
             with contextlib.ExitStack() as models:
-                for model in self._streamed_models:
-                    models.enter_context(paged_attention_enabled(model))
+                for model in self._models.values():
+                    models.enter_context(paged_attention_enabled(unwrap_model(model)))
                 out = self._loop.run(seqs, self._policy_version)
         except BaseException:
             # Nothing is lost: pages go back, and the sequences (with their seeds) go first in line.
@@ -389,6 +426,8 @@ class RolloutEngine:
                 reward=float(s.reward),
                 policy_versions=list(s.policy_versions),
                 deferred_steps=s.deferred_steps,
+                ref_logprobs=s.ref_logprobs,
+                values=s.values,
             )
             for s in out.finished
         ]

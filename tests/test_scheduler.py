@@ -1,4 +1,4 @@
-"""ActorScheduler and RewardScheduler bookkeeping under random workloads and tight page budgets.
+"""ActorScheduler and ScorerScheduler bookkeeping under random workloads and tight page budgets.
 
 The schedulers never read tensors, so the model is replaced here by a deterministic function of a
 sequence's tokens (what a seeded sampler is to the scheduler); the properties are the scheduler's own:
@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.config import SamplingParams
-from oppo_engine.sched.reward import RewardScheduler
+from oppo_engine.model.scorer import Scorer
 from oppo_engine.sched.scheduler import ActorScheduler
+from oppo_engine.sched.scorer import ScorerScheduler
 from oppo_engine.sched.sequence import SeqStatus, Sequence
 
 EOS = 0
@@ -38,6 +39,30 @@ def reference_response(prompt: list[int], seed: int, max_new: int, max_model_len
         seq.response_ids.append(tok)
         if tok == EOS or len(seq.response_ids) >= max_new or seq.num_tokens >= max_model_len:
             return seq.response_ids
+
+
+class PrefixScorer(Scorer):
+    """A scorer without a model: it records the tokens it is fed; its result is the whole sequence."""
+
+    field = "reward"
+
+    def __init__(self, cache: KVCacheManager) -> None:
+        self.cache = cache
+        self.seen: dict[int, list[int]] = {}
+
+    def begin(self, seq_id, prompt_len, temperature) -> None:
+        self.seen[seq_id] = []
+
+    def prefill(self, chunks) -> None:
+        for c in chunks:
+            self.seen[c.seq.seq_id].extend(c.token_ids)
+
+    def finish(self, seq_id, prompt_ids, response_ids) -> list[int]:
+        return self.seen.pop(seq_id)
+
+    def release(self, seq_id) -> None:
+        super().release(seq_id)
+        self.seen.pop(seq_id, None)
 
 
 def check_invariant(arena: KVArena, managers: list[KVCacheManager]) -> None:
@@ -118,8 +143,9 @@ def test_every_prompt_finishes_with_unchanged_tokens_and_no_page_leaks(
     assert arena.num_free_pages() == arena.num_pages
 
     # Scoring the finished sequences in the same arena: every one gets its final chunk, nothing leaks.
-    rsched = RewardScheduler(reward_cache, max_num_batched_tokens=token_budget)
+    rsched = ScorerScheduler(PrefixScorer(reward_cache), max_num_batched_tokens=token_budget)
     for seq in finished:
+        seq.num_handed_off = seq.num_tokens
         rsched.add(seq)
     scored = []
     while rsched.has_work:
@@ -130,8 +156,12 @@ def test_every_prompt_finishes_with_unchanged_tokens_and_no_page_leaks(
             assert (
                 c.token_ids == (c.seq.prompt_ids + c.seq.response_ids)[c.start : c.start + len(c.token_ids)]
             )
+            assert reward_cache.num_tokens(c.seq.seq_id) == c.start + len(c.token_ids)
+        rsched.scorer.prefill(chunks)
+        for c in chunks:
             if c.samples:
+                # The scorer saw every token exactly once, in order, even across preemptions.
+                assert rsched.complete(c.seq) == c.seq.prompt_ids + c.seq.response_ids
                 scored.append(c.seq.seq_id)
-                rsched.complete(c.seq)
     assert sorted(scored) == list(range(len(seqs)))
     assert arena.num_free_pages() == arena.num_pages

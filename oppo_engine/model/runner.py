@@ -83,6 +83,12 @@ class ModelRunner:
         return self._logits(batch, batch.last)
 
     @torch.inference_mode()
+    def logits_at(self, chunks: Sequence[SeqChunk], rows: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(rows), V]`` float32 after the tokens at packed ``rows`` of the forward."""
+        batch = self._prepare(chunks)
+        return self._logits(batch, torch.as_tensor(rows, dtype=torch.int64).to(self.device))
+
+    @torch.inference_mode()
     def logits_all(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Logits ``[T, V]`` float32 after every new token (prefill log-probs, tests)."""
         return self._logits(self._prepare(chunks), None)

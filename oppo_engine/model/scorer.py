@@ -1,32 +1,71 @@
-"""Streaming reward scoring: incremental prefill of response chunks into the reward model's paged cache."""
+"""The PPO scorers: reward, reference log-probs and critic values, each prefilled incrementally into its own
+pages of the arena as a sequence's tokens arrive, chunk by chunk; and rule rewards read once at the end.
+
+Every scorer has the same small interface, so the step loops drive them without knowing which they hold:
+``begin`` a sequence, ``prefill`` chunks of several sequences (one packed forward), ``finish`` a sequence
+(its result for the ``Rollout`` field named by ``field``), ``release`` its pages and state.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from oppo_engine.cache.manager import KVCacheManager
 from oppo_engine.model.runner import ModelRunner, SeqChunk
+from oppo_engine.model.support import text_config
+
+RuleReward = Callable[[list[int], list[int]], float]
 
 
-class RewardScorer:
-    """Scores sequences with a one-label reward model as their tokens arrive, chunk by chunk.
+class Scorer(ABC):
+    """Scores sequences for one ``Rollout`` field. ``cache`` is None for scorers that are not streamed.
 
-    Each ``prefill`` call is one packed forward over chunks of several sequences (any sizes); a sequence's
-    chunks arrive in order over several calls, its KV staying in the reward model's pages in between, so
-    only the last chunk is left to prefill when the sequence ends. ``result(seq_id)`` after the final chunk
-    is the reward: equal, up to rounding, to the HF model's own score on the whole sequence.
+    NOTE: the scheduler reserves a chunk's slots (``cache.append_slots``) before ``prefill`` and calls
+    ``release`` once the result is read or the sequence is dropped; ``finish`` drops the per-sequence
+    state but not the pages.
+    """
+
+    field: str  # "reward", "ref_logprobs" or "values"
+    cache: KVCacheManager | None = None
+
+    @property
+    def name(self) -> str:
+        """The scorer's model (its cache's name) or, for a rule, the field it fills; names its lane."""
+        return self.cache.name if self.cache is not None else self.field
+
+    def begin(self, seq_id: Hashable, prompt_len: int, temperature: float) -> None:  # noqa: B027
+        """A sequence's first chunk is coming; ``temperature`` is the one it is sampled with (0 = greedy)."""
+
+    def prefill(self, chunks: Sequence[SeqChunk]) -> None:  # noqa: B027
+        """Prefill the next tokens of several sequences (slots already appended), in one forward."""
+
+    @abstractmethod
+    def finish(self, seq_id: Hashable, prompt_ids: list[int], response_ids: list[int]):
+        """The result for a sequence whose every token is prefilled."""
+
+    def release(self, seq_id: Hashable) -> None:
+        """Free the sequence's pages and state (harmless if already released)."""
+        if self.cache is not None:
+            self.cache.free(seq_id)
+
+
+class RewardScorer(Scorer):
+    """A one-label reward model. The score after a sequence's final chunk is its reward: equal, up to
+    rounding, to the HF model's own score on the whole sequence.
 
     HF's convention is followed exactly: with ``pad_token_id`` set, the score is read at the last token
     that is not the pad token (position 0 when every token is pad) -- so when ``pad_token_id`` equals EOS, a
     response ending in EOS is scored at the token before it, as the reward model was trained; without a
     pad token it is the last token. That position may lie in an earlier chunk, so the score of the latest
     non-pad token seen is kept per sequence.
-
-    NOTE: the scheduler reserves the slots (``runner.cache.append_slots``) before ``prefill`` and calls
-    ``release`` once the reward is read or the sequence is dropped.
     """
+
+    field = "reward"
 
     def __init__(self, runner: ModelRunner) -> None:
         if runner.score_head is None:
@@ -35,9 +74,7 @@ class RewardScorer:
             )
         self.runner = runner
         self.cache = runner.cache
-        config = runner.model.config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.pad_token_id: int | None = text.pad_token_id
+        self.pad_token_id: int | None = text_config(runner.model).pad_token_id
         self._scores: dict[Hashable, float] = {}
 
     def prefill(self, chunks: Sequence[SeqChunk]) -> None:
@@ -58,12 +95,14 @@ class RewardScorer:
         self._scores.update(zip(owners, scores, strict=True))
 
     def result(self, seq_id: Hashable) -> float:
-        """The reward of ``seq_id`` once its final chunk is prefilled."""
+        """The score HF would give the tokens prefilled so far."""
         return self._scores[seq_id]
 
+    def finish(self, seq_id: Hashable, prompt_ids: list[int], response_ids: list[int]) -> float:
+        return self._scores.pop(seq_id)
+
     def release(self, seq_id: Hashable) -> None:
-        """Free every reward-model page of ``seq_id`` and drop its score (harmless if already released)."""
-        self.cache.free(seq_id)
+        super().release(seq_id)
         self._scores.pop(seq_id, None)
 
     def _score_row(self, chunk: SeqChunk) -> int | None:
@@ -76,6 +115,135 @@ class RewardScorer:
                 return i
         starts_sequence = self.cache.num_tokens(chunk.seq_id) == len(tokens)
         return 0 if starts_sequence else None
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What a per-token scorer keeps of one sequence between chunks."""
+
+    prompt_len: int
+    temperature: float
+    out: list[float] = field(default_factory=list)
+    carry: torch.Tensor | None = None  # [V] log-probs after the previous chunk's last token (reference)
+
+
+class _PerTokenScorer(Scorer):
+    """A scorer with one output per response token, read from the rows at positions ``prompt_len - 1`` on
+    (the row before each response token)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.cache = runner.cache
+        self._progress: dict[Hashable, _Progress] = {}
+
+    def begin(self, seq_id: Hashable, prompt_len: int, temperature: float) -> None:
+        self._progress[seq_id] = _Progress(prompt_len, temperature)
+
+    def finish(self, seq_id: Hashable, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        progress = self._progress.pop(seq_id)
+        # The last response token's own row predicts nothing the rollout holds: drop what it produced.
+        return progress.out[: len(response_ids)]
+
+    def release(self, seq_id: Hashable) -> None:
+        super().release(seq_id)
+        self._progress.pop(seq_id, None)
+
+    def _response_rows(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[tuple[SeqChunk, int, int]]]:
+        """Packed rows at positions >= prompt_len - 1, and per chunk (chunk, first position, first row)."""
+        rows: list[int] = []
+        spans = []
+        offset = 0
+        for c in chunks:
+            end = self.cache.num_tokens(c.seq_id)
+            start = end - len(c.token_ids)
+            first = max(start, self._progress[c.seq_id].prompt_len - 1)
+            spans.append((c, first, len(rows)))
+            rows.extend(offset + p - start for p in range(first, end))
+            offset += len(c.token_ids)
+        return rows, spans
+
+
+class ReferenceScorer(_PerTokenScorer):
+    """A frozen causal LM: ``ref_logprobs[i]`` = log-prob of ``response_ids[i]`` under its logits divided
+    by the sequence's temperature (1 for greedy; no top-k/top-p truncation), as TRL's PPO computes them.
+
+    The row before the first token of a chunk belongs to the previous chunk: its log-probs are carried over.
+    """
+
+    field = "ref_logprobs"
+
+    def __init__(self, runner: ModelRunner) -> None:
+        if runner.lm_head is None:
+            raise ValueError(f"reference: {type(runner.model).__name__} is not a causal LM (no LM head)")
+        super().__init__(runner)
+
+    def prefill(self, chunks: Sequence[SeqChunk]) -> None:
+        rows, spans = self._response_rows(chunks)
+        if not rows:
+            self.runner.forward(chunks)
+            return
+        logits = self.runner.logits_at(chunks, rows)  # [R, V] float32
+        inv_t = torch.tensor(
+            [1.0 / self._temperature(c.seq_id) for c, first, _ in spans for _ in range(first, self._end(c))],
+            device=logits.device,
+        )
+        logprobs = (logits * inv_t[:, None]).log_softmax(-1)
+        for c, first, row0 in spans:
+            progress = self._progress[c.seq_id]
+            end = self._end(c)
+            start = end - len(c.token_ids)
+            targets = c.token_ids[first + 1 - start :]  # the tokens the rows before them predict
+            picked = []
+            if progress.carry is not None and start >= progress.prompt_len:
+                picked.append(progress.carry[c.token_ids[0]])
+            if targets:
+                idx = torch.arange(row0, row0 + len(targets), device=logits.device)
+                picked.append(logprobs[idx, torch.tensor(targets, device=logits.device)])
+            if picked:
+                progress.out.extend(torch.cat([p.reshape(-1) for p in picked]).tolist())
+            # A copy: a view would keep the whole [R, V] block alive until the next chunk.
+            progress.carry = logprobs[row0 + end - 1 - first].clone() if end - 1 >= first else None
+
+    def _temperature(self, seq_id: Hashable) -> float:
+        t = self._progress[seq_id].temperature
+        return t if t > 0 else 1.0
+
+    def _end(self, chunk: SeqChunk) -> int:
+        return self.cache.num_tokens(chunk.seq_id)
+
+
+class CriticScorer(_PerTokenScorer):
+    """A one-label value model: ``values[i]`` = its score head on the hidden state of the token before
+    ``response_ids[i]`` (TRL's convention)."""
+
+    field = "values"
+
+    def __init__(self, runner: ModelRunner) -> None:
+        if runner.score_head is None:
+            raise ValueError(f"critic: {type(runner.model).__name__} has no one-label score head")
+        super().__init__(runner)
+
+    def prefill(self, chunks: Sequence[SeqChunk]) -> None:
+        rows, spans = self._response_rows(chunks)
+        if not rows:
+            self.runner.forward(chunks)
+            return
+        values = self.runner.score_at(chunks, rows).tolist()
+        for c, first, row0 in spans:
+            n = max(0, self.cache.num_tokens(c.seq_id) - first)  # 0 for a chunk before the response
+            self._progress[c.seq_id].out.extend(values[row0 : row0 + n])
+
+
+class RuleScorer(Scorer):
+    """A plain callable ``reward(prompt_ids, response_ids) -> float``: read once a sequence has finished."""
+
+    field = "reward"
+
+    def __init__(self, rule: RuleReward) -> None:
+        self.rule = rule
+
+    def finish(self, seq_id: Hashable, prompt_ids: list[int], response_ids: list[int]) -> float:
+        return float(self.rule(list(prompt_ids), list(response_ids)))
 
 
 class RetokenizedReward:

@@ -23,7 +23,8 @@ class Sequence:
 
     ``num_computed`` counts the tokens whose actor KV is in the cache; the tokens after it are pending and
     go into the next forward (a prompt's prefill, possibly in chunks; then one token per decode step).
-    ``num_scored`` is the same counter for the reward model.
+    ``num_handed_off`` counts the tokens handed to the scorers (each scorer's own progress is its
+    scheduler's); ``reward``, ``ref_logprobs`` and ``values`` are the scorers' results.
     """
 
     seq_id: int
@@ -36,8 +37,10 @@ class Sequence:
     policy_versions: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
-    num_scored: int = 0
+    num_handed_off: int = 0
     reward: float | None = None
+    ref_logprobs: list[float] | None = None
+    values: list[float] | None = None
     deferred_steps: int = 0
     num_preemptions: int = 0
     finish_time: float | None = None
@@ -62,8 +65,9 @@ class Sequence:
         self.logprobs.clear()
         self.policy_versions.clear()
         self.status = SeqStatus.WAITING
-        self.num_computed = self.num_scored = 0
+        self.num_computed = self.num_handed_off = 0
         self.reward = None
+        self.ref_logprobs = self.values = None
         self.finish_time = None
 
     @property

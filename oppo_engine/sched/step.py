@@ -8,15 +8,13 @@ from dataclasses import dataclass, field
 
 from oppo_engine.model.actor import ActorWorker, SampleSpec
 from oppo_engine.model.runner import SeqChunk
-from oppo_engine.model.scorer import RewardScorer
+from oppo_engine.model.scorer import Scorer
 from oppo_engine.obs import Timeline
-from oppo_engine.sched.reward import RewardScheduler
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
+from oppo_engine.sched.scorer import ScorerScheduler
 from oppo_engine.sched.sequence import SeqStatus, Sequence
 
-ACTOR_LANE, REWARD_LANE = "actor", "reward"
-
-RuleReward = Callable[[list[int], list[int]], float]
+ACTOR_LANE = "actor"
 
 
 @dataclass(slots=True)
@@ -31,10 +29,12 @@ class StepOutcome:
 
 
 class SequentialStep:
-    """Continuous batching of the actor until all of the step's sequences finish, then reward prefill.
+    """Continuous batching of the actor until all of the step's sequences finish, then each scorer in turn
+    prefills them (reward, then reference and critic when given).
 
-    ``reward`` is either a (scheduler, scorer) pair for a reward model or a rule callable. ``pages_in_use``
-    reports the arena's used pages, sampled after each scheduling decision for the step's peak.
+    Scorers run one after another, so only one scorer holds pages while the actor holds none: each
+    completes whatever the arena's size (it holds one sequence in every model). ``pages_in_use`` reports the
+    arena's used pages, sampled after each scheduling decision for the step's peak.
     """
 
     def __init__(
@@ -42,13 +42,18 @@ class SequentialStep:
         *,
         actor_sched: ActorScheduler,
         actor: ActorWorker,
-        reward: tuple[RewardScheduler, RewardScorer] | RuleReward,
+        scorers: list[Scorer],
+        max_num_batched_tokens: int,
         timeline: Timeline,
         pages_in_use: Callable[[], int],
     ) -> None:
         self.actor_sched = actor_sched
         self.actor = actor
-        self.reward = reward
+        self.scorers = scorers
+        self.scorer_scheds = [
+            ScorerScheduler(s, max_num_batched_tokens=max_num_batched_tokens) if s.cache is not None else None
+            for s in scorers
+        ]
         self.timeline = timeline
         self.pages_in_use = pages_in_use
 
@@ -62,12 +67,11 @@ class SequentialStep:
         return out
 
     def abort(self) -> None:
-        """Free every page the step holds (actor and reward); the caller requeues the sequences."""
+        """Free every page the step holds (actor and scorers); the caller requeues the sequences."""
         self.actor_sched.abort_all()
-        if isinstance(self.reward, tuple):
-            sched, scorer = self.reward
-            for seq in sched.abort_all():
-                scorer.release(seq.seq_id)
+        for sched in self.scorer_scheds:
+            if sched is not None:
+                sched.abort_all()
 
     def _generate(self, seqs: list[Sequence], policy_version: int, out: StepOutcome) -> None:
         sched = self.actor_sched
@@ -89,33 +93,33 @@ class SequentialStep:
                 out.tokens_generated += 1
                 if sched.append_token(seq, tok, lp, policy_version):
                     seq.finish_time = now
+                    seq.num_handed_off = seq.num_tokens  # generation is over: every token goes to scoring
                     out.finished.append(seq)
 
     def _score(self, out: StepOutcome) -> None:
-        if not isinstance(self.reward, tuple):
-            with self.timeline.span(REWARD_LANE, "rule"):
-                for seq in out.finished:
-                    seq.reward = float(self.reward(list(seq.prompt_ids), list(seq.response_ids)))
-                    seq.status = SeqStatus.SCORED
-            return
-        sched, scorer = self.reward
+        for scorer, sched in zip(self.scorers, self.scorer_scheds, strict=True):
+            if sched is None:  # read once per finished sequence, nothing to prefill
+                with self.timeline.span(scorer.name, "score"):
+                    for seq in out.finished:
+                        result = scorer.finish(seq.seq_id, seq.prompt_ids, seq.response_ids)
+                        setattr(seq, scorer.field, result)
+                continue
+            for seq in out.finished:
+                sched.add(seq)
+            while sched.has_work:
+                chunks = sched.schedule()
+                if not chunks:
+                    raise RuntimeError(
+                        f"{scorer.name} scheduler made no progress: the cache cannot hold a finished sequence"
+                    )
+                out.peak_pages = max(out.peak_pages, self.pages_in_use())
+                with self.timeline.span(scorer.name, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
+                    scorer.prefill(_seq_chunks(chunks))
+                for c in chunks:
+                    if c.samples:  # the chunk that reaches the last token completes the result
+                        setattr(c.seq, scorer.field, sched.complete(c.seq))
         for seq in out.finished:
-            sched.add(seq)
-        while sched.has_work:
-            chunks = sched.schedule()
-            if not chunks:
-                raise RuntimeError(
-                    "reward scheduler made no progress: the cache cannot hold a finished sequence"
-                )
-            out.peak_pages = max(out.peak_pages, self.pages_in_use())
-            with self.timeline.span(REWARD_LANE, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
-                scorer.prefill(_seq_chunks(chunks))
-            for chunk in chunks:
-                if chunk.samples:  # the chunk that reaches the last token completes the reward
-                    chunk.seq.reward = scorer.result(chunk.seq.seq_id)
-                    chunk.seq.status = SeqStatus.SCORED
-                    scorer.release(chunk.seq.seq_id)
-                    sched.complete(chunk.seq)
+            seq.status = SeqStatus.SCORED
 
 
 def _sample_spec(row: int, seq: Sequence) -> SampleSpec:

@@ -1,0 +1,100 @@
+"""Scorer-side scheduling: incremental prefill of sequences into one scorer's pages, chunk by chunk."""
+
+from __future__ import annotations
+
+from oppo_engine.model.scorer import Scorer
+from oppo_engine.sched.scheduler import ScheduledChunk
+from oppo_engine.sched.sequence import SeqStatus, Sequence
+
+
+class ScorerScheduler:
+    """Feeds sequences to one streamed scorer under a per-forward token budget, oldest first.
+
+    A sequence's tokens ``[0, seq.num_handed_off)`` are available to the scorers (all of them once the
+    actor has finished it); each forward prefills the next ones and reserves their slots then, chunk by
+    chunk, so a scorer never holds pages for tokens it has not seen. The chunk that reaches the last token
+    of a finished sequence is marked ``samples`` (its result can be read).
+
+    When the pool is short, the oldest sequence goes first: younger sequences holding this scorer's pages
+    are preempted (pages freed, scorer state dropped, prefilled again from their tokens later), so the
+    oldest always completes if the arena holds one sequence -- partly scored sequences cannot deadlock.
+    """
+
+    def __init__(self, scorer: Scorer, *, max_num_batched_tokens: int) -> None:
+        if scorer.cache is None:
+            raise ValueError(f"{type(scorer).__name__} is not streamed: it has no pages to schedule")
+        self.scorer = scorer
+        self.cache = scorer.cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.active: list[Sequence] = []  # admission order: oldest first
+        self._scored: dict[int, int] = {}  # seq_id -> tokens prefilled
+        self.num_preemptions = 0
+        self.recomputed_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Start scoring ``seq`` (its first tokens may follow later)."""
+        self.scorer.begin(seq.seq_id, len(seq.prompt_ids), seq.sampling.temperature)
+        self._scored[seq.seq_id] = 0
+        self.active.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        """Sequences are being scored."""
+        return bool(self.active)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The next forward's chunks, with their slots reserved."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.active) and budget > 0:
+            seq = self.active[i]
+            start = self._scored[seq.seq_id]
+            n = min(seq.num_handed_off - start, budget)
+            if n == 0:
+                i += 1
+                continue
+            slots = self.cache.append_slots(seq.seq_id, n)
+            while slots is None and (victim := self._youngest_holding_pages(after=i)) is not None:
+                self._preempt(victim)
+                slots = self.cache.append_slots(seq.seq_id, n)
+            if slots is None:
+                break  # wait for pages held elsewhere (the actor's, another scorer's)
+            self._scored[seq.seq_id] = start + n
+            final = seq.status is SeqStatus.FINISHED and start + n == seq.num_tokens
+            chunks.append(ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, final))
+            budget -= n
+            i += 1
+        return chunks
+
+    def complete(self, seq: Sequence):
+        """Read ``seq``'s result after its final chunk; its pages and state are released."""
+        result = self.scorer.finish(seq.seq_id, seq.prompt_ids, seq.response_ids)
+        self._drop(seq)
+        return result
+
+    def abort_all(self) -> list[Sequence]:
+        """Release every sequence (pages and state); returns them."""
+        seqs = list(self.active)
+        for seq in seqs:
+            self._drop(seq)
+        return seqs
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scorer.release(seq.seq_id)
+        self.active.remove(seq)
+        del self._scored[seq.seq_id]
+
+    def _youngest_holding_pages(self, after: int) -> Sequence | None:
+        for seq in reversed(self.active[after + 1 :]):
+            if seq.seq_id in self.cache:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop ``seq``'s KV and state in this scorer; it is prefilled again from its first token."""
+        self.recomputed_tokens += self._scored[seq.seq_id]
+        self.num_preemptions += 1
+        self.scorer.release(seq.seq_id)
+        self.scorer.begin(seq.seq_id, len(seq.prompt_ids), seq.sampling.temperature)
+        self._scored[seq.seq_id] = 0
