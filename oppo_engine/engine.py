@@ -266,6 +266,9 @@ class RolloutEngine:
         self._arena = arena = KVArena(
             self._specs, page_size=cfg.page_size, num_pages=self._num_pages, device=self.device
         )
+        # Arbitration between lanes: every model can always hold one max_model_len sequence (DESIGN.md).
+        for name in self._specs:
+            arena.set_reserve(name, -(-cfg.max_model_len // arena.page_size(name)))
         actor_cache = KVCacheManager(arena, ACTOR)
         self._caches = {ACTOR: actor_cache}
         actor_sched = ActorScheduler(

@@ -104,3 +104,99 @@ def test_bad_page_size_raises(page_size):
 def test_kv_cache_bytes_too_small_raises():
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         KVArena({"actor": ACTOR}, page_size=8, kv_cache_bytes=100)
+
+
+class FakeEvent:
+    """Stands in for a CUDA event recorded after a lane's last kernel on the freed pages."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def check_invariant(arena: KVArena, managers) -> None:
+    held = sum(m.num_pages_used for m in managers)
+    assert held == sum(arena.pages_held(m.name) for m in managers)
+    assert arena.num_free_pages() + held + arena.num_pending_pages == arena.num_pages
+
+
+def test_a_page_freed_after_an_event_is_not_reused_before_the_event_completes():
+    arena = make_arena(num_pages=3)
+    actor, reward = KVCacheManager(arena, "actor"), KVCacheManager(arena, "reward")
+    events: list[FakeEvent] = []
+
+    def new_event() -> FakeEvent:
+        events.append(FakeEvent())
+        return events[-1]
+
+    actor.free_event = new_event
+    actor.append_slots("a", 16)  # pages 0, 1
+    actor.free("a")  # the actor lane's kernels on pages 0, 1 may still run
+    check_invariant(arena, [actor, reward])
+    assert arena.num_pending_pages == 2 and arena.num_free_pages() == 1
+    assert reward.append_slots("r", 33) is None  # two pages: only page 2 is safe to reuse
+    assert reward.append_slots("r", 1) == [64]  # page 2 (32 reward tokens per page)
+    events[0].done = True
+    assert reward.append_slots("r", 32) is not None  # reclaimed at the next allocation
+    assert reward.pages("r") == [2, 0] and arena.num_pending_pages == 0
+    check_invariant(arena, [actor, reward])
+
+
+def test_reserves_keep_one_sequence_for_every_model_and_pages_flow_beyond_them():
+    arena = make_arena(num_pages=8)
+    actor, reward = KVCacheManager(arena, "actor"), KVCacheManager(arena, "reward")
+    arena.set_reserve("actor", 3)
+    arena.set_reserve("reward", 2)
+    # The reward model may take everything but the actor's unmet reserve.
+    assert reward.num_available_pages() == 5
+    assert reward.append_slots("r", 6 * 32) is None
+    assert reward.append_slots("r", 5 * 32) is not None
+    assert actor.append_slots("a", 3 * 8) is not None  # the reserve is there
+    assert actor.append_slots("b", 1) is None  # and nothing more
+    reward.free("r")
+    # Once the actor holds its reserve, it may take what the reward model does not need for its own.
+    assert actor.num_available_pages() == 5 - 2
+    check_invariant(arena, [actor, reward])
+    with pytest.raises(ValueError, match="reserves"):
+        arena.set_reserve("reward", 6)
+
+
+def test_concurrent_lanes_under_reserves_never_deadlock_or_leak():
+    import threading
+
+    arena = make_arena(num_pages=6)
+    arena.set_reserve("actor", 2)
+    arena.set_reserve("reward", 1)
+    managers = [KVCacheManager(arena, "actor"), KVCacheManager(arena, "reward")]
+    per_page = {"actor": 8, "reward": 32}
+    errors = []
+
+    def lane(m: KVCacheManager, seed: int) -> None:
+        rng = torch.Generator().manual_seed(seed)
+        held = 0
+        try:
+            for i in range(2000):
+                want = int(torch.randint(1, 4, (), generator=rng))
+                if m.append_slots(i, want * per_page[m.name]) is not None:
+                    held += 1
+                # A lane can always get its reserve once it holds nothing else.
+                if held > 1 or torch.rand((), generator=rng) < 0.5:
+                    for j in range(i + 1):
+                        m.free(j)
+                    held = 0
+                    got = m.append_slots("probe", arena._reserve[m.name] * per_page[m.name])
+                    assert got is not None, f"{m.name} could not get its reserve"
+                    m.free("probe")
+        except AssertionError as e:  # surfaced by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=lane, args=(m, i)) for i, m in enumerate(managers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    check_invariant(arena, managers)
+    assert arena.num_free_pages() == arena.num_pages

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -49,6 +53,12 @@ def fit_page_size(spec: KVSpec, page_bytes: int) -> int:
     return 1 << (tokens.bit_length() - 1)
 
 
+class CompletionEvent(Protocol):
+    """What a freeing lane records after the last kernel that touched the pages (``torch.cuda.Event``)."""
+
+    def query(self) -> bool: ...
+
+
 class KVArena:
     """``num_pages`` pages of ``page_bytes`` bytes on one device, shared by several models.
 
@@ -56,6 +66,19 @@ class KVArena:
     in one page (the largest power of two that fits), so a page freed by one model can next hold another's
     KV. Each model sees the arena as ``[num_pages, L, 2, page_size_m, H, D]`` (``view(name)``), with a page
     stride of ``page_bytes / itemsize`` elements. Pages are handed out by one thread-safe allocator.
+
+    Arbitration between lanes (they allocate concurrently): each model may be guaranteed a reserve
+    (``set_reserve``, the engine's is one ``max_model_len`` sequence). A model allocates freely, except
+    that it may not take pages another model needs to reach its reserve. So every model can always hold
+    one whole sequence, each lane's oldest sequence always completes (lanes preempt only their own), and
+    no lane waits on another for pages: the rule cannot deadlock.
+
+    Frees may be deferred (``free(..., after=event)``): on CUDA a page freed by one lane must not be reused
+    before that lane's kernels on it are done, so it returns to the pool only once the event recorded
+    after them has completed (polled at the next allocation).
+
+    NOTE: invariant, checked by tests: ``num_free_pages() + pages held by every model + pending frees ==
+    num_pages``.
     """
 
     def __init__(
@@ -87,6 +110,11 @@ class KVArena:
         self.allocator = ops.PageAllocator(self.num_pages)
         self._page_sizes = {name: fit_page_size(spec, self.page_bytes) for name, spec in self.specs.items()}
         self._views = {name: self._make_view(name) for name in self.specs}
+        self._lock = threading.Lock()
+        self._held = dict.fromkeys(self.specs, 0)
+        self._reserve = dict.fromkeys(self.specs, 0)
+        self._pending: deque[tuple[CompletionEvent, list[int], str]] = deque()
+        self._num_pending = 0
 
     def _make_view(self, name: str) -> torch.Tensor:
         spec, ps = self.specs[name], self._page_sizes[name]
@@ -110,5 +138,66 @@ class KVArena:
         return self.buffer.view(self.num_pages, self.page_bytes)
 
     def num_free_pages(self) -> int:
-        """Pages no model holds right now."""
+        """Pages no model holds right now (pending frees not counted)."""
         return self.allocator.num_free()
+
+    @property
+    def num_pending_pages(self) -> int:
+        """Freed pages still waiting for their freeing lane's kernels."""
+        return self._num_pending
+
+    def pages_held(self, name: str) -> int:
+        """Pages model ``name`` holds."""
+        return self._held[name]
+
+    def set_reserve(self, name: str, pages: int) -> None:
+        """Guarantee model ``name`` can always hold ``pages`` pages (other models never take them)."""
+        if sum(self._reserve.values()) - self._reserve[name] + pages > self.num_pages:
+            raise ValueError(
+                f"KVArena: reserves {self._reserve} plus {pages} for {name!r} exceed {self.num_pages} pages"
+            )
+        self._reserve[name] = pages
+
+    def available_pages(self, name: str) -> int:
+        """Pages model ``name`` may take now: the free ones, less what others need to reach their reserves."""
+        self._reclaim()
+        with self._lock:
+            return self._available(name)
+
+    def _available(self, name: str) -> int:
+        owed = sum(max(0, r - self._held[m]) for m, r in self._reserve.items() if m != name)
+        return max(0, self.allocator.num_free() - owed)
+
+    def alloc(self, name: str, n: int) -> list[int] | None:
+        """``n`` fresh pages for model ``name`` (reference count 1), or None (nothing taken) if it may not."""
+        self._reclaim()
+        with self._lock:
+            if n > self._available(name):
+                return None
+            pages = self.allocator.alloc(n)
+            if pages is not None:
+                self._held[name] += n
+            return pages
+
+    def free(self, name: str, pages: Sequence[int], after: CompletionEvent | None = None) -> None:
+        """Drop model ``name``'s reference to ``pages``; with ``after``, only once that event completes."""
+        if not pages:
+            return
+        pages = list(pages)
+        with self._lock:
+            self._held[name] -= len(pages)
+            if after is None or after.query():
+                self.allocator.free(pages)
+            else:
+                self._pending.append((after, pages, name))
+                self._num_pending += len(pages)
+
+    def _reclaim(self) -> None:
+        """Return the pages of completed deferred frees to the pool, oldest first."""
+        if not self._pending:
+            return
+        with self._lock:
+            while self._pending and self._pending[0][0].query():
+                _, pages, _ = self._pending.popleft()
+                self._num_pending -= len(pages)
+                self.allocator.free(pages)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
 
-from oppo_engine.cache.arena import KVArena
+from oppo_engine.cache.arena import CompletionEvent, KVArena
 
 
 class KVCacheManager:
@@ -15,11 +15,11 @@ class KVCacheManager:
 
     Token ``t`` of a sequence lives in slot ``pages[t // page_size] * page_size + t % page_size`` of the
     model's view. The scheduler asks ``can_append`` and then calls ``append_slots``; because other managers
-    draw from the same allocator concurrently, ``append_slots`` can still come back ``None`` (nothing taken),
-    never raise, when the pool ran short in between.
+    draw from the same arena concurrently (and it keeps other models' reserves), ``append_slots`` can still
+    come back ``None`` (nothing taken), never raise, when the pool ran short in between.
 
     NOTE: the manager owns one reference to each page in ``pages(seq)``; ``free(seq)`` drops them all.
-    Only one thread mutates a given manager (its lane); the allocator is the shared, locked part.
+    Only one thread mutates a given manager (its lane); the arena is the shared, locked part.
 
     Block tables are persistent (as in vLLM v1): each sequence holding pages owns a row of a host int32
     table, written when a page is appended or replaced, so a forward gathers its rows in one indexing op
@@ -32,7 +32,8 @@ class KVCacheManager:
         self.name = name
         self.page_size = arena.page_size(name)
         self.kv_cache = arena.view(name)
-        self._allocator = arena.allocator
+        # Makes an event after this lane's last kernel on freed pages; None frees at once (CPU, tests).
+        self.free_event: Callable[[], CompletionEvent] | None = None
         self._pages: dict[Hashable, list[int]] = {}
         self._num_tokens: dict[Hashable, int] = {}
         self._rows: dict[Hashable, int] = {}  # seq -> row of self._table
@@ -58,7 +59,11 @@ class KVCacheManager:
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
         """Whether the pool has the pages ``append_slots`` would take (another lane may take them first)."""
-        return self.pages_needed(seq_id, num_new_tokens) <= self._allocator.num_free()
+        return self.pages_needed(seq_id, num_new_tokens) <= self.arena.available_pages(self.name)
+
+    def num_available_pages(self) -> int:
+        """Pages this model may take now (the arena keeps other models' reserves)."""
+        return self.arena.available_pages(self.name)
 
     def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> list[int] | None:
         """Slots for the next ``num_new_tokens`` tokens of ``seq_id``, allocating pages as needed.
@@ -68,7 +73,7 @@ class KVCacheManager:
         needed = self.pages_needed(seq_id, num_new_tokens)
         pages = self._pages.setdefault(seq_id, [])
         if needed:
-            new = self._allocator.alloc(needed)
+            new = self.arena.alloc(self.name, needed)
             if new is None:
                 if not pages:
                     del self._pages[seq_id]
@@ -88,7 +93,7 @@ class KVCacheManager:
         if row is not None:
             self._free_rows.append(row)
         if pages:
-            self._allocator.free(pages)
+            self.arena.free(self.name, pages, after=self.free_event() if self.free_event else None)
 
     def replace_pages(self, seq_id: Hashable, pages: Sequence[int], num_tokens: int) -> None:
         """Make ``pages`` (already referenced for this manager) hold ``seq_id``'s first ``num_tokens`` tokens.

@@ -88,7 +88,7 @@ class ActorScheduler:
             seq = self.waiting[0]
             n = min(seq.num_pending, budget)
             reserve = self.watermark_pages if self.running else 0
-            if self.cache.pages_needed(seq.seq_id, n) + reserve > self.cache.arena.num_free_pages():
+            if self.cache.pages_needed(seq.seq_id, n) + reserve > self.cache.num_available_pages():
                 break
             slots = self.cache.append_slots(seq.seq_id, n)
             if slots is None:
