@@ -29,9 +29,10 @@ from oppo_engine.model.scorer import (
 )
 from oppo_engine.model.support import check_model, text_config
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
+from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
 from oppo_engine.sched.scheduler import ActorScheduler
 from oppo_engine.sched.sequence import Sequence as _Seq
-from oppo_engine.sched.step import SequentialStep
+from oppo_engine.sched.step import StepLoop
 
 ACTOR, REWARD, REFERENCE, CRITIC = "actor", "reward", "reference", "critic"
 # The streamed scorers, in the order the sequential loop runs them, with the class that drives each.
@@ -45,10 +46,11 @@ _SCORER_CLASSES: dict[str, type[Scorer]] = {
 # CUDA, of the physical memory on the CPU.
 DEFAULT_CUDA_MEMORY_FRACTION = 0.4
 DEFAULT_HOST_MEMORY_FRACTION = 0.25
+# The chunk size of mode="intra" under chunk_size="auto" until the online controller drives it.
+DEFAULT_CHUNK_SIZE = 16
 _MODES_NOT_YET = {
-    "intra": "streamed scoring (mode='intra') arrives with the intra-step overlap issue",
     "inter": "overcommit (mode='inter') arrives with the inter-step overlap issue",
-    "oppo": "mode='oppo' needs both overlaps; they arrive with the intra- and inter-step overlap issues",
+    "oppo": "mode='oppo' needs both overlaps; overcommit arrives with the inter-step overlap issue",
 }
 
 
@@ -284,11 +286,20 @@ class RolloutEngine:
             if name in self._models:
                 cache = self._caches[name] = KVCacheManager(arena, name)
                 scorers.append(scorer_class(ModelRunner(self._models[name], cache, backend=backend)))
-        self._loop = SequentialStep(
+        actor_lane = DeviceLane(self.device, ACTOR_PRIORITY)
+        if actor_lane.stream is not None:
+            actor_cache.free_event = actor_lane.free_event
+        self._loop = StepLoop(
             actor_sched=actor_sched,
             actor=ActorWorker(ModelRunner(self.actor, actor_cache, backend=backend)),
-            scorers=scorers,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            scorer_lane=ScorerLane(
+                scorers,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                timeline=self._timeline,
+                pages_in_use=lambda: arena.num_pages - arena.num_free_pages(),
+                device_lane=DeviceLane(self.device, SCORER_PRIORITY),
+            ),
+            actor_lane=actor_lane,
             timeline=self._timeline,
             pages_in_use=lambda: arena.num_pages - arena.num_free_pages(),
         )
@@ -396,7 +407,7 @@ class RolloutEngine:
             with contextlib.ExitStack() as models:
                 for model in self._models.values():
                     models.enter_context(paged_attention_enabled(unwrap_model(model)))
-                out = self._loop.run(seqs, self._policy_version)
+                out = self._loop.run(seqs, self._policy_version, chunk_size=self._chunk_size())
         except BaseException:
             # Nothing is lost: pages go back, and the sequences (with their seeds) go first in line.
             self._loop.abort()
@@ -412,12 +423,13 @@ class RolloutEngine:
             exposed_scoring_s=out.end_s - out.generation_end_s,
             tokens_generated=out.tokens_generated,
             rollouts=len(out.finished),
-            chunk_size=None,
+            chunk_size=self._chunk_size(),
             overcommit=0,
             deferred=0,
             pages_used=out.peak_pages,
             lane_busy=self._timeline.busy_fraction(t0, out.end_s) if out.end_s > t0 else {},
             gpu_util=gpu.mean_util_pct if gpu is not None else None,
+            handoffs=out.handoffs,
         )
         self._step_index += 1
         log_step(self._step_index, metrics)
@@ -435,6 +447,13 @@ class RolloutEngine:
             for s in out.finished
         ]
         return StepResult(rollouts, metrics)
+
+    def _chunk_size(self) -> int | None:
+        """Tokens per streamed chunk this step; None when the mode does not stream."""
+        if self.config.mode not in ("intra", "oppo"):
+            return None
+        chunk = self.config.chunk_size
+        return DEFAULT_CHUNK_SIZE if chunk == "auto" else chunk
 
     # ------------------------------------------------------------------ between steps
 

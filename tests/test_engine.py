@@ -255,8 +255,8 @@ def test_unavailable_attention_backend_raises(actor, reward):
 
 
 def test_unimplemented_modes_name_their_issue(actor, reward):
-    with pytest.raises(NotImplementedError, match="intra"):
-        RolloutEngine(actor=actor, reward=reward, config=EngineConfig(batch_size=2, mode="intra"))
+    with pytest.raises(NotImplementedError, match="inter-step overlap issue"):
+        RolloutEngine(actor=actor, reward=reward, config=EngineConfig(batch_size=2, mode="inter"))
 
 
 def test_error_mid_decode_frees_actor_and_reward_pages(actor, reward):

@@ -145,8 +145,8 @@ def test_every_prompt_finishes_with_unchanged_tokens_and_no_page_leaks(
     # Scoring the finished sequences in the same arena: every one gets its final chunk, nothing leaks.
     rsched = ScorerScheduler(PrefixScorer(reward_cache), max_num_batched_tokens=token_budget)
     for seq in finished:
-        seq.num_handed_off = seq.num_tokens
         rsched.add(seq)
+        rsched.hand_off(seq, seq.num_tokens, final=True)
     scored = []
     while rsched.has_work:
         chunks = rsched.schedule()

@@ -28,6 +28,8 @@ class StepMetrics:
         pages_used: peak number of KV pages in use during the step, all models together.
         lane_busy: lane name -> fraction of `wall_s` that lane was busy (0..1, overlaps counted once).
         gpu_util: mean GPU utilisation in percent over the step, or `None` without NVML.
+        handoffs: actor -> scorer hand-offs (one per sequence per chunk of new tokens, the prompt included
+            when streaming).
     """
 
     wall_s: float
@@ -41,6 +43,7 @@ class StepMetrics:
     pages_used: int
     lane_busy: dict[str, float]
     gpu_util: float | None
+    handoffs: int = 0
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

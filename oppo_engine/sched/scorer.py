@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.sched.scheduler import ScheduledChunk
-from oppo_engine.sched.sequence import SeqStatus, Sequence
+from oppo_engine.sched.sequence import Sequence
 
 
 class ScorerScheduler:
     """Feeds sequences to one streamed scorer under a per-forward token budget, oldest first.
 
-    A sequence's tokens ``[0, seq.num_handed_off)`` are available to the scorers (all of them once the
-    actor has finished it); each forward prefills the next ones and reserves their slots then, chunk by
-    chunk, so a scorer never holds pages for tokens it has not seen. The chunk that reaches the last token
-    of a finished sequence is marked ``samples`` (its result can be read).
+    The actor lane hands a sequence's tokens over in chunks (``hand_off``: tokens ``[0, upto)`` are
+    available, ``final`` once the sequence has finished); each forward prefills the next available ones
+    and reserves their slots then, chunk by chunk, so a scorer never holds pages for tokens it has not
+    seen. The chunk that reaches the last token of a finished sequence is marked ``samples`` (its result
+    can be read). Only the lane that owns the scheduler calls it: hand-offs reach it through that lane.
 
     When the pool is short, the oldest sequence goes first: younger sequences holding this scorer's pages
     are preempted (pages freed, scorer state dropped, prefilled again from their tokens later), so the
@@ -28,6 +29,7 @@ class ScorerScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.active: list[Sequence] = []  # admission order: oldest first
         self._scored: dict[int, int] = {}  # seq_id -> tokens prefilled
+        self._handed: dict[int, tuple[int, bool]] = {}  # seq_id -> (tokens available, final)
         self.num_preemptions = 0
         self.recomputed_tokens = 0
 
@@ -35,7 +37,12 @@ class ScorerScheduler:
         """Start scoring ``seq`` (its first tokens may follow later)."""
         self.scorer.begin(seq.seq_id, len(seq.prompt_ids), seq.sampling.temperature)
         self._scored[seq.seq_id] = 0
+        self._handed[seq.seq_id] = (0, False)
         self.active.append(seq)
+
+    def hand_off(self, seq: Sequence, upto: int, final: bool) -> None:
+        """Tokens ``[0, upto)`` of ``seq`` may be prefilled; ``final``: they are all it will ever have."""
+        self._handed[seq.seq_id] = (upto, final)
 
     @property
     def has_work(self) -> bool:
@@ -50,7 +57,8 @@ class ScorerScheduler:
         while i < len(self.active) and budget > 0:
             seq = self.active[i]
             start = self._scored[seq.seq_id]
-            n = min(seq.num_handed_off - start, budget)
+            upto, final = self._handed[seq.seq_id]
+            n = min(upto - start, budget)
             if n == 0:
                 i += 1
                 continue
@@ -61,8 +69,8 @@ class ScorerScheduler:
             if slots is None:
                 break  # wait for pages held elsewhere (the actor's, another scorer's)
             self._scored[seq.seq_id] = start + n
-            final = seq.status is SeqStatus.FINISHED and start + n == seq.num_tokens
-            chunks.append(ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, final))
+            last = final and start + n == upto
+            chunks.append(ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, last))
             budget -= n
             i += 1
         return chunks
@@ -84,6 +92,7 @@ class ScorerScheduler:
         self.scorer.release(seq.seq_id)
         self.active.remove(seq)
         del self._scored[seq.seq_id]
+        del self._handed[seq.seq_id]
 
     def _youngest_holding_pages(self, after: int) -> Sequence | None:
         for seq in reversed(self.active[after + 1 :]):

@@ -1,0 +1,234 @@
+"""Lanes: a work queue, the thread that feeds it and, on CUDA, its stream.
+
+The actor's lane is the thread that calls ``step()`` (on CUDA: a high-priority stream). The scorers share
+one lane: their schedulers, a queue of hand-offs from the actor, and -- when streaming -- a worker thread
+(on CUDA: a low-priority stream) that prefills what has been handed off while the actor decodes on. On the
+CPU a lane is just the thread: torch releases the GIL inside its ops, so two lanes overlap.
+
+Neither lane waits for the other on the hot path: the actor hands tokens over (Python ints, so no
+cross-stream event orders their data) and goes on; the scorer lane waits only for hand-offs. The actor
+waits for the scorer lane once, at the end of the step. Pages flow through the arena, whose reserves keep
+either lane from starving the other, and whose deferred frees keep a page from being reused before the
+freeing lane's kernels on it are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from oppo_engine.model.runner import SeqChunk
+from oppo_engine.model.scorer import Scorer
+from oppo_engine.obs import Timeline
+from oppo_engine.sched.scorer import ScorerScheduler
+from oppo_engine.sched.sequence import Sequence
+
+# CUDA stream priorities: lower is higher; out-of-range values map to the device's extremes.
+ACTOR_PRIORITY, SCORER_PRIORITY = -5, 0
+_POLL_S = 0.005  # how often a scorer lane short of pages looks again (a hand-off wakes it at once)
+_STALL_S = 10.0
+
+
+class DeviceLane:
+    """Where a lane's kernels go: a CUDA stream of the given priority, or nothing on the CPU."""
+
+    def __init__(self, device: torch.device, priority: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Issue the block's kernels on this lane's stream (this thread's current device and stream)."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield
+
+    def free_event(self):
+        """An event after this lane's kernels so far: pages freed now are reusable once it completes."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+@dataclass(slots=True)
+class _HandOff:
+    seq: Sequence
+    upto: int
+    final: bool
+
+
+class ScorerLane:
+    """The scorers' lane. The actor thread calls ``add``, ``hand_off`` and ``finish``; the work runs on a
+    worker thread when ``threaded`` (streaming), else inline in ``finish`` (sequential).
+
+    A sequence is scored once every scorer has read its result; ``scored`` lists the sequences in that
+    order and ``last_score_s`` is when the last one was. An exception in the lane is kept and raised in
+    the actor thread (``check``/``finish``) with its original traceback; ``abort`` stops and joins the
+    worker before any page is freed.
+    """
+
+    def __init__(
+        self,
+        scorers: list[Scorer],
+        *,
+        max_num_batched_tokens: int,
+        timeline: Timeline,
+        pages_in_use: Callable[[], int],
+        device_lane: DeviceLane,
+    ) -> None:
+        self.scorers = scorers
+        self.scheds = {
+            s.name: ScorerScheduler(s, max_num_batched_tokens=max_num_batched_tokens)
+            for s in scorers
+            if s.cache is not None
+        }
+        self.timeline = timeline
+        self.pages_in_use = pages_in_use
+        self.device_lane = device_lane
+        if device_lane.stream is not None:
+            for sched in self.scheds.values():
+                sched.cache.free_event = device_lane.free_event
+        self._cond = threading.Condition()
+        self._inbox: list[_HandOff] = []
+        self._closing = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._pending: dict[int, int] = {}  # seq_id -> scorers still to read
+        self.error: BaseException | None = None
+        self.scored: list[Sequence] = []
+        self.last_score_s = 0.0
+        self.peak_pages = 0
+
+    # -- the actor thread's side -----------------------------------------------------------------------
+
+    def start(self, threaded: bool) -> None:
+        """Begin a step; ``threaded`` runs the scorers beside the actor on a worker thread."""
+        self._inbox, self._closing, self._stop = [], False, False
+        self.scored, self.error, self.last_score_s, self.peak_pages = [], None, 0.0, 0
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="oppo-scorer-lane", daemon=True)
+            self._thread.start()
+
+    def add(self, seq: Sequence) -> None:
+        """A sequence of this step: its tokens will be handed off as the actor produces them."""
+        self._post(_HandOff(seq, 0, False))
+
+    def hand_off(self, seq: Sequence, upto: int, final: bool) -> None:
+        """Hand the chunk to the scorers: tokens ``[0, upto)`` of ``seq`` are theirs to prefill."""
+        self._post(_HandOff(seq, upto, final))
+
+    def check(self) -> None:
+        """Raise the lane's exception, if it has one."""
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> None:
+        """No more hand-offs this step: wait until every sequence is scored (or the lane failed)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is None:
+            self._run()
+        else:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    def abort(self) -> None:
+        """Stop and join the worker, then free every scorer page and state of the step."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for sched in self.scheds.values():
+            sched.abort_all()
+        self._pending.clear()
+
+    def _post(self, item: _HandOff) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    # -- the lane's own side ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        idle_after_close = 0.0
+        try:
+            with self.device_lane.active():
+                while True:
+                    with self._cond:
+                        if self._stop:
+                            return
+                        inbox, self._inbox = self._inbox, []
+                        closing = self._closing
+                    self._take(inbox)
+                    if self._round():
+                        idle_after_close = 0.0
+                        continue
+                    if closing and not self._pending:
+                        return
+                    if closing and not inbox:
+                        # The actor is done and holds no pages, so only deferred frees can still be on
+                        # their way; a lane idle for long after that can never progress: fail, not hang.
+                        idle_after_close += _POLL_S
+                        if idle_after_close > _STALL_S:
+                            raise RuntimeError(
+                                f"scorer lane made no progress for {_STALL_S:.0f} s with "
+                                f"{len(self._pending)} sequences unscored: the cache cannot hold them"
+                            )
+                    with self._cond:
+                        if not self._inbox and not self._stop and self._closing == closing:
+                            # Nothing handed off yet, or pages short until the actor frees some.
+                            self._cond.wait(timeout=_POLL_S if self._pending else None)
+        except BaseException as e:  # surfaced in the actor thread, with its traceback
+            self.error = e
+
+    def _take(self, inbox: list[_HandOff]) -> None:
+        for h in inbox:
+            seq = h.seq
+            if seq.seq_id not in self._pending:
+                self._pending[seq.seq_id] = len(self.scorers)
+                for sched in self.scheds.values():
+                    sched.add(seq)
+            for sched in self.scheds.values():
+                sched.hand_off(seq, h.upto, h.final)
+            if h.final:
+                for scorer in self.scorers:
+                    if scorer.cache is None:  # read once, now that the sequence is whole
+                        with self.timeline.span(scorer.name, "score"):
+                            result = scorer.finish(seq.seq_id, seq.prompt_ids, seq.response_ids)
+                        self._completed(seq, scorer, result)
+
+    def _round(self) -> bool:
+        """One forward per scorer that has tokens to prefill; True if any ran."""
+        worked = False
+        for name, sched in self.scheds.items():
+            chunks = sched.schedule()
+            if not chunks:
+                continue
+            worked = True
+            self.peak_pages = max(self.peak_pages, self.pages_in_use())
+            with self.timeline.span(name, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
+                sched.scorer.prefill([SeqChunk(c.seq.seq_id, c.token_ids, c.slots) for c in chunks])
+            for c in chunks:
+                if c.samples:  # the chunk that reaches the last token completes the result
+                    self._completed(c.seq, sched.scorer, sched.complete(c.seq))
+        return worked
+
+    def _completed(self, seq: Sequence, scorer: Scorer, result) -> None:
+        setattr(seq, scorer.field, result)
+        self._pending[seq.seq_id] -= 1
+        if self._pending[seq.seq_id] == 0:
+            del self._pending[seq.seq_id]
+            self.scored.append(seq)
+            self.last_score_s = time.perf_counter()
