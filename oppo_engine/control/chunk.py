@@ -1,0 +1,340 @@
+"""Chunk-size control for the intra-step overlap (streamed scoring).
+
+The actor decodes ``C`` tokens per running sequence, then hands the new tokens to the scorers, which
+prefill them on a lower-priority lane while the actor decodes the next chunk. ``C`` trades two costs
+(OPPO, intra-step overlap): a small chunk means many hand-offs and a scorer prefill beside almost every decode
+iteration (context switches and contention); a large chunk overlaps little, so more prefill is left
+exposed after the last token. The paper observes that this trade-off is monotone and predictable, and that
+PPO runs for hundreds of steps, so it tries a few candidates every so often and keeps the fastest; here a
+cost model built from a measured :class:`SwitchProfile` chooses which candidates are worth a step.
+
+Pure Python: no torch, no numpy. The scheduler measures; this module decides.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkControl:
+    """Settings of the online chunk-size search (``EngineConfig.chunk``).
+
+    ``candidates``: chunk sizes to choose from, strictly increasing. ``explore_period``: steps on the
+    incumbent between two explorations. ``explore_top``: how many of the best-ranked candidates an
+    exploration covers, the incumbent included (it is not re-run: its recent steps are its measurement).
+    ``min_samples``: steps of the incumbent needed before its noise is trusted (an exploration waits for
+    them), and the length of the recent window in the drift test. ``noise_sigmas`` and ``noise_floor``
+    set the noise band (see :class:`ChunkSizeController`); ``noise_window`` is how many recent steps of
+    the incumbent the band is estimated from.
+    """
+
+    candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
+    explore_period: int = 10
+    explore_top: int = 3
+    min_samples: int = 3
+    noise_sigmas: float = 2.0
+    noise_floor: float = 0.02
+    noise_window: int = 20
+
+    def __post_init__(self) -> None:
+        candidates = tuple(self.candidates)
+        if not candidates or not all(_is_int(c) and c >= 1 for c in candidates):
+            raise ValueError(
+                f"ChunkControl.candidates must be a non-empty tuple of ints >= 1, got {candidates!r}"
+            )
+        if any(a >= b for a, b in zip(candidates, candidates[1:], strict=False)):
+            raise ValueError(f"ChunkControl.candidates must be strictly increasing, got {candidates!r}")
+        object.__setattr__(self, "candidates", candidates)
+        if not _is_int(self.explore_period) or self.explore_period < 1:
+            raise ValueError(f"ChunkControl.explore_period must be an int >= 1, got {self.explore_period!r}")
+        if not _is_int(self.explore_top) or not 1 <= self.explore_top <= len(candidates):
+            raise ValueError(
+                f"ChunkControl.explore_top must be an int in [1, {len(candidates)}] (the number of "
+                f"candidates), got {self.explore_top!r}"
+            )
+        if not _is_int(self.min_samples) or self.min_samples < 2:
+            raise ValueError(f"ChunkControl.min_samples must be an int >= 2, got {self.min_samples!r}")
+        if not _is_real(self.noise_sigmas) or self.noise_sigmas < 0:
+            raise ValueError(
+                f"ChunkControl.noise_sigmas must be a finite number >= 0, got {self.noise_sigmas!r}"
+            )
+        if not _is_real(self.noise_floor) or not 0 <= self.noise_floor < 1:
+            raise ValueError(f"ChunkControl.noise_floor must be in [0, 1), got {self.noise_floor!r}")
+        if not _is_int(self.noise_window) or self.noise_window < 2 * self.min_samples:
+            raise ValueError(
+                f"ChunkControl.noise_window must be an int >= 2 * min_samples ({2 * self.min_samples}), "
+                f"got {self.noise_window!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchProfile:
+    """What the switch-cost profiler (``sched/``) measured; the input of the cost model.
+
+    Switch costs: ``handoff_s``, the fixed cost of one hand-off of a chunk from the actor to the scorers
+    (metadata, launches, synchronisation), whatever its size; ``prefill_s_per_token``, the scorers' prefill
+    time per token (all scorers together); ``decode_iter_s``, one actor decode iteration with nothing
+    beside it; ``slowdown``, chunk size -> the mean fractional slowdown of the actor's decode iterations
+    during a chunk period in which the scorers prefill a chunk of that size beside them (0.25 = 25%
+    slower; sizes not measured are interpolated linearly in log2 of the size, held flat outside).
+    Workload, from recent steps: ``running_seqs``, mean sequences per decode iteration; ``tail_seqs``,
+    sequences whose last chunk is still unscored when the step's last token is produced;
+    ``tokens_per_step``, tokens generated per step.
+    """
+
+    handoff_s: float
+    prefill_s_per_token: float
+    decode_iter_s: float
+    slowdown: Mapping[int, float]
+    running_seqs: float
+    tail_seqs: float
+    tokens_per_step: float
+
+    def __post_init__(self) -> None:
+        for name in ("handoff_s", "prefill_s_per_token", "decode_iter_s", "tail_seqs"):
+            value = getattr(self, name)
+            if not _is_real(value) or value < 0:
+                raise ValueError(f"SwitchProfile.{name} must be a finite number >= 0, got {value!r}")
+        for name in ("running_seqs", "tokens_per_step"):
+            value = getattr(self, name)
+            if not _is_real(value) or value <= 0:
+                raise ValueError(f"SwitchProfile.{name} must be a finite number > 0, got {value!r}")
+        slowdown = dict(self.slowdown)
+        for size, value in slowdown.items():
+            if not _is_int(size) or size < 1 or not _is_real(value) or value < 0:
+                raise ValueError(
+                    "SwitchProfile.slowdown maps chunk sizes (ints >= 1) to slowdowns (finite, >= 0; clamp "
+                    f"measurement noise at 0), got {size!r}: {value!r}"
+                )
+        object.__setattr__(self, "slowdown", slowdown)
+
+    def slowdown_at(self, chunk_size: int) -> float:
+        """The decode slowdown beside a prefill of ``chunk_size``, interpolated in log2 of the size."""
+        if not self.slowdown:
+            return 0.0
+        sizes = sorted(self.slowdown)
+        if chunk_size <= sizes[0]:
+            return self.slowdown[sizes[0]]
+        if chunk_size >= sizes[-1]:
+            return self.slowdown[sizes[-1]]
+        hi = next(i for i, s in enumerate(sizes) if s >= chunk_size)
+        a, b = sizes[hi - 1], sizes[hi]
+        w = (math.log2(chunk_size) - math.log2(a)) / (math.log2(b) - math.log2(a))
+        return self.slowdown[a] + w * (self.slowdown[b] - self.slowdown[a])
+
+
+def predicted_seconds_per_token(profile: SwitchProfile, chunk_size: int) -> float:
+    """The cost model: predicted step time per generated token with chunk size ``C``.
+
+    With ``N = tokens_per_step / running_seqs`` decode iterations per step, per-iteration decode time
+    ``d``, slowdown ``σ(C)``, hand-off cost ``h``, ``k`` tail sequences and prefill time per token ``p``::
+
+        step(C) = N·d·(1 + σ(C))     actor decode, slowed by the scorers' prefill beside it
+                + (N / C)·h          one hand-off every C iterations
+                + C·k·p              exposed tail: after the last token, the last chunk (up to C tokens
+                                     of each of the k tail sequences) is prefilled with nothing to hide
+                                     behind
+        per_token(C) = step(C) / tokens_per_step
+
+    The hand-off term falls as ``1/C`` and the tail grows as ``C`` (the paper's "too small: context
+    switches and contention; too large: little overlap"), so without interference the optimum is
+    ``C* = sqrt(N·h / (k·p))``; ``σ(C)`` moves it (on a GPU a larger prefill steals more of the SMs; on a
+    CPU any concurrent prefill oversubscribes the cores). The model only ranks candidates: measured step
+    times decide, so what it leaves out (scorer backlog, scheduling) costs at most a wasted exploration.
+    """
+    iterations = profile.tokens_per_step / profile.running_seqs
+    actor = iterations * profile.decode_iter_s * (1.0 + profile.slowdown_at(chunk_size))
+    handoffs = iterations / chunk_size * profile.handoff_s
+    tail = chunk_size * profile.tail_seqs * profile.prefill_s_per_token
+    return (actor + handoffs + tail) / profile.tokens_per_step
+
+
+class ChunkRecord(NamedTuple):
+    """One observed step: its index, the chunk size it ran, and its wall time per generated token."""
+
+    step: int
+    chunk_size: int
+    seconds_per_token: float
+
+
+class ChunkSizeController:
+    """Chooses the chunk size ``C`` of each step from measured step times.
+
+    Cycle: an *exploration* runs each of the ``explore_top`` best-ranked candidates for one step (the
+    incumbent, if among them, is skipped: its recent steps are its measurement); then the incumbent runs
+    for ``explore_period`` steps; repeat. The first exploration has no incumbent and adopts the fastest
+    candidate it measured. Ranking: the cost model (:func:`predicted_seconds_per_token`) once a profile is
+    set; without one, closeness in the candidate list to the incumbent (to the middle candidate at first),
+    which makes the search a local descent that moves to a better neighbour one exploration at a time.
+
+    Noise rule (a band in seconds per token, estimated from the incumbent's own repeated steps): with
+    ``m`` and ``s`` the mean and sample standard deviation of the incumbent's recent per-token times (up to
+    ``noise_window`` steps, at least ``min_samples``), ``band = max(noise_sigmas · s, noise_floor · m)``.
+    While the incumbent has fewer than ``2 · min_samples`` steps (just after a switch or a drift), ``s`` is
+    at least the relative noise ``s / m`` last measured over ``2 · min_samples`` or more steps, times
+    ``m``: timing noise is roughly multiplicative, and three steps alone estimate it poorly. A challenger
+    replaces the incumbent only if its mean stays below ``m - band`` over ``min_samples`` steps: its
+    exploration step, then confirming steps, each re-checking the mean so far (the first that lifts it
+    above the band ends the challenge). One lucky step never switches; a false switch needs
+    ``min_samples`` lucky steps in a row. The relative floor keeps a deterministic or lucky-quiet
+    incumbent from switching on rounding-level differences.
+
+    Drift: on every step of the incumbent with at least ``2 · min_samples`` recent steps, the mean of its
+    last ``min_samples`` is compared with the mean of the earlier ones; a difference beyond the band of the
+    earlier ones means the landscape moved (longer responses, another Δ, another machine load). The
+    incumbent's steps are then dropped (those that revealed the drift were selected for being extreme),
+    and an exploration starts as soon as ``min_samples`` fresh steps measure the new level.
+
+    Only sizes it has measured become the incumbent, so :meth:`chunk_size` returns an unmeasured size
+    only in an exploration step. ``fixed=int`` always returns that size; :meth:`observe` still records.
+    """
+
+    def __init__(self, control: ChunkControl | None = None, *, fixed: int | None = None) -> None:
+        if fixed is not None and (not _is_int(fixed) or fixed < 1):
+            raise ValueError(f"fixed chunk size must be an int >= 1 or None, got {fixed!r}")
+        self.control = control if control is not None else ChunkControl()
+        self.fixed = fixed
+        self.history: list[ChunkRecord] = []
+        self._profile: SwitchProfile | None = None
+        self._incumbent: int | None = None
+        # NOTE: recent per-token times of the incumbent only; challengers are measured afresh in each
+        # exploration (_trial), so stale numbers never decide.
+        self._recent: deque[float] = deque(maxlen=self.control.noise_window)
+        self._relative_noise: float | None = None
+        self._plan: deque[int] = deque()
+        self._trial: dict[int, list[float]] = {}
+        self._since_exploration = 0
+        self._exploration_due = False
+        if fixed is None:
+            self._start_exploration()
+
+    @property
+    def incumbent(self) -> int | None:
+        """The chunk size in use between explorations (``None`` until the first exploration ends)."""
+        return self.fixed if self.fixed is not None else self._incumbent
+
+    @property
+    def exploring(self) -> bool:
+        """Whether the next step is an exploration (or confirming) step."""
+        return bool(self._plan)
+
+    def set_profile(self, profile: SwitchProfile | None) -> None:
+        """Rank candidates with the cost model on ``profile`` from the next exploration on (from the first,
+        if no step has been measured yet)."""
+        self._profile = profile
+        if self.fixed is None and self._incumbent is None and not self._trial:
+            self._start_exploration()
+
+    def ranking(self) -> list[int]:
+        """The candidates, most promising first (see the class docstring)."""
+        candidates = self.control.candidates
+        if self._profile is not None:
+            profile = self._profile
+            return sorted(candidates, key=lambda c: (predicted_seconds_per_token(profile, c), c))
+        middle = candidates[(len(candidates) - 1) // 2]
+        anchor = candidates.index(self._incumbent if self._incumbent is not None else middle)
+        return sorted(candidates, key=lambda c: (abs(candidates.index(c) - anchor), c))
+
+    def chunk_size(self) -> int:
+        """The chunk size for the next step."""
+        if self.fixed is not None:
+            return self.fixed
+        if self._plan:
+            return self._plan[0]
+        assert self._incumbent is not None  # NOTE: the plan is non-empty until the first decision
+        return self._incumbent
+
+    def observe(self, chunk_size: int, step_seconds: float, tokens_generated: int) -> None:
+        """Record a finished step that ran ``chunk_size`` for ``step_seconds`` and generated tokens.
+
+        A step that generated no tokens carries no per-token information and is ignored. A size other
+        than the one planned (the scheduler clipped it, say) is recorded in ``history`` only.
+        """
+        if not _is_int(chunk_size) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        if not _is_real(step_seconds) or step_seconds < 0:
+            raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
+        if not _is_int(tokens_generated) or tokens_generated < 0:
+            raise ValueError(f"tokens_generated must be an int >= 0, got {tokens_generated!r}")
+        if tokens_generated == 0:
+            return
+        per_token = step_seconds / tokens_generated
+        self.history.append(ChunkRecord(len(self.history), chunk_size, per_token))
+        if self.fixed is not None or chunk_size != self.chunk_size():
+            return
+        if self._plan:
+            self._plan.popleft()
+            self._trial.setdefault(chunk_size, []).append(per_token)
+            if not self._plan:
+                self._decide()
+            return
+        self._recent.append(per_token)
+        self._since_exploration += 1
+        if self._drifted():
+            self._recent.clear()
+            self._exploration_due = True
+        else:
+            self._update_relative_noise()
+            if self._since_exploration >= self.control.explore_period:
+                self._exploration_due = True
+        if self._exploration_due and len(self._recent) >= self.control.min_samples:
+            self._start_exploration()
+
+    def _band(self, samples: list[float]) -> float:
+        c = self.control
+        mean = statistics.fmean(samples)
+        sd = statistics.stdev(samples) if len(samples) > 1 else 0.0
+        if len(samples) < 2 * c.min_samples and self._relative_noise is not None:
+            sd = max(sd, self._relative_noise * mean)
+        return max(c.noise_sigmas * sd, c.noise_floor * mean)
+
+    def _update_relative_noise(self) -> None:
+        if len(self._recent) >= 2 * self.control.min_samples:
+            mean = statistics.fmean(self._recent)
+            if mean > 0:
+                self._relative_noise = statistics.stdev(self._recent) / mean
+
+    def _drifted(self) -> bool:
+        m = self.control.min_samples
+        if len(self._recent) < 2 * m:
+            return False
+        samples = list(self._recent)
+        earlier, recent = samples[:-m], samples[-m:]
+        return abs(statistics.fmean(recent) - statistics.fmean(earlier)) > self._band(earlier)
+
+    def _start_exploration(self) -> None:
+        top = self.ranking()[: self.control.explore_top]
+        self._plan = deque(c for c in top if c != self._incumbent)
+        self._trial = {}
+        self._since_exploration = 0
+        self._exploration_due = False
+
+    def _decide(self) -> None:
+        # NOTE: a winner's trial steps were selected for being fast, so they are biased low; an incumbent's
+        # noise and drift are estimated from its own later steps only.
+        means = {c: statistics.fmean(xs) for c, xs in self._trial.items()}
+        best = min(means, key=lambda c: (means[c], c))
+        if self._incumbent is None:
+            self._incumbent = best
+            return
+        samples = list(self._recent)
+        if means[best] < statistics.fmean(samples) - self._band(samples):
+            if len(self._trial[best]) < self.control.min_samples:
+                self._plan.append(best)  # NOTE: a confirming step; at most min_samples per challenger
+                return
+            self._incumbent = best
+            self._recent.clear()
