@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+
+from oppo_engine.control import ChunkControl, DeltaControl
 
 MODES = ("sequential", "intra", "inter", "oppo")
 RETAINED_KV_POLICIES = ("recompute", "reuse")
@@ -10,7 +12,10 @@ RETAINED_KV_POLICIES = ("recompute", "reuse")
 # error, not a silent no-op.
 _KNOB_MODES = {
     "chunk_size": ("intra", "oppo"),  # streamed scoring
+    "chunk": ("intra", "oppo"),  # the online chunk-size search
     "overcommit": ("inter", "oppo"),  # the overcommit buffer
+    "delta": ("inter", "oppo"),  # the online overcommit control
+    "max_deferrals": ("inter", "oppo"),
     "retained_kv": ("inter", "oppo"),  # deferred sequences across a policy update
 }
 
@@ -52,9 +57,11 @@ class EngineConfig:
     ``inter`` (overcommit), ``oppo`` (both). ``chunk_size`` (tokens per streamed chunk) and ``overcommit``
     (Δ) are ints or ``"auto"`` (online control). A knob set explicitly that the chosen mode ignores
     (``chunk_size`` outside ``intra``/``oppo``; ``overcommit`` and ``retained_kv`` outside
-    ``inter``/``oppo``) raises ``ValueError``; defaults never do. ``kv_cache_bytes=None`` sizes the arena
-    for B sequences of ``max_model_len`` tokens in every model, capped to 40% of the free device memory on
-    CUDA or 25% of the RAM on the CPU.
+    ``inter``/``oppo``) raises ``ValueError``; defaults never do. ``chunk`` (``ChunkControl``) sets the
+    online chunk-size search of ``chunk_size="auto"``; ``delta`` (``DeltaControl``) the online Δ of
+    ``overcommit="auto"``; ``max_deferrals`` bounds how many steps a sequence may be deferred.
+    ``kv_cache_bytes=None`` sizes the arena for B sequences of ``max_model_len`` tokens in every model,
+    capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only).
     """
@@ -69,6 +76,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     retained_kv: str = "recompute"
     attention_backend: str = "triton"
+    chunk: ChunkControl = field(default_factory=ChunkControl)
+    delta: DeltaControl = field(default_factory=DeltaControl)
+    max_deferrals: int = 4
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -101,7 +111,23 @@ class EngineConfig:
                 "EngineConfig.attention_backend must be 'triton' or 'flash_attn', "
                 f"got {self.attention_backend!r}"
             )
-        defaults = {f.name: f.default for f in fields(self)}
+        if not isinstance(self.chunk, ChunkControl):
+            raise ValueError(f"EngineConfig.chunk must be a ChunkControl, got {self.chunk!r}")
+        if not isinstance(self.delta, DeltaControl):
+            raise ValueError(f"EngineConfig.delta must be a DeltaControl, got {self.delta!r}")
+        if self.max_deferrals < 1:
+            raise ValueError(f"EngineConfig.max_deferrals must be >= 1, got {self.max_deferrals}")
+        if self.chunk != ChunkControl() and self.chunk_size != "auto":
+            raise ValueError(
+                f"EngineConfig.chunk is ignored with chunk_size={self.chunk_size!r}: the search runs only "
+                "under chunk_size='auto'"
+            )
+        if self.delta != DeltaControl() and self.overcommit != "auto":
+            raise ValueError(
+                f"EngineConfig.delta is ignored with overcommit={self.overcommit!r}: the controller runs "
+                "only under overcommit='auto'"
+            )
+        defaults = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(self)}
         for name, modes in _KNOB_MODES.items():
             value = getattr(self, name)
             if value != defaults[name] and self.mode not in modes:

@@ -15,6 +15,7 @@ from oppo_engine import ops
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.config import EngineConfig, SamplingParams
+from oppo_engine.control import ChunkSizeController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.runner import ModelRunner, unwrap_model
@@ -30,9 +31,10 @@ from oppo_engine.model.scorer import (
 from oppo_engine.model.support import check_model, text_config
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
+from oppo_engine.sched.profiler import SwitchCostProfiler
 from oppo_engine.sched.scheduler import ActorScheduler
 from oppo_engine.sched.sequence import Sequence as _Seq
-from oppo_engine.sched.step import StepLoop
+from oppo_engine.sched.step import StepLoop, StepOutcome
 
 ACTOR, REWARD, REFERENCE, CRITIC = "actor", "reward", "reference", "critic"
 # The streamed scorers, in the order the sequential loop runs them, with the class that drives each.
@@ -46,8 +48,6 @@ _SCORER_CLASSES: dict[str, type[Scorer]] = {
 # CUDA, of the physical memory on the CPU.
 DEFAULT_CUDA_MEMORY_FRACTION = 0.4
 DEFAULT_HOST_MEMORY_FRACTION = 0.25
-# The chunk size of mode="intra" under chunk_size="auto" until the online controller drives it.
-DEFAULT_CHUNK_SIZE = 16
 _MODES_NOT_YET = {
     "inter": "overcommit (mode='inter') arrives with the inter-step overlap issue",
     "oppo": "mode='oppo' needs both overlaps; overcommit arrives with the inter-step overlap issue",
@@ -198,6 +198,12 @@ class RolloutEngine:
                     f"attention_backend={self.config.attention_backend!r} cannot be used: {reason}"
                 )
         self._timeline = Timeline()
+        # Streaming modes: the chunk size is fixed, or chosen online from the switch-cost profile.
+        self._chunk_control: ChunkSizeController | None = None
+        if self.config.mode in ("intra", "oppo"):
+            fixed = self.config.chunk_size if isinstance(self.config.chunk_size, int) else None
+            self._chunk_control = ChunkSizeController(self.config.chunk, fixed=fixed)
+            self._profiler = SwitchCostProfiler(ACTOR, [REWARD, *(n for n in self._models if n != ACTOR)])
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
         self._pending: deque[tuple[list[int], SamplingParams | None]] = deque()
         self._requeued: deque[_Seq] = deque()  # sequences of a failed step, reset, taken first
@@ -398,6 +404,7 @@ class RolloutEngine:
         """
         self._check_open()
         seqs = self._take_prompts(self.config.batch_size)
+        chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
         t0 = time.perf_counter()
         self._timeline.clear()
         if self._gpu is not None:
@@ -407,7 +414,7 @@ class RolloutEngine:
             with contextlib.ExitStack() as models:
                 for model in self._models.values():
                     models.enter_context(paged_attention_enabled(unwrap_model(model)))
-                out = self._loop.run(seqs, self._policy_version, chunk_size=self._chunk_size())
+                out = self._loop.run(seqs, self._policy_version, chunk_size=chunk_size)
         except BaseException:
             # Nothing is lost: pages go back, and the sequences (with their seeds) go first in line.
             self._loop.abort()
@@ -423,7 +430,7 @@ class RolloutEngine:
             exposed_scoring_s=out.end_s - out.generation_end_s,
             tokens_generated=out.tokens_generated,
             rollouts=len(out.finished),
-            chunk_size=self._chunk_size(),
+            chunk_size=chunk_size,
             overcommit=0,
             deferred=0,
             pages_used=out.peak_pages,
@@ -431,6 +438,8 @@ class RolloutEngine:
             gpu_util=gpu.mean_util_pct if gpu is not None else None,
             handoffs=out.handoffs,
         )
+        if chunk_size is not None:
+            self._observe_chunk(chunk_size, out, metrics.wall_s)
         self._step_index += 1
         log_step(self._step_index, metrics)
         rollouts = [
@@ -448,12 +457,19 @@ class RolloutEngine:
         ]
         return StepResult(rollouts, metrics)
 
-    def _chunk_size(self) -> int | None:
-        """Tokens per streamed chunk this step; None when the mode does not stream."""
-        if self.config.mode not in ("intra", "oppo"):
-            return None
-        chunk = self.config.chunk_size
-        return DEFAULT_CHUNK_SIZE if chunk == "auto" else chunk
+    def _observe_chunk(self, chunk_size: int, out: StepOutcome, wall_s: float) -> None:
+        """Feed the chunk-size controller this step's time per token and the lanes' switch-cost profile."""
+        self._chunk_control.observe(chunk_size, wall_s, out.tokens_generated)
+        finish_times = [s.finish_time for s in out.finished if s.finish_time is not None]
+        spans = self._timeline.spans()
+        profile = self._profiler.observe(spans, chunk_size, out.tokens_generated, finish_times)
+        if profile is not None:
+            self._chunk_control.set_profile(profile)
+
+    @property
+    def chunk_history(self) -> list:
+        """``(step, chunk_size, seconds per generated token)`` of every streamed step (empty otherwise)."""
+        return list(self._chunk_control.history) if self._chunk_control is not None else []
 
     # ------------------------------------------------------------------ between steps
 

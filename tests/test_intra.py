@@ -170,3 +170,20 @@ def test_failure_in_any_lane_surfaces_leaks_nothing_and_the_retry_is_exact(model
         assert_same_rollouts(got, want)
         assert engine.step().rollouts == []
         assert_all_pages_free(engine)
+
+
+def test_auto_chunk_size_explores_measured_candidates_and_profiles_the_lanes(models):
+    from oppo_engine.control import ChunkControl
+
+    control = ChunkControl(
+        candidates=(2, 4, 8), explore_period=2, explore_top=2, min_samples=2, noise_window=4
+    )
+    engine = make_engine(models, "intra", batch_size=3, chunk=control)
+    engine.add_prompts(random_prompts(3 * 8, seed=8))
+    sizes = []
+    while (result := engine.step()).rollouts:
+        sizes.append(result.metrics.chunk_size)
+    assert set(sizes) <= set(control.candidates) and len(set(sizes)) >= 2  # it explored
+    assert [c for _, c, _ in engine.chunk_history] == sizes
+    profile = engine._profiler.observe(engine.timeline.spans(), sizes[-1], 1, [])
+    assert profile is None or (profile.decode_iter_s > 0 and profile.running_seqs > 0)

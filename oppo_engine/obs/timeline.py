@@ -22,6 +22,11 @@ class Span:
     end_s: float
     args: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def duration_s(self) -> float:
+        """Seconds the lane was busy with it."""
+        return self.end_s - self.start_s
+
 
 class Timeline:
     """Intervals of work per lane (actor decode, scorer prefill, ...), recorded from any thread.

@@ -1,0 +1,92 @@
+"""The switch-cost profiler: what streaming to the scorers costs, timed on the lanes' own spans.
+
+From one streamed step's timeline (each lane's forwards, with their token counts) it measures:
+
+- the scorers' prefill cost as a line ``duration = handoff_s + tokens * prefill_s_per_token`` (least
+  squares over their forwards): the intercept is the fixed cost of a hand-off (metadata, launches,
+  synchronisation), whatever the chunk size;
+- the actor's decode iteration alone (``decode_iter_s``: the median forward no scorer work overlapped),
+  and how much slower it runs while a scorer prefill runs beside it, for this step's chunk size;
+- the workload: sequences per iteration, tokens per step, and the sequences whose last chunk was still
+  unscored when the step's last token came out.
+
+The spans are wall-clock times of the host: on the CPU that is the work itself; on CUDA each actor
+iteration ends in a host sync of its sampled tokens, so an actor span covers its kernels too. The numbers
+feed :class:`oppo_engine.control.ChunkSizeController`, which only ranks candidates with them: the step
+times it measures decide.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+from oppo_engine.control import SwitchProfile
+from oppo_engine.obs.timeline import Span
+
+_EMA = 0.5  # weight of the newest step in the running estimates
+
+
+class SwitchCostProfiler:
+    """Accumulates a :class:`SwitchProfile` over streamed steps (``observe`` once per step)."""
+
+    def __init__(self, actor_lane: str, scorer_lanes: Iterable[str]) -> None:
+        self.actor_lane = actor_lane
+        self.scorer_lanes = frozenset(scorer_lanes)
+        self._slowdown: dict[int, float] = {}
+        self._fields: dict[str, float] = {}
+
+    def observe(
+        self, spans: list[Span], chunk_size: int, tokens_generated: int, finish_times: list[float]
+    ) -> SwitchProfile | None:
+        """Fold one step in; returns the profile so far, or None while a field cannot be measured yet."""
+        actor = [s for s in spans if s.lane == self.actor_lane]
+        scorer = [s for s in spans if s.lane in self.scorer_lanes and s.name == "prefill"]
+        if not actor or not scorer or tokens_generated == 0:
+            return None
+        busy = sorted((s.start_s, s.end_s) for s in scorer)
+        alone = [s.duration_s for s in actor if not _overlaps(s, busy)]
+        beside = [s.duration_s for s in actor if _overlaps(s, busy)]
+        decode_iter = statistics.median(alone or beside)
+        if alone and beside:
+            self._slowdown[chunk_size] = self._blend(
+                self._slowdown.get(chunk_size), max(0.0, statistics.median(beside) / decode_iter - 1.0)
+            )
+        handoff, per_token = _fit_line(
+            [(float(s.args["tokens"]), s.duration_s) for s in scorer], per_lane=len({s.lane for s in scorer})
+        )
+        generation_end = max(s.end_s for s in actor)
+        window = chunk_size * decode_iter
+        measured = {
+            "handoff_s": handoff,
+            "prefill_s_per_token": per_token,
+            "decode_iter_s": decode_iter,
+            "running_seqs": tokens_generated / len(actor),
+            "tail_seqs": float(sum(1 for t in finish_times if t >= generation_end - window)),
+            "tokens_per_step": float(tokens_generated),
+        }
+        for name, value in measured.items():
+            self._fields[name] = self._blend(self._fields.get(name), value)
+        return SwitchProfile(slowdown=dict(self._slowdown), **self._fields)
+
+    @staticmethod
+    def _blend(old: float | None, new: float) -> float:
+        return new if old is None else (1 - _EMA) * old + _EMA * new
+
+
+def _overlaps(span: Span, busy: list[tuple[float, float]]) -> bool:
+    return any(start < span.end_s and span.start_s < end for start, end in busy)
+
+
+def _fit_line(points: list[tuple[float, float]], per_lane: int) -> tuple[float, float]:
+    """Least-squares ``duration = a + b * tokens`` over forwards of ``per_lane`` scorers; returns the
+    per-hand-off intercept and the per-token slope of all scorers together (both clamped at 0)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var > 0 else 0.0
+    slope = max(0.0, slope)
+    intercept = max(0.0, mean_y - slope * mean_x)
+    # Each hand-off runs one forward per scorer: the fixed cost and the per-token cost add up over them.
+    return intercept * per_lane, slope * per_lane
