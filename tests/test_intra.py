@@ -192,9 +192,8 @@ def test_auto_chunk_size_explores_measured_candidates_and_profiles_the_lanes(mod
 @pytest.mark.cuda
 def test_streams_on_cuda_equal_sequential_and_hf():
     """The two-stream path: the actor on a high-priority stream, the scorers on a low-priority one."""
-    cuda = {name: make() .to("cuda") for name, make in (
-        ("actor", make_actor), ("reward", make_reward), ("reference", make_reference), ("critic", make_critic),
-    )}  # fmt: skip
+    makers = dict(actor=make_actor, reward=make_reward, reference=make_reference, critic=make_critic)
+    cuda = {name: make().to("cuda") for name, make in makers.items()}
     prompts = random_prompts(8, seed=31, max_len=13)
     want = run(make_engine(cuda, "sequential"), prompts)
     engine = make_engine(cuda, "intra", chunk_size=3)
