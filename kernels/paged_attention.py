@@ -374,6 +374,18 @@ def _check_batch(
             raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
 
 
+def check_window_softcap(sliding_window: int | None, softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``sliding_window`` is None or an int >= 1 and ``softcap`` None or > 0."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, int | float) or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+
+
 def _check_call(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -393,14 +405,7 @@ def _check_call(
         raise ValueError(f"kv_cache is on {kv_cache.device} but q is on {q.device}")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < kv_cache.shape[1]:
         raise ValueError(f"layer must be an int in [0, {kv_cache.shape[1]}), got {layer!r}")
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, int | float) or not 0 < softcap < math.inf
-    ):
-        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    check_window_softcap(sliding_window, softcap)
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(
