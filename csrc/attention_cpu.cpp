@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -23,6 +24,7 @@ namespace {
 
 constexpr int64_t kKeyTile = 32;      // keys per tile: its scores, K and V stay in L1 up to D = 128
 constexpr int64_t kRowsPerItem = 64;  // query rows (tokens x group heads) per work item
+constexpr int64_t kDotRows = 8;       // up to this many rows, scores are dot products off the key rows
 // Below this many multiply-adds a call stays on the calling thread: waking the pool would cost more.
 constexpr int64_t kSerialWork = 1 << 15;
 
@@ -57,56 +59,146 @@ inline float tanh_vec(float x) {
   return std::copysign((1.0f - e) / (1.0f + e), x);
 }
 
+// 16 fp32 lanes as a GCC/Clang vector: one zmm in the AVX-512 clone, two ymm or four xmm in the others.
+// Written out because the compiler keeps neither the scores of a row across the head_dim loop nor an
+// accumulator row across the key loop in registers on its own (a store-to-load chain per step instead).
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kScoreRows = 4;  // rows whose scores are computed together (8 accumulators)
+
+inline __attribute__((always_inline)) vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline __attribute__((always_inline)) void store(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+inline __attribute__((always_inline)) float hsum(vf v) {  // by halves: a lane-by-lane sum is 15 dependent adds
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// acc rows a0, a1 [NV * 16] += sum_j p0[j] / p1[j] * v_rows[j][c0 .. c0 + NV * 16).
+template <int NV>
+inline __attribute__((always_inline)) void pv_block(float* a0, float* a1, const float* p0, const float* p1,
+                                                    const float* const* v_rows, int64_t c0, int64_t nk) {
+  vf x0[NV], x1[NV];
+  for (int i = 0; i < NV; ++i) {
+    x0[i] = load(a0 + i * kLanes);
+    x1[i] = load(a1 + i * kLanes);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* vj = v_rows[j] + c0;
+    for (int i = 0; i < NV; ++i) {
+      const vf v = load(vj + i * kLanes);
+      x0[i] += p0[j] * v;
+      x1[i] += p1[j] * v;
+    }
+  }
+  for (int i = 0; i < NV; ++i) {
+    store(a0 + i * kLanes, x0[i]);
+    store(a1 + i * kLanes, x1[i]);
+  }
+}
+
 // One key tile for every row of a work item: scores, softcap, online-softmax update, P @ V.
+// Row buffers are padded: R_pad = R rounded up to kScoreRows, D_pad = D rounded up to 16, padding zero.
 OPPO_ISA_CLONES
-void attend_tile(const float* __restrict q,   // [R, D] query rows, pre-scaled (by scale, or scale / softcap)
-                 const float* __restrict kt,  // [D, kKeyTile] the tile's keys, transposed
-                 const float* __restrict v,   // [kKeyTile, D] the tile's values
+void attend_tile(const float* __restrict q,   // [R_pad, D_pad] query rows, pre-scaled (by scale, or scale / softcap)
+                 const float* __restrict kt,  // [D, kKeyTile] the tile's keys transposed, or null: use k_rows
+                 const float* const* k_rows,  // [kKeyTile] -> [D_pad] each key (a page row, or a padded copy)
+                 const float* const* v_rows,  // [kKeyTile] -> [D_pad] each value
+                 int64_t num_keys,            // keys in this tile
                  const int64_t* jlo,          // [R] first visible key of each row in the tile
                  const int64_t* jhi,          // [R] one past its last visible key
-                 int64_t rows, int64_t head_dim, float softcap,
-                 float* __restrict s,    // [kKeyTile] scratch scores
+                 int64_t rows, int64_t head_dim, int64_t dim_pad, float softcap,
+                 float* __restrict s,    // [R_pad, kKeyTile] scratch scores, then probabilities
                  float* __restrict m,    // [R] running max
                  float* __restrict l,    // [R] running sum of exp(score - max)
-                 float* __restrict acc)  // [R, D] running sum of exp(score - max) * V
+                 float* __restrict acc)  // [R_pad, D_pad] running sum of exp(score - max) * V
 {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t lo = jlo[r], hi = jhi[r];
-    if (lo >= hi) continue;  // no visible key in this tile (before the row's window or past its position)
-    const float* qr = q + r * head_dim;
-    // The full tile width keeps the trip count fixed; scores of keys past the tile's end are not used.
-    for (int64_t j = 0; j < kKeyTile; ++j) s[j] = 0.0f;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const float qd = qr[d];
-      const float* kd = kt + d * kKeyTile;
-      for (int64_t j = 0; j < kKeyTile; ++j) s[j] += qd * kd[j];
+  const int64_t rows_pad = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
+  if (kt != nullptr) {
+    // Many rows: four rows x 32 keys of scores stay in eight registers over the head_dim loop.
+    for (int64_t r0 = 0; r0 < rows_pad; r0 += kScoreRows) {
+      vf x[kScoreRows][2] = {};
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const vf k0 = load(kt + d * kKeyTile), k1 = load(kt + d * kKeyTile + kLanes);
+        for (int i = 0; i < kScoreRows; ++i) {
+          const float qd = q[(r0 + i) * dim_pad + d];
+          x[i][0] += qd * k0;
+          x[i][1] += qd * k1;
+        }
+      }
+      for (int i = 0; i < kScoreRows; ++i) {
+        store(s + (r0 + i) * kKeyTile, x[i][0]);
+        store(s + (r0 + i) * kKeyTile + kLanes, x[i][1]);
+      }
     }
+  } else {
+    // Few rows: a dot product per (row, key) straight off the key row.
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * dim_pad;
+      for (int64_t j = jlo[r]; j < jhi[r]; ++j) {
+        vf x = {};
+        for (int64_t c = 0; c < dim_pad; c += kLanes) x += load(qr + c) * load(k_rows[j] + c);
+        s[r * kKeyTile + j] = hsum(x);
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    float* sr = s + r * kKeyTile;
+    const int64_t lo = r < rows ? jlo[r] : 0, hi = r < rows ? jhi[r] : 0;
+    // Probabilities outside the row's visible keys are zero, so P @ V can run over the whole tile.
+    for (int64_t j = 0; j < lo; ++j) sr[j] = 0.0f;
+    for (int64_t j = std::max(lo, hi); j < num_keys; ++j) sr[j] = 0.0f;
+    if (lo >= hi) continue;  // no visible key in this tile (before the row's window or past its position)
     if (softcap > 0.0f) {
-      for (int64_t j = 0; j < kKeyTile; ++j) s[j] = softcap * tanh_vec(s[j]);
+#pragma omp simd
+      for (int64_t j = lo; j < hi; ++j) sr[j] = softcap * tanh_vec(sr[j]);
     }
     float tile_max = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : tile_max)
-    for (int64_t j = lo; j < hi; ++j) tile_max = std::max(tile_max, s[j]);
+    for (int64_t j = lo; j < hi; ++j) tile_max = std::max(tile_max, sr[j]);
     const float m_old = m[r], m_new = std::max(m_old, tile_max);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = lo; j < hi; ++j) {
-      s[j] = exp_nonpositive(s[j] - m_new);
-      sum += s[j];
+      sr[j] = exp_nonpositive(sr[j] - m_new);
+      sum += sr[j];
     }
-    float* ar = acc + r * head_dim;
     if (m_old != m_new) {  // the first tile of a row, or a new max: rescale what came before
       const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(m_old - m_new);
       l[r] *= alpha;
-      for (int64_t d = 0; d < head_dim; ++d) ar[d] *= alpha;
+      float* ar = acc + r * dim_pad;
+      for (int64_t c = 0; c < dim_pad; c += kLanes) store(ar + c, alpha * load(ar + c));
     }
     l[r] += sum;
-    for (int64_t j = lo; j < hi; ++j) {
-      const float p = s[j];
-      const float* vj = v + j * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vj[d];
-    }
     m[r] = m_new;
+  }
+
+  // P @ V two rows at a time, in chunks of up to four vectors of head_dim held in registers.
+  for (int64_t r0 = 0; r0 < rows; r0 += 2) {
+    float* a0 = acc + r0 * dim_pad;
+    float* a1 = a0 + dim_pad;  // a padding row when rows is odd: its probabilities are zero
+    const float* p0 = s + r0 * kKeyTile;
+    const float* p1 = p0 + kKeyTile;
+    for (int64_t c0 = 0; c0 < dim_pad; c0 += 4 * kLanes) {
+      switch (std::min<int64_t>(4, (dim_pad - c0) / kLanes)) {
+        case 4:
+          pv_block<4>(a0 + c0, a1 + c0, p0, p1, v_rows, c0, num_keys);
+          break;
+        case 3:
+          pv_block<3>(a0 + c0, a1 + c0, p0, p1, v_rows, c0, num_keys);
+          break;
+        case 2:
+          pv_block<2>(a0 + c0, a1 + c0, p0, p1, v_rows, c0, num_keys);
+          break;
+        default:
+          pv_block<1>(a0 + c0, a1 + c0, p0, p1, v_rows, c0, num_keys);
+          break;
+      }
+    }
   }
 }
 
@@ -128,13 +220,28 @@ struct Item {
   int64_t cost;                          // rows x keys walked, for scheduling the largest first
 };
 
-// Per-thread buffers, sized once per call for the largest item.
+// Per-thread buffers, sized once per call for the largest item; row buffers padded as attend_tile wants.
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, kt, v;
-  std::vector<int64_t> jlo, jhi;
+  int64_t dim_pad;
+  std::vector<float> q, acc, m, l, s, kt, k, v;
+  std::vector<const float*> k_rows, v_rows;
+  std::vector<int64_t> pos, jlo, jhi;  // [R] each row's position, and its visible keys in the current tile
   Scratch(int64_t rows, int64_t head_dim)
-      : q(rows * head_dim), acc(rows * head_dim), m(rows), l(rows), s(kKeyTile), kt(head_dim * kKeyTile, 0.0f),
-        v(kKeyTile * head_dim, 0.0f), jlo(rows), jhi(rows) {}
+      : dim_pad((head_dim + kLanes - 1) / kLanes * kLanes),
+        q(pad_rows(rows) * dim_pad, 0.0f),
+        acc(pad_rows(rows) * dim_pad),
+        m(rows),
+        l(rows),
+        s(pad_rows(rows) * kKeyTile),
+        kt(head_dim * kKeyTile, 0.0f),
+        k(kKeyTile * dim_pad, 0.0f),  // the padding stays zero: only [0, head_dim) of a row is written
+        v(kKeyTile * dim_pad, 0.0f),
+        k_rows(kKeyTile),
+        v_rows(kKeyTile),
+        pos(rows),
+        jlo(rows),
+        jhi(rows) {}
+  static int64_t pad_rows(int64_t rows) { return (rows + kScoreRows - 1) / kScoreRows * kScoreRows; }
 };
 
 template <typename T>
@@ -146,16 +253,18 @@ void attend_item(const Batch& b,
   const int64_t group = b.group, head_dim = b.head_dim;
   const int64_t q_start = b.cu_seqlens_q[it.seq], q_len = b.cu_seqlens_q[it.seq + 1] - q_start;
   const int64_t first_pos = b.context_lens[it.seq] - q_len + it.tok_lo;  // position of the item's first token
-  const int64_t rows = (it.tok_hi - it.tok_lo) * group;
-  // Row r is token tok_lo + r / G, q head kv_head * G + r % G.
+  const int64_t rows = (it.tok_hi - it.tok_lo) * group, rows_pad = Scratch::pad_rows(rows);
+  const int64_t dim_pad = w.dim_pad;
+  // Row r is token tok_lo + r / G, q head kv_head * G + r % G; padding rows and columns are zero.
+  std::fill_n(w.q.begin(), rows_pad * dim_pad, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q + (q_start + it.tok_lo + r / group) * b.q_stride_tok + (it.kv_head * group + r % group) * b.q_stride_head;
-    float* dst = w.q.data() + r * head_dim;
+    float* dst = w.q.data() + r * dim_pad;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * b.q_scale;
   }
   std::fill_n(w.m.begin(), rows, -std::numeric_limits<float>::infinity());
   std::fill_n(w.l.begin(), rows, 0.0f);
-  std::fill_n(w.acc.begin(), rows * head_dim, 0.0f);
+  std::fill_n(w.acc.begin(), rows_pad * dim_pad, 0.0f);
 
   // Keys from the first token's window start (nothing earlier is read, not even its page id) to the
   // last token's position.
@@ -163,33 +272,54 @@ void attend_item(const Batch& b,
   const int64_t key_hi = first_pos + (it.tok_hi - it.tok_lo);
   const int32_t* table = b.block_tables + it.seq * b.bt_stride_seq;
   const T* kv_head = kv + it.kv_head * b.kv_stride_head;
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + r / group;
+  // Few rows (decode): each score is a dot product straight off the key's row. Many rows (prefill): the
+  // tile's keys are transposed once so the scores vectorise over keys, which pays back the copy when it
+  // serves many rows. fp32 rows whose head_dim fills whole vectors are read in place from the page.
+  const bool transpose = rows > kDotRows;
+  constexpr bool is_float = std::is_same_v<T, float>;
+  const bool in_place = is_float && dim_pad == head_dim;
+  // The page walk advances by increments: a 64-bit division per key would cost more than its dot products.
+  int64_t page_idx = key_lo / b.page_size, offset = key_lo % b.page_size;
   for (int64_t k0 = key_lo; k0 < key_hi; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, key_hi - k0);
     for (int64_t j = 0; j < nk; ++j) {
-      const int64_t tok = k0 + j;
-      const int64_t page = table[(tok / b.page_size) * b.bt_stride_page];
-      const T* k_row = kv_head + page * b.kv_stride_page + (tok % b.page_size) * b.kv_stride_tok;
+      const T* k_row = kv_head + table[page_idx * b.bt_stride_page] * b.kv_stride_page + offset * b.kv_stride_tok;
       const T* v_row = k_row + b.kv_stride_kv;
-      float* v_dst = w.v.data() + j * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        w.kt[d * kKeyTile + j] = static_cast<float>(k_row[d]);
-        v_dst[d] = static_cast<float>(v_row[d]);
+      if (transpose) {
+        for (int64_t d = 0; d < head_dim; ++d) w.kt[d * kKeyTile + j] = static_cast<float>(k_row[d]);
+      }
+      if (in_place) {
+        w.k_rows[j] = reinterpret_cast<const float*>(k_row);
+        w.v_rows[j] = reinterpret_cast<const float*>(v_row);
+      } else {
+        float* k_dst = w.k.data() + j * dim_pad;
+        float* v_dst = w.v.data() + j * dim_pad;
+        if (!transpose) {
+          for (int64_t d = 0; d < head_dim; ++d) k_dst[d] = static_cast<float>(k_row[d]);
+        }
+        for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = static_cast<float>(v_row[d]);
+        w.k_rows[j] = k_dst;
+        w.v_rows[j] = v_dst;
+      }
+      if (++offset == b.page_size) {
+        offset = 0;
+        ++page_idx;
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + r / group;
-      const int64_t visible_lo = b.window > 0 ? pos - b.window + 1 : 0;
+      const int64_t visible_lo = b.window > 0 ? w.pos[r] - b.window + 1 : 0;
       w.jlo[r] = std::clamp<int64_t>(visible_lo - k0, 0, nk);
-      w.jhi[r] = std::clamp<int64_t>(pos + 1 - k0, 0, nk);
+      w.jhi[r] = std::clamp<int64_t>(w.pos[r] + 1 - k0, 0, nk);
     }
-    attend_tile(w.q.data(), w.kt.data(), w.v.data(), w.jlo.data(), w.jhi.data(), rows, head_dim, b.softcap,
-                w.s.data(), w.m.data(), w.l.data(), w.acc.data());
+    attend_tile(w.q.data(), transpose ? w.kt.data() : nullptr, w.k_rows.data(), w.v_rows.data(), nk, w.jlo.data(),
+                w.jhi.data(), rows, head_dim, dim_pad, b.softcap, w.s.data(), w.m.data(), w.l.data(), w.acc.data());
   }
 
   for (int64_t r = 0; r < rows; ++r) {
     // NOTE: every row sees at least its own key, so l > 0.
     const float inv = 1.0f / w.l[r];
-    const float* a = w.acc.data() + r * head_dim;
+    const float* a = w.acc.data() + r * dim_pad;
     T* dst = out + (q_start + it.tok_lo + r / group) * b.o_stride_tok + (it.kv_head * group + r % group) * b.o_stride_head;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(a[d] * inv);
   }

@@ -49,9 +49,14 @@ def test_matches_reference_for_head_dims_and_page_sizes(head_dim: int, page_size
     assert_op_matches_reference(case)
 
 
-@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (7, 1), (14, 2)])
-def test_gqa_groups_match_reference(num_q_heads: int, num_kv_heads: int):
-    case = make_case(MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=24, seed=num_q_heads)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (7, 1), (14, 2), (16, 1)])
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_gqa_groups_match_reference(num_q_heads: int, num_kv_heads: int, head_dim: int):
+    # Groups of 1, 3, 4, 7 and 16 heads: odd row counts, and decode rows both under and over the count at
+    # which the op switches from per-key dot products to transposed key tiles (8).
+    case = make_case(
+        MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seed=num_q_heads
+    )
     assert_op_matches_reference(case)
 
 
