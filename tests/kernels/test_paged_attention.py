@@ -198,6 +198,19 @@ def test_reference_window_and_softcap_match_dense_attention_in_float64(
     torch.testing.assert_close(got.double().cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("decode_only", [True, False], ids=["batched_decode", "per_sequence"])
+def test_pages_before_every_window_may_be_recycled(decode_only: bool):
+    # The engine may free pages a window has left behind: their table entries become -1, never read.
+    seqs = [(1, 70), (1, 100)] if decode_only else [(1, 70), (9, 100)]
+    case = make_case(seqs, page_size=8, seed=28)
+    expected = dense_causal_attention_f64(case, window=20)
+    for n, (q_len, ctx) in enumerate(seqs):
+        case.block_tables[n, : (ctx - q_len - 20 + 1) // 8] = -1
+    for fn in (paged_attention, paged_attention_ref):
+        got = fn(*case.args(), sliding_window=20)
+        torch.testing.assert_close(got.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_window_off_by_one_is_detected():
     # The oracle tells windows w and w + 1 apart: a test built on it can fail.
     case = make_case([(1, 40), (8, 30)], seed=25)
