@@ -119,7 +119,7 @@ def paged_attention(
         )
         return out
     if backend == "flash_attn":
-        return _flash.paged_attention(
+        result = _flash.paged_attention(
             q,
             kv_cache,
             layer,
@@ -133,6 +133,7 @@ def paged_attention(
             max_context_len=max_context_len,
             plan=plan,
         )
+        return result if out is None else out.copy_(result)  # flash-attn allocates its own output
     return _attn.paged_attention(
         q,
         kv_cache,
