@@ -99,6 +99,35 @@ def test_matches_dense_attention_in_float64(window: int | None, softcap: float |
     torch.testing.assert_close(run_op(case, window, softcap).double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_random_batches_match_reference(seed: int):
+    # Random mixes of everything above: batch, lengths, heads, head_dim, page size, dtype, window, softcap.
+    gen = torch.Generator().manual_seed(100 + seed)
+
+    def pick(options: list):
+        return options[int(torch.randint(len(options), (), generator=gen))]
+
+    seqs = []
+    for _ in range(int(torch.randint(1, 7, (), generator=gen))):
+        ctx = int(torch.randint(1, 90, (), generator=gen))
+        q_len = pick([1, 1, ctx, int(torch.randint(0, ctx + 1, (), generator=gen))])
+        seqs.append((q_len, ctx))
+    num_kv_heads, group = pick([1, 2, 3]), pick([1, 2, 3, 4, 7, 9])
+    dtype = pick([torch.float32, torch.float32, torch.bfloat16, torch.float16])
+    window = pick([None, 1, 2, 5, 17, 64])
+    case = make_case(
+        seqs,
+        num_q_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=pick([8, 16, 24, 40, 64, 80, 96, 128]),
+        dtype=dtype,
+        page_size=pick([8, 16, 32]),
+        seed=seed,
+        window=window,
+    )
+    assert_op_matches_reference(case, window, pick([None, 5.0, 50.0]))
+
+
 def test_wrong_window_is_detected():
     # Against the oracle, window 11 is not window 10: the comparison above can fail.
     case = make_case([(1, 40), (8, 30)], seed=7)
