@@ -1,7 +1,7 @@
 """The one module that touches the compiled extension and the Triton kernels.
 
 Everything else in oppo_engine calls ``ops.*``. Each function picks its implementation from the device of
-its inputs: the C++ CPU ops and the torch references on the CPU, the CUDA ops and the Triton kernels (or
+its inputs: the C++ CPU ops (and the sampling reference) on the CPU, the CUDA ops and the Triton kernels (or
 flash-attn, where selected and importable) on CUDA.
 """
 
@@ -19,6 +19,8 @@ from oppo_engine.kernels import paged_attention as _attn
 from oppo_engine.kernels import sample as _sample
 
 PageAllocator = _C.PageAllocator
+AttentionPlan = _attn.AttentionPlan
+plan_attention = _attn.plan_attention
 
 ATTENTION_BACKENDS = ("triton", "flash_attn")
 
@@ -45,6 +47,13 @@ def _reshape_and_cache_fake(key, value, kv_cache, slot_mapping, layer):  # noqa:
 
 @torch.library.register_fake("oppo::copy_pages")
 def _copy_pages_fake(src, dst, src_ids, dst_ids):  # noqa: ARG001
+    return None
+
+
+@torch.library.register_fake("oppo::paged_attention")
+def _paged_attention_fake(
+    q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale, sliding_window, softcap, out
+):  # noqa: ARG001
     return None
 
 
@@ -81,21 +90,53 @@ def paged_attention(
     max_q_len: int | None = None,
     max_context_len: int | None = None,
     backend: str = "triton",
+    out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention of packed queries ``q [T, Hq, D]`` over the cache; returns ``[T, Hq, D]``.
 
     ``context_lens`` counts the cached tokens including the new ones (already written); new token ``i`` of
-    sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``.
+    sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``, and with
+    ``sliding_window = w`` only to keys after ``position - w`` (HF's window); ``softcap = c`` caps the scaled
+    scores to ``c * tanh(s / c)`` before masking. ``plan`` (from :func:`plan_attention`, once per forward)
+    spares the Triton path its per-layer checks and planning; the C++ CPU op checks in C++ and ignores it.
     """
     if sliding_window is not None or softcap is not None:
         raise NotImplementedError("sliding windows / softcap: pending the kernel merge")
     if not (q.is_cuda or _triton_on_cpu):
-        impl = _attn.paged_attention_ref
-    elif backend == "flash_attn":
-        impl = _flash.paged_attention
-    else:
-        impl = _attn.paged_attention
-    return impl(
+        _attn.check_window_softcap(sliding_window, softcap)  # the op reads <= 0 as "none": refuse 0 here
+        if out is None:
+            out = torch.empty_like(q)
+        torch.ops.oppo.paged_attention(
+            q,
+            kv_cache,
+            layer,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            scale,
+            sliding_window or 0,
+            softcap or 0.0,
+            out,
+        )
+        return out
+    if backend == "flash_attn":
+        result = _flash.paged_attention(
+            q,
+            kv_cache,
+            layer,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_q_len=max_q_len,
+            max_context_len=max_context_len,
+            plan=plan,
+        )
+        return result if out is None else out.copy_(result)  # flash-attn allocates its own output
+    return _attn.paged_attention(
         q,
         kv_cache,
         layer,
@@ -103,8 +144,12 @@ def paged_attention(
         context_lens,
         cu_seqlens_q,
         scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
         max_q_len=max_q_len,
         max_context_len=max_context_len,
+        out=out,
+        plan=plan,
     )
 
 
