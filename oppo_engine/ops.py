@@ -101,8 +101,6 @@ def paged_attention(
     scores to ``c * tanh(s / c)`` before masking. ``plan`` (from :func:`plan_attention`, once per forward)
     spares the Triton path its per-layer checks and planning; the C++ CPU op checks in C++ and ignores it.
     """
-    if sliding_window is not None or softcap is not None:
-        raise NotImplementedError("sliding windows / softcap: pending the kernel merge")
     if not (q.is_cuda or _triton_on_cpu):
         _attn.check_window_softcap(sliding_window, softcap)  # the op reads <= 0 as "none": refuse 0 here
         if out is None:
