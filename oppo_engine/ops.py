@@ -151,6 +151,31 @@ def paged_attention(
     )
 
 
+def plan_forward(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    num_q_heads: int,
+    *,
+    max_q_len: int,
+    max_context_len: int,
+) -> AttentionPlan | None:
+    """The once-per-forward plan of the attention path the tensors will take (checks included), or None
+    where that path needs none (the C++ CPU op checks its inputs itself, cheaply, in every call)."""
+    if not (kv_cache.is_cuda or _triton_on_cpu):
+        return None
+    return plan_attention(
+        kv_cache,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        num_q_heads,
+        max_q_len=max_q_len,
+        max_context_len=max_context_len,
+    )
+
+
 def attention_backend_unavailable(backend: str, page_size: int, device: torch.device) -> str | None:
     """Why ``backend`` cannot run attention for a cache of ``page_size`` on ``device``; None if it can."""
     if backend == "triton":
