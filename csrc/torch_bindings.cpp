@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "cache_ops.h"
+#include "sample_ops.h"
 
 TORCH_LIBRARY(oppo, m) {
   // key/value: [T, H, D]; kv_cache: one model's view [num_pages, L, 2, page_size, H, D];
@@ -25,3 +26,12 @@ TORCH_LIBRARY_IMPL(oppo, CUDA, m) {
   m.impl("copy_pages", &oppo::copy_pages_cuda);
 }
 #endif
+
+// logits: [N, V] fp32/bf16/fp16 (may hold -inf); temperature: [N] fp32, <= 0 = greedy; seeds, positions: [N]
+// int64. Gumbel-max with noise keyed by (seed, position), as kernels/sample.py (the CUDA path);
+// returns tokens [N] int64 and logprobs [N] fp32 (log_softmax(logits / T) at the token).
+TORCH_LIBRARY_FRAGMENT(oppo, m) {
+  m.def("sample(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(oppo, CPU, m) { m.impl("sample", &oppo::sample_cpu); }

@@ -48,6 +48,12 @@ def _copy_pages_fake(src, dst, src_ids, dst_ids):  # noqa: ARG001
     return None
 
 
+@torch.library.register_fake("oppo::sample")
+def _sample_fake(logits, temperature, seeds, positions):  # noqa: ARG001
+    num_rows = logits.shape[0]
+    return logits.new_empty(num_rows, dtype=torch.int64), logits.new_empty(num_rows, dtype=torch.float32)
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: int
 ) -> None:
@@ -122,4 +128,4 @@ def sample(
     """
     if logits.is_cuda or _triton_on_cpu:
         return _sample.sample(logits, temperature, seeds, positions)
-    return _sample.sample_ref(logits, temperature, seeds, positions)
+    return torch.ops.oppo.sample(logits, temperature, seeds, positions)
