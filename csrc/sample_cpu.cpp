@@ -6,9 +6,12 @@
 // running argmax of z + g. Per-tile partials are combined per row in tile order. The tiling depends on V
 // alone, so a row's result never depends on the thread count or on the other rows of the batch.
 //
-// On x86 this file is compiled for AVX2 (CMakeLists.txt), so at::vec::Vectorized<float>::log/exp are the
-// Sleef u10 functions torch's own CPU kernels call: the noise g = -log(-log(u)) is then bit-identical to
-// the torch reference's (checked exhaustively over all 2^23 values of u), and the tokens equal it exactly.
+// The noise g = -log(-log(u)) takes each log in double (at::vec, Sleef u10) and rounds it to float: that is
+// the correctly rounded fp32 log but for a ~2^-29 chance, so the noise is the same on every machine. An
+// accurate fp32 log (torch's reference on the CPU uses MKL's) returns the same float for all but ~0.1% of
+// the 2^23 values u can take, by one ULP there; a token changes only if two candidates lie within that
+// ULP, so the tokens equal the reference's on random inputs. (at::vec's fp32 Sleef log differs from MKL's
+// on 1.8% of them.) On x86 this file is compiled for AVX2 (CMakeLists.txt).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -24,11 +27,12 @@ namespace oppo {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+using VecD = at::vec::Vectorized<double>;
 
 constexpr uint32_t kKeySalt = 0x9E3779B9u;
 constexpr uint32_t kKey2Salt = 0x85EBCA6Bu;
-// Vocabulary elements per work item: z and u buffers of 2 x 16 KiB stay in L1 between the two passes.
-constexpr int64_t kTile = 4096;
+// Vocabulary elements per work item: its z, g and double scratch buffers (32 KiB) stay in L1.
+constexpr int64_t kTile = 2048;
 // Indices inside a tile travel in float lanes next to the values they index; exact below 2^24.
 static_assert(kTile <= (int64_t{1} << 24));
 constexpr int64_t kMaxVocab = int64_t{1} << 31;
@@ -67,12 +71,28 @@ struct Partial {
   int64_t best_idx;  // the lowest vocab index attaining best_y
 };
 
+// g [padded] for vocab indices [start, start + padded): the kernels' hash, then both logs in double.
+void gumbel_noise(RowKey key, int64_t start, int64_t padded, float* g, double* scratch) {
+  const uint32_t base = static_cast<uint32_t>(start);
+  // Plain element-wise loops: the compiler vectorises the hash and the float/double conversions.
+  for (int64_t j = 0; j < padded; ++j) {
+    const uint32_t h = mix32(mix32(key.k ^ (base + static_cast<uint32_t>(j))) ^ key.k2);
+    scratch[j] = (static_cast<double>(h >> 9) + 0.5) * 0x1p-23;  // u: 23 random bits, strictly inside (0, 1)
+  }
+  for (int64_t j = 0; j < padded; j += VecD::size()) VecD::loadu(scratch + j).log().store(scratch + j);
+  // The reference's fp32 log(u), negated: positive, so its log is finite.
+  for (int64_t j = 0; j < padded; ++j) scratch[j] = -static_cast<double>(static_cast<float>(scratch[j]));
+  for (int64_t j = 0; j < padded; j += VecD::size()) VecD::loadu(scratch + j).log().store(scratch + j);
+  for (int64_t j = 0; j < padded; ++j) g[j] = -static_cast<float>(scratch[j]);
+}
+
 template <typename scalar_t, bool kGreedy>
 Partial sample_tile(const scalar_t* logits,  // [len]: vocab indices [start, start + len) of one row
                     int64_t start, int64_t len, float inv_t, RowKey key) {
   constexpr int64_t W = Vec::size();
   alignas(64) float z[kTile];
-  alignas(64) float u[kTile];
+  alignas(64) float g[kTile];
+  alignas(64) double scratch[kTile];
   const int64_t padded = (len + W - 1) / W * W;
   // fp32 multiply by 1 / T, as the reference does, so z carries the same bits.
   for (int64_t j = 0; j < len; ++j) z[j] = static_cast<float>(logits[j]) * inv_t;
@@ -84,14 +104,7 @@ Partial sample_tile(const scalar_t* logits,  // [len]: vocab indices [start, sta
   // A fully masked tile would give (-inf) - (-inf) = nan.
   const Vec shift(tile_max == kNegInf ? 0.0f : tile_max);
 
-  if constexpr (!kGreedy) {
-    // Plain uint32 arithmetic over the tile: the compiler vectorises this loop.
-    const uint32_t base = static_cast<uint32_t>(start);
-    for (int64_t j = 0; j < padded; ++j) {
-      const uint32_t h = mix32(mix32(key.k ^ (base + static_cast<uint32_t>(j))) ^ key.k2);
-      u[j] = (static_cast<float>(h >> 9) + 0.5f) * 0x1p-23f;  // 23 random bits, strictly inside (0, 1)
-    }
-  }
+  if constexpr (!kGreedy) gumbel_noise(key, start, padded, g, scratch);
 
   Vec sum_exp(0.0f), best_y(kNegInf), best_idx(0.0f);
   Vec idx = Vec::arange(0.0f, 1.0f);
@@ -100,7 +113,7 @@ Partial sample_tile(const scalar_t* logits,  // [len]: vocab indices [start, sta
     const Vec zj = Vec::loadu(z + j);
     sum_exp = sum_exp + (zj - shift).exp();
     Vec y = zj;
-    if constexpr (!kGreedy) y = zj + Vec::loadu(u + j).log().neg().log().neg();
+    if constexpr (!kGreedy) y = zj + Vec::loadu(g + j);
     // Strict > keeps each lane's earliest index on ties.
     const Vec better = y > best_y;
     best_y = Vec::blendv(best_y, y, better);
