@@ -6,12 +6,13 @@
 // running argmax of z + g. Per-tile partials are combined per row in tile order. The tiling depends on V
 // alone, so a row's result never depends on the thread count or on the other rows of the batch.
 //
-// The noise g = -log(-log(u)) takes each log in double (at::vec, Sleef u10) and rounds it to float: that is
-// the correctly rounded fp32 log but for a ~2^-29 chance, so the noise is the same on every machine. An
-// accurate fp32 log (torch's reference on the CPU uses MKL's) returns the same float for all but ~0.1% of
-// the 2^23 values u can take, by one ULP there; a token changes only if two candidates lie within that
-// ULP, so the tokens equal the reference's on random inputs. (at::vec's fp32 Sleef log differs from MKL's
-// on 1.8% of them.) On x86 this file is compiled for AVX2 (CMakeLists.txt).
+// The noise g = -log(-log(u)) is exact where it decides the token: each log taken in double and rounded to
+// float (the correctly rounded fp32 log but for a ~2^-29 chance), so it is the same on every machine. An
+// accurate fp32 log -- torch's reference on the CPU uses MKL's -- returns the same float for all but ~0.1% of
+// the 2^23 values u can take, by one ULP there, so tokens equal the reference's on random inputs. To keep
+// the pass vectorised, g is first computed with at::vec's fp32 Sleef log (1 ULP; it differs from MKL's on
+// 1.8% of u) and only the tokens within an error margin of the tile's best are recomputed exactly.
+// On x86 this file is compiled for AVX2 (CMakeLists.txt).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -27,12 +28,11 @@ namespace oppo {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-using VecD = at::vec::Vectorized<double>;
 
 constexpr uint32_t kKeySalt = 0x9E3779B9u;
 constexpr uint32_t kKey2Salt = 0x85EBCA6Bu;
-// Vocabulary elements per work item: its z, g and double scratch buffers (32 KiB) stay in L1.
-constexpr int64_t kTile = 2048;
+// Vocabulary elements per work item: its z and y buffers (2 x 16 KiB) stay in L1 between the passes.
+constexpr int64_t kTile = 4096;
 // Indices inside a tile travel in float lanes next to the values they index; exact below 2^24.
 static_assert(kTile <= (int64_t{1} << 24));
 constexpr int64_t kMaxVocab = int64_t{1} << 31;
@@ -71,28 +71,27 @@ struct Partial {
   int64_t best_idx;  // the lowest vocab index attaining best_y
 };
 
-// g [padded] for vocab indices [start, start + padded): the kernels' hash, then both logs in double.
-void gumbel_noise(RowKey key, int64_t start, int64_t padded, float* g, double* scratch) {
-  const uint32_t base = static_cast<uint32_t>(start);
-  // Plain element-wise loops: the compiler vectorises the hash and the float/double conversions.
-  for (int64_t j = 0; j < padded; ++j) {
-    const uint32_t h = mix32(mix32(key.k ^ (base + static_cast<uint32_t>(j))) ^ key.k2);
-    scratch[j] = (static_cast<double>(h >> 9) + 0.5) * 0x1p-23;  // u: 23 random bits, strictly inside (0, 1)
-  }
-  for (int64_t j = 0; j < padded; j += VecD::size()) VecD::loadu(scratch + j).log().store(scratch + j);
-  // The reference's fp32 log(u), negated: positive, so its log is finite.
-  for (int64_t j = 0; j < padded; ++j) scratch[j] = -static_cast<double>(static_cast<float>(scratch[j]));
-  for (int64_t j = 0; j < padded; j += VecD::size()) VecD::loadu(scratch + j).log().store(scratch + j);
-  for (int64_t j = 0; j < padded; ++j) g[j] = -static_cast<float>(scratch[j]);
+inline float uniform(RowKey key, uint32_t v) {
+  const uint32_t h = mix32(mix32(key.k ^ v) ^ key.k2);
+  return (static_cast<float>(h >> 9) + 0.5f) * 0x1p-23f;  // 23 random bits, exact, strictly inside (0, 1)
 }
+
+// The exact noise at one vocab index: each log in double, rounded to float as an fp32 log would return it.
+inline float gumbel_exact(RowKey key, uint32_t v) {
+  const float neg_log_u = -static_cast<float>(std::log(static_cast<double>(uniform(key, v))));
+  return -static_cast<float>(std::log(static_cast<double>(neg_log_u)));
+}
+
+// An upper bound on |fp32 Sleef g - exact g| (each Sleef log is within 1 ULP, g within [-2.8, 16.7]: the
+// error is a few 1e-6), with a wide safety factor, plus 8 ULPs of y for the rounding of z + g.
+inline float fast_noise_margin(float y) { return 1e-4f + 1e-6f * std::abs(y); }
 
 template <typename scalar_t, bool kGreedy>
 Partial sample_tile(const scalar_t* logits,  // [len]: vocab indices [start, start + len) of one row
                     int64_t start, int64_t len, float inv_t, RowKey key) {
   constexpr int64_t W = Vec::size();
   alignas(64) float z[kTile];
-  alignas(64) float g[kTile];
-  alignas(64) double scratch[kTile];
+  alignas(64) float y[kTile];  // z + g with the fast noise (sampled rows)
   const int64_t padded = (len + W - 1) / W * W;
   // fp32 multiply by 1 / T, as the reference does, so z carries the same bits.
   for (int64_t j = 0; j < len; ++j) z[j] = static_cast<float>(logits[j]) * inv_t;
@@ -101,36 +100,61 @@ Partial sample_tile(const scalar_t* logits,  // [len]: vocab indices [start, sta
   Vec vmax(kNegInf);
   for (int64_t j = 0; j < padded; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(z + j));
   const float tile_max = vmax.reduce_max();
-  // A fully masked tile would give (-inf) - (-inf) = nan.
-  const Vec shift(tile_max == kNegInf ? 0.0f : tile_max);
+  // A fully masked tile (common under top-k) has nothing to add and nothing that can win.
+  if (tile_max == kNegInf) return {kNegInf, 0.0f, kNegInf, start};
+  const Vec shift(tile_max);
 
-  if constexpr (!kGreedy) gumbel_noise(key, start, padded, g, scratch);
-
+  const uint32_t base = static_cast<uint32_t>(start);
+  if constexpr (!kGreedy) {
+    // Plain uint32 arithmetic: the compiler vectorises this loop.
+    for (int64_t j = 0; j < padded; ++j) y[j] = uniform(key, base + static_cast<uint32_t>(j));
+  }
   Vec sum_exp(0.0f), best_y(kNegInf), best_idx(0.0f);
   Vec idx = Vec::arange(0.0f, 1.0f);
   const Vec step(static_cast<float>(W));
   for (int64_t j = 0; j < padded; j += W) {
     const Vec zj = Vec::loadu(z + j);
     sum_exp = sum_exp + (zj - shift).exp();
-    Vec y = zj;
-    if constexpr (!kGreedy) y = zj + Vec::loadu(g + j);
-    // Strict > keeps each lane's earliest index on ties.
-    const Vec better = y > best_y;
-    best_y = Vec::blendv(best_y, y, better);
-    best_idx = Vec::blendv(best_idx, idx, better);
-    idx = idx + step;
+    if constexpr (kGreedy) {
+      // Strict > keeps each lane's earliest index on ties.
+      const Vec better = zj > best_y;
+      best_y = Vec::blendv(best_y, zj, better);
+      best_idx = Vec::blendv(best_idx, idx, better);
+      idx = idx + step;
+    } else {
+      const Vec yj = zj + Vec::loadu(y + j).log().neg().log().neg();
+      yj.store(y + j);
+      best_y = at::vec::maximum(best_y, yj);
+    }
   }
 
-  alignas(64) float lane_y[W];
-  alignas(64) float lane_idx[W];
-  best_y.store(lane_y);
-  best_idx.store(lane_idx);
   const float y_max = best_y.reduce_max();
-  float first = static_cast<float>(kTile);
-  for (int64_t l = 0; l < W; ++l) {
-    if (lane_y[l] == y_max && lane_idx[l] < first) first = lane_idx[l];
+  if constexpr (kGreedy) {
+    alignas(64) float lane_y[W];
+    alignas(64) float lane_idx[W];
+    best_y.store(lane_y);
+    best_idx.store(lane_idx);
+    float first = static_cast<float>(kTile);
+    for (int64_t l = 0; l < W; ++l) {
+      if (lane_y[l] == y_max && lane_idx[l] < first) first = lane_idx[l];
+    }
+    return {tile_max, sum_exp.reduce_add(), y_max, start + static_cast<int64_t>(first)};
   }
-  return {tile_max, sum_exp.reduce_add(), y_max, start + static_cast<int64_t>(first)};
+  // The fast (fp32 Sleef) noise only shortlists: any token whose exact z + g could reach the exact maximum
+  // lies within the margin of the fast maximum. Those few get the exact noise; ascending order and strict >
+  // keep the lowest index on ties.
+  const float cutoff = y_max - fast_noise_margin(y_max);
+  float exact_best = kNegInf;
+  int64_t exact_idx = 0;
+  for (int64_t j = 0; j < len; ++j) {
+    if (y[j] < cutoff) continue;
+    const float yj = z[j] + gumbel_exact(key, base + static_cast<uint32_t>(j));
+    if (yj > exact_best) {
+      exact_best = yj;
+      exact_idx = j;
+    }
+  }
+  return {tile_max, sum_exp.reduce_add(), exact_best, start + exact_idx};
 }
 
 void check_sample_args(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& seeds,

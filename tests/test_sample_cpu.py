@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oppo_engine import ops
-from oppo_engine.kernels.sample import sample_ref
+from oppo_engine.kernels.sample import _KEY2_SALT, _KEY_SALT, _MASK32, _mix32_ref, sample_ref
 
 sample_cpu = torch.ops.oppo.sample
 
@@ -53,6 +53,50 @@ def assert_matches_reference(logits, temperature, seeds, positions) -> tuple[tor
 @pytest.mark.parametrize(("num_rows", "vocab_size"), [(24, 1), (24, 7), (24, 513), (24, 4097), (3, 151_936)])
 def test_tokens_equal_reference_and_logprobs_are_accurate(num_rows: int, vocab_size: int):
     assert_matches_reference(*make_rows(num_rows, vocab_size, seed=vocab_size))
+
+
+def exact_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The noise ``g [N, V]`` as the op defines it: each log taken in float64 and rounded to fp32."""
+    key = _mix32_ref((seeds & _MASK32) ^ _KEY_SALT)
+    key = _mix32_ref(key ^ ((seeds >> 32) & _MASK32))
+    key = _mix32_ref(key ^ (positions & _MASK32))
+    key = _mix32_ref(key ^ ((positions >> 32) & _MASK32))
+    key2 = _mix32_ref(key ^ _KEY2_SALT)
+    idx = torch.arange(vocab_size, dtype=torch.int64)
+    h = _mix32_ref(_mix32_ref(key[:, None] ^ idx[None, :]) ^ key2[:, None])
+    u = ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
+    return -torch.log((-torch.log(u.double()).float()).double()).float()
+
+
+def exact_noise_tokens(logits, temperature, seeds, positions) -> torch.Tensor:
+    inv_t = torch.where(temperature > 0, 1.0 / temperature, torch.ones_like(temperature))
+    z = logits.float() * inv_t[:, None]
+    y = z + exact_noise(seeds, positions, logits.shape[1])
+    return torch.where((temperature > 0)[:, None], y, z).argmax(dim=-1)
+
+
+@pytest.mark.parametrize(("num_rows", "vocab_size", "scale"), [(512, 3000, 3.0), (4, 151_936, 3.0)])
+def test_tokens_are_the_argmax_under_the_exactly_rounded_noise(num_rows: int, vocab_size: int, scale: float):
+    logits, temperature, seeds, positions = make_rows(num_rows, vocab_size, seed=int(100 * scale))
+    tokens, _ = sample_cpu(logits, temperature, seeds, positions)
+    assert torch.equal(tokens, exact_noise_tokens(logits, temperature, seeds, positions))
+
+
+@pytest.mark.parametrize("jitter", [0.0, 1e-7])
+def test_near_ties_under_the_noise_are_decided_by_the_exact_noise(jitter: float):
+    """Logits of -g (+ a jitter below g's ULP) make every z + g tie, or nearly, under the exact noise; the
+    fast fp32 noise, which only shortlists candidates, is one ULP off on ~2% of tokens and would pick one
+    of those. The exact noise decides, and exact ties go to the lowest index."""
+    num_rows, vocab_size = 64, 5000
+    _, _, seeds, positions = make_rows(num_rows, vocab_size, seed=22)
+    gen = torch.Generator().manual_seed(5)
+    noise = exact_noise(seeds, positions, vocab_size)
+    logits = -noise + jitter * torch.randn(num_rows, vocab_size, generator=gen)
+    temperature = torch.ones(num_rows)
+    tokens, _ = sample_cpu(logits, temperature, seeds, positions)
+    assert torch.equal(tokens, exact_noise_tokens(logits, temperature, seeds, positions))
+    if jitter == 0.0:
+        assert tokens.tolist() == [0] * num_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
