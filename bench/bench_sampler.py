@@ -11,6 +11,10 @@ Columns (median ms over ``--reps`` interleaved calls after a warm-up):
   the baseline a user would otherwise write (its own RNG, so not batch-invariant);
 - ``argmax_lsm``: greedy ``argmax`` + ``log_softmax`` gather, the floor for an all-greedy batch.
 
+A second table times ``Sampler``'s top-k / top-p truncation (which runs in torch before the op) at B=16,
+V=151,936, T=0.8: ``prefix`` (top-k selection of 4096 candidates per row, the path it takes) beside
+``full_sort`` (a sort of the whole vocabulary, its fallback for rows the prefix cannot settle).
+
 The last line, ``sampler_cpp_vs_multinomial=<ratio>``, is cpp / multinomial at B=16, V=151,936 (the goal is
 <= 0.5). Logits are ``3 * randn``: a flat-ish distribution, so no vocabulary region can be skipped.
 """
@@ -26,9 +30,11 @@ import torch
 
 from oppo_engine import ops  # noqa: F401  (loads the extension that registers torch.ops.oppo.sample)
 from oppo_engine.kernels.sample import sample_ref
+from oppo_engine.model.sampler import _truncate, _truncate_sorted
 
 SHAPES = [(16, 151_936), (64, 151_936), (16, 512), (64, 512)]
 COLUMNS = ["cpp", "cpp_greedy", "sample_ref", "multinomial", "argmax_lsm"]
+TRUNCATIONS = [(50, 1.0), (0, 0.9), (50, 0.9), (0, 0.99)]  # (top_k, top_p); 0 = no top-k
 
 
 def median_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
@@ -72,6 +78,23 @@ def measure(batch: int, vocab: int, reps: int) -> dict[str, float]:
     return median_ms(fns, reps)
 
 
+def measure_truncation(reps: int) -> None:
+    batch, vocab = 16, 151_936
+    logits = 3 * torch.randn((batch, vocab), generator=torch.Generator().manual_seed(1))
+    temperature = torch.full((batch,), 0.8)
+    print(f"{'top_k':>6} {'top_p':>6} {'prefix':>10} {'full_sort':>10}")
+    for top_k, top_p in TRUNCATIONS:
+        k, p = torch.full((batch,), top_k), torch.full((batch,), top_p)
+        ms = median_ms(
+            {
+                "prefix": lambda k=k, p=p: _truncate(logits, temperature, k, p),
+                "full_sort": lambda k=k, p=p: _truncate_sorted(logits, temperature, k, p),
+            },
+            reps,
+        )
+        print(f"{top_k:>6} {top_p:>6} {ms['prefix']:>10.1f} {ms['full_sort']:>10.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,6 +112,7 @@ def main() -> None:
         ms = results[batch, vocab] = measure(batch, vocab, args.reps)
         ratio = ms["cpp"] / ms["multinomial"]
         print(f"{batch:>4} {vocab:>8} " + " ".join(f"{ms[c]:>12.3f}" for c in COLUMNS) + f" {ratio:>11.3f}")
+    measure_truncation(max(3, args.reps // 4))
     ms = results[16, 151_936]
     print(f"sampler_cpp_vs_multinomial={ms['cpp'] / ms['multinomial']:.3f}")
 
