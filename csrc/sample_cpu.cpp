@@ -66,7 +66,7 @@ inline RowKey row_key(int64_t seed, int64_t position) {
 // One tile's share of a row: enough to combine tiles into the row's log-sum-exp and argmax.
 struct Partial {
   float max;         // max of z over the tile; -inf when every logit is masked
-  float sum_exp;     // sum of exp(z - max), with max read as 0 when it is -inf
+  float sum_exp;     // sum of exp(z - max); 0 when every logit is masked
   float best_y;      // max of z + g (of z for a greedy row)
   int64_t best_idx;  // the lowest vocab index attaining best_y
 };
@@ -159,9 +159,10 @@ Partial sample_tile(const scalar_t* logits,  // [len]: vocab indices [start, sta
 
 void check_sample_args(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& seeds,
                        const at::Tensor& positions) {
-  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) >= 1, "sample: logits must be [N, V] with V >= 1, got ",
-                    logits.sizes());
-  TORCH_CHECK_VALUE(logits.size(1) < kMaxVocab, "sample: vocabulary of ", logits.size(1), " exceeds 2^31 - 1");
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) >= 1,
+                    "sample: logits must be [N, V] with V >= 1, got ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.size(1) < kMaxVocab, "sample: logits vocabulary of ", logits.size(1),
+                    " exceeds 2^31 - 1");
   const auto dtype = logits.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                     "sample: logits must be float32, bfloat16 or float16, got ", dtype);
