@@ -4,6 +4,7 @@
 
 #include "attention.h"
 #include "cache_ops.h"
+#include "sample_ops.h"
 
 TORCH_LIBRARY(oppo, m) {
   // key/value: [T, H, D]; kv_cache: one model's view [num_pages, L, 2, page_size, H, D];
@@ -20,12 +21,18 @@ TORCH_LIBRARY(oppo, m) {
   m.def(
       "paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, Tensor context_lens, "
       "Tensor cu_seqlens_q, float scale, int sliding_window, float softcap, Tensor(a!) out) -> ()");
+  // logits: [N, V] fp32/bf16/fp16 (may hold -inf); temperature: [N] fp32, <= 0 = greedy; seeds, positions:
+  // [N] int64. Gumbel-max with noise keyed by (seed, position), as kernels/sample.py (the CUDA path);
+  // returns tokens [N] int64 and logprobs [N] fp32 (log_softmax(logits / T) at the token). CPU only: CUDA
+  // samples with the Triton kernel.
+  m.def("sample(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("reshape_and_cache", &oppo::reshape_and_cache_cpu);
   m.impl("copy_pages", &oppo::copy_pages_cpu);
   m.impl("paged_attention", &oppo::paged_attention_cpu);
+  m.impl("sample", &oppo::sample_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA
