@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--metadata", action="store_true", help="also time the host metadata at B=256, ctx 4096")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads, both sides")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     actor, _ = build_models(args.preset, dtype, device, seed=0)
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     rates = {name: tok / statistics.median(ts) for name, ts in times.items()}
     print(
         f"preset={args.preset} device={device} B={args.batch_size} "
-        f"prompt={args.prompt_len} new={args.new_tokens}"
+        f"prompt={args.prompt_len} new={args.new_tokens} threads={torch.get_num_threads()}"
     )
     for name, rate in rates.items():
         print(
