@@ -4,10 +4,11 @@ Same models, same prompts, same response lengths (``ignore_eos``), greedy; the t
 ``--repeats`` rounds and the median of each is reported. Generation only: scoring is left out on both sides
 (the engine's reward is a constant rule), so the ratio is about decode.
 
+``--sampler`` adds the CPU sampler at B=16, V=151,936 against ``torch.multinomial`` (bench/bench_sampler.py);
 ``--metadata`` adds the host side of one decode forward at B=256 with 4,096 tokens of context: the
 runner's per-forward metadata (persistent block tables) against the rebuild it replaced, side by side.
 
-    python -m bench.bench_decode --preset tiny --batch-size 16 --new-tokens 64 --metadata
+    python -m bench.bench_decode --preset tiny --batch-size 16 --new-tokens 64 --sampler --metadata
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from bench import bench_sampler
 from bench.baselines import hf_generate
 from bench.workloads import PAD_TOKEN_ID, build_models
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
@@ -78,7 +80,7 @@ def rebuild_metadata(runner: ModelRunner, chunks: list[SeqChunk]) -> list[torch.
     ]
 
 
-def bench_metadata(actor, batch: int = 256, context: int = 4096, repeats: int = 50) -> dict[str, float]:
+def bench_metadata(actor, batch: int = 256, context: int = 4096, repeats: int = 200) -> dict[str, float]:
     """Host time of one decode forward's metadata at ``batch`` x ``context``: today's vs the old rebuild."""
     spec = KVSpec.from_hf_config(actor.config, torch.float32)
     page_size = 16
@@ -89,11 +91,17 @@ def bench_metadata(actor, batch: int = 256, context: int = 4096, repeats: int = 
         runner.cache.append_slots(s, context)
     chunks = [SeqChunk(s, [7], runner.cache.append_slots(s, 1)) for s in range(batch)]
     times: dict[str, list[float]] = {"persistent": [], "rebuild": []}
-    for _ in range(repeats):
-        for name, fn in (("persistent", runner._prepare), ("rebuild", rebuild_metadata)):
+    # Rounds of 10 calls each, the two alternating by round: per-call alternation would charge one side
+    # for the other's memory churn (the rebuild allocates 65k-element lists).
+    for _ in range(repeats // 10):
+        for name, fn in (
+            ("persistent", lambda: runner._prepare(chunks)),
+            ("rebuild", lambda: rebuild_metadata(runner, chunks)),
+        ):
             t0 = time.perf_counter()
-            fn(chunks) if name == "persistent" else fn(runner, chunks)
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(10):
+                fn()
+            times[name].append((time.perf_counter() - t0) / 10)
     ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
     print(f"host metadata per forward, B={batch} context={context}:")
     for name, v in ms.items():
@@ -112,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--metadata", action="store_true", help="also time the host metadata at B=256, ctx 4096")
+    p.add_argument("--sampler", action="store_true", help="also time the sampler at B=16, V=151,936")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads, both sides")
     args = p.parse_args(argv)
     if args.threads is not None:
@@ -149,6 +158,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ratio = rates["engine"] / rates["hf"]
     print(f"decode_throughput_engine_vs_hf={ratio:.2f}")
     result = {"engine_tok_s": rates["engine"], "hf_tok_s": rates["hf"], "ratio": ratio}
+    if args.sampler:
+        ms = bench_sampler.measure(16, 151_936, reps=10)
+        print("sampler B=16 V=151936: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
+        result["sampler_vs_multinomial"] = ms["cpp"] / ms["multinomial"]
+        print(f"sampler_cpp_vs_multinomial={result['sampler_vs_multinomial']:.3f}")
     if args.metadata:
         result |= bench_metadata(actor)
     return result

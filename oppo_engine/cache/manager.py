@@ -47,6 +47,11 @@ class KVCacheManager:
         """Tokens of ``seq_id`` with a slot (0 for an unknown sequence)."""
         return self._num_tokens.get(seq_id, 0)
 
+    def token_counts(self, seq_ids: Sequence[Hashable]) -> list[int]:
+        """``num_tokens`` of each of ``seq_ids`` (one call per forward, not one per sequence)."""
+        get = self._num_tokens.get
+        return [get(s, 0) for s in seq_ids]
+
     def pages(self, seq_id: Hashable) -> list[int]:
         """A copy of ``seq_id``'s page ids, in token order (empty for an unknown sequence)."""
         return list(self._pages.get(seq_id, ()))
