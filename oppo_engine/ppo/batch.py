@@ -1,0 +1,70 @@
+"""Rollouts from the engine as padded training tensors.
+
+Every per-token tensor is ``[N, L - 1]`` and aligned to the position that *predicts* a token: column ``p``
+belongs to ``input_ids[:, p + 1]``. A response token ``response_ids[i]`` of a rollout with a prompt of
+``P`` tokens sits at column ``P - 1 + i``; ``mask`` marks those columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from oppo_engine.engine import Rollout
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    input_ids: torch.Tensor  # [N, L] prompt + response, right-padded
+    attention_mask: torch.Tensor  # [N, L]
+    mask: torch.Tensor  # [N, L-1] float: 1 at the columns of response tokens
+    logprobs: torch.Tensor  # [N, L-1] behaviour log-probs from the engine
+    ref_logprobs: torch.Tensor  # [N, L-1]
+    values: torch.Tensor  # [N, L-1] critic values streamed by the engine
+    versions: torch.Tensor  # [N, L-1] int64 policy version that sampled each token (-1 elsewhere)
+    scores: torch.Tensor  # [N] reward model scores
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor) -> RolloutBatch:
+        """The rows ``idx`` (a minibatch)."""
+        return RolloutBatch(*(getattr(self, f).index_select(0, idx) for f in self.__slots__))
+
+
+def canonical_order(rollouts: Sequence[Rollout]) -> list[Rollout]:
+    """The rollouts sorted by their tokens: an update must not depend on the order sequences finished in
+    (which differs between engine modes)."""
+    return sorted(rollouts, key=lambda r: (r.prompt_ids, r.response_ids))
+
+
+def collate(rollouts: Sequence[Rollout], pad_token_id: int, device: torch.device | str) -> RolloutBatch:
+    """Pad ``rollouts`` (which must carry ``ref_logprobs`` and ``values``) into one ``RolloutBatch``."""
+    if any(r.ref_logprobs is None or r.values is None for r in rollouts):
+        raise ValueError("collate: every rollout needs ref_logprobs and values (engine built without them?)")
+    n = len(rollouts)
+    length = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+    input_ids = torch.full((n, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, length), dtype=torch.long)
+    per_token = {name: torch.zeros((n, length - 1)) for name in ("mask", "logprobs", "ref_logprobs", "values")}
+    versions = torch.full((n, length - 1), -1, dtype=torch.long)
+    for i, r in enumerate(rollouts):
+        p, t = len(r.prompt_ids), len(r.response_ids)
+        input_ids[i, : p + t] = torch.tensor(r.prompt_ids + r.response_ids)
+        attention_mask[i, : p + t] = 1
+        cols = slice(p - 1, p - 1 + t)
+        per_token["mask"][i, cols] = 1.0
+        per_token["logprobs"][i, cols] = torch.tensor(r.logprobs)
+        per_token["ref_logprobs"][i, cols] = torch.tensor(r.ref_logprobs)
+        per_token["values"][i, cols] = torch.tensor(r.values)
+        versions[i, cols] = torch.tensor(r.policy_versions)
+    scores = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    return RolloutBatch(
+        input_ids.to(device),
+        attention_mask.to(device),
+        versions=versions.to(device),
+        scores=scores.to(device),
+        **{k: v.to(device) for k, v in per_token.items()},
+    )

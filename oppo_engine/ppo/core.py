@@ -1,0 +1,96 @@
+"""PPO's arithmetic on padded per-token tensors (``[N, L-1]``, see ``batch.py``): forwards of the trained
+models, KL-penalised rewards, GAE, whitening and the clipped losses. Pure functions, no state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` shifted to mean 0 and scaled to variance 1 over the masked entries (0 elsewhere)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def token_logprobs(
+    actor: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``[N, L-1]`` log-prob of each next token under ``actor``'s logits over ``temperature`` (the
+    distribution the engine samples from without top-k/top-p)."""
+    logits = actor(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logprobs = (logits.float() / temperature).log_softmax(-1)
+    return logprobs.gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
+def token_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[N, L-1]`` the critic's score head on every position's hidden state: column ``p`` is the value of
+    the state before token ``p + 1`` (the convention of the engine's streamed ``values``)."""
+    hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return critic.score(hidden.last_hidden_state[:, :-1]).float()[..., 0]
+
+
+def kl_penalized_rewards(
+    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards ``-kl_coef * (logprobs - ref_logprobs)``, plus the score at each row's last
+    response token; and the per-token KL estimate itself."""
+    kl = (logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * kl
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(1)
+    rewards[torch.arange(len(scores), device=mask.device), last] += scores
+    return rewards, kl
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimates and returns (``advantages + values``) over the masked columns;
+    the value after a row's last response token is 0 (the episode ends)."""
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_adv = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = (delta + gamma * lam * next_adv) * m
+        advantages[:, t] = adv
+        # Outside the response (padding, prompt) carry nothing backwards.
+        next_value = values[:, t] * m
+        next_adv = adv
+    return advantages, (advantages + values) * mask
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+    truncation: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate ``max(-A r, -A clip(r, 1-e, 1+e))`` with ``r = exp(logprobs - old)``.
+
+    With ``truncation=c`` the unclipped ratio is first truncated at ``c`` (a truncated importance weight):
+    when ``old_logprobs`` are those of an older behaviour policy, a token it made unlikely cannot blow up the
+    loss (for ``A < 0``, the plain surrogate is unbounded in ``r``). Returns (loss, clip fraction, approx KL).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio if truncation is None else ratio.clamp(max=truncation)
+    losses = torch.maximum(-advantages * unclipped, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
+    clipfrac = masked_mean(((ratio - 1).abs() > clip_range).float(), mask)
+    approx_kl = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+    return masked_mean(losses, mask), clipfrac.detach(), approx_kl.detach()
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip_range: float
+) -> torch.Tensor:
+    """The clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- e) - R)^2)``."""
+    clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)

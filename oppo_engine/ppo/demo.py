@@ -1,0 +1,119 @@
+"""``oppo-engine demo``: the same PPO run on the embedded task (or given models) in several engine modes,
+side by side: a table, reward curves, the controllers' choices and one step's lane trace."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from oppo_engine.ppo.config import PPOConfig
+from oppo_engine.ppo.models import load_models
+from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot
+from oppo_engine.ppo.task import build_task, is_polite, prompts
+from oppo_engine.ppo.trainer import PPOTrainer, engine_config_for
+
+
+@dataclass(slots=True)
+class DemoOptions:
+    steps: int = 40
+    modes: tuple[str, ...] = ("sequential", "oppo")
+    out: Path = Path("demo_out")
+    cache: Path = Path(".cache/demo_task")
+    device: str = "cpu"
+    actor: Path | None = None
+    reward: Path | None = None
+    batch_size: int = 16
+    max_new_tokens: int = 48
+    seed: int = 0
+    trace_step: int | None = None  # the step whose lanes are traced (default: the middle one)
+
+
+def ppo_config(opts: DemoOptions) -> PPOConfig:
+    return PPOConfig(batch_size=opts.batch_size, minibatch_size=max(1, opts.batch_size // 2), epochs=2,
+                     lr=5e-4, critic_lr=5e-4, kl_coef=0.05, max_new_tokens=opts.max_new_tokens,
+                     seed=opts.seed)  # fmt: skip
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer(p)["input_ids"] for p in prompts()]
+
+
+def run_mode(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> ModeRun:
+    """``opts.steps`` PPO steps in ``mode`` from fresh copies of the models; the trace of one step."""
+    torch.manual_seed(opts.seed)
+    models = load_models(actor_path, reward_path, opts.device)
+    cfg = ppo_config(opts)
+    run = ModeRun(mode)
+    try:
+        trainer = PPOTrainer(models.actor, models.critic, models.reference, models.reward, models.tokenizer,
+                             _prompts(models.tokenizer), cfg,
+                             engine_config_for(cfg, mode=mode, max_model_len=256))  # fmt: skip
+    except NotImplementedError as e:
+        run.unavailable = str(e)
+        log(f"{mode}: unavailable ({e})")
+        return run
+    trace_step = opts.trace_step or max(1, opts.steps // 2)
+    bar = tqdm(total=opts.steps, desc=f"PPO {mode:>10}", unit="step", leave=True)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(opts.steps):
+            s0 = time.perf_counter()
+            stats = trainer.step()
+            m = stats.rollout.metrics
+            run.records.append(StepRecord(
+                step=stats.step, reward=stats.reward, kl=stats.kl, step_s=time.perf_counter() - s0,
+                rollout_s=stats.rollout_s, elapsed_s=time.perf_counter() - t0, rollouts=m.rollouts,
+                tokens=m.tokens_generated, exposed_scoring_s=m.exposed_scoring_s,
+                length_bias=getattr(m, "length_bias", None), chunk_size=m.chunk_size,
+                overcommit=m.overcommit, stale_tokens=stats.stale_tokens,
+            ))  # fmt: skip
+            if stats.step == trace_step:
+                trainer.engine.timeline.to_chrome_trace(opts.out / f"trace_{mode}.json")
+            bar.set_postfix(reward=f"{stats.reward:+.2f}", kl=f"{stats.kl:.2f}")
+            bar.update()
+        _show_samples(trainer, stats, log)
+    finally:
+        bar.close()
+        trainer.close()
+    return run
+
+
+def _show_samples(trainer: PPOTrainer, stats, log) -> None:
+    tok = trainer.tokenizer
+    rollouts = stats.rollout.rollouts
+    polite = sum(is_polite(tok.decode(r.response_ids)) for r in rollouts)
+    log(f"  last batch: {polite}/{len(rollouts)} answers say 'thank you'; e.g.")
+    for r in rollouts[:2]:
+        log(f"    {tok.decode(r.prompt_ids)}  ->  {tok.decode(r.response_ids)}   (reward {r.reward:+.2f})")
+
+
+def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
+    """Every mode of ``opts`` in turn; writes table.txt, records.json, reward.png, control.png and one
+    trace per mode into ``opts.out``."""
+    opts.out.mkdir(parents=True, exist_ok=True)
+    if (opts.actor is None) != (opts.reward is None):
+        raise ValueError("--actor and --reward go together (or neither: the embedded task)")
+    if opts.actor is None:
+        cache = build_task(opts.cache, log=log)
+        actor_path, reward_path = cache / "actor", cache / "reward"
+    else:
+        actor_path, reward_path = opts.actor, opts.reward
+    t0 = time.perf_counter()
+    runs = [run_mode(mode, opts, actor_path, reward_path, log) for mode in opts.modes]
+    table = format_table(runs)
+    (opts.out / "table.txt").write_text(table + "\n")
+    (opts.out / "records.json").write_text(json.dumps(
+        {r.mode: {"unavailable": r.unavailable, "records": [asdict(x) for x in r.records]} for r in runs},
+        indent=1,
+    ))  # fmt: skip
+    paths = plot(opts.out, runs) if any(r.records for r in runs) else []
+    log("\n" + table)
+    log(f"\nPPO runs took {time.perf_counter() - t0:.0f}s; wrote {opts.out}/table.txt, records.json, "
+        + ", ".join(p.name for p in paths) + ", " + ", ".join(f"trace_{r.mode}.json" for r in runs if r.records)
+        + " (open the traces in https://ui.perfetto.dev)")  # fmt: skip
+    return runs

@@ -1,0 +1,208 @@
+"""A compact PPO trainer (InstructGPT / TRL style) whose rollouts come from a ``RolloutEngine``.
+
+One ``step()``: the engine returns ``batch_size`` rollouts with the behaviour log-probs, the reference's
+log-probs and the critic's values streamed while the actor decoded; the trainer turns them into
+KL-penalised rewards and GAE advantages, runs ``epochs`` passes of clipped policy and value losses over
+minibatches, and calls ``engine.update_policy()`` once, after the last optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from oppo_engine.config import EngineConfig, SamplingParams
+from oppo_engine.engine import RolloutEngine, StepResult
+from oppo_engine.model.support import text_config
+from oppo_engine.ppo import core
+from oppo_engine.ppo.batch import RolloutBatch, canonical_order, collate
+from oppo_engine.ppo.config import PPOConfig
+
+
+@dataclass(slots=True)
+class PPOStepStats:
+    """What one PPO step did: the batch's mean score, KL to the reference, losses, staleness, times."""
+
+    step: int
+    reward: float  # mean reward-model score of the batch
+    kl: float  # mean per-sequence sum of log pi_old - log pi_ref
+    policy_loss: float
+    value_loss: float
+    clipfrac: float
+    approx_kl: float
+    response_len: float
+    stale_tokens: int  # tokens sampled by an older policy than the one being updated
+    rollout_s: float  # engine.step()
+    update_s: float  # everything after it
+    rollout: StepResult
+
+
+def _check_one_label(model: nn.Module, role: str) -> None:
+    labels = getattr(model.config, "num_labels", None)
+    if labels != 1 or not isinstance(getattr(model, "score", None), nn.Module):
+        raise ValueError(
+            f"{role} must be a sequence-classification model with one label (a `score` head), got "
+            f"{type(model).__name__} with num_labels={labels}"
+        )
+
+
+class PPOTrainer:
+    """PPO on ``actor`` (causal LM) and ``critic`` (one-label value model), against a frozen ``reference``
+    (causal LM) and a frozen ``reward`` model (one label), all HF models sharing ``tokenizer``'s vocabulary.
+
+    ``prompts`` (token-id lists) are cycled. ``engine_config`` picks the engine's mode and cache; its
+    ``batch_size`` must be ``config.batch_size``. Bad input raises ``ValueError`` here, before any work.
+    """
+
+    def __init__(
+        self,
+        actor: nn.Module,
+        critic: nn.Module,
+        reference: nn.Module,
+        reward: nn.Module,
+        tokenizer,
+        prompts: Sequence[Sequence[int]],
+        config: PPOConfig | None = None,
+        engine_config: EngineConfig | None = None,
+    ) -> None:
+        self.config = cfg = config or PPOConfig()
+        engine_config = engine_config or EngineConfig(batch_size=cfg.batch_size)
+        if engine_config.batch_size != cfg.batch_size:
+            raise ValueError(
+                f"engine_config.batch_size={engine_config.batch_size} differs from PPOConfig.batch_size="
+                f"{cfg.batch_size}: one engine step is one PPO batch"
+            )
+        vocab = int(text_config(actor).vocab_size)
+        if len(tokenizer) > vocab:
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens but the actor's vocabulary only {vocab}: the "
+                "tokenizer and the model do not belong together"
+            )
+        if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer needs an eos_token and a pad_token")
+        _check_one_label(reward, "reward")
+        _check_one_label(critic, "critic")
+        prompts = [list(p) for p in prompts]
+        if not prompts:
+            raise ValueError("prompts is empty")
+        longest = max(len(p) for p in prompts)
+        if longest + cfg.max_new_tokens > engine_config.max_model_len:
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds "
+                f"max_model_len={engine_config.max_model_len}"
+            )
+        for model in (reference, reward):
+            model.requires_grad_(False)
+        self.actor, self.critic, self.reference, self.reward = actor, critic, reference, reward
+        self.tokenizer = tokenizer
+        self.engine = RolloutEngine(
+            actor=actor,
+            reward=reward,
+            reference=reference,
+            critic=critic,
+            config=engine_config,
+            sampling=SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed),
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        self.engine.set_prompt_source(itertools.cycle(prompts))
+        self.device = next(actor.parameters()).device
+        self.actor_optim = torch.optim.AdamW(actor.parameters(), lr=cfg.lr)
+        self.critic_optim = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
+        self.steps = 0
+
+    # ------------------------------------------------------------------ one PPO step
+
+    def step(self) -> PPOStepStats:
+        cfg = self.config
+        t0 = time.perf_counter()
+        result = self.engine.step()
+        t1 = time.perf_counter()
+        batch = collate(canonical_order(result.rollouts), self.tokenizer.pad_token_id, self.device)
+        if cfg.release_memory:
+            self.engine.release_memory()
+        try:
+            stats = self._update(batch)
+            self.engine.update_policy()
+        finally:
+            if cfg.release_memory:
+                self.engine.resume()
+        self.steps += 1
+        return PPOStepStats(step=self.steps, rollout_s=t1 - t0, update_s=time.perf_counter() - t1,
+                            rollout=result, **stats)  # fmt: skip
+
+    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """The log-probs the PPO ratio is taken against. Tokens sampled by the current policy keep their
+        behaviour log-probs; with ``off_policy="recompute"`` the stale ones (sampled before the last
+        ``update_policy()``) get the current actor's, so the update starts on-policy."""
+        stale = (batch.versions < self.engine.policy_version) & (batch.mask > 0)
+        if self.config.off_policy != "recompute" or not stale.any():
+            return batch.logprobs
+        with torch.no_grad():
+            current = core.token_logprobs(self.actor, batch.input_ids, batch.attention_mask, self.config.temperature)
+        return torch.where(stale, current, batch.logprobs)
+
+    def _update(self, batch: RolloutBatch) -> dict:
+        cfg = self.config
+        mask = batch.mask
+        stale = int(((batch.versions < self.engine.policy_version) & (mask > 0)).sum())
+        old_logprobs = self.old_logprobs(batch)
+        rewards, kl = core.kl_penalized_rewards(batch.scores, old_logprobs, batch.ref_logprobs, mask, cfg.kl_coef)
+        advantages, returns = core.gae(rewards, batch.values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = core.masked_whiten(advantages, mask)
+        truncation = cfg.is_truncation if cfg.off_policy == "truncated_is" else None
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.steps)
+        sums = dict(policy_loss=0.0, value_loss=0.0, clipfrac=0.0, approx_kl=0.0)
+        n_minibatches = 0
+        for _ in range(cfg.epochs):
+            for idx in torch.randperm(len(batch), generator=g).split(cfg.minibatch_size):
+                idx = idx.to(self.device)
+                mb = batch.select(idx)
+                m = mb.mask
+                new_logprobs = core.token_logprobs(self.actor, mb.input_ids, mb.attention_mask, cfg.temperature)
+                pg_loss, clipfrac, approx_kl = core.policy_loss(
+                    new_logprobs, old_logprobs[idx], advantages[idx], m, cfg.clip_range, truncation
+                )
+                new_values = core.token_values(self.critic, mb.input_ids, mb.attention_mask)
+                vf_loss = core.value_loss(new_values, mb.values, returns[idx], m, cfg.clip_range_value)
+                self.actor_optim.zero_grad(set_to_none=True)
+                self.critic_optim.zero_grad(set_to_none=True)
+                (pg_loss + cfg.value_coef * vf_loss).backward()
+                nn.utils.clip_grad_norm_(self.actor.parameters(), cfg.max_grad_norm)
+                nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                self.actor_optim.step()
+                self.critic_optim.step()
+                for k, v in zip(sums, (pg_loss, vf_loss, clipfrac, approx_kl), strict=True):
+                    sums[k] += float(v.detach())
+                n_minibatches += 1
+        return dict(
+            reward=float(batch.scores.mean()),
+            kl=float(kl.sum(1).mean()),
+            response_len=float(mask.sum(1).mean()),
+            stale_tokens=stale,
+            **{k: v / n_minibatches for k, v in sums.items()},
+        )
+
+    def train(self, steps: int, callback=None) -> list[PPOStepStats]:
+        """``steps`` PPO steps; ``callback(stats)`` after each."""
+        history = []
+        for _ in range(steps):
+            history.append(self.step())
+            if callback is not None:
+                callback(history[-1])
+        return history
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def engine_config_for(config: PPOConfig, **overrides) -> EngineConfig:
+    """An ``EngineConfig`` with ``config``'s batch size (and the given overrides)."""
+    return dataclasses.replace(EngineConfig(batch_size=config.batch_size), **overrides)
+
