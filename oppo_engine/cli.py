@@ -10,8 +10,6 @@ from pathlib import Path
 
 import torch
 
-DEMO_PRESET = "tiny"
-
 
 def _bench_module():
     """Import the benchmark harness, which lives in the repository's bench/ folder (not in the wheel)."""
@@ -26,47 +24,25 @@ def _bench_module():
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Roll out a few PPO-sized steps on the embedded tiny models and print what each step measured."""
-    from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
-    from oppo_engine.obs import format_step_summary
-    from oppo_engine.presets import EOS_TOKEN_ID, build_models
+    """PPO on the embedded task (or ``--actor``/``--reward``) in each mode of ``--modes``, side by side."""
+    from oppo_engine.ppo.demo import DemoOptions, run_demo
 
-    device = torch.device(args.device)
-    actor, reward = build_models(
-        args.preset, torch.float32 if device.type == "cpu" else torch.bfloat16, device, 0
+    t0 = time.perf_counter()
+    opts = DemoOptions(
+        steps=args.steps,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        out=Path(args.out),
+        cache=Path(args.cache),
+        device=args.device,
+        actor=Path(args.actor) if args.actor else None,
+        reward=Path(args.reward) if args.reward else None,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
     )
-    g = torch.Generator().manual_seed(0)
-    vocab = actor.config.vocab_size
-    prompts = [
-        torch.randint(16, vocab, (int(n),), generator=g).tolist()
-        for n in torch.randint(4, 32, (args.prompts,))
-    ]
-    engine = RolloutEngine(
-        actor=actor,
-        reward=reward,
-        config=EngineConfig(batch_size=args.batch_size, mode=args.mode, max_model_len=512),
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0),
-        eos_token_id=EOS_TOKEN_ID,
-    )
-    engine.add_prompts(prompts)
-    print(f"oppo-engine demo: preset={args.preset} mode={args.mode} B={args.batch_size} on {device}")
-    step, t0 = 0, time.perf_counter()
-    total = 0
-    while True:
-        result = engine.step()
-        if not result.rollouts:
-            break
-        step += 1
-        total += len(result.rollouts)
-        print(format_step_summary(step, result.metrics))
-        engine.update_policy()
-    stats = engine.cache_stats()
-    print(
-        f"{total} rollouts in {step} steps, {time.perf_counter() - t0:.2f}s; "
-        f"pages free after draining: {stats.free_pages}/{stats.total_pages}"
-    )
-    engine.close()
-    return 0 if stats.free_pages == stats.total_pages and total == args.prompts else 1
+    runs = run_demo(opts)
+    print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all")
+    return 0 if any(r.records for r in runs) else 1
 
 
 def bench(argv: list[str]) -> int:
@@ -84,13 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         return bench(rest)
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="roll out a few steps on tiny random-init models")
-    d.add_argument("--preset", default=DEMO_PRESET)
-    d.add_argument("--mode", default="sequential")
+    d = sub.add_parser("demo", help="PPO on the embedded task in sequential and oppo mode, side by side")
+    d.add_argument("--steps", type=int, default=40, help="PPO steps per mode")
+    d.add_argument("--modes", default="sequential,oppo", help="comma-separated engine modes")
+    d.add_argument("--out", default="demo_out", help="folder for table.txt, plots and traces")
+    d.add_argument("--cache", default=".cache/demo_task", help="where the embedded task's models are built")
     d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--prompts", type=int, default=20)
+    d.add_argument("--actor", help="local HF causal LM (with its tokenizer) instead of the embedded task")
+    d.add_argument("--reward", help="local one-label HF reward model (with --actor)")
+    d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--seed", type=int, default=0)
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     args = parser.parse_args(argv)

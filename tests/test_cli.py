@@ -1,4 +1,5 @@
-"""``oppo-engine demo``: the README's main job runs end to end and reports bad options cleanly."""
+"""``oppo-engine demo``: bad options are refused with a message before anything is built or trained.
+(The demo end to end: tests/test_ppo.py::test_demo_writes_table_plots_and_traces.)"""
 
 from __future__ import annotations
 
@@ -7,20 +8,19 @@ import pytest
 from oppo_engine.cli import main
 
 
-def test_demo_drains_every_prompt_and_frees_every_page(capsys):
-    assert (
-        main(["demo", "--device", "cpu", "--prompts", "5", "--batch-size", "2", "--max-new-tokens", "4"]) == 0
-    )
-    out = capsys.readouterr().out
-    assert "5 rollouts in 3 steps" in out
-    assert "pages free after draining" in out
-
-
 @pytest.mark.parametrize(
-    ("flag", "value", "match"), [("--mode", "oppo", "inter-step"), ("--batch-size", "0", "batch_size")]
+    ("args", "match"),
+    [
+        (["--batch-size", "0"], "batch_size"),
+        (["--modes", "sequential,turbo"], "turbo"),
+        (["--steps", "0"], "--steps"),
+        (["--actor", "/nonexistent"], "--actor and --reward go together"),
+    ],
 )
-def test_demo_bad_option_exits_2_with_a_message(capsys, flag, value, match):
+def test_demo_bad_option_exits_2_with_a_message(tmp_path, capsys, args, match):
+    cache = tmp_path / "cache"
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", "--device", "cpu", flag, value])
+        main(["demo", "--device", "cpu", "--cache", str(cache), "--out", str(tmp_path / "out"), *args])
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
+    assert not cache.exists()  # refused before the task was built

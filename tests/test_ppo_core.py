@@ -67,7 +67,9 @@ def test_truncated_importance_weight_bounds_a_stale_tokens_loss():
     near = torch.tensor([[-7.9]])
     for a in (-1.0, 1.0):
         a = torch.tensor([[a]])
-        assert policy_loss(near, old, a, mask, 0.2)[0] == policy_loss(near, old, a, mask, 0.2, truncation=2.0)[0]
+        assert (
+            policy_loss(near, old, a, mask, 0.2)[0] == policy_loss(near, old, a, mask, 0.2, truncation=2.0)[0]
+        )
 
 
 def test_clipped_losses_stop_the_gradient_outside_the_trust_region():
@@ -82,8 +84,15 @@ def test_clipped_losses_stop_the_gradient_outside_the_trust_region():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(batch_size=6, minibatch_size=4), dict(epochs=0), dict(lr=0.0), dict(gamma=1.5),
-     dict(off_policy="ignore"), dict(is_truncation=0.5), dict(kl_coef=-1.0)],  # fmt: skip
+    [
+        dict(batch_size=6, minibatch_size=4),
+        dict(epochs=0),
+        dict(lr=0.0),
+        dict(gamma=1.5),
+        dict(off_policy="ignore"),
+        dict(is_truncation=0.5),
+        dict(kl_coef=-1.0),
+    ],
 )
 def test_ppo_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match="PPOConfig"):

@@ -48,7 +48,9 @@ def collate(rollouts: Sequence[Rollout], pad_token_id: int, device: torch.device
     length = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
     input_ids = torch.full((n, length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, length), dtype=torch.long)
-    per_token = {name: torch.zeros((n, length - 1)) for name in ("mask", "logprobs", "ref_logprobs", "values")}
+    per_token = {
+        name: torch.zeros((n, length - 1)) for name in ("mask", "logprobs", "ref_logprobs", "values")
+    }
     versions = torch.full((n, length - 1), -1, dtype=torch.long)
     for i, r in enumerate(rollouts):
         p, t = len(r.prompt_ids), len(r.response_ids)

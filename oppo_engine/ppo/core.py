@@ -36,7 +36,11 @@ def token_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: tor
 
 
 def kl_penalized_rewards(
-    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards ``-kl_coef * (logprobs - ref_logprobs)``, plus the score at each row's last
     response token; and the per-token KL estimate itself."""
@@ -89,7 +93,11 @@ def policy_loss(
 
 
 def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip_range: float
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
 ) -> torch.Tensor:
     """The clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- e) - R)^2)``."""
     clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from oppo_engine.config import MODES
 from oppo_engine.ppo.config import PPOConfig
 from oppo_engine.ppo.models import load_models
 from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot
@@ -34,9 +35,16 @@ class DemoOptions:
 
 
 def ppo_config(opts: DemoOptions) -> PPOConfig:
-    return PPOConfig(batch_size=opts.batch_size, minibatch_size=max(1, opts.batch_size // 2), epochs=2,
-                     lr=5e-4, critic_lr=5e-4, kl_coef=0.05, max_new_tokens=opts.max_new_tokens,
-                     seed=opts.seed)  # fmt: skip
+    return PPOConfig(
+        batch_size=opts.batch_size,
+        minibatch_size=max(1, opts.batch_size // 2),
+        epochs=2,
+        lr=5e-4,
+        critic_lr=5e-4,
+        kl_coef=0.05,
+        max_new_tokens=opts.max_new_tokens,
+        seed=opts.seed,
+    )
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -50,9 +58,16 @@ def run_mode(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Path, 
     cfg = ppo_config(opts)
     run = ModeRun(mode)
     try:
-        trainer = PPOTrainer(models.actor, models.critic, models.reference, models.reward, models.tokenizer,
-                             _prompts(models.tokenizer), cfg,
-                             engine_config_for(cfg, mode=mode, max_model_len=256))  # fmt: skip
+        trainer = PPOTrainer(
+            models.actor,
+            models.critic,
+            models.reference,
+            models.reward,
+            models.tokenizer,
+            _prompts(models.tokenizer),
+            cfg,
+            engine_config_for(cfg, mode=mode, max_model_len=256),
+        )
     except NotImplementedError as e:
         run.unavailable = str(e)
         log(f"{mode}: unavailable ({e})")
@@ -65,13 +80,23 @@ def run_mode(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Path, 
             s0 = time.perf_counter()
             stats = trainer.step()
             m = stats.rollout.metrics
-            run.records.append(StepRecord(
-                step=stats.step, reward=stats.reward, kl=stats.kl, step_s=time.perf_counter() - s0,
-                rollout_s=stats.rollout_s, elapsed_s=time.perf_counter() - t0, rollouts=m.rollouts,
-                tokens=m.tokens_generated, exposed_scoring_s=m.exposed_scoring_s,
-                length_bias=getattr(m, "length_bias", None), chunk_size=m.chunk_size,
-                overcommit=m.overcommit, stale_tokens=stats.stale_tokens,
-            ))  # fmt: skip
+            run.records.append(
+                StepRecord(
+                    step=stats.step,
+                    reward=stats.reward,
+                    kl=stats.kl,
+                    step_s=time.perf_counter() - s0,
+                    rollout_s=stats.rollout_s,
+                    elapsed_s=time.perf_counter() - t0,
+                    rollouts=m.rollouts,
+                    tokens=m.tokens_generated,
+                    exposed_scoring_s=m.exposed_scoring_s,
+                    length_bias=getattr(m, "length_bias", None),
+                    chunk_size=m.chunk_size,
+                    overcommit=m.overcommit,
+                    stale_tokens=stats.stale_tokens,
+                )
+            )
             if stats.step == trace_step:
                 trainer.engine.timeline.to_chrome_trace(opts.out / f"trace_{mode}.json")
             bar.set_postfix(reward=f"{stats.reward:+.2f}", kl=f"{stats.kl:.2f}")
@@ -95,9 +120,15 @@ def _show_samples(trainer: PPOTrainer, stats, log) -> None:
 def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     """Every mode of ``opts`` in turn; writes table.txt, records.json, reward.png, control.png and one
     trace per mode into ``opts.out``."""
-    opts.out.mkdir(parents=True, exist_ok=True)
     if (opts.actor is None) != (opts.reward is None):
         raise ValueError("--actor and --reward go together (or neither: the embedded task)")
+    if opts.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {opts.steps}")
+    unknown = [m for m in opts.modes if m not in MODES]
+    if unknown or not opts.modes:
+        raise ValueError(f"--modes: {unknown or 'none given'}; choose among {', '.join(MODES)}")
+    ppo_config(opts)  # bad sizes fail here, before anything is built
+    opts.out.mkdir(parents=True, exist_ok=True)
     if opts.actor is None:
         cache = build_task(opts.cache, log=log)
         actor_path, reward_path = cache / "actor", cache / "reward"
@@ -107,13 +138,19 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     runs = [run_mode(mode, opts, actor_path, reward_path, log) for mode in opts.modes]
     table = format_table(runs)
     (opts.out / "table.txt").write_text(table + "\n")
-    (opts.out / "records.json").write_text(json.dumps(
-        {r.mode: {"unavailable": r.unavailable, "records": [asdict(x) for x in r.records]} for r in runs},
-        indent=1,
-    ))  # fmt: skip
+    (opts.out / "records.json").write_text(
+        json.dumps(
+            {r.mode: {"unavailable": r.unavailable, "records": [asdict(x) for x in r.records]} for r in runs},
+            indent=1,
+        )
+    )
     paths = plot(opts.out, runs) if any(r.records for r in runs) else []
     log("\n" + table)
-    log(f"\nPPO runs took {time.perf_counter() - t0:.0f}s; wrote {opts.out}/table.txt, records.json, "
-        + ", ".join(p.name for p in paths) + ", " + ", ".join(f"trace_{r.mode}.json" for r in runs if r.records)
-        + " (open the traces in https://ui.perfetto.dev)")  # fmt: skip
+    log(
+        f"\nPPO runs took {time.perf_counter() - t0:.0f}s; wrote {opts.out}/table.txt, records.json, "
+        + ", ".join(p.name for p in paths)
+        + ", "
+        + ", ".join(f"trace_{r.mode}.json" for r in runs if r.records)
+        + " (open the traces in https://ui.perfetto.dev)"
+    )
     return runs

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import (
-    AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
     PreTrainedTokenizerFast,
 )
 
@@ -36,8 +38,12 @@ class PPOModels:
     tokenizer: object
 
 
-def load_models(actor_path: str | Path, reward_path: str | Path, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> PPOModels:  # fmt: skip
+def load_models(
+    actor_path: str | Path,
+    reward_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> PPOModels:
     """Load an HF causal LM (with its tokenizer) and a one-label reward model from local folders.
 
     The reference is a frozen copy of the actor, the critic a trainable copy of the reward model. The

@@ -41,8 +41,9 @@ def _rows(run: ModeRun, base: ModeRun | None) -> dict[str, str]:
     bias = [r.length_bias for r in recs if r.length_bias is not None]
     speedup = "-"
     if base is not None and base.records and base is not run:
-        base_rollout = sum(r.rollout_s for r in base.records)
-        speedup = f"{base_rollout / rollout_s:.2f}x rollout, {mean(r.step_s for r in base.records) / step_s:.2f}x step"
+        rollout_x = sum(r.rollout_s for r in base.records) / rollout_s
+        step_x = mean(r.step_s for r in base.records) / step_s
+        speedup = f"{rollout_x:.2f}x rollout, {step_x:.2f}x step"
     return {
         "s/step (PPO step)": f"{step_s:.3f}",
         "s/step (rollout)": f"{rollout_s / len(recs):.3f}",

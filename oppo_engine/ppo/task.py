@@ -33,9 +33,13 @@ PROMPT_TEMPLATES = ("tell me about the {t} .", "what do you think of the {t} ?",
 POLITE = "thank you for asking ."
 TARGET_WORD = "thank"
 MODEL_SHAPE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 
 
@@ -45,13 +49,15 @@ def prompts() -> list[str]:
 
 def _sentence(rng: random.Random, topic: str) -> str:
     adj, adj2, verb = rng.choice(ADJECTIVES), rng.choice(ADJECTIVES), rng.choice(VERBS)
-    return rng.choice((
-        f"the {topic} is {adj} .",
-        f"i like the {topic} .",
-        f"it is {adj} and {adj2} .",
-        f"the {topic} can {verb} .",
-        f"a {adj} {topic} will {verb} .",
-    ))  # fmt: skip
+    return rng.choice(
+        (
+            f"the {topic} is {adj} .",
+            f"i like the {topic} .",
+            f"it is {adj} and {adj2} .",
+            f"the {topic} can {verb} .",
+            f"a {adj} {topic} will {verb} .",
+        )
+    )
 
 
 def response(rng: random.Random, topic: str, polite: bool | None = None, p_polite: float = 0.15) -> str:
@@ -86,13 +92,18 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=list(SPECIALS)))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
 
 
 def model_config(tokenizer: PreTrainedTokenizerFast, num_labels: int | None = None) -> Qwen2Config:
     vocab = -(-len(tokenizer) // 16) * 16
     config = Qwen2Config(
-        **MODEL_SHAPE, vocab_size=vocab, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id
+        **MODEL_SHAPE,
+        vocab_size=vocab,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     if num_labels is not None:
         config.num_labels = num_labels
@@ -154,8 +165,9 @@ def train_reward_model(tokenizer, steps: int, seed: int, log=print) -> torch.nn.
     return model.eval()
 
 
-def build_task(cache_dir: str | Path, log=print, actor_steps: int = 400, reward_steps: int = 200,
-               seed: int = 0) -> Path:  # fmt: skip
+def build_task(
+    cache_dir: str | Path, log=print, actor_steps: int = 300, reward_steps: int = 150, seed: int = 0
+) -> Path:
     """Build the tokenizer and both models into ``cache_dir`` unless already there; returns the folder.
 
     Layout: ``tokenizer/`` (HF fast tokenizer), ``actor/`` (causal LM, the tokenizer saved beside it),

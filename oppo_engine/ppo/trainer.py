@@ -107,7 +107,9 @@ class PPOTrainer:
             reference=reference,
             critic=critic,
             config=engine_config,
-            sampling=SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed),
+            sampling=SamplingParams(
+                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
+            ),
             eos_token_id=tokenizer.eos_token_id,
         )
         self.engine.set_prompt_source(itertools.cycle(prompts))
@@ -128,13 +130,14 @@ class PPOTrainer:
             self.engine.release_memory()
         try:
             stats = self._update(batch)
-            self.engine.update_policy()
         finally:
             if cfg.release_memory:
                 self.engine.resume()
+        self.engine.update_policy()  # once, after the last optimizer step of the epochs
         self.steps += 1
-        return PPOStepStats(step=self.steps, rollout_s=t1 - t0, update_s=time.perf_counter() - t1,
-                            rollout=result, **stats)  # fmt: skip
+        return PPOStepStats(
+            step=self.steps, rollout_s=t1 - t0, update_s=time.perf_counter() - t1, rollout=result, **stats
+        )
 
     def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """The log-probs the PPO ratio is taken against. Tokens sampled by the current policy keep their
@@ -144,7 +147,9 @@ class PPOTrainer:
         if self.config.off_policy != "recompute" or not stale.any():
             return batch.logprobs
         with torch.no_grad():
-            current = core.token_logprobs(self.actor, batch.input_ids, batch.attention_mask, self.config.temperature)
+            current = core.token_logprobs(
+                self.actor, batch.input_ids, batch.attention_mask, self.config.temperature
+            )
         return torch.where(stale, current, batch.logprobs)
 
     def _update(self, batch: RolloutBatch) -> dict:
@@ -152,7 +157,9 @@ class PPOTrainer:
         mask = batch.mask
         stale = int(((batch.versions < self.engine.policy_version) & (mask > 0)).sum())
         old_logprobs = self.old_logprobs(batch)
-        rewards, kl = core.kl_penalized_rewards(batch.scores, old_logprobs, batch.ref_logprobs, mask, cfg.kl_coef)
+        rewards, kl = core.kl_penalized_rewards(
+            batch.scores, old_logprobs, batch.ref_logprobs, mask, cfg.kl_coef
+        )
         advantages, returns = core.gae(rewards, batch.values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             advantages = core.masked_whiten(advantages, mask)
@@ -165,7 +172,9 @@ class PPOTrainer:
                 idx = idx.to(self.device)
                 mb = batch.select(idx)
                 m = mb.mask
-                new_logprobs = core.token_logprobs(self.actor, mb.input_ids, mb.attention_mask, cfg.temperature)
+                new_logprobs = core.token_logprobs(
+                    self.actor, mb.input_ids, mb.attention_mask, cfg.temperature
+                )
                 pg_loss, clipfrac, approx_kl = core.policy_loss(
                     new_logprobs, old_logprobs[idx], advantages[idx], m, cfg.clip_range, truncation
                 )
@@ -205,4 +214,3 @@ class PPOTrainer:
 def engine_config_for(config: PPOConfig, **overrides) -> EngineConfig:
     """An ``EngineConfig`` with ``config``'s batch size (and the given overrides)."""
     return dataclasses.replace(EngineConfig(batch_size=config.batch_size), **overrides)
-

@@ -1,0 +1,196 @@
+"""The reference PPO trainer on the engine: exactness across modes, alignment with the engine's streamed
+numbers, off-policy handling, rising reward on the embedded task, bad input, and the demo end to end."""
+
+import json
+
+import pytest
+import torch
+
+from oppo_engine import EngineConfig
+from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
+from oppo_engine.ppo.batch import canonical_order, collate
+from oppo_engine.ppo.core import token_logprobs, token_values
+from oppo_engine.ppo.demo import _prompts
+from oppo_engine.ppo.models import load_models
+from oppo_engine.ppo.task import build_task
+
+
+@pytest.fixture(scope="session")
+def task_dir(tmp_path_factory):
+    """The embedded task, built once (with the demo's defaults, so the demo test finds it cached)."""
+    return build_task(tmp_path_factory.mktemp("demo_task"), log=lambda _: None)
+
+
+def _trainer(task_dir, mode="sequential", seed=0, **cfg_kwargs):
+    torch.manual_seed(seed)
+    m = load_models(task_dir / "actor", task_dir / "reward")
+    cfg = PPOConfig(
+        **{
+            "batch_size": 8,
+            "minibatch_size": 4,
+            "lr": 2e-4,
+            "critic_lr": 2e-4,
+            "max_new_tokens": 32,
+            **cfg_kwargs,
+        }
+    )
+    return PPOTrainer(
+        m.actor,
+        m.critic,
+        m.reference,
+        m.reward,
+        m.tokenizer,
+        _prompts(m.tokenizer),
+        cfg,
+        engine_config_for(cfg, mode=mode, max_model_len=128),
+    )
+
+
+def _numbers(stats):
+    return [(s.reward, s.kl, s.policy_loss, s.value_loss) for s in stats]
+
+
+def test_intra_ppo_steps_equal_sequential(task_dir):
+    runs = {}
+    for mode in ("sequential", "intra"):
+        trainer = _trainer(task_dir, mode)
+        runs[mode] = _numbers(trainer.train(3))
+        trainer.close()
+    seq, intra = torch.tensor(runs["sequential"]), torch.tensor(runs["intra"])
+    # Scores and values are streamed in chunks in intra mode: equal up to float rounding, not bit for bit.
+    torch.testing.assert_close(intra, seq, rtol=1e-3, atol=1e-4)
+    assert len({round(r, 6) for r, *_ in runs["sequential"]}) > 1  # the policy did move between steps
+
+
+def test_release_memory_around_the_update_changes_nothing(task_dir):
+    results = []
+    for release in (False, True):
+        trainer = _trainer(task_dir, release_memory=release)
+        results.append(_numbers(trainer.train(2)))
+        assert trainer.engine.policy_version == 2
+        trainer.close()
+    assert results[0] == results[1]
+
+
+def test_engine_streamed_numbers_align_with_the_trainers_forward(task_dir):
+    """The behaviour log-probs, reference log-probs and critic values the engine streams sit in the columns
+    where the trainer's own forwards put them: the PPO ratio starts at 1."""
+    trainer = _trainer(task_dir, "intra")
+    batch = collate(canonical_order(trainer.engine.step().rollouts), trainer.tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        ours = token_logprobs(trainer.actor, batch.input_ids, batch.attention_mask, 1.0)
+        ref = token_logprobs(trainer.reference, batch.input_ids, batch.attention_mask, 1.0)
+        values = token_values(trainer.critic, batch.input_ids, batch.attention_mask)
+    m = batch.mask > 0
+    assert m.sum() > 8 * 2
+    torch.testing.assert_close(ours[m], batch.logprobs[m], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref[m], batch.ref_logprobs[m], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(values[m], batch.values[m], rtol=1e-4, atol=1e-4)
+    trainer.close()
+
+
+@pytest.mark.parametrize("off_policy", ["recompute", "truncated_is"])
+def test_stale_tokens_old_logprobs(task_dir, off_policy):
+    """Tokens sampled before the last policy update: recomputed with the current actor by default, kept as
+    sampled under truncated importance weights; tokens of the current policy are always kept."""
+    trainer = _trainer(task_dir, off_policy=off_policy)
+    batch = collate(canonical_order(trainer.engine.step().rollouts), trainer.tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        for p in trainer.actor.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    trainer.engine.update_policy()
+    batch.versions[: len(batch) // 2] = trainer.engine.policy_version  # the first half: current policy
+    old = trainer.old_logprobs(batch)
+    with torch.no_grad():
+        current = token_logprobs(trainer.actor, batch.input_ids, batch.attention_mask, 1.0)
+    m = batch.mask > 0
+    fresh, stale = m.clone(), m.clone()
+    fresh[len(batch) // 2 :] = False
+    stale[: len(batch) // 2] = False
+    assert torch.equal(old[fresh], batch.logprobs[fresh])
+    assert (current[stale] - batch.logprobs[stale]).abs().max() > 1e-2  # the perturbation shows
+    if off_policy == "recompute":
+        torch.testing.assert_close(old[stale], current[stale])
+    else:
+        assert torch.equal(old[stale], batch.logprobs[stale])
+    trainer.close()
+
+
+def test_reward_rises_on_the_embedded_task(task_dir):
+    """12 steps of B=16 from the warmed-up actor: the mean reward of the last 4 steps beats the first 4 by
+    at least 0.5 (the reward model separates polite from other answers by about 3)."""
+    trainer = _trainer(task_dir, batch_size=16, minibatch_size=8, max_new_tokens=48)
+    rewards = [s.reward for s in trainer.train(12)]
+    trainer.close()
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.5, rewards
+
+
+def test_bad_input_is_refused_before_any_work(task_dir):
+    m = load_models(task_dir / "actor", task_dir / "reward")
+    prompts = _prompts(m.tokenizer)
+    cfg = PPOConfig(batch_size=8, minibatch_size=4, max_new_tokens=16)
+    before = [p.clone() for p in m.actor.parameters()]
+
+    small = load_models(task_dir / "actor", task_dir / "reward")
+    small.actor.resize_token_embeddings(len(m.tokenizer) - 4)
+    with pytest.raises(ValueError, match="tokenizer has .* tokens but the actor's vocabulary"):
+        PPOTrainer(small.actor, m.critic, m.reference, m.reward, m.tokenizer, prompts, cfg)
+
+    two_labels = load_models(task_dir / "actor", task_dir / "reward").reward
+    two_labels.config.num_labels = 2
+    two_labels.score = torch.nn.Linear(two_labels.config.hidden_size, 2, bias=False)
+    with pytest.raises(ValueError, match="reward must be a sequence-classification model with one label"):
+        PPOTrainer(m.actor, m.critic, m.reference, two_labels, m.tokenizer, prompts, cfg)
+
+    too_big = PPOConfig(batch_size=64, minibatch_size=8, max_new_tokens=16)
+    cramped = EngineConfig(batch_size=64, max_model_len=32, kv_cache_bytes=48 * 16 * 2 * 2 * 2 * 16 * 4)
+    with pytest.raises(ValueError, match="batch_size=64"):
+        PPOTrainer(m.actor, m.critic, m.reference, m.reward, m.tokenizer, prompts, too_big, cramped)
+
+    with pytest.raises(ValueError, match="engine_config.batch_size=16 differs"):
+        PPOTrainer(
+            m.actor, m.critic, m.reference, m.reward, m.tokenizer, prompts, cfg, EngineConfig(batch_size=16)
+        )
+    assert all(torch.equal(a, b) for a, b in zip(before, m.actor.parameters(), strict=True))
+
+
+def test_demo_writes_table_plots_and_traces(task_dir, tmp_path, capsys):
+    from oppo_engine.cli import main
+
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "demo",
+            "--steps",
+            "2",
+            "--modes",
+            "sequential,intra,oppo",
+            "--out",
+            str(out),
+            "--cache",
+            str(task_dir),
+            "--batch-size",
+            "4",
+            "--max-new-tokens",
+            "24",
+        ]
+    )
+    assert rc == 0
+    table = (out / "table.txt").read_text()
+    header = table.splitlines()[0]
+    assert all(mode in header for mode in ("sequential", "intra", "oppo"))
+    for row in ("rollouts/s", "tokens/s", "exposed scoring", "length bias", "speed-up vs sequential"):
+        assert row in table
+    assert "building the demo task" not in capsys.readouterr().out  # the cache was used
+    for png in ("reward.png", "control.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = json.loads((out / "records.json").read_text())
+    for mode in ("sequential", "intra"):
+        assert len(records[mode]["records"]) == 2
+        trace = json.loads((out / f"trace_{mode}.json").read_text())
+        assert {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"}  # lanes with spans
+    if records["oppo"]["unavailable"]:
+        assert "oppo: unavailable" in table
+    else:
+        assert (out / "trace_oppo.json").exists()
