@@ -39,8 +39,8 @@ def ppo_config(opts: DemoOptions) -> PPOConfig:
         batch_size=opts.batch_size,
         minibatch_size=max(1, opts.batch_size // 2),
         epochs=2,
-        lr=5e-4,
-        critic_lr=5e-4,
+        lr=2e-4,
+        critic_lr=2e-4,
         kl_coef=0.05,
         max_new_tokens=opts.max_new_tokens,
         seed=opts.seed,
@@ -112,7 +112,7 @@ def _show_samples(trainer: PPOTrainer, stats, log) -> None:
     tok = trainer.tokenizer
     rollouts = stats.rollout.rollouts
     polite = sum(is_polite(tok.decode(r.response_ids)) for r in rollouts)
-    log(f"  last batch: {polite}/{len(rollouts)} answers say 'thank you'; e.g.")
+    log(f"  last batch: {polite}/{len(rollouts)} answers are polite (say 'thank you' and answer); e.g.")
     for r in rollouts[:2]:
         log(f"    {tok.decode(r.prompt_ids)}  ->  {tok.decode(r.response_ids)}   (reward {r.reward:+.2f})")
 

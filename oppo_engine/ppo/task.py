@@ -1,9 +1,11 @@
 """The embedded demo task: polite answers.
 
 A synthetic corpus a person can read -- prompts such as ``tell me about the cat .`` answered by one to
-several short sentences (long-tailed lengths), ending in ``<eos>``. Now and then an answer says ``thank
-you for asking .``; the reward model is trained on pairs ranked by one rule: **an answer that says "thank
-you" beats one that does not**. PPO should make the actor say it more often, which raises the reward.
+several short sentences about the topic (long-tailed lengths), ending in ``<eos>``. Now and then an answer
+also says ``thank you for asking .``. The reward model is trained on pairs ranked by one rule: **a polite
+answer beats the others** -- polite meaning it says "thank you" *and* still answers (at least one sentence
+about the topic; a bare "thank you for asking ." is ranked below a polite answer). PPO should make the
+actor say thank you more often, which raises the reward.
 
 Everything is built locally (no hub): a word-level tokenizer trained with the ``tokenizers`` library,
 a tiny Qwen2 actor warmed up on the corpus (random weights emit noise), and a tiny Qwen2 reward model,
@@ -25,7 +27,7 @@ from transformers import (
     Qwen2Config,
 )
 
-TASK_VERSION = 1
+TASK_VERSION = 2
 TOPICS = ("cat", "dog", "sea", "sun", "tree", "city", "rain", "book", "bird", "moon")
 ADJECTIVES = ("big", "small", "warm", "cold", "quiet", "bright", "old", "new", "green", "blue")
 VERBS = ("run", "sing", "shine", "grow", "sleep", "move", "wait", "fly")
@@ -83,8 +85,9 @@ def corpus(n: int, seed: int) -> list[tuple[str, str]]:
 
 
 def is_polite(text: str) -> bool:
-    """The rule the reward model learns."""
-    return TARGET_WORD in text.split()
+    """The rule the reward model learns: says thank you, and says more than that."""
+    words = text.replace("<eos>", " ").split()
+    return TARGET_WORD in words and len(words) > len(POLITE.split())
 
 
 def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
@@ -140,8 +143,8 @@ def warm_up_actor(tokenizer, steps: int, seed: int, log=print) -> torch.nn.Modul
 
 
 def train_reward_model(tokenizer, steps: int, seed: int, log=print) -> torch.nn.Module:
-    """A tiny one-label Qwen2 reward model trained on pairs (polite, not polite) of answers to the same
-    prompt: Bradley-Terry loss, plus a small pull of the scores towards 0 so they stay centred."""
+    """A tiny one-label Qwen2 reward model trained on pairs (polite, not polite or a bare thank-you) of
+    answers to the same prompt: Bradley-Terry loss, plus a small pull of the scores towards 0 so they stay centred."""
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(model_config(tokenizer, num_labels=1))
     optim = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -152,7 +155,9 @@ def train_reward_model(tokenizer, steps: int, seed: int, log=print) -> torch.nn.
             topic = rng.choice(TOPICS)
             prompt = rng.choice(PROMPT_TEMPLATES).format(t=topic)
             rows.append(_encode(tokenizer, prompt, response(rng, topic, polite=True)))
-            rows.append(_encode(tokenizer, prompt, response(rng, topic, polite=False)))
+            # The rejected answer: not polite, or a bare thank-you that does not answer.
+            rejected = response(rng, topic, polite=False) if rng.random() < 0.7 else POLITE
+            rows.append(_encode(tokenizer, prompt, rejected))
         ids, attn = _pad(rows, tokenizer.pad_token_id)
         scores = model(input_ids=ids, attention_mask=attn).logits[:, 0]
         chosen, rejected = scores[0::2], scores[1::2]
