@@ -51,74 +51,92 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in prompts()]
 
 
-def run_mode(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> ModeRun:
-    """``opts.steps`` PPO steps in ``mode`` from fresh copies of the models; the trace of one step."""
+def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Path) -> PPOTrainer:
+    """A trainer on fresh copies of the models, its engine in ``mode`` (NotImplementedError if the engine
+    does not have that mode)."""
     torch.manual_seed(opts.seed)
     models = load_models(actor_path, reward_path, opts.device)
     cfg = ppo_config(opts)
-    run = ModeRun(mode)
-    try:
-        trainer = PPOTrainer(
-            models.actor,
-            models.critic,
-            models.reference,
-            models.reward,
-            models.tokenizer,
-            _prompts(models.tokenizer),
-            cfg,
-            engine_config_for(cfg, mode=mode, max_model_len=256),
-        )
-    except NotImplementedError as e:
-        run.unavailable = str(e)
-        log(f"{mode}: unavailable ({e})")
-        return run
+    return PPOTrainer(
+        models.actor,
+        models.critic,
+        models.reference,
+        models.reward,
+        models.tokenizer,
+        _prompts(models.tokenizer),
+        cfg,
+        engine_config_for(cfg, mode=mode, max_model_len=256),
+    )
+
+
+def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> list[ModeRun]:
+    """``opts.steps`` PPO steps per mode, the modes interleaved step by step (whatever else loads the
+    machine then slows every mode alike); one step's lane trace per mode."""
+    runs, trainers = [], {}
+    for mode in opts.modes:
+        runs.append(ModeRun(mode))
+        try:
+            trainers[mode] = make_trainer(mode, opts, actor_path, reward_path)
+        except NotImplementedError as e:
+            runs[-1].unavailable = str(e)
+            log(f"{mode}: unavailable ({e})")
     trace_step = opts.trace_step or max(1, opts.steps // 2)
-    bar = tqdm(total=opts.steps, desc=f"PPO {mode:>10}", unit="step", leave=True)
-    t0 = time.perf_counter()
+    bar = tqdm(total=opts.steps * len(trainers), desc="PPO steps", unit="step")
+    last = {}
     try:
         for _ in range(opts.steps):
-            s0 = time.perf_counter()
-            stats = trainer.step()
-            m = stats.rollout.metrics
-            run.records.append(
-                StepRecord(
-                    step=stats.step,
-                    reward=stats.reward,
-                    kl=stats.kl,
-                    step_s=time.perf_counter() - s0,
-                    rollout_s=stats.rollout_s,
-                    elapsed_s=time.perf_counter() - t0,
-                    rollouts=m.rollouts,
-                    tokens=m.tokens_generated,
-                    exposed_scoring_s=m.exposed_scoring_s,
-                    length_bias=getattr(m, "length_bias", None),
-                    chunk_size=m.chunk_size,
-                    overcommit=m.overcommit,
-                    stale_tokens=stats.stale_tokens,
-                )
-            )
-            if stats.step == trace_step:
-                trainer.engine.timeline.to_chrome_trace(opts.out / f"trace_{mode}.json")
-            bar.set_postfix(reward=f"{stats.reward:+.2f}", kl=f"{stats.kl:.2f}")
-            bar.update()
-        _show_samples(trainer, stats, log)
+            for run in runs:
+                if run.mode in trainers:
+                    last[run.mode] = _one_step(trainers[run.mode], run, opts.out, trace_step)
+                    bar.update()
+            bar.set_postfix({r.mode: f"{r.records[-1].reward:+.2f}" for r in runs if r.records})
     finally:
         bar.close()
-        trainer.close()
-    return run
+        for trainer in trainers.values():
+            trainer.close()
+    for mode, stats in last.items():
+        _show_samples(mode, trainers[mode], stats, log)
+    return runs
 
 
-def _show_samples(trainer: PPOTrainer, stats, log) -> None:
+def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
+    s0 = time.perf_counter()
+    stats = trainer.step()
+    step_s = time.perf_counter() - s0
+    m = stats.rollout.metrics
+    run.records.append(
+        StepRecord(
+            step=stats.step,
+            reward=stats.reward,
+            kl=stats.kl,
+            step_s=step_s,
+            rollout_s=stats.rollout_s,
+            elapsed_s=(run.records[-1].elapsed_s if run.records else 0.0) + step_s,
+            rollouts=m.rollouts,
+            tokens=m.tokens_generated,
+            exposed_scoring_s=m.exposed_scoring_s,
+            length_bias=getattr(m, "length_bias", None),
+            chunk_size=m.chunk_size,
+            overcommit=m.overcommit,
+            stale_tokens=stats.stale_tokens,
+        )
+    )
+    if stats.step == trace_step:
+        trainer.engine.timeline.to_chrome_trace(out / f"trace_{run.mode}.json")
+    return stats
+
+
+def _show_samples(mode: str, trainer: PPOTrainer, stats, log) -> None:
     tok = trainer.tokenizer
     rollouts = stats.rollout.rollouts
     polite = sum(is_polite(tok.decode(r.response_ids)) for r in rollouts)
-    log(f"  last batch: {polite}/{len(rollouts)} answers are polite (say 'thank you' and answer); e.g.")
+    log(f"{mode}, last batch: {polite}/{len(rollouts)} answers are polite (say 'thank you' and answer); e.g.")
     for r in rollouts[:2]:
         log(f"    {tok.decode(r.prompt_ids)}  ->  {tok.decode(r.response_ids)}   (reward {r.reward:+.2f})")
 
 
 def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
-    """Every mode of ``opts`` in turn; writes table.txt, records.json, reward.png, control.png and one
+    """Every mode of ``opts``, side by side; writes table.txt, records.json, reward.png, control.png and one
     trace per mode into ``opts.out``."""
     if (opts.actor is None) != (opts.reward is None):
         raise ValueError("--actor and --reward go together (or neither: the embedded task)")
@@ -135,7 +153,7 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     else:
         actor_path, reward_path = opts.actor, opts.reward
     t0 = time.perf_counter()
-    runs = [run_mode(mode, opts, actor_path, reward_path, log) for mode in opts.modes]
+    runs = run_modes(opts, actor_path, reward_path, log)
     table = format_table(runs)
     (opts.out / "table.txt").write_text(table + "\n")
     (opts.out / "records.json").write_text(

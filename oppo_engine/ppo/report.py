@@ -14,7 +14,7 @@ class StepRecord:
     kl: float
     step_s: float  # the whole PPO step: rollout and update
     rollout_s: float
-    elapsed_s: float  # since the mode's first step began
+    elapsed_s: float  # this mode's own step time so far (the modes run interleaved)
     rollouts: int
     tokens: int
     exposed_scoring_s: float

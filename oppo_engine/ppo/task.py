@@ -144,7 +144,8 @@ def warm_up_actor(tokenizer, steps: int, seed: int, log=print) -> torch.nn.Modul
 
 def train_reward_model(tokenizer, steps: int, seed: int, log=print) -> torch.nn.Module:
     """A tiny one-label Qwen2 reward model trained on pairs (polite, not polite or a bare thank-you) of
-    answers to the same prompt: Bradley-Terry loss, plus a small pull of the scores towards 0 so they stay centred."""
+    answers to the same prompt: Bradley-Terry loss, plus a small pull of the scores towards 0 so they
+    stay centred."""
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(model_config(tokenizer, num_labels=1))
     optim = torch.optim.AdamW(model.parameters(), lr=2e-3)
