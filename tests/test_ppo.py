@@ -144,6 +144,8 @@ def test_bad_input_is_refused_before_any_work(task_dir):
         PPOTrainer(m.actor, m.critic, m.reference, two_labels, m.tokenizer, prompts, cfg)
 
     too_big = PPOConfig(batch_size=64, minibatch_size=8, max_new_tokens=16)
+    # 48 pages of 16 tokens x (2 layers x K,V x 2 KV heads x 16 dims x 4 bytes): one sequence of 32 tokens
+    # needs 8 pages in the four models together, a batch of 64 at least 64.
     cramped = EngineConfig(batch_size=64, max_model_len=32, kv_cache_bytes=48 * 16 * 2 * 2 * 2 * 16 * 4)
     with pytest.raises(ValueError, match="batch_size=64"):
         PPOTrainer(m.actor, m.critic, m.reference, m.reward, m.tokenizer, prompts, too_big, cramped)
