@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="roll out a few steps on tiny random-init models")
     d.add_argument("--preset", default=DEMO_PRESET)
-    d.add_argument("--mode", default="sequential")
+    d.add_argument("--mode", default="oppo", help="sequential | intra | inter | oppo")
     d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--prompts", type=int, default=20)

@@ -17,7 +17,7 @@ def test_demo_drains_every_prompt_and_frees_every_page(capsys):
 
 
 @pytest.mark.parametrize(
-    ("flag", "value", "match"), [("--mode", "oppo", "inter-step"), ("--batch-size", "0", "batch_size")]
+    ("flag", "value", "match"), [("--mode", "turbo", "mode"), ("--batch-size", "0", "batch_size")]
 )
 def test_demo_bad_option_exits_2_with_a_message(capsys, flag, value, match):
     with pytest.raises(SystemExit) as exit_info:

@@ -157,7 +157,9 @@ def test_failure_in_any_lane_surfaces_leaks_nothing_and_the_retry_is_exact(model
     rng = random.Random(lane)
     for _ in range(3):  # a few random points in the step
         engine = make_engine(models, "intra", chunk_size=3)
-        _fail_on_call(*lane_call(engine), k=rng.randrange(calls[0]))
+        # A scorer's number of forwards depends on the lanes' timing (each round prefills whatever was
+        # handed off by then): draw from the first half of the clean run's, which every run reaches.
+        _fail_on_call(*lane_call(engine), k=rng.randrange(max(1, calls[0] // 2)))
         engine.add_prompts(prompts)  # one step of B = 6
         threads = torch.get_num_threads()
         with pytest.raises(Boom) as info:

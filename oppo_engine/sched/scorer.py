@@ -19,6 +19,10 @@ class ScorerScheduler:
     When the pool is short, the oldest sequence goes first: younger sequences holding this scorer's pages
     are preempted (pages freed, scorer state dropped, prefilled again from their tokens later), so the
     oldest always completes if the arena holds one sequence -- partly scored sequences cannot deadlock.
+
+    Sequences carried over to the next step stay here, with their pages and progress, until scored.
+    ``recomputed_tokens`` counts tokens prefilled again below a sequence's high-water mark (after a
+    preemption, a restart, or a rolled-back step).
     """
 
     def __init__(self, scorer: Scorer, *, max_num_batched_tokens: int) -> None:
@@ -32,6 +36,9 @@ class ScorerScheduler:
         self._handed: dict[int, tuple[int, bool]] = {}  # seq_id -> (tokens available, final)
         self.num_preemptions = 0
         self.recomputed_tokens = 0
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._scored
 
     def add(self, seq: Sequence) -> None:
         """Start scoring ``seq`` (its first tokens may follow later)."""
@@ -64,10 +71,14 @@ class ScorerScheduler:
                 continue
             slots = self.cache.append_slots(seq.seq_id, n)
             while slots is None and (victim := self._youngest_holding_pages(after=i)) is not None:
-                self._preempt(victim)
+                self.num_preemptions += 1
+                self.restart(victim)
                 slots = self.cache.append_slots(seq.seq_id, n)
             if slots is None:
                 break  # wait for pages held elsewhere (the actor's, another scorer's)
+            high = seq.prefilled_high.get(self.scorer.name, 0)
+            self.recomputed_tokens += max(0, min(start + n, high) - start)
+            seq.prefilled_high[self.scorer.name] = max(high, start + n)
             self._scored[seq.seq_id] = start + n
             last = final and start + n == upto
             chunks.append(ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, last))
@@ -100,10 +111,9 @@ class ScorerScheduler:
                 return seq
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Drop ``seq``'s KV and state in this scorer; it is prefilled again from its first token."""
-        self.recomputed_tokens += self._scored[seq.seq_id]
-        self.num_preemptions += 1
+    def restart(self, seq: Sequence) -> None:
+        """Drop ``seq``'s KV and state in this scorer; it is prefilled again from its first token (a
+        preemption; or, for the critic, a policy update that made its values stale)."""
         self.scorer.release(seq.seq_id)
         self.scorer.begin(seq.seq_id, len(seq.prompt_ids), seq.sampling.temperature)
         self._scored[seq.seq_id] = 0
