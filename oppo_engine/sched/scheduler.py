@@ -63,13 +63,19 @@ class ActorScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.max_deferrals = max_deferrals
+        # seq_id -> tokens of KV the sequence held when the step began: kept until the step ends even if
+        # the sequence finishes, so a failed step can give them back (reused KV cannot be recomputed).
+        self.kept_tokens: dict[int, int] = {}
         self.num_preemptions = 0
         self.recomputed_tokens = 0  # tokens prefilled again after their KV was dropped
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` for admission (after those already waiting)."""
+        """Queue ``seq`` for admission (after those already waiting); the KV it holds now is kept until
+        ``detach_all`` even if it finishes."""
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        if seq.seq_id in self.cache:
+            self.kept_tokens[seq.seq_id] = self.cache.num_tokens(seq.seq_id)
 
     @property
     def has_work(self) -> bool:
@@ -162,7 +168,8 @@ class ActorScheduler:
         self.waiting.appendleft(seq)
 
     def append_token(self, seq: Sequence, token: int, logprob: float, policy_version: int) -> bool:
-        """Record a sampled token; returns True (and frees the actor pages) when the sequence is finished."""
+        """Record a sampled token; returns True (and frees the actor pages, but those of ``kept_tokens``)
+        when the sequence is finished."""
         seq.response_ids.append(token)
         seq.logprobs.append(logprob)
         seq.policy_versions.append(policy_version)
@@ -172,15 +179,17 @@ class ActorScheduler:
             or (not seq.sampling.ignore_eos and token in self.eos_token_ids)
         )
         if done:
-            self.cache.free(seq.seq_id)
+            self.cache.truncate(seq.seq_id, self.kept_tokens.get(seq.seq_id, 0))
             self.running.remove(seq)
             seq.status = SeqStatus.FINISHED
         return done
 
     def detach_all(self) -> list[Sequence]:
-        """Hand back every sequence (running first); their pages stay in the cache, ``num_computed`` with
-        them, so a later step can continue them or the caller can truncate their KV."""
+        """Hand back every unfinished sequence (running first); their pages stay in the cache,
+        ``num_computed`` with them, so a later step can continue them or the caller can truncate their KV.
+        The kept pages of finished sequences are the caller's to free (or to roll back to)."""
         seqs = self.running + list(self.waiting)
         self.running.clear()
         self.waiting.clear()
+        self.kept_tokens.clear()
         return seqs

@@ -101,6 +101,8 @@ class StepLoop:
             else:
                 lane.pause()
         out.carried = self.actor_sched.detach_all()
+        for seq in out.finished_all:  # the step stands: KV kept for a rollback can go
+            self.actor_sched.cache.free(seq.seq_id)
         out.finished = list(cut.batch)
         score_times = [s.score_time for s in cut.batch if s.score_time is not None]
         out.end_s = max([out.generation_end_s, *score_times])
