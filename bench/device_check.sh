@@ -152,7 +152,7 @@ else
 fi
 
 # --- 3. tests ----------------------------------------------------------------------------------------------
-pytest_step cuda-tests 100 "$OUT_DIR/cuda_tests.log" -m cuda tests
+pytest_step cuda-tests 120 "$OUT_DIR/cuda_tests.log" -m cuda tests
 pytest_step kernel-tests 120 "$OUT_DIR/kernel_tests.log" tests/kernels
 
 # --- 4. benchmarks (GPU only) ------------------------------------------------------------------------------

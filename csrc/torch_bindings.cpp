@@ -2,7 +2,9 @@
 // registered in Python (oppo_engine/ops.py) so torch.compile and opcheck can trace the ops.
 #include <torch/library.h>
 
+#include "attention.h"
 #include "cache_ops.h"
+#include "sample_ops.h"
 
 TORCH_LIBRARY(oppo, m) {
   // key/value: [T, H, D]; kv_cache: one model's view [num_pages, L, 2, page_size, H, D];
@@ -12,11 +14,25 @@ TORCH_LIBRARY(oppo, m) {
   // src/dst: [P, page_bytes] uint8 (the arena, or a pinned host buffer); src_ids/dst_ids: [n] int64 on the
   // CPU. Copies page src_ids[i] of src onto page dst_ids[i] of dst.
   m.def("copy_pages(Tensor src, Tensor(a!) dst, Tensor src_ids, Tensor dst_ids) -> ()");
+  // q/out: [T, Hq, D]; kv_cache: one model's view as above; block_tables: [N, max_pages] int32;
+  // context_lens: [N] int32 (cached tokens including the new ones); cu_seqlens_q: [N + 1] int32. Writes the
+  // attention of each new token over its sequence's cache into out. sliding_window <= 0 and softcap <= 0
+  // mean none (HF semantics otherwise; see attention.h).
+  m.def(
+      "paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, Tensor context_lens, "
+      "Tensor cu_seqlens_q, float scale, int sliding_window, float softcap, Tensor(a!) out) -> ()");
+  // logits: [N, V] fp32/bf16/fp16 (may hold -inf); temperature: [N] fp32, <= 0 = greedy; seeds, positions:
+  // [N] int64. Gumbel-max with noise keyed by (seed, position), as kernels/sample.py (the CUDA path);
+  // returns tokens [N] int64 and logprobs [N] fp32 (log_softmax(logits / T) at the token). CPU only: CUDA
+  // samples with the Triton kernel.
+  m.def("sample(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("reshape_and_cache", &oppo::reshape_and_cache_cpu);
   m.impl("copy_pages", &oppo::copy_pages_cpu);
+  m.impl("paged_attention", &oppo::paged_attention_cpu);
+  m.impl("sample", &oppo::sample_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .paged_attention import AttentionPlan
+
 FLASH_PAGE_MULTIPLE = 256
 
 
@@ -38,16 +40,24 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     max_q_len: int | None = None,
     max_context_len: int | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Same contract as ``oppo_engine.kernels.paged_attention.paged_attention``.
 
     flash-attn aligns the causal mask bottom-right when ``q_len < context_len``, which is exactly the
-    engine's rule (new token ``i`` sits at ``context_len - q_len + i``).
+    engine's rule (new token ``i`` sits at ``context_len - q_len + i``). Its ``window_size=(left, right)``
+    lets query ``p`` see keys ``p - left .. p + right``, so HF's window ``w`` (keys ``p - w < k <= p``)
+    is ``(w - 1, 0)``; ``(-1, -1)`` is no window. Its ``softcap`` is Gemma 2's (``c * tanh(s / c)`` on the
+    scaled scores, before the mask); ``0.0`` is none. ``plan`` only supplies the host maxima.
     """
     from flash_attn import flash_attn_varlen_func
 
+    if plan is not None:
+        max_q_len, max_context_len = plan.max_q_len, plan.max_context_len
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_context_len is None:
@@ -63,5 +73,7 @@ def paged_attention(
         max_context_len,
         softmax_scale=scale,
         causal=True,
+        window_size=(sliding_window - 1, 0) if sliding_window is not None else (-1, -1),
+        softcap=softcap if softcap is not None else 0.0,
         block_table=block_tables,
     )

@@ -9,6 +9,14 @@ Queries are packed ``[T, Hq, D]``; sequence ``n`` owns rows ``cu_seqlens_q[n]:cu
 (``q_len_n`` new tokens, whose K/V are already in the cache) and ``context_lens[n]`` cached tokens
 including the new ones. New token ``i`` sits at position ``context_lens[n] - q_len_n + i`` and attends to
 cache positions ``0..`` that position inclusive.
+
+Per call (per layer), as Hugging Face's eager attention and masks define them:
+
+- ``sliding_window = w``: a query at position ``p`` sees key ``k`` iff ``p - w < k <= p`` (the window counts
+  the query itself; ``masking_utils.sliding_window_overlay``). Pages wholly before every window of a
+  sequence are never read, nor are their block-table entries.
+- ``softcap = c``: scores become ``c * tanh(q.k * scale / c)`` before masking and softmax (Gemma 2's
+  ``attn_logit_softcapping``).
 """
 
 from __future__ import annotations
@@ -29,6 +37,16 @@ _MIN_KV_PER_SPLIT = 256
 _MAX_SPLITS = 64
 _TARGET_PROGRAMS_PER_SM = 2
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice's tanh does not run under the interpreter. Stable form: exp2 of -2|x| never overflows; for
+    # small |x| the cancellation in 1 - e costs ~1e-7 absolute, i.e. ~softcap * 1e-7 on a score.
+    e = tl.exp2(-2.885390081777927 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -40,7 +58,9 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,  # [N + 1] int32
     out_ptr,  # [T, Hq, D] in q.dtype, or [num_splits, T, Hq, D] fp32 partials when SPLIT_KV
     lse_ptr,  # [num_splits, T, Hq] fp32 (SPLIT_KV only), log2-sum-exp of the scaled scores
-    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    qk_scale,  # softmax scale * log2(e) (the kernel works in base 2); scale / softcap when SOFTCAP
+    softcap_log2e,  # softcap * log2(e) (SOFTCAP only)
+    window,  # sliding window in tokens (HAS_WINDOW only)
     num_splits,
     kv_per_split,  # tokens per split, a multiple of BLOCK_N
     stride_q_tok,
@@ -64,6 +84,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPLIT_KV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,  # upcast operands before tl.dot (bf16 under the interpreter is wrong)
     DOT_PRECISION: tl.constexpr,
 ):
@@ -107,6 +129,12 @@ def _paged_attention_kernel(
     else:
         kv_lo = 0
         kv_hi = kv_end
+    if HAS_WINDOW:
+        # The block's first token has the earliest window: no row needs a key before its start. Loads are
+        # masked from there (the pages before it may already be recycled); the loop starts at the tile
+        # boundary below so tiles stay aligned with pages.
+        kv_lo = tl.maximum(kv_lo, ctx_len - q_len + q_block * BLOCK_Q - window + 1)
+    kv_first = (kv_lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -114,9 +142,9 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_head_ptr = kv_ptr + kv_head * stride_kv_head
 
-    for start in range(kv_lo, kv_hi, BLOCK_N):
+    for start in range(kv_first, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_hi
+        n_mask = (offs_n >= kv_lo) & (offs_n < kv_hi)
         # A KV block may span several pages (or part of one): resolve the page of every token.
         page = tl.load(bt_row + (offs_n // PAGE_SIZE) * stride_bt_page, mask=n_mask, other=0)
         # NOTE: the arena can exceed 2**31 elements, so page offsets are computed in int64.
@@ -130,7 +158,11 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = _tanh(s) * softcap_log2e
         visible = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row may see no key yet (padding rows, or a split past its causal end): keep exp2 away from
@@ -295,39 +327,29 @@ def _plan(
     return _Plan(cfg, block_d, block_q, num_q_blocks, num_splits, kv_per_split)
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    out: torch.Tensor | None,
-) -> None:
+def _check_q(q: torch.Tensor) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     if q.dtype not in _DTYPES:
         raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     if q.stride(-1) != 1:
         raise ValueError(f"q must be contiguous in head_dim, got strides {q.stride()}")
-    head_dim = q.shape[2]
-    if not 1 <= head_dim <= _MAX_HEAD_DIM:
-        raise ValueError(f"q head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
+    if not 1 <= q.shape[2] <= _MAX_HEAD_DIM:
+        raise ValueError(f"q head_dim must be in [1, {_MAX_HEAD_DIM}], got {q.shape[2]}")
+
+
+def _check_batch(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor
+) -> None:
+    """The checks that hold for every layer of a forward (done once by :func:`plan_attention`)."""
     if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
         raise ValueError(
             f"kv_cache must be [num_pages, L, 2, page_size, Hkv, D], got shape {tuple(kv_cache.shape)}"
         )
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
-    if kv_cache.shape[5] != head_dim:
-        raise ValueError(f"kv_cache head_dim {kv_cache.shape[5]} must equal q head_dim {head_dim}")
+    if kv_cache.dtype not in _DTYPES:
+        raise ValueError(f"kv_cache must be float16, bfloat16 or float32, got {kv_cache.dtype}")
     if kv_cache.stride(5) != 1:
         raise ValueError(f"kv_cache must be contiguous in head_dim, got strides {kv_cache.stride()}")
-    num_kv_heads = kv_cache.shape[4]
-    if q.shape[1] % num_kv_heads != 0:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv_cache heads ({num_kv_heads})")
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < kv_cache.shape[1]:
-        raise ValueError(f"layer must be an int in [0, {kv_cache.shape[1]}), got {layer!r}")
     if context_lens.dim() != 1 or context_lens.dtype != torch.int32:
         raise ValueError(
             f"context_lens must be a 1-D int32 tensor, got {context_lens.dtype} {tuple(context_lens.shape)}"
@@ -344,13 +366,46 @@ def _check_inputs(
             f"got {block_tables.dtype} {tuple(block_tables.shape)}"
         )
     for name, t in (
-        ("kv_cache", kv_cache),
         ("block_tables", block_tables),
         ("context_lens", context_lens),
         ("cu_seqlens_q", cu_seqlens_q),
     ):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+
+
+def check_window_softcap(sliding_window: int | None, softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``sliding_window`` is None or an int >= 1 and ``softcap`` None or > 0."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, int | float) or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+
+
+def _check_call(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    out: torch.Tensor | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Per-layer checks: q against the cache, the layer, the output, this layer's window and softcap."""
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+    if kv_cache.shape[5] != q.shape[2]:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[5]} must equal q head_dim {q.shape[2]}")
+    if q.shape[1] % kv_cache.shape[4] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv_cache heads ({kv_cache.shape[4]})")
+    if kv_cache.device != q.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device} but q is on {q.device}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < kv_cache.shape[1]:
+        raise ValueError(f"layer must be an int in [0, {kv_cache.shape[1]}), got {layer!r}")
+    check_window_softcap(sliding_window, softcap)
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(
@@ -359,6 +414,121 @@ def _check_inputs(
             )
         if out.stride(-1) != 1:
             raise ValueError(f"out must be contiguous in head_dim, got strides {out.stride()}")
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """One forward's batch description, checked once, and the Triton kernel's launch plan for it.
+
+    Build it with :func:`plan_attention` when the forward's metadata is built and pass it to every layer's
+    ``paged_attention(..., plan=plan)`` with the *same* ``kv_cache``, ``block_tables``, ``context_lens`` and
+    ``cu_seqlens_q`` objects (checked by identity). A call with a plan re-checks only what changes per
+    layer: q's shape, dtype and strides, ``layer``, ``out``, ``sliding_window`` and ``softcap``. The plan
+    does not depend on the window or softcap, so sliding and global layers share it.
+    """
+
+    kv_cache: torch.Tensor  # [num_pages, L, 2, page_size, Hkv, D]
+    block_tables: torch.Tensor  # [N, max_pages] int32
+    context_lens: torch.Tensor  # [N] int32
+    cu_seqlens_q: torch.Tensor  # [N + 1] int32
+    num_q_heads: int
+    max_q_len: int
+    max_context_len: int
+    launch: _Plan | None  # None when there is nothing to attend (no new token or no cached key)
+
+
+def plan_attention(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    num_q_heads: int,
+    *,
+    max_q_len: int | None = None,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+) -> AttentionPlan:
+    """Check one forward's attention inputs and plan the kernel launch, once for all layers.
+
+    Args are those of :func:`paged_attention`; ``num_q_heads`` is the model's ``Hq``. Without the host
+    maxima this syncs once (two ``.item()``); with them it never touches the device. Raises ``ValueError``
+    on malformed inputs, naming the argument.
+    """
+    _check_batch(kv_cache, block_tables, context_lens, cu_seqlens_q)
+    num_kv_heads = kv_cache.shape[4]
+    if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv_cache heads ({num_kv_heads})")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_seqs = context_lens.shape[0]
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if num_seqs else 0
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item()) if num_seqs else 0
+    launch = None
+    if max_q_len > 0 and max_context_len > 0:
+        launch = _plan(
+            num_seqs,
+            num_q_heads,
+            num_kv_heads,
+            kv_cache.shape[5],
+            max_q_len,
+            max_context_len,
+            kv_cache.dtype,
+            kv_cache.device,
+            num_splits,
+        )
+        if num_seqs * launch.num_splits > _MAX_GRID_YZ:
+            raise ValueError(
+                f"context_lens: {num_seqs} sequences x {launch.num_splits} KV splits exceed the grid limit "
+                f"{_MAX_GRID_YZ}"
+            )
+    return AttentionPlan(
+        kv_cache, block_tables, context_lens, cu_seqlens_q, num_q_heads, max_q_len, max_context_len, launch
+    )
+
+
+def _checked_plan(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    out: torch.Tensor | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_q_len: int | None,
+    max_context_len: int | None,
+    num_splits: int | None,
+    plan: AttentionPlan | None,
+) -> AttentionPlan:
+    """The plan for this call: the given one after the per-layer checks, or a fresh one after all checks."""
+    _check_q(q)
+    if plan is None:
+        _check_batch(kv_cache, block_tables, context_lens, cu_seqlens_q)
+    elif not (
+        plan.kv_cache is kv_cache
+        and plan.block_tables is block_tables
+        and plan.context_lens is context_lens
+        and plan.cu_seqlens_q is cu_seqlens_q
+    ):
+        raise ValueError("plan was made for other kv_cache/block_tables/context_lens/cu_seqlens_q tensors")
+    elif q.shape[1] != plan.num_q_heads:
+        raise ValueError(f"q heads ({q.shape[1]}) differ from the plan's ({plan.num_q_heads})")
+    _check_call(q, kv_cache, layer, out, sliding_window, softcap)
+    if plan is None:
+        plan = plan_attention(
+            kv_cache,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            q.shape[1],
+            max_q_len=max_q_len,
+            max_context_len=max_context_len,
+            num_splits=num_splits,
+        )
+    return plan
 
 
 def paged_attention(
@@ -370,10 +540,13 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     max_q_len: int | None = None,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of packed new tokens over their sequences' cached K/V (Triton).
 
@@ -382,61 +555,56 @@ def paged_attention(
         kv_cache: ``[num_pages, L, 2, page_size, Hkv, D]`` view of the arena, same dtype as q; any page
             stride, contiguous in D.
         layer: which layer of the cache to read.
-        block_tables: ``[N, max_pages]`` int32 page ids; entries past a sequence's pages are never read.
+        block_tables: ``[N, max_pages]`` int32 page ids; entries past a sequence's pages, and those of
+            pages wholly before every window of the sequence, are never read.
         context_lens: ``[N]`` int32 cached tokens per sequence, including the new ones.
         cu_seqlens_q: ``[N + 1]`` int32 offsets of each sequence's rows in q.
         scale: softmax scale (usually ``D ** -0.5``).
+        sliding_window: this layer's window ``w`` (position ``p`` sees keys ``p - w < k <= p``); None = all.
+        softcap: this layer's attention logit softcap ``c`` (scores ``c * tanh(s / c)``); None = none.
         max_q_len, max_context_len: host-side maxima of the query and context lengths; pass them to
             avoid a device sync.
         out: optional ``[T, Hq, D]`` output buffer (same dtype as q).
         num_splits: force the number of KV splits (1 = no split-KV); ``None`` picks it from the batch shape.
+        plan: from :func:`plan_attention` for this forward; skips the batch checks and the launch
+            planning, and supersedes ``max_q_len``, ``max_context_len`` and ``num_splits``.
 
     Returns:
         ``out``, ``[T, Hq, D]`` in q.dtype.
     """
-    _check_inputs(q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, out)
+    plan = _checked_plan(
+        q,
+        kv_cache,
+        layer,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        out,
+        sliding_window,
+        softcap,
+        max_q_len,
+        max_context_len,
+        num_splits,
+        plan,
+    )
     interpreted = q.device.type != "cuda"
     if interpreted and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"paged_attention runs on CUDA tensors (q is on {q.device}); use paged_attention_ref on CPU "
             "or set TRITON_INTERPRET=1 before importing triton"
         )
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_q_heads, head_dim = q.shape
+    launch = plan.launch
+    if num_tokens == 0 or launch is None:
+        return out
+
     num_seqs = context_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    if max_context_len is None:
-        max_context_len = int(context_lens.max().item())
-    if max_q_len == 0 or max_context_len == 0:
-        return out
-
     num_kv_heads = kv_cache.shape[4]
-    plan = _plan(
-        num_seqs,
-        num_q_heads,
-        num_kv_heads,
-        head_dim,
-        max_q_len,
-        max_context_len,
-        q.dtype,
-        q.device,
-        num_splits,
-    )
-    cfg = plan.config
-    num_splits = plan.num_splits
+    cfg = launch.config
+    num_splits = launch.num_splits
     split_kv = num_splits > 1
-    if num_seqs * num_splits > _MAX_GRID_YZ:
-        raise ValueError(
-            f"context_lens: {num_seqs} sequences x {num_splits} KV splits exceed the grid limit "
-            f"{_MAX_GRID_YZ}"
-        )
-
     if split_kv:
         partial = torch.empty(
             (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device
@@ -447,7 +615,9 @@ def paged_attention(
         lse = out  # unused by the kernel when SPLIT_KV is off
         o_buf, o_split_stride, lse_strides = out, 0, (0, 0)
 
-    grid = (plan.num_q_blocks, num_kv_heads, num_seqs * num_splits)
+    # With a softcap the kernel needs s = q.k * scale / c for tanh, then c * log2(e) for base 2.
+    qk_scale = scale / softcap if softcap is not None else scale * _LOG2E
+    grid = (launch.num_q_blocks, num_kv_heads, num_seqs * num_splits)
     _paged_attention_kernel[grid](
         q,
         kv_cache[:, layer],
@@ -456,9 +626,11 @@ def paged_attention(
         cu_seqlens_q,
         o_buf,
         lse,
-        scale * math.log2(math.e),
+        qk_scale,
+        (softcap or 1.0) * _LOG2E,
+        sliding_window or 0,
         num_splits,
-        plan.kv_per_split,
+        launch.kv_per_split,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -472,13 +644,15 @@ def paged_attention(
         o_buf.stride(-2),
         *lse_strides,
         HEAD_DIM=head_dim,
-        BLOCK_D=plan.block_d,
+        BLOCK_D=launch.block_d,
         GROUP=num_q_heads // num_kv_heads,
         BLOCK_M=cfg.block_m,
-        BLOCK_Q=plan.block_q,
+        BLOCK_Q=launch.block_q,
         BLOCK_N=cfg.block_n,
         PAGE_SIZE=kv_cache.shape[3],
         SPLIT_KV=split_kv,
+        HAS_WINDOW=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         DOT_FP32=interpreted and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
@@ -498,7 +672,7 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_D=plan.block_d,
+            BLOCK_D=launch.block_d,
             BLOCK_S=_next_pow2(num_splits),
             num_warps=4,
         )
@@ -514,18 +688,36 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     max_q_len: int | None = None,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Pure-torch paged attention (same signature as :func:`paged_attention`; the CPU engine path).
+    """Pure-torch paged attention (same signature and checks as :func:`paged_attention`; the test oracle).
 
-    Gathers each sequence's pages with one indexing op and runs ``scaled_dot_product_attention`` in
-    float32 with the causal offset of the new tokens. Loops over sequences only. ``max_q_len``,
-    ``max_context_len`` and ``num_splits`` are accepted for signature parity and ignored.
+    Gathers each sequence's pages (from the first one its window reaches) with one indexing op and
+    attends in float32 with the causal offset of the new tokens: ``scaled_dot_product_attention`` without
+    a softcap, explicit softmax with one (SDPA has none). Loops over sequences only. ``max_q_len``,
+    ``max_context_len``, ``num_splits`` and ``plan`` serve the checks only.
     """
-    _check_inputs(q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, out)
+    _checked_plan(
+        q,
+        kv_cache,
+        layer,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        out,
+        sliding_window,
+        softcap,
+        max_q_len,
+        max_context_len,
+        num_splits,
+        plan,
+    )
     if out is None:
         out = torch.empty_like(q)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -540,27 +732,53 @@ def paged_attention_ref(
         and cu[-1] == len(ctx)
         and all(b - a == 1 for a, b in zip(cu, cu[1:], strict=False))
     ):
-        out.copy_(_decode_ref_batched(q, layer_cache, tables, context_lens, ctx, scale))
+        o = _decode_ref_batched(q, layer_cache, tables, context_lens, ctx, scale, sliding_window, softcap)
+        out.copy_(o)
         return out
     for n, ctx_len in enumerate(ctx):
         q_lo, q_hi = cu[n], cu[n + 1]
         q_len = q_hi - q_lo
         if q_len == 0:
             continue
-        pages = tables[n, : _cdiv(ctx_len, page_size)]
+        # Keys before the first new token's window are never read (their pages may be recycled).
+        lo = 0 if sliding_window is None else max(0, ctx_len - q_len - sliding_window + 1)
+        first_page = lo // page_size
+        pages = tables[n, first_page : _cdiv(ctx_len, page_size)]
         kv = layer_cache.index_select(0, pages).float()  # [pages, 2, page_size, Hkv, D]
-        k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)  # [Hkv, ctx, D]
-        v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
+        keys = slice(lo - first_page * page_size, ctx_len - first_page * page_size)
+        k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[keys].transpose(0, 1)  # [Hkv, ctx - lo, D]
+        v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[keys].transpose(0, 1)
         # GQA without copying K/V per q head: a group's heads become extra query rows ([Hkv, G * q_len, D]),
         # several times faster on CPU than repeat_interleave or enable_gqa.
         qn = q[q_lo:q_hi].float().transpose(0, 1).reshape(num_kv_heads, group * q_len, head_dim)
         mask = None
-        if q_len > 1:
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-            mask = (torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]).repeat(group, 1)
-        o = torch.nn.functional.scaled_dot_product_attention(qn, k, v, attn_mask=mask, scale=scale)
+        if q_len > 1 or sliding_window is not None:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            k_pos = torch.arange(lo, ctx_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            mask = mask.repeat(group, 1)
+        o = _attend(qn, k, v, mask, scale, softcap)
         out[q_lo:q_hi] = o.view(num_q_heads, q_len, head_dim).transpose(0, 1).to(q.dtype)
     return out
+
+
+def _attend(
+    q: torch.Tensor,  # [..., M, D] float32
+    k: torch.Tensor,  # [..., S, D]
+    v: torch.Tensor,  # [..., S, D]
+    mask: torch.Tensor | None,  # [..., M, S] bool, True = visible
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``softmax(mask(cap(q k^T * scale))) v`` with Gemma 2's eager order of operations for the softcap."""
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 def _decode_ref_batched(
@@ -570,35 +788,43 @@ def _decode_ref_batched(
     context_lens: torch.Tensor,  # [N]
     ctx: list[int],
     scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """All-decode batches in one SDPA call over contexts padded to the longest (the CPU engine's hot path).
+    """All-decode batches in one attention call over contexts padded to the longest (and widest window).
 
-    Positions past a context are zeroed before the matmuls: the padding pages are arbitrary memory, and a
-    NaN there would survive a -inf mask (``0 * NaN``).
+    Positions not read from a sequence's own pages (past its context, or in pages before its window) are
+    zeroed before the matmuls: that memory is arbitrary, and a NaN there would survive a -inf mask
+    (``0 * NaN``).
     """
     num_seqs, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     group = num_q_heads // num_kv_heads
-    num_pages = _cdiv(max(ctx), page_size)
-    width = num_pages * page_size
-    pages = tables[:, :num_pages]
-    # Table entries past a sequence's pages are arbitrary too: point them at page 0 (masked out below).
-    pages = torch.where(
-        torch.arange(num_pages, device=pages.device) * page_size < context_lens[:, None].to(pages.device),
-        pages,
-        0,
-    )
-    valid = torch.arange(width, device=q.device)[None, :] < context_lens.to(q.device)[:, None]  # [N, width]
-    invalid = ~valid[:, :, None, None]
-    flat_pages = pages.reshape(-1)
+    lens = context_lens.to(device=tables.device, dtype=torch.long)[:, None]  # [N, 1]
+    if sliding_window is None:
+        first_page = torch.zeros_like(lens)
+    else:
+        # The first page the new token's window reaches.
+        first_page = (lens - sliding_window).clamp_min(0) // page_size
+    lo_page = int(first_page.min())
+    cols = torch.arange(lo_page, _cdiv(max(ctx), page_size), device=tables.device)[None, :]
+    width = cols.shape[1] * page_size
+    read = (cols >= first_page) & (cols * page_size < lens)  # [N, pages]: the entries this sequence owns
+    # Table entries outside them are arbitrary (or recycled): point them at page 0, zeroed below.
+    pages = torch.where(read, tables[:, lo_page : lo_page + cols.shape[1]], 0)
+    k_pos = lo_page * page_size + torch.arange(width, device=tables.device)[None, :]  # [1, width]
+    readable = read.repeat_interleave(page_size, dim=1) & (k_pos < lens)  # [N, width]
+    visible = readable if sliding_window is None else readable & (k_pos > lens - 1 - sliding_window)
+    unread = ~readable.to(q.device)[:, :, None, None]
+    flat_pages = pages.reshape(-1).to(layer_cache.device)
     # K and V gathered separately: each lands as [N, width, Hkv, D] with no further copy.
     k, v = (
         layer_cache[:, i].index_select(0, flat_pages).view(num_seqs, width, num_kv_heads, head_dim).float()
         for i in (0, 1)
     )
-    k = k.masked_fill_(invalid, 0.0).permute(0, 2, 1, 3)  # [N, Hkv, width, D]
-    v = v.masked_fill_(invalid, 0.0).permute(0, 2, 1, 3)
+    k = k.masked_fill_(unread, 0.0).permute(0, 2, 1, 3)  # [N, Hkv, width, D]
+    v = v.masked_fill_(unread, 0.0).permute(0, 2, 1, 3)
     qn = q.float().view(num_seqs, num_kv_heads, group, head_dim)  # a group's heads as query rows
-    mask = valid[:, None, None, :]  # [N, 1, 1, width]
-    o = torch.nn.functional.scaled_dot_product_attention(qn, k, v, attn_mask=mask, scale=scale)
+    mask = visible.to(q.device)[:, None, None, :]  # [N, 1, 1, width]
+    o = _attend(qn, k, v, mask, scale, softcap)
     return o.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

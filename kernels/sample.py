@@ -212,7 +212,7 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
 def sample_ref(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch :func:`sample` with the same noise (same signature; the CPU engine path)."""
+    """Pure-torch :func:`sample` with the same noise (same signature; the oracle of both kernels' tests)."""
     _check_inputs(logits, temperature, seeds, positions)
     z = logits.float() * _inverse_temperature(temperature)[:, None]
     greedy = temperature <= 0

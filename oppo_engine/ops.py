@@ -1,7 +1,7 @@
 """The one module that touches the compiled extension and the Triton kernels.
 
 Everything else in oppo_engine calls ``ops.*``. Each function picks its implementation from the device of
-its inputs: the C++ CPU ops and the torch references on the CPU, the CUDA ops and the Triton kernels (or
+its inputs: the C++ CPU ops on the CPU (the torch references are the tests' oracles), the CUDA ops and the Triton kernels (or
 flash-attn, where selected and importable) on CUDA.
 """
 
@@ -19,6 +19,8 @@ from oppo_engine.kernels import paged_attention as _attn
 from oppo_engine.kernels import sample as _sample
 
 PageAllocator = _C.PageAllocator
+AttentionPlan = _attn.AttentionPlan
+plan_attention = _attn.plan_attention
 
 ATTENTION_BACKENDS = ("triton", "flash_attn")
 
@@ -46,6 +48,19 @@ def _reshape_and_cache_fake(key, value, kv_cache, slot_mapping, layer):  # noqa:
 @torch.library.register_fake("oppo::copy_pages")
 def _copy_pages_fake(src, dst, src_ids, dst_ids):  # noqa: ARG001
     return None
+
+
+@torch.library.register_fake("oppo::paged_attention")
+def _paged_attention_fake(
+    q, kv_cache, layer, block_tables, context_lens, cu_seqlens_q, scale, sliding_window, softcap, out
+):  # noqa: ARG001
+    return None
+
+
+@torch.library.register_fake("oppo::sample")
+def _sample_fake(logits, temperature, seeds, positions):  # noqa: ARG001
+    num_rows = logits.shape[0]
+    return logits.new_empty(num_rows, dtype=torch.int64), logits.new_empty(num_rows, dtype=torch.float32)
 
 
 def reshape_and_cache(
@@ -81,21 +96,51 @@ def paged_attention(
     max_q_len: int | None = None,
     max_context_len: int | None = None,
     backend: str = "triton",
+    out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Varlen paged attention of packed queries ``q [T, Hq, D]`` over the cache; returns ``[T, Hq, D]``.
 
     ``context_lens`` counts the cached tokens including the new ones (already written); new token ``i`` of
-    sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``.
+    sequence ``n`` attends causally up to position ``context_lens[n] - q_len_n + i``, and with
+    ``sliding_window = w`` only to keys after ``position - w`` (HF's window); ``softcap = c`` caps the scaled
+    scores to ``c * tanh(s / c)`` before masking. ``plan`` (from :func:`plan_attention`, once per forward)
+    spares the Triton path its per-layer checks and planning; the C++ CPU op checks in C++ and ignores it.
     """
-    if sliding_window is not None or softcap is not None:
-        raise NotImplementedError("sliding windows / softcap: pending the kernel merge")
     if not (q.is_cuda or _triton_on_cpu):
-        impl = _attn.paged_attention_ref
-    elif backend == "flash_attn":
-        impl = _flash.paged_attention
-    else:
-        impl = _attn.paged_attention
-    return impl(
+        _attn.check_window_softcap(sliding_window, softcap)  # the op reads <= 0 as "none": refuse 0 here
+        if out is None:
+            out = torch.empty_like(q)
+        torch.ops.oppo.paged_attention(
+            q,
+            kv_cache,
+            layer,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            scale,
+            sliding_window or 0,
+            softcap or 0.0,
+            out,
+        )
+        return out
+    if backend == "flash_attn":
+        result = _flash.paged_attention(
+            q,
+            kv_cache,
+            layer,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_q_len=max_q_len,
+            max_context_len=max_context_len,
+            plan=plan,
+        )
+        return result if out is None else out.copy_(result)  # flash-attn allocates its own output
+    return _attn.paged_attention(
         q,
         kv_cache,
         layer,
@@ -103,6 +148,35 @@ def paged_attention(
         context_lens,
         cu_seqlens_q,
         scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        max_q_len=max_q_len,
+        max_context_len=max_context_len,
+        out=out,
+        plan=plan,
+    )
+
+
+def plan_forward(
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    num_q_heads: int,
+    *,
+    max_q_len: int,
+    max_context_len: int,
+) -> AttentionPlan | None:
+    """The once-per-forward plan of the attention path the tensors will take (checks included), or None
+    where that path needs none (the C++ CPU op checks its inputs itself, cheaply, in every call)."""
+    if not (kv_cache.is_cuda or _triton_on_cpu):
+        return None
+    return plan_attention(
+        kv_cache,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        num_q_heads,
         max_q_len=max_q_len,
         max_context_len=max_context_len,
     )
@@ -126,4 +200,4 @@ def sample(
     """
     if logits.is_cuda or _triton_on_cpu:
         return _sample.sample(logits, temperature, seeds, positions)
-    return _sample.sample_ref(logits, temperature, seeds, positions)
+    return torch.ops.oppo.sample(logits, temperature, seeds, positions)

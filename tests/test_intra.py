@@ -189,3 +189,20 @@ def test_auto_chunk_size_explores_measured_candidates_and_profiles_the_lanes(mod
     assert [c for _, c, _ in engine.chunk_history] == sizes
     profile = engine._profiler.observe(engine.timeline.spans(), sizes[-1], 1, [])
     assert profile is None or (profile.decode_iter_s > 0 and profile.running_seqs > 0)
+
+
+@pytest.mark.cuda
+def test_streams_on_cuda_equal_sequential_and_hf():
+    """The two-stream path: the actor on a high-priority stream, the scorers on a low-priority one."""
+    makers = dict(actor=make_actor, reward=make_reward, reference=make_reference, critic=make_critic)
+    cuda = {name: make().to("cuda") for name, make in makers.items()}
+    prompts = random_prompts(8, seed=31, max_len=13)
+    want = run(make_engine(cuda, "sequential"), prompts)
+    engine = make_engine(cuda, "intra", chunk_size=3)
+    lanes = (engine._loop.actor_lane.stream, engine._loop.scorer_lane.device_lane.stream)
+    assert lanes[0].priority < lanes[1].priority  # lower is higher on CUDA
+    got = run(engine, prompts)
+    assert_same_rollouts(got, want)
+    cpu = {name: m.to("cpu") for name, m in cuda.items()}
+    assert_equals_hf(got, cpu, temperature=1.0)
+    assert_all_pages_free(engine)

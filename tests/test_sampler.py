@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oppo_engine.model.sampler import Sampler
+from oppo_engine.model.sampler import Sampler, _truncate, _truncate_sorted
 
 V = 64
 
@@ -97,3 +97,43 @@ def test_each_row_depends_only_on_its_logits_params_seed_and_position():
     for i in (0, 5, 11):  # and alone
         t, lp = Sampler()(logits[i : i + 1], **{k: [v[i]] for k, v in params.items()})
         assert (t.item(), lp.item()) == (tokens[i].item(), logprobs[i].item())
+
+
+@pytest.mark.parametrize("vocab_size", [64, 4096, 9000, 151_936])
+def test_truncate_by_prefix_equals_truncate_by_full_sort(vocab_size: int):
+    """Every (top_k, top_p) regime: within the prefix, past it (full-sort fallback), untouched rows."""
+    settings = [  # (top_k, top_p, temperature)
+        (0, 0.9, 0.7),  # peaked: the nucleus closes inside the prefix
+        (0, 0.9, 20.0),  # flat: the nucleus runs past the prefix at V = 152K
+        (0, 0.999, 1.0),
+        (0, 1.0, 1.0),  # untouched, in a batch that truncates
+        (1, 1.0, 1.0),
+        (5, 0.5, 1.3),
+        (50, 1.0, 0.8),
+        (4096, 0.95, 3.0),
+        (4097, 0.95, 3.0),  # k just past the prefix: full sort
+        (5000, 1.0, 1.0),
+        (vocab_size + 7, 0.8, 1.0),  # k beyond the vocabulary keeps all of it
+        (0, 0.3, 0.0),  # greedy rows truncate on logits / 1e-6
+    ]
+    gen = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(len(settings), vocab_size, generator=gen) * 4
+    top_k = torch.tensor([s[0] for s in settings])
+    top_p = torch.tensor([s[1] for s in settings])
+    temperature = torch.tensor([s[2] for s in settings])
+    fast = _truncate(logits, temperature, top_k, top_p)
+    slow = _truncate_sorted(logits, temperature, top_k, top_p)
+    assert torch.equal(fast, slow)
+    assert torch.equal(fast[3], logits[3])  # top_k 0, top_p 1: nothing cut
+    for i in range(len(settings)):  # and each row alone
+        alone = _truncate(logits[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
+        assert torch.equal(alone[0], fast[i])
+
+
+def test_untruncated_row_is_unchanged_by_truncated_rows_in_its_batch():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 5000, generator=g) * 2
+    params = dict(temperatures=[1.0, 1.0], top_ks=[0, 20], top_ps=[1.0, 0.9], seeds=[1, 2], positions=[3, 4])
+    tokens, logprobs = Sampler()(logits, **params)
+    alone = Sampler()(logits[:1], **{k: v[:1] for k, v in params.items()})
+    assert (tokens[0].item(), logprobs[0].item()) == (alone[0].item(), alone[1].item())

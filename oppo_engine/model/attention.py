@@ -43,6 +43,7 @@ class AttentionMetadata:
     max_q_len: int
     max_context_len: int
     backend: str = "triton"
+    plan: ops.AttentionPlan | None = None  # checks and launch plan of every layer, made once per forward
 
 
 # The metadata of the forward running on this thread. It is bound around the model call rather than passed
@@ -111,6 +112,7 @@ def paged_attention_forward(
         max_q_len=meta.max_q_len,
         max_context_len=meta.max_context_len,
         backend=meta.backend,
+        plan=meta.plan,
     )
     return out.unsqueeze(0), None
 

@@ -10,9 +10,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from oppo_engine import ops
 from oppo_engine.cache.arena import KVSpec
 from oppo_engine.cache.manager import KVCacheManager
 from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_enabled
+from oppo_engine.model.support import text_config
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class ModelRunner:
         # Causal LMs without `logits_to_keep` compute logits for every row, then the wanted rows are kept.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = model.device
+        self.num_q_heads = text_config(model).num_attention_heads
         _check_cache(model, cache)
         with paged_attention_enabled(model):  # validates the switch now rather than at the first forward
             pass
@@ -169,15 +172,22 @@ class ModelRunner:
 
         i64 = self._to_device(np.array(ids + positions + slots + last, dtype=np.int64))
         i32 = self._to_device(np.concatenate([np.array(cu + context_lens, dtype=np.int32), tables.ravel()]))
+        cu_seqlens_q, context_lens_t = i32[: N + 1], i32[N + 1 : 2 * N + 1]
+        block_tables = i32[2 * N + 1 :].view(N, width)
+        max_q_len = max(c - p for p, c in zip(cu, cu[1:], strict=False))
         meta = AttentionMetadata(
             kv_cache=self.cache.kv_cache,
             slot_mapping=i64[2 * T : 3 * T],
-            block_tables=i32[2 * N + 1 :].view(N, width),
-            context_lens=i32[N + 1 : 2 * N + 1],
-            cu_seqlens_q=i32[: N + 1],
-            max_q_len=max(c - p for p, c in zip(cu, cu[1:], strict=False)),
+            block_tables=block_tables,
+            context_lens=context_lens_t,
+            cu_seqlens_q=cu_seqlens_q,
+            max_q_len=max_q_len,
             max_context_len=max_context_len,
             backend=self.backend,
+            plan=ops.plan_forward(
+                self.cache.kv_cache, block_tables, context_lens_t, cu_seqlens_q, self.num_q_heads,
+                max_q_len=max_q_len, max_context_len=max_context_len,
+            ),  # fmt: skip
         )
         return _Batch(i64[:T].view(1, T), i64[T : 2 * T].view(1, T), i64[3 * T :], meta)
 

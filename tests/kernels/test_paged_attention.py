@@ -9,16 +9,16 @@ read or an unwritten element fails the comparison.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import pytest
 import torch
+from paged_cases import DEVICE, LAYER, NUM_LAYERS, Case, dense_causal_attention_f64, make_case
 
-from oppo_engine.kernels.paged_attention import _choose_num_splits, paged_attention, paged_attention_ref
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NUM_LAYERS, LAYER = 2, 1
+from oppo_engine.kernels.paged_attention import (
+    _choose_num_splits,
+    paged_attention,
+    paged_attention_ref,
+    plan_attention,
+)
 
 # (dtype, atol, rtol). Under the interpreter bf16 operands are upcast before tl.dot, on GPU they are not.
 TOLERANCES = {
@@ -28,85 +28,11 @@ TOLERANCES = {
 }
 
 
-@dataclass
-class Case:
-    q: torch.Tensor  # [T, Hq, D]
-    kv_cache: torch.Tensor  # [num_pages, L, 2, page_size, Hkv, D] strided view of a byte arena
-    block_tables: torch.Tensor  # [N, max_pages] int32
-    context_lens: torch.Tensor  # [N] int32
-    cu_seqlens_q: torch.Tensor  # [N + 1] int32
-    scale: float
-
-    def args(self) -> tuple:
-        return (
-            self.q,
-            self.kv_cache,
-            LAYER,
-            self.block_tables,
-            self.context_lens,
-            self.cu_seqlens_q,
-            self.scale,
-        )
-
-
-def make_case(
-    seqs: list[tuple[int, int]],
-    num_q_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    dtype: torch.dtype = torch.float32,
-    page_size: int = 16,
-    page_pad_bytes: int = 0,
-    seed: int = 0,
-) -> Case:
-    """Random case for sequences given as (q_len, context_len), pages scattered in shuffled order."""
-    gen = torch.Generator().manual_seed(seed)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    pages_per_seq = [math.ceil(ctx / page_size) for _, ctx in seqs]
-    num_pages = sum(pages_per_seq) + 3  # spare pages stay NaN
-    layer_elems = 2 * page_size * num_kv_heads * head_dim
-    page_bytes = NUM_LAYERS * layer_elems * itemsize + page_pad_bytes
-    assert page_bytes % itemsize == 0
-    arena = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=DEVICE)
-    arena.view(dtype).fill_(float("nan"))
-    kv_cache = arena.view(dtype).as_strided(
-        (num_pages, NUM_LAYERS, 2, page_size, num_kv_heads, head_dim),
-        (page_bytes // itemsize, layer_elems, layer_elems // 2, num_kv_heads * head_dim, head_dim, 1),
-    )
-
-    page_ids = torch.randperm(num_pages, generator=gen)
-    spare = page_ids[sum(pages_per_seq) :]
-    max_pages = max(pages_per_seq) + 2
-    # Entries past a sequence's pages are arbitrary: make them NaN pages so reading one shows.
-    block_tables = spare[torch.randint(len(spare), (len(seqs), max_pages), generator=gen)].to(torch.int32)
-    next_page = 0
-    for n, (_, ctx) in enumerate(seqs):
-        ids = page_ids[next_page : next_page + pages_per_seq[n]]
-        next_page += pages_per_seq[n]
-        block_tables[n, : len(ids)] = ids.to(torch.int32)
-        values = torch.randn((len(ids), 2, page_size, num_kv_heads, head_dim), generator=gen).to(dtype)
-        values[-1, :, ctx - (len(ids) - 1) * page_size :] = float("nan")  # slots past the context
-        kv_cache[ids.to(DEVICE), LAYER] = values.to(DEVICE)
-
-    q_lens = torch.tensor([q_len for q_len, _ in seqs])
-    cu_seqlens_q = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    cu_seqlens_q[1:] = torch.cumsum(q_lens, 0)
-    q = torch.randn((int(cu_seqlens_q[-1]), num_q_heads, head_dim), generator=gen).to(dtype)
-    return Case(
-        q=q.to(DEVICE),
-        kv_cache=kv_cache,
-        block_tables=block_tables.to(DEVICE),
-        context_lens=torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32, device=DEVICE),
-        cu_seqlens_q=cu_seqlens_q.to(DEVICE),
-        scale=head_dim**-0.5,
-    )
-
-
-def assert_kernel_matches_reference(case: Case, num_splits: int | None = None) -> torch.Tensor:
+def assert_kernel_matches_reference(case: Case, num_splits: int | None = None, **kwargs) -> torch.Tensor:
     out = torch.full_like(case.q, float("nan"))
-    result = paged_attention(*case.args(), out=out, num_splits=num_splits)
+    result = paged_attention(*case.args(), out=out, num_splits=num_splits, **kwargs)
     assert result is out
-    expected = paged_attention_ref(*case.args(), out=torch.full_like(case.q, float("nan")))
+    expected = paged_attention_ref(*case.args(), out=torch.full_like(case.q, float("nan")), **kwargs)
     assert not expected.isnan().any(), "the reference read a poisoned element"
     atol, rtol = TOLERANCES[case.q.dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
@@ -205,26 +131,6 @@ def test_split_rule_splits_only_underfilled_long_context_launches():
         assert 1 <= splits <= ctx // 256
 
 
-def dense_causal_attention_f64(case: Case) -> torch.Tensor:
-    """Independent oracle: token-by-token page walk, explicit softmax in float64."""
-    q = case.q.double().cpu()
-    kv = case.kv_cache[:, LAYER].double().cpu()
-    page_size = kv.shape[2]
-    group = q.shape[1] // kv.shape[3]
-    out = torch.empty_like(q)
-    cu = case.cu_seqlens_q.tolist()
-    for n, ctx in enumerate(case.context_lens.tolist()):
-        slots = [(int(case.block_tables[n, t // page_size]), t % page_size) for t in range(ctx)]
-        k = torch.stack([kv[p, 0, o] for p, o in slots]).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = torch.stack([kv[p, 1, o] for p, o in slots]).repeat_interleave(group, dim=1)
-        q_len = cu[n + 1] - cu[n]
-        for i in range(q_len):
-            pos = ctx - q_len + i
-            scores = torch.einsum("hd,thd->ht", q[cu[n] + i], k[: pos + 1]) * case.scale
-            out[cu[n] + i] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v[: pos + 1])
-    return out
-
-
 def test_reference_matches_dense_causal_attention_in_float64():
     case = make_case(
         [(1, 1), (1, 33), (12, 12), (7, 40)], num_q_heads=6, num_kv_heads=2, head_dim=80, seed=10
@@ -245,6 +151,106 @@ def test_batched_decode_reference_matches_dense_attention_with_poisoned_padding(
     torch.testing.assert_close(
         paged_attention_ref(*case.args()).double().cpu(), expected, atol=1e-5, rtol=1e-5
     )
+
+
+# Decode and chunked prefill at once: contexts shorter and longer than the windows, a chunk starting
+# mid-page, a page exactly full, a one-token sequence, a sequence without new tokens.
+WINDOW_SEQS = [(1, 70), (33, 33), (1, 1), (0, 20), (9, 100), (1, 16), (12, 48)]
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 40, 1000], ids=lambda w: f"window{w}")
+def test_sliding_window_matches_reference_for_decode_and_prefill(window: int):
+    # 16 = the page size; 1000 > every context (the window changes nothing).
+    case = make_case(WINDOW_SEQS, num_q_heads=8, num_kv_heads=2, seed=20, window=window)
+    assert_kernel_matches_reference(case, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [None, 5, 64], ids=lambda w: f"window{w}")
+def test_softcap_matches_reference_with_and_without_window(window: int | None):
+    case = make_case(WINDOW_SEQS, num_q_heads=6, num_kv_heads=2, seed=21, window=window)
+    case.q *= 4  # scores well past the cap, so tanh saturates
+    assert_kernel_matches_reference(case, sliding_window=window, softcap=5.0)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_sliding_window_with_split_kv_matches_reference(num_splits: int):
+    # Splits wholly before a window see no key and must drop out of the reduction.
+    case = make_case([(1, 150), (1, 3), (30, 130)], num_q_heads=8, num_kv_heads=2, seed=22, window=37)
+    assert_kernel_matches_reference(case, num_splits=num_splits, sliding_window=37, softcap=20.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sliding_window_and_softcap_match_reference_in_half_precision(dtype: torch.dtype):
+    case = make_case([(1, 45), (19, 50)], dtype=dtype, page_size=8, seed=23, window=10)
+    assert_kernel_matches_reference(case, sliding_window=10, softcap=30.0)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(1, None), (3, None), (16, 50.0), (40, None), (None, 2.0)])
+@pytest.mark.parametrize("decode_only", [True, False], ids=["batched_decode", "per_sequence"])
+def test_reference_window_and_softcap_match_dense_attention_in_float64(
+    window: int | None, softcap: float | None, decode_only: bool
+):
+    seqs = [(1, 1), (1, 47), (1, 16), (1, 33)] if decode_only else [(1, 1), (1, 33), (12, 12), (7, 40)]
+    case = make_case(seqs, num_q_heads=6, num_kv_heads=2, head_dim=80, seed=24, window=window)
+    case.q *= 3
+    expected = dense_causal_attention_f64(case, window=window, softcap=softcap)
+    got = paged_attention_ref(*case.args(), sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(got.double().cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["batched_decode", "per_sequence"])
+def test_pages_before_every_window_may_be_recycled(decode_only: bool):
+    # The engine may free pages a window has left behind: their table entries become -1, never read.
+    seqs = [(1, 70), (1, 100)] if decode_only else [(1, 70), (9, 100)]
+    case = make_case(seqs, page_size=8, seed=28)
+    expected = dense_causal_attention_f64(case, window=20)
+    for n, (q_len, ctx) in enumerate(seqs):
+        case.block_tables[n, : (ctx - q_len - 20 + 1) // 8] = -1
+    for fn in (paged_attention, paged_attention_ref):
+        got = fn(*case.args(), sliding_window=20)
+        torch.testing.assert_close(got.double().cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_window_off_by_one_is_detected():
+    # The oracle tells windows w and w + 1 apart: a test built on it can fail.
+    case = make_case([(1, 40), (8, 30)], seed=25)
+    wrong = paged_attention_ref(*case.args(), sliding_window=11).double().cpu()
+    assert (wrong - dense_causal_attention_f64(case, window=10)).abs().max() > 1e-2
+
+
+def test_plan_reused_across_layers_gives_the_same_output():
+    case = make_case([(1, 50), (8, 20)], seed=26)
+    plan = plan_attention(
+        case.kv_cache, case.block_tables, case.context_lens, case.cu_seqlens_q, case.q.shape[1]
+    )
+    assert (plan.max_q_len, plan.max_context_len) == (8, 50)
+    for fn in (paged_attention, paged_attention_ref):
+        for window in (None, 7):
+            planned = fn(*case.args(), sliding_window=window, plan=plan)
+            torch.testing.assert_close(planned, fn(*case.args(), sliding_window=window), atol=0, rtol=0)
+
+
+def test_plan_for_other_tensors_is_refused():
+    case = make_case([(1, 50), (8, 20)], seed=27)
+    plan = plan_attention(
+        case.kv_cache, case.block_tables, case.context_lens, case.cu_seqlens_q, case.q.shape[1]
+    )
+    with pytest.raises(ValueError, match="^plan "):
+        paged_attention(
+            case.q,
+            case.kv_cache,
+            LAYER,
+            case.block_tables.clone(),
+            case.context_lens,
+            case.cu_seqlens_q,
+            case.scale,
+            plan=plan,
+        )
+    other_heads = plan_attention(
+        case.kv_cache, case.block_tables, case.context_lens, case.cu_seqlens_q, 2 * case.q.shape[1]
+    )
+    with pytest.raises(ValueError, match="^q heads "):
+        paged_attention(*case.args(), plan=other_heads)
 
 
 def _bad_inputs():
@@ -269,6 +275,10 @@ def _bad_inputs():
         ("context_lens", dict(good, context_lens=case.context_lens.long())),
         ("cu_seqlens_q", dict(good, cu_seqlens_q=case.cu_seqlens_q[:-1])),
         ("out", dict(good, out=torch.empty_like(case.q[:, :, :8]))),
+        ("sliding_window", dict(good, sliding_window=0)),
+        ("sliding_window", dict(good, sliding_window=2.5)),
+        ("softcap", dict(good, softcap=0.0)),
+        ("softcap", dict(good, softcap=float("inf"))),
     ]
 
 

@@ -1,0 +1,153 @@
+"""CPU paged attention: the C++ op (through ``ops.paged_attention``) beside ``paged_attention_ref``.
+
+    python -m bench.bench_attention_cpu [--threads N]
+
+The reference is what the CPU engine ran before the op existed (gather pages, SDPA in fp32). Shapes: the
+``tiny`` preset's attention (4 q heads, 2 KV heads, head_dim 16, 2 layers) decoding 16 and 64 sequences at
+~100 tokens of context, and Qwen2-0.5B's (14 q heads, 2 KV heads, head_dim 64) at 16 x 512 tokens, plus a
+prefill chunk and a sliding window on the latter. Contexts vary by sequence and pages are scattered, as
+after a few steps of allocation. Times are medians of ``torch.utils.benchmark`` runs of one forward's
+attention (every layer once); ``speedup`` = reference time / op time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch.utils import benchmark
+
+from oppo_engine import ops
+from oppo_engine.kernels.paged_attention import paged_attention_ref
+
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context: int
+    q_len: int = 1
+    layers: int = 2
+    window: int | None = None
+    dtype: torch.dtype = torch.float32
+
+
+SHAPES = [
+    Shape("tiny decode", 16, 4, 2, 16, 100),
+    Shape("tiny decode", 64, 4, 2, 16, 100),
+    Shape("0.5b decode", 16, 14, 2, 64, 512),
+    Shape("0.5b decode bf16", 16, 14, 2, 64, 512, dtype=torch.bfloat16),
+    Shape("0.5b decode window 128", 16, 14, 2, 64, 512, window=128),
+    Shape("0.5b prefill chunk 64", 4, 14, 2, 64, 512, q_len=64),
+]
+
+
+def build(shape: Shape, gen: torch.Generator) -> tuple:
+    """Inputs of one forward: contexts within +-10% of ``shape.context``, pages in shuffled order."""
+    spread = max(1, shape.context // 10)
+    ctx = torch.randint(shape.context - spread, shape.context + spread + 1, (shape.batch,), generator=gen)
+    pages_per_seq = (ctx + PAGE_SIZE - 1) // PAGE_SIZE
+    num_pages = int(pages_per_seq.sum())
+    kv_cache = torch.randn(
+        (num_pages, shape.layers, 2, PAGE_SIZE, shape.num_kv_heads, shape.head_dim), generator=gen
+    ).to(shape.dtype)
+    ids = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    block_tables = torch.zeros((shape.batch, int(pages_per_seq.max())), dtype=torch.int32)
+    start = 0
+    for n, count in enumerate(pages_per_seq.tolist()):
+        block_tables[n, :count] = ids[start : start + count]
+        start += count
+    q = torch.randn((shape.batch * shape.q_len, shape.num_q_heads, shape.head_dim), generator=gen)
+    cu_seqlens_q = torch.arange(0, (shape.batch + 1) * shape.q_len, shape.q_len, dtype=torch.int32)
+    return q.to(shape.dtype), kv_cache, block_tables, ctx.to(torch.int32), cu_seqlens_q
+
+
+def median_us(fn, min_run_time: float) -> float:
+    return (
+        benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e6
+    )
+
+
+def measure(shape: Shape, min_run_time: float) -> dict:
+    q, kv_cache, block_tables, context_lens, cu_seqlens_q = build(shape, torch.Generator().manual_seed(0))
+    scale = shape.head_dim**-0.5
+    out = torch.empty_like(q)
+
+    def op():
+        for layer in range(shape.layers):
+            ops.paged_attention(
+                q,
+                kv_cache,
+                layer,
+                block_tables,
+                context_lens,
+                cu_seqlens_q,
+                scale,
+                sliding_window=shape.window,
+                out=out,
+            )
+        return out
+
+    def ref():
+        for layer in range(shape.layers):
+            o = paged_attention_ref(
+                q,
+                kv_cache,
+                layer,
+                block_tables,
+                context_lens,
+                cu_seqlens_q,
+                scale,
+                sliding_window=shape.window,
+            )
+        return o
+
+    diff = (op().float() - ref().float()).abs().max().item()
+    op_us, ref_us = median_us(op, min_run_time), median_us(ref, min_run_time)
+    # K/V bytes one forward must read (each key once per KV head), for the op's effective bandwidth.
+    keys = context_lens.clamp(max=shape.window) if shape.window and shape.q_len == 1 else context_lens
+    kv_bytes = (
+        int(keys.sum()) * 2 * shape.num_kv_heads * shape.head_dim * kv_cache.element_size() * shape.layers
+    )
+    return dict(
+        shape=shape.name,
+        dtype=str(shape.dtype).removeprefix("torch."),
+        B=shape.batch,
+        heads=f"{shape.num_q_heads}/{shape.num_kv_heads}",
+        D=shape.head_dim,
+        ctx=f"~{shape.context}",
+        q_len=shape.q_len,
+        layers=shape.layers,
+        ref_us=f"{ref_us:.0f}",
+        op_us=f"{op_us:.1f}",
+        speedup=f"{ref_us / op_us:.1f}x",
+        op_kv_GB_s=f"{kv_bytes / op_us / 1e3:.2f}",
+        max_abs_diff=f"{diff:.1e}",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"CPU, {torch.get_num_threads()} threads, {PAGE_SIZE}-token pages; times per forward (all layers)")
+    rows = [measure(shape, args.min_run_time) for shape in SHAPES]
+    widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in rows[0]}
+    print("  ".join(k.rjust(w) for k, w in widths.items()))
+    for r in rows:
+        print("  ".join(str(r[k]).rjust(w) for k, w in widths.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
