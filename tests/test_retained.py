@@ -360,3 +360,21 @@ def test_auto_overcommit_follows_the_reward_trend_and_the_trainers_signal():
         engine.report_reward(x)
     assert engine.step().metrics.overcommit == 0  # 3 -> 2 -> 1 -> 0, and held at min
     assert [rec.reward for rec in engine.delta_history[-4:]] == [5.0, 4.0, 3.0, 2.0]
+
+
+def test_in_inter_a_policy_update_leaves_unscored_carried_sequences_to_be_scored_whole():
+    models = _fresh_models()
+    engine = make_engine(models, "inter", batch_size=1, overcommit=1, temperature=0.0)
+    _with(engine, random_prompts(2, seed=65), lengths_sampling([2, 24], temperature=0.0))
+    engine.step()
+    (seq,) = engine._buffer.carried
+    assert seq.status is SeqStatus.RUNNING and len(seq.response_ids) < 24
+    _perturb(models["critic"], 5)
+    engine.update_policy()
+    assert seq.status is SeqStatus.RUNNING  # not taken for finished by the critic's rescoring
+    (r,) = engine.step().rollouts
+    assert len(r.response_ids) == 24
+    torch.testing.assert_close(
+        torch.tensor(r.values), hf_values(models["critic"], r.prompt_ids, r.response_ids), atol=ATOL, rtol=0
+    )
+    assert_all_pages_free(engine)

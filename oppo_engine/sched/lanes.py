@@ -179,7 +179,10 @@ class ScorerLane:
         names = [n for n in names if n in self.scheds]
         if not names:
             return
-        if seq.seq_id not in self._added:  # already scored: it needs these scorers once more
+        if seq.seq_id not in self._added:
+            if seq.status is not SeqStatus.SCORED:
+                return  # the scorers have not seen it yet (inter): they will start from its first token
+            # Already scored: it needs these scorers once more.
             seq.status = SeqStatus.FINISHED
             self._added[seq.seq_id] = seq
             self._pending[seq.seq_id] = 0

@@ -37,8 +37,9 @@ class ActorScheduler:
     position), then a deferred one, and a sequence at the deferral limit (``max_deferrals``) only when
     nothing else holds pages -- so the engine cannot deadlock, and the step still waits for it. Admission
     never preempts: it waits for pages, keeping a small watermark free for the running sequences' next
-    pages. A carried-over sequence keeps its KV pages while it waits to be admitted again; when nothing
-    can run at all, the retained pages of the last waiting sequence are given up first.
+    pages. A carried-over sequence keeps its KV pages while it waits to be admitted again. When nothing
+    can run at all, it gives up first the kept pages of finished sequences (see ``kept_tokens``; a rollback
+    then recomputes them), then the retained pages of the last waiting sequence.
 
     The scheduler holds sequences only for one step: ``detach_all`` hands the unfinished ones back (their
     pages stay in the cache) and the next step adds them again, first.
@@ -66,6 +67,7 @@ class ActorScheduler:
         # seq_id -> tokens of KV the sequence held when the step began: kept until the step ends even if
         # the sequence finishes, so a failed step can give them back (reused KV cannot be recomputed).
         self.kept_tokens: dict[int, int] = {}
+        self._finished_kept: list[int] = []  # finished sequences that still hold kept pages
         self.num_preemptions = 0
         self.recomputed_tokens = 0  # tokens prefilled again after their KV was dropped
 
@@ -86,8 +88,14 @@ class ActorScheduler:
         """Reserve slots for the next forward and return its chunks (empty when there is no work, or when
         pages held elsewhere -- another lane's -- must be freed first)."""
         chunks = self._schedule()
-        while not chunks and self.waiting and (holder := self._last_waiting_holder()) is not None:
-            self._drop_kv(holder)
+        while not chunks and self.waiting:
+            # Starved: give up pages only a rollback would need, then carried-over KV, last first.
+            if self._finished_kept:
+                self.cache.free(self._finished_kept.pop())
+            elif (holder := self._last_waiting_holder()) is not None:
+                self._drop_kv(holder)
+            else:
+                break
             chunks = self._schedule()
         return chunks
 
@@ -180,6 +188,8 @@ class ActorScheduler:
         )
         if done:
             self.cache.truncate(seq.seq_id, self.kept_tokens.get(seq.seq_id, 0))
+            if seq.seq_id in self.cache:
+                self._finished_kept.append(seq.seq_id)
             self.running.remove(seq)
             seq.status = SeqStatus.FINISHED
         return done
@@ -192,4 +202,5 @@ class ActorScheduler:
         self.running.clear()
         self.waiting.clear()
         self.kept_tokens.clear()
+        self._finished_kept.clear()
         return seqs
