@@ -62,3 +62,10 @@ def test_bad_arguments_are_rejected():
         bench_e2e.parse_args(["--batch-size", "4", "--steps", "3", "--warmup", "1", "--num-prompts", "15"])
     args = bench_e2e.parse_args(["--batch-size", "4", "--steps", "3", "--warmup", "1"])
     assert args.num_prompts == 20 and args.modes == list(bench_e2e.ALL_MODES)
+
+
+def test_a_fixed_overcommit_reaches_the_overcommitting_modes_only(tmp_path):
+    _run(tmp_path, "--modes", "sequential,inter", "--steps", "2", "--warmup", "0", "--overcommit", "3")
+    steps = list(csv.DictReader((tmp_path / "steps.csv").open()))
+    assert {r["overcommit"] for r in steps if r["mode"] == "inter"} == {"3"}
+    assert {r["overcommit"] for r in steps if r["mode"] == "sequential"} == {"0"}
