@@ -78,7 +78,8 @@ class StepLoop:
         lane = self.scorer_lane
         t0 = time.perf_counter()
         with _lane_threads(stream, self.actor_lane.device):
-            lane.start(threaded=stream)
+            # NOTE: the lane starts after this loop: a worker already running could score a carried
+            # sequence between the loop's reads of its status and of what the lane knows.
             for seq in seqs:
                 if seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED):
                     cut.finished(seq)  # carried over finished: first in finish order
@@ -88,6 +89,7 @@ class StepLoop:
                     # What is known goes to the scorers at once: the prompt, and tokens carried over.
                     lane.add(seq)
                     self._hand_off(seq, final=seq.status is SeqStatus.FINISHED, out=out)
+            lane.start(threaded=stream)
             out.generation_end_s = t0
             with self.actor_lane.active():
                 drained = self._generate(policy_version, chunk_size, cut, out)
