@@ -437,7 +437,7 @@ class RolloutEngine:
             cut = BatchCut(seqs, None, None)
         snapshots = [s.snapshot() for s in seqs]
         reused = {name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in self._caches.items()}
-        recomputed_before = self._recomputed_counts()
+        recomputed_before, swapped_before = self._kv_counts()
         chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
         t0 = time.perf_counter()
         self._timeline.clear()
@@ -463,7 +463,10 @@ class RolloutEngine:
             self._buffer.carry(seqs, batch)
         self._finished_tokens += sum(len(s.response_ids) for s in out.finished_all)
         self._finished_seqs += len(out.finished_all)
-        recomputed = self._recomputed_counts()
+        recomputed, swapped = self._kv_counts()
+        for name, n in swapped.items():  # preempted scorer KV that came back from host within the step
+            if n > swapped_before[name]:
+                self._swapped_tokens[name] = self._swapped_tokens.get(name, 0) + n - swapped_before[name]
         metrics = StepMetrics(
             wall_s=out.end_s - t0,
             generation_s=out.generation_end_s - t0,
@@ -506,12 +509,15 @@ class RolloutEngine:
         ]
         return StepResult(rollouts, metrics)
 
-    def _recomputed_counts(self) -> dict[str, int]:
-        """Tokens prefilled again below their high-water mark so far, per model."""
-        counts = {ACTOR: self._loop.actor_sched.recomputed_tokens}
+    def _kv_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per model so far: tokens prefilled again below their high-water mark, and tokens whose KV a
+        scorer brought back from host after a preemption."""
+        recomputed = {ACTOR: self._loop.actor_sched.recomputed_tokens}
+        swapped = {}
         for name, sched in self._loop.scorer_lane.scheds.items():
-            counts[name] = sched.recomputed_tokens
-        return counts
+            recomputed[name] = sched.recomputed_tokens
+            swapped[name] = sched.swapped_tokens
+        return recomputed, swapped
 
     def _length_bias(self, batch: list[_Seq]) -> float | None:
         """Mean response length of ``batch`` over that of every sequence finished so far."""
@@ -614,19 +620,21 @@ class RolloutEngine:
         arena, or on host while the memory is released -- the arena then holds nothing)."""
         self._check_not_closed()
         carried = {s.seq_id for s in self._buffer.carried}
+        # Pages of preempted scorer KV on host count too: they are held for these sequences.
+        preempted = sum(sched.swapped_pages(carried) for sched in self._loop.scorer_lane.scheds.values())
         if self._host is not None:
             return CacheStats(
                 total_pages=self._arena.num_pages,
                 free_pages=self._arena.num_pages,
                 pages_per_model=dict.fromkeys(self._caches, 0),
-                retained_pages=self._host.num_pages(carried),
+                retained_pages=self._host.num_pages(carried) + preempted,
                 page_bytes=self._arena.page_bytes,
             )
         return CacheStats(
             total_pages=self._arena.num_pages,
             free_pages=self._arena.num_free_pages(),
             pages_per_model={name: cache.num_pages_used for name, cache in self._caches.items()},
-            retained_pages=sum(len(c.pages(s)) for c in self._caches.values() for s in carried),
+            retained_pages=sum(len(c.pages(s)) for c in self._caches.values() for s in carried) + preempted,
             page_bytes=self._arena.page_bytes,
         )
 

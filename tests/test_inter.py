@@ -175,7 +175,18 @@ def test_tight_memory_preempts_and_stays_exact(models, mode):
     prompts = random_prompts(9, seed=46, max_len=13)
     want = by_prompt(drain(_with(make_engine(models, "sequential", temperature=0.0), prompts)), prompts)
     page_bytes = make_engine(models, "sequential").cache_stats().page_bytes
-    engine = make_engine(models, mode, temperature=0.0, overcommit=4, kv_cache_bytes=40 * page_bytes)
-    got = by_prompt(drain(_with(engine, prompts)), prompts)
-    assert_same_rollouts(got, want)
+    engine = make_engine(models, mode, temperature=0.0, overcommit=4, kv_cache_bytes=27 * page_bytes)
+    _with(engine, prompts)
+    steps, swapped, recomputed = [], Counter(), Counter()
+    while (result := engine.step()).rollouts:
+        steps.append(result.rollouts)
+        swapped.update(result.metrics.swapped_tokens)
+        recomputed.update(result.metrics.recomputed_tokens)
+    assert_same_rollouts(by_prompt(steps, prompts), want)
+    assert engine._loop.actor_sched.num_preemptions > 0  # the scenario really preempted
+    # A preempted scorer's KV goes to host and comes back: swapped, never prefilled again.
+    scheds = engine._loop.scorer_lane.scheds
+    for name in scheds:
+        assert recomputed[name] == 0
+        assert (swapped[name] > 0) == (scheds[name].num_preemptions > 0)
     assert_all_pages_free(engine)

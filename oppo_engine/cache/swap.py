@@ -83,3 +83,34 @@ def swap_in(host: HostPages, arena: KVArena, caches: dict[str, KVCacheManager]) 
     if src:
         ops.copy_pages(host.buffer, arena.page_view(), torch.tensor(src), torch.tensor(dst))
     return tokens
+
+
+def swap_out_seq(cache: KVCacheManager, seq_id: Hashable) -> HostPages | None:
+    """Copy ``seq_id``'s pages of ``cache`` to host memory and free them (a preempted sequence whose KV is
+    cheaper to copy back than to prefill again); None if it holds none.
+
+    NOTE: on CUDA the copy and the later copy back run on the caller's (the lane's) stream, in order, and
+    the freed pages return to the pool only after the lane's event: no host sync is needed.
+    """
+    pages = cache.pages(seq_id)
+    if not pages:
+        return None
+    arena = cache.arena
+    pin = arena.device.type == "cuda"
+    buffer = torch.empty((len(pages), arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
+    ops.copy_pages(arena.page_view(), buffer, torch.tensor(pages), torch.arange(len(pages)))
+    host = HostPages(buffer, {cache.name: {seq_id: (list(range(len(pages))), cache.num_tokens(seq_id))}})
+    cache.free(seq_id)
+    return host
+
+
+def swap_in_seq(cache: KVCacheManager, seq_id: Hashable, host: HostPages) -> int | None:
+    """Bring ``seq_id``'s pages back from ``host`` into new pages of ``cache``; the tokens brought back, or
+    None (nothing changed) when the pool is short."""
+    rows, num_tokens = host.entries[cache.name][seq_id]
+    pages = cache.arena.alloc(cache.name, len(rows))
+    if pages is None:
+        return None
+    ops.copy_pages(host.buffer, cache.arena.page_view(), torch.tensor(rows), torch.tensor(pages))
+    cache.replace_pages(seq_id, pages, num_tokens)
+    return num_tokens
