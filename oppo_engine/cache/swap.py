@@ -82,7 +82,15 @@ def swap_in(host: HostPages, arena: KVArena, caches: dict[str, KVCacheManager]) 
             tokens[name] = tokens.get(name, 0) + num_tokens
     if src:
         ops.copy_pages(host.buffer, arena.page_view(), torch.tensor(src), torch.tensor(dst))
+        _host_copy_done(arena)
     return tokens
+
+
+def _host_copy_done(arena: KVArena) -> None:
+    """Wait for a copy from a pinned host buffer the caller is about to drop: the custom op records no
+    use of it, so the caching host allocator could hand it out again while the copy still reads it."""
+    if arena.device.type == "cuda":
+        torch.cuda.current_stream(arena.device).synchronize()
 
 
 def swap_out_seq(cache: KVCacheManager, seq_id: Hashable) -> HostPages | None:
@@ -90,7 +98,8 @@ def swap_out_seq(cache: KVCacheManager, seq_id: Hashable) -> HostPages | None:
     cheaper to copy back than to prefill again); None if it holds none.
 
     NOTE: on CUDA the copy and the later copy back run on the caller's (the lane's) stream, in order, and
-    the freed pages return to the pool only after the lane's event: no host sync is needed.
+    the freed pages return to the pool only after the lane's event; only the copy back waits (it drops
+    the host buffer). Unverified on a GPU so far.
     """
     pages = cache.pages(seq_id)
     if not pages:
@@ -112,5 +121,6 @@ def swap_in_seq(cache: KVCacheManager, seq_id: Hashable, host: HostPages) -> int
     if pages is None:
         return None
     ops.copy_pages(host.buffer, cache.arena.page_view(), torch.tensor(rows), torch.tensor(pages))
+    _host_copy_done(cache.arena)
     cache.replace_pages(seq_id, pages, num_tokens)
     return num_tokens
