@@ -90,6 +90,30 @@ def hf_score(reward: torch.nn.Module, sequences: list[list[int]], pad_token_id: 
     return scores[:, 0].float().tolist()
 
 
+@torch.inference_mode()
+def hf_ppo_scores(
+    reference: torch.nn.Module,
+    critic: torch.nn.Module,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    temperature: float,
+    pad_token_id: int,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """TRL's reference log-probs and critic values of each response: one right-padded forward per model."""
+    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+    ids, mask = _pad(seqs, pad_token_id, left=False, device=reference.device)
+    logits = reference(input_ids=ids, attention_mask=mask).logits.float() / (temperature or 1.0)
+    logprobs = logits.log_softmax(-1)
+    backbone = getattr(critic, critic.base_model_prefix)
+    values = critic.score(backbone(input_ids=ids, attention_mask=mask).last_hidden_state)[..., 0].float()
+    ref, val = [], []
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        rows = torch.arange(len(p) - 1, len(p) + len(r) - 1, device=ids.device)
+        ref.append(logprobs[i, rows, torch.tensor(r, device=ids.device)].tolist())
+        val.append(values[i, rows].tolist())
+    return ref, val
+
+
 def hf_rollout_step(
     actor: torch.nn.Module,
     reward: torch.nn.Module,
@@ -98,8 +122,11 @@ def hf_rollout_step(
     temperature: float,
     seed: int,
     pad_token_id: int,
+    reference: torch.nn.Module | None = None,
+    critic: torch.nn.Module | None = None,
 ) -> HfRollouts:
-    """Generate all, then score all: one baseline PPO rollout step with its stage times."""
+    """Generate all, then score all (reward; reference log-probs and critic values when given): one
+    baseline PPO rollout step with its stage times."""
     if len(prompts) != len(max_new_tokens_list) or not prompts:
         raise ValueError(
             f"need one max_new_tokens per prompt, got {len(prompts)} prompts "
@@ -111,6 +138,8 @@ def hf_rollout_step(
     _sync(actor.device)
     t1 = time.perf_counter()
     rewards = hf_score(reward, [p + r for p, r in zip(prompts, responses, strict=True)], pad_token_id)
+    if reference is not None and critic is not None:
+        hf_ppo_scores(reference, critic, prompts, responses, temperature, pad_token_id)
     _sync(reward.device)
     t2 = time.perf_counter()
     return HfRollouts(responses, rewards, t1 - t0, t2 - t1)

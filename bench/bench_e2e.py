@@ -17,7 +17,7 @@ import torch
 
 from bench import e2e_report
 from bench.e2e_report import ModeSummary, StepRecord
-from bench.e2e_runners import ALL_MODES, EngineRunner, HfRunner, ModeUnavailable
+from bench.e2e_runners import ALL_MODES, EngineRunner, HfRunner, ModeUnavailable, split_mode
 from bench.workloads import DISTRIBUTIONS, PRESETS, build_models, make_workload
 from oppo_engine.obs.metrics import format_step_summary
 from oppo_engine.obs.timeline import Timeline
@@ -35,7 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="measured steps per mode")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps per mode first")
     p.add_argument(
-        "--modes", default=",".join(ALL_MODES), help="comma-separated subset of " + ",".join(ALL_MODES)
+        "--modes",
+        default=",".join(ALL_MODES),
+        help="comma-separated subset of " + ",".join(ALL_MODES) + "; MODE@N runs an engine mode on N torch "
+        "threads (on the CPU the streamed modes use one per lane whatever N)",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
@@ -59,10 +62,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--trace", action="store_true", help="write a Chrome/Perfetto trace of each mode's last step"
     )
+    p.add_argument(
+        "--ppo-scorers",
+        action="store_true",
+        help="also score with a reference (actor-sized) and a critic (reward-sized), as full PPO does",
+    )
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if unknown := sorted(set(args.modes) - set(ALL_MODES)):
-        p.error(f"--modes: unknown {unknown}; choose from {','.join(ALL_MODES)}")
+    if unknown := sorted(m for m in args.modes if split_mode(m) is None):
+        p.error(
+            f"--modes: unknown {unknown}; choose from {','.join(ALL_MODES)}, an engine mode may end in "
+            "@N to run it with N torch threads (e.g. sequential@1)"
+        )
     if args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
         p.error("--batch-size and --steps must be >= 1, --warmup >= 0")
     needed = args.batch_size * (args.warmup + args.steps)
@@ -82,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict[str, ModeSummary]:
     else:
         dtype = getattr(torch, args.dtype)
     actor, reward = build_models(args.preset, dtype, device, args.seed)
+    scorers = {}
+    if args.ppo_scorers:  # frozen copies with other weights: the costs of full PPO's four models
+        scorers["reference"], scorers["critic"] = build_models(args.preset, dtype, device, args.seed + 1)
     workload = make_workload(
         args.workload,
         args.num_prompts,
@@ -100,9 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, ModeSummary]:
     for mode in args.modes:
         try:
             runners[mode] = (
-                HfRunner(actor, reward, workload, args)
+                HfRunner(actor, reward, workload, args, **scorers)
                 if mode == "hf"
-                else EngineRunner(mode, actor, reward, workload, args)
+                else EngineRunner(mode, actor, reward, workload, args, **scorers)
             )
         except ModeUnavailable as e:
             reasons[mode] = str(e)
@@ -146,6 +160,11 @@ def main(argv: list[str] | None = None) -> dict[str, ModeSummary]:
                 tl.record(s.lane, s.name, s.start_s, s.end_s, **s.args)
             print(f"wrote {tl.to_chrome_trace(args.out / f'trace_{mode}.json')}")
     by_mode = {s.mode: s for s in summaries}
+    # The baseline "sequential" is its best configuration among the thread counts run (sequential@N).
+    seq = [s for s in summaries if split_mode(s.mode)[0] == "sequential" and s.available]
+    if seq:
+        by_mode["sequential"] = max(seq, key=lambda s: s.tokens_per_s)
+    print(e2e_report.speedup_line(by_mode, "intra", "sequential"))
     print(e2e_report.speedup_line(by_mode, "oppo", "sequential"))
     print(e2e_report.speedup_line(by_mode, "oppo", "hf"))
     return by_mode

@@ -24,6 +24,14 @@ ENGINE_MODES = ("sequential", "intra", "inter", "oppo")
 ALL_MODES = ("hf", *ENGINE_MODES)
 
 
+def split_mode(mode: str) -> tuple[str, int | None] | None:
+    """``"sequential@1"`` -> ``("sequential", 1)``; ``"intra"`` -> ``("intra", None)``; None if unknown."""
+    name, _, threads = mode.partition("@")
+    if name not in ALL_MODES or (threads and (name == "hf" or not threads.isdigit() or int(threads) < 1)):
+        return None
+    return name, int(threads) if threads else None
+
+
 class ModeUnavailable(Exception):
     """The mode cannot run in this build (engine missing or not implemented); the message says why."""
 
@@ -51,8 +59,11 @@ def _unavailable_if_not_implemented(what: str) -> Iterator[None]:
 class HfRunner:
     """The `hf` baseline: step k generates and scores prompts [k*B, (k+1)*B) of the workload."""
 
-    def __init__(self, actor: Any, reward: Any, workload: Workload, args: argparse.Namespace) -> None:
+    def __init__(
+        self, actor: Any, reward: Any, workload: Workload, args: argparse.Namespace, **scorers: Any
+    ) -> None:
         self.actor, self.reward, self.workload, self.args = actor, reward, workload, args
+        self.scorers = scorers  # reference=, critic= (--ppo-scorers)
         self.pad_token_id = reward.config.pad_token_id
         self.gpu = _gpu_sampler(actor.device)
 
@@ -73,6 +84,7 @@ class HfRunner:
             self.args.temperature,
             self.args.seed + k,
             self.pad_token_id,
+            **self.scorers,
         )
         wall = time.perf_counter() - t0
         sample = self.gpu.stop() if self.gpu else None
@@ -113,10 +125,17 @@ class EngineRunner:
     """One `RolloutEngine` in `mode`, driven exactly through the public API of DESIGN.md."""
 
     def __init__(
-        self, mode: str, actor: Any, reward: Any, workload: Workload, args: argparse.Namespace
+        self,
+        mode: str,
+        actor: Any,
+        reward: Any,
+        workload: Workload,
+        args: argparse.Namespace,
+        **scorers: Any,
     ) -> None:
         rollout_engine, engine_config, sampling_params = _engine_api()
         self.mode, self.device = mode, actor.device
+        mode, self.threads = split_mode(mode)
         self.gpu = _gpu_sampler(actor.device)
         self.engine = None
         kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
@@ -128,6 +147,7 @@ class EngineRunner:
                 self.engine = rollout_engine(
                     actor=actor,
                     reward=reward,
+                    **scorers,
                     config=engine_config(
                         batch_size=args.batch_size,
                         mode=mode,
@@ -166,11 +186,17 @@ class EngineRunner:
             swap = time.perf_counter() - t_swap
             if self.gpu:
                 self.gpu.start()
-            _sync(self.device)
-            t0 = time.perf_counter()
-            result = self.engine.step()
-            _sync(self.device)
-            t1 = time.perf_counter()
+            saved_threads = torch.get_num_threads()
+            if self.threads is not None:
+                torch.set_num_threads(self.threads)
+            try:
+                _sync(self.device)
+                t0 = time.perf_counter()
+                result = self.engine.step()
+                _sync(self.device)
+                t1 = time.perf_counter()
+            finally:
+                torch.set_num_threads(saved_threads)
             sample = self.gpu.stop() if self.gpu else None
             total_pages = self.engine.cache_stats().total_pages
             # A PPO loop updates the policy here; retained KV is then recomputed or reused per config.

@@ -1,8 +1,8 @@
 """The one module that touches the compiled extension and the Triton kernels.
 
 Everything else in oppo_engine calls ``ops.*``. Each function picks its implementation from the device of
-its inputs: the C++ CPU ops on the CPU (the torch references are the tests' oracles), the CUDA ops and the Triton kernels (or
-flash-attn, where selected and importable) on CUDA.
+its inputs: the C++ CPU ops on the CPU (the torch references are the tests' oracles), the CUDA ops and the
+Triton kernels (or flash-attn, where selected and importable) on CUDA.
 """
 
 from __future__ import annotations

@@ -24,6 +24,17 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=2,
         max_position_embeddings=4096,
     ),
+    # Big enough that a forward's matmuls, not Python, dominate on a CPU core (DESIGN.md, "What a CPU
+    # allows"): where two lanes can overlap on a CPU.
+    "small": dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    ),
     "0.5b": dict(
         vocab_size=151936,
         hidden_size=896,

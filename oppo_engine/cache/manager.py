@@ -56,6 +56,11 @@ class KVCacheManager:
         """Tokens of ``seq_id`` with a slot (0 for an unknown sequence)."""
         return self._num_tokens.get(seq_id, 0)
 
+    def token_counts(self, seq_ids: Sequence[Hashable]) -> list[int]:
+        """``num_tokens`` of each of ``seq_ids`` (one call per forward, not one per sequence)."""
+        get = self._num_tokens.get
+        return [get(s, 0) for s in seq_ids]
+
     def pages(self, seq_id: Hashable) -> list[int]:
         """A copy of ``seq_id``'s page ids, in token order (empty for an unknown sequence)."""
         return list(self._pages.get(seq_id, ()))
@@ -79,20 +84,25 @@ class KVCacheManager:
 
         Returns ``None`` and changes nothing when the pool is short.
         """
-        needed = self.pages_needed(seq_id, num_new_tokens)
-        pages = self._pages.setdefault(seq_id, [])
-        if needed:
+        ps = self.page_size
+        start = self._num_tokens.get(seq_id, 0)
+        end = start + num_new_tokens
+        pages = self._pages.get(seq_id)
+        needed = -(-end // ps) - (len(pages) if pages else 0)
+        if needed > 0:
             new = self.arena.alloc(self.name, needed)
             if new is None:
-                if not pages:
-                    del self._pages[seq_id]
                 return None
+            if pages is None:
+                pages = self._pages[seq_id] = []
             self._write_row(seq_id, len(pages), new)
             pages.extend(new)
-        start = self._num_tokens.get(seq_id, 0)
-        self._num_tokens[seq_id] = start + num_new_tokens
-        ps = self.page_size
-        return [pages[t // ps] * ps + t % ps for t in range(start, start + num_new_tokens)]
+        elif pages is None:  # zero tokens for an unknown sequence
+            pages = self._pages[seq_id] = []
+        self._num_tokens[seq_id] = end
+        if num_new_tokens == 1:  # decode: one slot, no list comprehension
+            return [pages[start // ps] * ps + start % ps]
+        return [pages[t // ps] * ps + t % ps for t in range(start, end)]
 
     def free(self, seq_id: Hashable) -> None:
         """Return all of ``seq_id``'s pages; unknown ids are ignored (freeing twice is harmless)."""
