@@ -458,6 +458,9 @@ class RolloutEngine:
             raise
         finally:
             gpu = self._gpu.stop() if self._gpu is not None else None
+        # NOTE: not out.end_s: in oppo the actor's forward in flight at the cut (and the lane's pause) end
+        # after the batch's last score, and the caller waits for them too.
+        t_end = time.perf_counter()
         batch = out.finished
         if self._delta_control is not None:
             self._buffer.carry(seqs, batch)
@@ -468,7 +471,7 @@ class RolloutEngine:
             if n > swapped_before[name]:
                 self._swapped_tokens[name] = self._swapped_tokens.get(name, 0) + n - swapped_before[name]
         metrics = StepMetrics(
-            wall_s=out.end_s - t0,
+            wall_s=t_end - t0,
             generation_s=out.generation_end_s - t0,
             exposed_scoring_s=out.end_s - out.generation_end_s,
             tokens_generated=out.tokens_generated,
@@ -477,7 +480,7 @@ class RolloutEngine:
             overcommit=delta,
             deferred=len(self._buffer),
             pages_used=out.peak_pages,
-            lane_busy=self._timeline.busy_fraction(t0, out.end_s) if out.end_s > t0 else {},
+            lane_busy=self._timeline.busy_fraction(t0, t_end) if t_end > t0 else {},
             gpu_util=gpu.mean_util_pct if gpu is not None else None,
             handoffs=out.handoffs,
             deferral_histogram=dict(sorted(Counter(s.deferred_steps for s in batch).items())),
