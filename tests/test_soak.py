@@ -27,9 +27,11 @@ def _prompts(n: int, rng: random.Random) -> list[list[int]]:
             for i in range(n)]  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["oppo", "inter"])
-def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mode):
-    rng = random.Random(mode)
+@pytest.mark.parametrize(
+    ("mode", "retained_kv"), [("oppo", "recompute"), ("oppo", "reuse"), ("inter", "reuse")]
+)
+def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mode, retained_kv):
+    rng = random.Random(mode + retained_kv)
     models = dict(actor=make_actor(), reward=make_reward(), reference=make_reference(), critic=make_critic())
     probe = RolloutEngine(**models, config=EngineConfig(batch_size=B, max_model_len=64, page_size=8))
     page_bytes = probe.cache_stats().page_bytes
@@ -45,7 +47,7 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
             kv_cache_bytes=27 * page_bytes,  # one sequence of 64 tokens in all four models, 3 pages more
             max_deferrals=MAX_DEFERRALS,
             delta=DeltaControl(init=1, min=0, max=DELTA_MAX, inc=1, dec=1, window=3, significance=0.0),
-            retained_kv=rng.choice(["recompute", "reuse"]),
+            retained_kv=retained_kv,
             **extra,
         ),
         sampling=SamplingParams(temperature=1.0, seed=3),
