@@ -132,10 +132,6 @@ class ScorerLane:
         """``seq`` was added and is not scored yet (nor dropped by ``abort``)."""
         return seq.seq_id in self._added
 
-    def pending_seqs(self) -> list[Sequence]:
-        """Sequences added and not scored yet."""
-        return list(self._added.values())
-
     def hand_off(self, seq: Sequence, upto: int, final: bool) -> None:
         """Hand the chunk to the scorers: tokens ``[0, upto)`` of ``seq`` are theirs to prefill."""
         self._post(_HandOff(seq, upto, final))

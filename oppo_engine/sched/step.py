@@ -30,7 +30,6 @@ class StepOutcome:
 
     finished: list[Sequence] = field(default_factory=list)
     finished_all: list[Sequence] = field(default_factory=list)  # every sequence finishing in the step
-    carried: list[Sequence] = field(default_factory=list)  # unfinished, handed back by the actor
     tokens_generated: int = 0
     generation_end_s: float = 0.0
     end_s: float = 0.0
@@ -102,7 +101,7 @@ class StepLoop:
                 lane.finish()
             else:
                 lane.pause()
-        out.carried = self.actor_sched.detach_all()
+        self.actor_sched.detach_all()  # the unfinished keep their pages; the overcommit buffer carries them
         for seq in out.finished_all:  # the step stands: KV kept for a rollback can go
             self.actor_sched.cache.free(seq.seq_id)
         out.finished = list(cut.batch)
