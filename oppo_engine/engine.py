@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
 from oppo_engine.sched.overcommit import BatchCut, OvercommitBuffer
 from oppo_engine.sched.profiler import SwitchCostProfiler
+from oppo_engine.sched.prompts import PromptQueue
 from oppo_engine.sched.scheduler import ActorScheduler
 from oppo_engine.sched.sequence import SeqStatus
 from oppo_engine.sched.sequence import Sequence as _Seq
@@ -95,14 +96,6 @@ class CacheStats:
     pages_per_model: dict[str, int] = field(default_factory=dict)
     retained_pages: int = 0  # held for carried-over sequences, in the arena or (released) on host
     page_bytes: int = 0
-
-
-def derive_seed(base_seed: int, prompt_index: int) -> int:
-    """A sequence's RNG seed from the engine seed and its prompt's index (splitmix64, 63 bits)."""
-    z = (base_seed * 0x9E3779B97F4A7C15 + prompt_index + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -214,12 +207,10 @@ class RolloutEngine:
             self._chunk_control = ChunkSizeController(self.config.chunk, fixed=fixed)
             self._profiler = SwitchCostProfiler(ACTOR, [REWARD, *(n for n in self._models if n != ACTOR)])
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
-        self._pending: deque[tuple[list[int], SamplingParams | None]] = deque()
-        self._requeued: deque[_Seq] = deque()  # new sequences of a failed step, rolled back, taken first
+        self._prompts = PromptQueue(
+            self.sampling, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size
+        )
         self._buffer = OvercommitBuffer()
-        self._source: Iterator[list[int]] | None = None
-        self._next_prompt_index = 0
-        self._next_seq_id = 0
         self._policy_version = 0
         self._step_index = 0
         self._closed = False
@@ -337,21 +328,6 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ prompts
 
-    def _validate_prompt(self, where: str, ids: Sequence[int]) -> list[int]:
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"{where} is empty: a prompt needs at least one token")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"{where} has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
-                "leaves room for prompts "
-                f"of at most {self.config.max_model_len - 1} tokens"
-            )
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{where} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
-        return ids
-
     def add_prompts(
         self, prompt_token_ids: Iterable[Sequence[int]], sampling: Sequence[SamplingParams] | None = None
     ) -> None:
@@ -360,57 +336,12 @@ class RolloutEngine:
         All prompts are validated before any is queued, so a bad call queues nothing.
         """
         self._check_open()
-        prompts = list(prompt_token_ids)
-        if sampling is not None:
-            sampling = list(sampling)
-            if len(sampling) != len(prompts):
-                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
-            if not all(isinstance(s, SamplingParams) for s in sampling):
-                raise ValueError("sampling must hold SamplingParams")
-        checked = [self._validate_prompt(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
-        per_prompt = sampling if sampling is not None else [None] * len(checked)
-        self._pending.extend(zip(checked, per_prompt, strict=True))
+        self._prompts.add(prompt_token_ids, sampling)
 
     def set_prompt_source(self, source: Iterable[Sequence[int]]) -> None:
         """Pull prompts lazily from ``source`` once the queued ones run out."""
         self._check_open()
-        self._source = iter(source)
-
-    def _take_prompts(self, n: int) -> list[_Seq]:
-        seqs = []
-        while len(seqs) < n:
-            if self._requeued:
-                seqs.append(self._requeued.popleft())
-                continue
-            if self._pending:
-                ids, params = self._pending.popleft()
-            elif self._source is not None:
-                try:
-                    raw = next(self._source)
-                except StopIteration:
-                    self._source = None
-                    break
-                try:
-                    ids, params = self._validate_prompt("a prompt from the prompt source", raw), None
-                except ValueError:
-                    self._requeued.extendleft(reversed(seqs))  # keep the good ones taken so far
-                    raise
-            else:
-                break
-            seqs.append(self._new_sequence(ids, params))
-        return seqs
-
-    def _new_sequence(self, ids: list[int], params: SamplingParams | None) -> _Seq:
-        index = self._next_prompt_index
-        self._next_prompt_index += 1
-        effective = params or self.sampling
-        if params is not None and params.seed is not None:
-            seed = params.seed
-        else:
-            seed = derive_seed(self.sampling.seed or 0, index)
-        seq = _Seq(self._next_seq_id, index, ids, effective, seed)
-        self._next_seq_id += 1
-        return seq
+        self._prompts.set_source(source)
 
     # ------------------------------------------------------------------ the step
 
@@ -429,11 +360,11 @@ class RolloutEngine:
         num_carried = len(self._buffer)
         if self._delta_control is not None:
             delta = self._delta_control.delta()
-            seqs = self._buffer.fill(self._take_prompts, cfg.batch_size + delta)
+            seqs = self._buffer.fill(self._prompts.take, cfg.batch_size + delta)
             cut = BatchCut(seqs, cfg.batch_size, cfg.max_deferrals)
         else:
             delta = 0
-            seqs = self._take_prompts(cfg.batch_size)
+            seqs = self._prompts.take(cfg.batch_size)
             cut = BatchCut(seqs, None, None)
         snapshots = [s.snapshot() for s in seqs]
         reused = {name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in self._caches.items()}
@@ -454,7 +385,7 @@ class RolloutEngine:
             # line as the step found them.
             self._loop.abort(seqs, snapshots)
             self._buffer.put_back(seqs[:num_carried])
-            self._requeued.extendleft(reversed(seqs[num_carried:]))
+            self._prompts.requeued.extendleft(reversed(seqs[num_carried:]))
             raise
         finally:
             gpu = self._gpu.stop() if self._gpu is not None else None
@@ -653,13 +584,10 @@ class RolloutEngine:
         return {
             "version": _STATE_VERSION,
             "policy_version": self._policy_version,
-            "next_prompt_index": self._next_prompt_index,
-            "next_seq_id": self._next_seq_id,
+            "prompts": self._prompts.state_dict(),
             "step_index": self._step_index,
             "finished_lengths": (self._finished_tokens, self._finished_seqs),
             "carried": [save_sequence(s) for s in self._buffer.carried],
-            "requeued": [save_sequence(s) for s in self._requeued],
-            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p in self._pending],
             "delta": None if delta is None else delta.state_dict(),
             "trainer_reward": self._trainer_reward,
         }
@@ -674,15 +602,10 @@ class RolloutEngine:
                 self._drop_kv(name, seq)
         self._loop.scorer_lane.abort()
         self._policy_version = state["policy_version"]
-        self._next_prompt_index = state["next_prompt_index"]
-        self._next_seq_id = state["next_seq_id"]
+        self._prompts.load_state_dict(state["prompts"])
         self._step_index = state["step_index"]
         self._finished_tokens, self._finished_seqs = state["finished_lengths"]
         self._buffer.carried = [load_sequence(d) for d in state["carried"]]
-        self._requeued = deque(load_sequence(d) for d in state["requeued"])
-        self._pending = deque(
-            (list(ids), None if p is None else SamplingParams(**p)) for ids, p in state["pending"]
-        )
         if self._delta_control is not None and state["delta"] is not None:
             self._delta_control.load_state_dict(state["delta"])
         self._trainer_reward = state["trainer_reward"]
