@@ -51,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--response-len-cap", type=int, default=512)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--overcommit",
+        default="auto",
+        type=lambda v: v if v == "auto" else int(v),
+        help="Δ of the inter and oppo modes: an int >= 0, or auto (the reward-slope controller)",
+    )
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV arena per engine (default: engine's)")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for CSV, PNG and traces")
     p.add_argument(

@@ -139,6 +139,9 @@ class EngineRunner:
         self.gpu = _gpu_sampler(actor.device)
         self.engine = None
         kv_bytes = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
+        overcommit = getattr(args, "overcommit", "auto")
+        # Δ applies to the overcommitting modes only (the knob rule refuses it elsewhere).
+        knobs = dict(overcommit=overcommit) if mode in ("inter", "oppo") and overcommit != "auto" else {}
         try:
             with _unavailable_if_not_implemented(f"{mode}: RolloutEngine"):
                 self.engine = rollout_engine(
@@ -150,6 +153,7 @@ class EngineRunner:
                         mode=mode,
                         kv_cache_bytes=kv_bytes,
                         max_model_len=args.prompt_len_cap + args.response_len_cap,
+                        **knobs,
                     ),
                     sampling=sampling_params(
                         temperature=args.temperature,

@@ -53,21 +53,22 @@ class EngineConfig:
     """Engine configuration.
 
     ``batch_size`` (B) rollouts are returned per ``step()``. ``mode`` picks the pipeline: ``sequential``
-    (generate all, then score all; the default until both overlaps exist), ``intra`` (streamed scoring),
-    ``inter`` (overcommit), ``oppo`` (both). ``chunk_size`` (tokens per streamed chunk) and ``overcommit``
+    (generate all, then score all), ``intra`` (streamed scoring), ``inter`` (overcommit), ``oppo`` (both,
+    the default). ``chunk_size`` (tokens per streamed chunk) and ``overcommit``
     (Δ) are ints or ``"auto"`` (online control). A knob set explicitly that the chosen mode ignores
     (``chunk_size`` outside ``intra``/``oppo``; ``overcommit`` and ``retained_kv`` outside
     ``inter``/``oppo``) raises ``ValueError``; defaults never do. ``chunk`` (``ChunkControl``) sets the
     online chunk-size search of ``chunk_size="auto"``; ``delta`` (``DeltaControl``) the online Δ of
     ``overcommit="auto"``; ``max_deferrals`` bounds how many steps a sequence may be deferred.
-    ``kv_cache_bytes=None`` sizes the arena for B sequences of ``max_model_len`` tokens in every model,
+    ``kv_cache_bytes=None`` sizes the arena for B (+ Δ_max under overcommit: ``overcommit`` when fixed,
+    ``delta.max`` under "auto") sequences of ``max_model_len`` tokens in every model,
     capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only).
     """
 
     batch_size: int = 64
-    mode: str = "sequential"
+    mode: str = "oppo"
     chunk_size: int | str = "auto"
     overcommit: int | str = "auto"
     page_size: int = 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -14,8 +14,9 @@ import torch
 from oppo_engine import ops
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
+from oppo_engine.cache.swap import HostPages, swap_in, swap_out
 from oppo_engine.config import EngineConfig, SamplingParams
-from oppo_engine.control import ChunkSizeController
+from oppo_engine.control import ChunkSizeController, DeltaController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.runner import ModelRunner, unwrap_model
@@ -31,9 +32,13 @@ from oppo_engine.model.scorer import (
 from oppo_engine.model.support import check_model, text_config
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
+from oppo_engine.sched.overcommit import BatchCut, OvercommitBuffer
 from oppo_engine.sched.profiler import SwitchCostProfiler
+from oppo_engine.sched.prompts import PromptQueue
 from oppo_engine.sched.scheduler import ActorScheduler
+from oppo_engine.sched.sequence import SeqStatus
 from oppo_engine.sched.sequence import Sequence as _Seq
+from oppo_engine.sched.state import load_sequence, save_sequence
 from oppo_engine.sched.step import StepLoop, StepOutcome
 
 ACTOR, REWARD, REFERENCE, CRITIC = "actor", "reward", "reference", "critic"
@@ -44,14 +49,13 @@ _SCORER_CLASSES: dict[str, type[Scorer]] = {
     CRITIC: CriticScorer,
 }
 
+# Trained scorers: their KV and results of a carried-over sequence are recomputed after a policy update.
+_TRAINED_SCORERS = [CRITIC]
 # Share of memory the arena may take when kv_cache_bytes is not given: of the free device memory on
 # CUDA, of the physical memory on the CPU.
 DEFAULT_CUDA_MEMORY_FRACTION = 0.4
 DEFAULT_HOST_MEMORY_FRACTION = 0.25
-_MODES_NOT_YET = {
-    "inter": "overcommit (mode='inter') arrives with the inter-step overlap issue",
-    "oppo": "mode='oppo' needs both overlaps; overcommit arrives with the inter-step overlap issue",
-}
+_STATE_VERSION = 1
 
 
 @dataclass(slots=True)
@@ -90,16 +94,8 @@ class CacheStats:
     total_pages: int
     free_pages: int
     pages_per_model: dict[str, int] = field(default_factory=dict)
-    retained_pages: int = 0
+    retained_pages: int = 0  # held for carried-over sequences, in the arena or (released) on host
     page_bytes: int = 0
-
-
-def derive_seed(base_seed: int, prompt_index: int) -> int:
-    """A sequence's RNG seed from the engine seed and its prompt's index (splitmix64, 63 bits)."""
-    z = (base_seed * 0x9E3779B97F4A7C15 + prompt_index + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -141,8 +137,14 @@ class RolloutEngine:
     ) -> None:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
-        if self.config.mode in _MODES_NOT_YET:
-            raise NotImplementedError(_MODES_NOT_YET[self.config.mode])
+        cfg = self.config
+        # Overcommit (inter, oppo): Δ is fixed, or chosen online from the reward trend.
+        self._delta_control: DeltaController | None = None
+        self._max_overcommit = 0
+        if cfg.mode in ("inter", "oppo"):
+            fixed = cfg.overcommit if isinstance(cfg.overcommit, int) else None
+            self._delta_control = DeltaController(cfg.delta, fixed=fixed)
+            self._max_overcommit = fixed if fixed is not None else cfg.delta.max
         if not isinstance(actor, torch.nn.Module) or actor.get_output_embeddings() is None:
             raise ValueError("actor must be an HF causal LM (a model with an output embedding / LM head)")
         self.actor = actor
@@ -205,14 +207,17 @@ class RolloutEngine:
             self._chunk_control = ChunkSizeController(self.config.chunk, fixed=fixed)
             self._profiler = SwitchCostProfiler(ACTOR, [REWARD, *(n for n in self._models if n != ACTOR)])
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
-        self._pending: deque[tuple[list[int], SamplingParams | None]] = deque()
-        self._requeued: deque[_Seq] = deque()  # sequences of a failed step, reset, taken first
-        self._source: Iterator[list[int]] | None = None
-        self._next_prompt_index = 0
-        self._next_seq_id = 0
+        self._prompts = PromptQueue(
+            self.sampling, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size
+        )
+        self._buffer = OvercommitBuffer()
         self._policy_version = 0
         self._step_index = 0
         self._closed = False
+        self._host: HostPages | None = None  # retained pages while the arena is released
+        self._swapped_tokens: dict[str, int] = {}  # brought back from host since the last step
+        self._trainer_reward = False  # report_reward() was called: it feeds the Δ controller from now on
+        self._finished_tokens = self._finished_seqs = 0  # response lengths of every finished sequence
         self._arena: KVArena | None = None
         self._build_cache()
 
@@ -244,7 +249,8 @@ class RolloutEngine:
         if cfg.kv_cache_bytes is not None:
             num_pages = cfg.kv_cache_bytes // page_bytes
         else:
-            num_pages = cfg.batch_size * sum(pages_per_seq.values())
+            # B + Δ_max sequences in flight under overcommit.
+            num_pages = (cfg.batch_size + self._max_overcommit) * sum(pages_per_seq.values())
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * DEFAULT_CUDA_MEMORY_FRACTION)
@@ -281,10 +287,11 @@ class RolloutEngine:
         self._caches = {ACTOR: actor_cache}
         actor_sched = ActorScheduler(
             actor_cache,
-            max_num_seqs=cfg.batch_size,
+            max_num_seqs=cfg.batch_size + self._max_overcommit,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
             eos_token_ids=self.eos_token_ids,
+            max_deferrals=cfg.max_deferrals if self._delta_control is not None else None,
         )
         backend = cfg.attention_backend
         scorers: list[Scorer] = [] if self.reward_is_model else [RuleScorer(self.reward)]
@@ -311,27 +318,15 @@ class RolloutEngine:
         )
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("RolloutEngine is closed")
-        if self._arena is None:
+        self._check_not_closed()
+        if self._host is not None:
             raise RuntimeError("RolloutEngine memory is released: call resume() first")
 
-    # ------------------------------------------------------------------ prompts
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("RolloutEngine is closed")
 
-    def _validate_prompt(self, where: str, ids: Sequence[int]) -> list[int]:
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"{where} is empty: a prompt needs at least one token")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"{where} has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
-                "leaves room for prompts "
-                f"of at most {self.config.max_model_len - 1} tokens"
-            )
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{where} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
-        return ids
+    # ------------------------------------------------------------------ prompts
 
     def add_prompts(
         self, prompt_token_ids: Iterable[Sequence[int]], sampling: Sequence[SamplingParams] | None = None
@@ -341,69 +336,39 @@ class RolloutEngine:
         All prompts are validated before any is queued, so a bad call queues nothing.
         """
         self._check_open()
-        prompts = list(prompt_token_ids)
-        if sampling is not None:
-            sampling = list(sampling)
-            if len(sampling) != len(prompts):
-                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
-            if not all(isinstance(s, SamplingParams) for s in sampling):
-                raise ValueError("sampling must hold SamplingParams")
-        checked = [self._validate_prompt(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
-        per_prompt = sampling if sampling is not None else [None] * len(checked)
-        self._pending.extend(zip(checked, per_prompt, strict=True))
+        self._prompts.add(prompt_token_ids, sampling)
 
     def set_prompt_source(self, source: Iterable[Sequence[int]]) -> None:
         """Pull prompts lazily from ``source`` once the queued ones run out."""
         self._check_open()
-        self._source = iter(source)
-
-    def _take_prompts(self, n: int) -> list[_Seq]:
-        seqs = []
-        while len(seqs) < n:
-            if self._requeued:
-                seqs.append(self._requeued.popleft())
-                continue
-            if self._pending:
-                ids, params = self._pending.popleft()
-            elif self._source is not None:
-                try:
-                    raw = next(self._source)
-                except StopIteration:
-                    self._source = None
-                    break
-                try:
-                    ids, params = self._validate_prompt("a prompt from the prompt source", raw), None
-                except ValueError:
-                    self._requeued.extendleft(reversed(seqs))  # keep the good ones taken so far
-                    raise
-            else:
-                break
-            seqs.append(self._new_sequence(ids, params))
-        return seqs
-
-    def _new_sequence(self, ids: list[int], params: SamplingParams | None) -> _Seq:
-        index = self._next_prompt_index
-        self._next_prompt_index += 1
-        effective = params or self.sampling
-        if params is not None and params.seed is not None:
-            seed = params.seed
-        else:
-            seed = derive_seed(self.sampling.seed or 0, index)
-        seq = _Seq(self._next_seq_id, index, ids, effective, seed)
-        self._next_seq_id += 1
-        return seq
+        self._prompts.set_source(source)
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> StepResult:
         """Generate and score the next ``batch_size`` rollouts; blocks until they are done.
 
-        Once the prompt supply is exhausted it returns what remains (fewer than B), then empty results.
-        An error inside the step frees every page the step held, puts its prompts back at the front of the
-        queue (their tokens are regenerated identically next time) and propagates.
+        With overcommit (``inter``, ``oppo``) B + Δ sequences are in flight: the carried-over ones first,
+        then new prompts; the first B to finish and be scored are returned (finish order), the rest --
+        tokens, log-probs, KV pages of every model -- are carried to the next step. Once the prompt supply
+        is exhausted it returns what remains (fewer than B), then empty results. An error inside the step
+        rolls every sequence back to its state at the start of the step (tokens, log-probs, the KV pages
+        allocated during the step), puts them first in line and propagates; the retry is exact.
         """
         self._check_open()
-        seqs = self._take_prompts(self.config.batch_size)
+        cfg = self.config
+        num_carried = len(self._buffer)
+        if self._delta_control is not None:
+            delta = self._delta_control.delta()
+            seqs = self._buffer.fill(self._prompts.take, cfg.batch_size + delta)
+            cut = BatchCut(seqs, cfg.batch_size, cfg.max_deferrals)
+        else:
+            delta = 0
+            seqs = self._prompts.take(cfg.batch_size)
+            cut = BatchCut(seqs, None, None)
+        snapshots = [s.snapshot() for s in seqs]
+        reused = {name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in self._caches.items()}
+        recomputed_before, swapped_before = self._kv_counts()
         chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
         t0 = time.perf_counter()
         self._timeline.clear()
@@ -414,32 +379,53 @@ class RolloutEngine:
             with contextlib.ExitStack() as models:
                 for model in self._models.values():
                     models.enter_context(paged_attention_enabled(unwrap_model(model)))
-                out = self._loop.run(seqs, self._policy_version, chunk_size=chunk_size)
+                out = self._loop.run(seqs, self._policy_version, cut, chunk_size=chunk_size)
         except BaseException:
-            # Nothing is lost: pages go back, and the sequences (with their seeds) go first in line.
-            self._loop.abort()
-            for seq in reversed(seqs):
-                seq.reset()
-                self._requeued.appendleft(seq)
+            # Nothing is lost: the step's pages go back, and its sequences (with their seeds) go first in
+            # line as the step found them.
+            self._loop.abort(seqs, snapshots)
+            self._buffer.put_back(seqs[:num_carried])
+            self._prompts.requeued.extendleft(reversed(seqs[num_carried:]))
             raise
         finally:
             gpu = self._gpu.stop() if self._gpu is not None else None
+        # NOTE: not out.end_s: in oppo the actor's forward in flight at the cut (and the lane's pause) end
+        # after the batch's last score, and the caller waits for them too.
+        t_end = time.perf_counter()
+        batch = out.finished
+        if self._delta_control is not None:
+            self._buffer.carry(seqs, batch)
+        self._finished_tokens += sum(len(s.response_ids) for s in out.finished_all)
+        self._finished_seqs += len(out.finished_all)
+        recomputed, swapped = self._kv_counts()
+        for name, n in swapped.items():  # preempted scorer KV that came back from host within the step
+            if n > swapped_before[name]:
+                self._swapped_tokens[name] = self._swapped_tokens.get(name, 0) + n - swapped_before[name]
         metrics = StepMetrics(
-            wall_s=out.end_s - t0,
+            wall_s=t_end - t0,
             generation_s=out.generation_end_s - t0,
             exposed_scoring_s=out.end_s - out.generation_end_s,
             tokens_generated=out.tokens_generated,
-            rollouts=len(out.finished),
+            rollouts=len(batch),
             chunk_size=chunk_size,
-            overcommit=0,
-            deferred=0,
+            overcommit=delta,
+            deferred=len(self._buffer),
             pages_used=out.peak_pages,
-            lane_busy=self._timeline.busy_fraction(t0, out.end_s) if out.end_s > t0 else {},
+            lane_busy=self._timeline.busy_fraction(t0, t_end) if t_end > t0 else {},
             gpu_util=gpu.mean_util_pct if gpu is not None else None,
             handoffs=out.handoffs,
+            deferral_histogram=dict(sorted(Counter(s.deferred_steps for s in batch).items())),
+            stale_tokens=sum(v < self._policy_version for s in batch for v in s.policy_versions),
+            length_bias=self._length_bias(batch),
+            recomputed_tokens={m: recomputed[m] - recomputed_before[m] for m in recomputed},
+            reused_tokens=reused,
+            swapped_tokens=self._swapped_tokens,
         )
+        self._swapped_tokens = {}
         if chunk_size is not None:
             self._observe_chunk(chunk_size, out, metrics.wall_s)
+        if self._delta_control is not None and batch and not self._trainer_reward:
+            self._delta_control.observe_reward(sum(float(s.reward) for s in batch) / len(batch))
         self._step_index += 1
         log_step(self._step_index, metrics)
         rollouts = [
@@ -453,9 +439,39 @@ class RolloutEngine:
                 ref_logprobs=s.ref_logprobs,
                 values=s.values,
             )
-            for s in out.finished
+            for s in batch
         ]
         return StepResult(rollouts, metrics)
+
+    def _kv_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per model so far: tokens prefilled again below their high-water mark, and tokens whose KV a
+        scorer brought back from host after a preemption."""
+        recomputed = {ACTOR: self._loop.actor_sched.recomputed_tokens}
+        swapped = {}
+        for name, sched in self._loop.scorer_lane.scheds.items():
+            recomputed[name] = sched.recomputed_tokens
+            swapped[name] = sched.swapped_tokens
+        return recomputed, swapped
+
+    def _length_bias(self, batch: list[_Seq]) -> float | None:
+        """Mean response length of ``batch`` over that of every sequence finished so far."""
+        if not batch or not self._finished_tokens:
+            return None
+        mean_batch = sum(len(s.response_ids) for s in batch) / len(batch)
+        return mean_batch / (self._finished_tokens / self._finished_seqs)
+
+    def report_reward(self, reward: float) -> None:
+        """Feed the Δ controller the trainer's own reward signal for the last step; from the first call on,
+        the returned batches' mean rewards are no longer fed. Ignored without ``overcommit="auto"``."""
+        self._check_not_closed()
+        self._trainer_reward = True
+        if self._delta_control is not None:
+            self._delta_control.observe_reward(reward)
+
+    @property
+    def delta_history(self) -> list:
+        """``DeltaRecord(step, reward, slope, delta)`` of every reward fed to the Δ controller."""
+        return list(self._delta_control.history) if self._delta_control is not None else []
 
     def _observe_chunk(self, chunk_size: int, out: StepOutcome, wall_s: float) -> None:
         """Feed the chunk-size controller this step's time per token and the lanes' switch-cost profile."""
@@ -474,9 +490,32 @@ class RolloutEngine:
     # ------------------------------------------------------------------ between steps
 
     def update_policy(self) -> None:
-        """Call after ``optimizer.step()``: tokens sampled from now on carry the next policy version."""
-        self._check_open()
+        """Call after ``optimizer.step()``: tokens sampled from now on carry the next policy version.
+
+        Carried-over sequences: with ``retained_kv="recompute"`` their actor KV is dropped and prefilled
+        again with the new weights next step (tokens kept); with ``"reuse"`` it is kept. The critic's KV and
+        values are always recomputed (it was trained too); the reward's and reference's are kept (frozen).
+        Allowed while the memory is released.
+        """
+        self._check_not_closed()
         self._policy_version += 1
+        for seq in self._buffer.carried:
+            finished = seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED)
+            if self.config.retained_kv == "recompute" and not finished:
+                self._drop_kv(ACTOR, seq)
+            for name in _TRAINED_SCORERS:
+                if name in self._caches:
+                    self._drop_kv(name, seq)
+            self._loop.scorer_lane.rescore(seq, _TRAINED_SCORERS)
+
+    def _drop_kv(self, name: str, seq: _Seq) -> None:
+        """Drop ``seq``'s KV in model ``name``, in the arena or on host (released)."""
+        if self._host is not None:
+            self._host.drop(name, seq.seq_id)
+        else:
+            self._caches[name].free(seq.seq_id)
+        if name == ACTOR:
+            seq.num_computed = 0
 
     @property
     def policy_version(self) -> int:
@@ -484,35 +523,92 @@ class RolloutEngine:
         return self._policy_version
 
     def release_memory(self) -> None:
-        """Free the KV arena (for training); ``resume()`` rebuilds it. Queued prompts are kept."""
-        if self._closed or self._arena is None:
+        """Free the KV arena (for training); ``resume()`` rebuilds it. Queued prompts are kept, and the
+        retained pages of carried-over sequences (every model's) are copied to host memory."""
+        if self._closed or self._host is not None:
             return
-        self._drop_cache()
+        self._host = swap_out(self._arena, self._caches)
+        self._arena.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume(self) -> None:
-        """Rebuild the KV arena after ``release_memory()``."""
-        if self._closed:
-            raise RuntimeError("RolloutEngine is closed")
-        if self._arena is None:
-            self._build_cache()
+        """Rebuild the KV arena after ``release_memory()`` and bring the retained pages back (new page ids,
+        the same bytes)."""
+        self._check_not_closed()
+        if self._host is None:
+            return
+        self._arena.rebuild()
+        for name, n in swap_in(self._host, self._arena, self._caches).items():
+            self._swapped_tokens[name] = self._swapped_tokens.get(name, 0) + n
+        self._host = None
 
     def _drop_cache(self) -> None:
         self._arena = None
         self._caches = {}
         self._loop = None
+        self._host = None
 
     def cache_stats(self) -> CacheStats:
-        """Pages of the arena: total, free, per model, and retained for deferred sequences."""
-        self._check_open()
+        """Pages of the arena: total, free, per model, and retained for carried-over sequences (in the
+        arena, or on host while the memory is released -- the arena then holds nothing)."""
+        self._check_not_closed()
+        carried = {s.seq_id for s in self._buffer.carried}
+        # Pages of preempted scorer KV on host count too: they are held for these sequences.
+        preempted = sum(sched.swapped_pages(carried) for sched in self._loop.scorer_lane.scheds.values())
+        if self._host is not None:
+            return CacheStats(
+                total_pages=self._arena.num_pages,
+                free_pages=self._arena.num_pages,
+                pages_per_model=dict.fromkeys(self._caches, 0),
+                retained_pages=self._host.num_pages(carried) + preempted,
+                page_bytes=self._arena.page_bytes,
+            )
         return CacheStats(
             total_pages=self._arena.num_pages,
             free_pages=self._arena.num_free_pages(),
             pages_per_model={name: cache.num_pages_used for name, cache in self._caches.items()},
-            retained_pages=0,
+            retained_pages=sum(len(c.pages(s)) for c in self._caches.values() for s in carried) + preempted,
             page_bytes=self._arena.page_bytes,
         )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The prompts in flight and queued -- tokens, log-probs, policy versions, seeds, deferral counts,
+        results already read -- and the counters that make a restored engine continue exactly. KV is not
+        saved: it is rebuilt (prefilled again) after ``load_state_dict``. A prompt source set with
+        ``set_prompt_source`` is not saved: set it again after loading."""
+        self._check_not_closed()
+        delta = self._delta_control
+        return {
+            "version": _STATE_VERSION,
+            "policy_version": self._policy_version,
+            "prompts": self._prompts.state_dict(),
+            "step_index": self._step_index,
+            "finished_lengths": (self._finished_tokens, self._finished_seqs),
+            "carried": [save_sequence(s) for s in self._buffer.carried],
+            "delta": None if delta is None else delta.state_dict(),
+            "trainer_reward": self._trainer_reward,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the prompts in flight and queued with ``state``'s (the KV of each is prefilled again)."""
+        self._check_not_closed()
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"state: version {state.get('version')!r}, this engine reads {_STATE_VERSION}")
+        for seq in self._buffer.carried:  # what this engine held goes
+            for name in self._caches:
+                self._drop_kv(name, seq)
+        self._loop.scorer_lane.abort()
+        self._policy_version = state["policy_version"]
+        self._prompts.load_state_dict(state["prompts"])
+        self._step_index = state["step_index"]
+        self._finished_tokens, self._finished_seqs = state["finished_lengths"]
+        self._buffer.carried = [load_sequence(d) for d in state["carried"]]
+        if self._delta_control is not None and state["delta"] is not None:
+            self._delta_control.load_state_dict(state["delta"])
+        self._trainer_reward = state["trainer_reward"]
 
     @property
     def timeline(self) -> Timeline:

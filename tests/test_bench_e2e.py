@@ -1,4 +1,4 @@
-"""bench_e2e drives the real engine (tiny preset) through the public API; modes not landed are reported.
+"""bench_e2e drives the real engine (tiny preset) through the public API, every mode.
 
 No timing is asserted (a loaded machine must not fail the suite): only what the bench measures and
 writes -- tokens, rollouts, pages, the call order of the PPO loop it imitates, the files.
@@ -22,7 +22,7 @@ def _run(tmp_path, *extra: str) -> dict:
     return bench_e2e.main([*TINY, "--out", str(tmp_path), *extra])
 
 
-def test_sequential_engine_runs_through_the_public_api_and_modes_not_landed_are_reported(capsys, tmp_path):
+def test_engine_modes_run_through_the_public_api_and_the_speedups_are_printed(capsys, tmp_path):
     res = _run(tmp_path, "--modes", "hf,sequential,oppo", "--steps", "2", "--warmup", "1", "--trace")
     out = capsys.readouterr().out
 
@@ -37,12 +37,13 @@ def test_sequential_engine_runs_through_the_public_api_and_modes_not_landed_are_
     assert 0 < seq.peak_pages <= seq.total_pages
 
     assert res["hf"].available and res["hf"].tokens_per_s > 0
-    assert not res["oppo"].available and "not implemented" in res["oppo"].reason
+    assert res["oppo"].available and res["oppo"].steps == 2
     speed = _speedups(out)
-    assert speed["speedup_oppo_vs_sequential"].startswith("nan (oppo: ")
-    assert speed["speedup_oppo_vs_hf"].startswith("nan (oppo: ")
+    # Numbers, not nan: both modes ran. (Their size is not asserted: with 8 prompts, oppo may decode every
+    # remaining token while its warm-up step's batch is scored, leaving the measured steps none.)
+    assert all(float(speed[k]) >= 0 for k in ("speedup_oppo_vs_sequential", "speedup_oppo_vs_hf"))
     rows = {r["mode"]: r for r in csv.DictReader((tmp_path / "summary.csv").open())}
-    assert rows["sequential"]["available"] == "True" and rows["oppo"]["available"] == "False"
+    assert rows["sequential"]["available"] == "True" and rows["oppo"]["available"] == "True"
     assert (tmp_path / "trace_hf.json").exists() and (tmp_path / "trace_sequential.json").exists()
 
 
@@ -61,3 +62,10 @@ def test_bad_arguments_are_rejected():
         bench_e2e.parse_args(["--batch-size", "4", "--steps", "3", "--warmup", "1", "--num-prompts", "15"])
     args = bench_e2e.parse_args(["--batch-size", "4", "--steps", "3", "--warmup", "1"])
     assert args.num_prompts == 20 and args.modes == list(bench_e2e.ALL_MODES)
+
+
+def test_a_fixed_overcommit_reaches_the_overcommitting_modes_only(tmp_path):
+    _run(tmp_path, "--modes", "sequential,inter", "--steps", "2", "--warmup", "0", "--overcommit", "3")
+    steps = list(csv.DictReader((tmp_path / "steps.csv").open()))
+    assert {r["overcommit"] for r in steps if r["mode"] == "inter"} == {"3"}
+    assert {r["overcommit"] for r in steps if r["mode"] == "sequential"} == {"0"}

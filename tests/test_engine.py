@@ -254,9 +254,14 @@ def test_unavailable_attention_backend_raises(actor, reward):
         make_engine(actor, reward, attention_backend="flash_attn")
 
 
-def test_unimplemented_modes_name_their_issue(actor, reward):
-    with pytest.raises(NotImplementedError, match="inter-step overlap issue"):
-        RolloutEngine(actor=actor, reward=reward, config=EngineConfig(batch_size=2, mode="inter"))
+def test_default_mode_is_oppo_and_every_mode_builds(actor, reward):
+    assert EngineConfig().mode == "oppo"
+    for mode in ("sequential", "intra", "inter", "oppo"):
+        engine = RolloutEngine(
+            actor=actor, reward=reward, config=EngineConfig(batch_size=2, mode=mode, max_model_len=64)
+        )
+        assert engine.config.mode == mode
+        engine.close()
 
 
 def test_error_mid_decode_frees_actor_and_reward_pages(actor, reward):

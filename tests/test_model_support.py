@@ -48,9 +48,10 @@ def hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
 
 def test_default_config_builds_an_engine_that_steps():
     engine = RolloutEngine(actor=make_actor(), reward=make_reward(), eos_token_id=EOS)
-    assert engine.config.mode == "sequential"
+    assert engine.config.mode == "oppo"
     engine.add_prompts(random_prompts(2, seed=3))
     assert len(engine.step().rollouts) == 2
+    assert engine.step().rollouts == []
 
 
 @pytest.mark.parametrize(

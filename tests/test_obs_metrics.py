@@ -15,6 +15,13 @@ CONTRACT_FIELDS = [
     "pages_used",
     "lane_busy",
     "gpu_util",
+    "handoffs",
+    "deferral_histogram",
+    "stale_tokens",
+    "length_bias",
+    "recomputed_tokens",
+    "reused_tokens",
+    "swapped_tokens",
 ]
 
 

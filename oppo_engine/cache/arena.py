@@ -106,15 +106,38 @@ class KVArena:
             )
         self.num_pages = int(num_pages)
         self.device = torch.device(device)
+        self._page_sizes = {name: fit_page_size(spec, self.page_bytes) for name, spec in self.specs.items()}
+        self._lock = threading.Lock()
+        self._reserve = dict.fromkeys(self.specs, 0)
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """(Re)allocate the buffer with every page free: at construction, and after ``release``."""
         self.buffer = torch.empty(self.num_pages * self.page_bytes, dtype=torch.uint8, device=self.device)
         self.allocator = ops.PageAllocator(self.num_pages)
-        self._page_sizes = {name: fit_page_size(spec, self.page_bytes) for name, spec in self.specs.items()}
         self._views = {name: self._make_view(name) for name in self.specs}
-        self._lock = threading.Lock()
         self._held = dict.fromkeys(self.specs, 0)
-        self._reserve = dict.fromkeys(self.specs, 0)
         self._pending: deque[tuple[CompletionEvent, list[int], str]] = deque()
         self._num_pending = 0
+
+    def release(self) -> None:
+        """Drop the buffer (its memory goes back to the device) and every page with it; ``rebuild`` restores
+        an empty arena of the same shape. The caller has copied out whatever it keeps."""
+        self.synchronize()
+        self.buffer = None
+        self._views = {}
+        self.allocator = None
+
+    @property
+    def released(self) -> bool:
+        """The buffer is dropped (between ``release`` and ``rebuild``)."""
+        return self.buffer is None
+
+    def synchronize(self) -> None:
+        """Wait for every deferred free (used before the pages are copied or dropped wholesale)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._reclaim()
 
     def _make_view(self, name: str) -> torch.Tensor:
         spec, ps = self.specs[name], self._page_sizes[name]
@@ -168,11 +191,16 @@ class KVArena:
         owed = sum(max(0, r - self._held[m]) for m, r in self._reserve.items() if m != name)
         return max(0, self.allocator.num_free() - owed)
 
-    def alloc(self, name: str, n: int) -> list[int] | None:
-        """``n`` fresh pages for model ``name`` (reference count 1), or None (nothing taken) if it may not."""
+    def alloc(self, name: str, n: int, *, keep_reserves: bool = True) -> list[int] | None:
+        """``n`` fresh pages for model ``name`` (reference count 1), or None (nothing taken) if it may not.
+
+        ``keep_reserves=False`` ignores other models' reserves: only for bringing back pages that were all
+        held together before (swap-in), where the order of the models must not matter.
+        """
         self._reclaim()
         with self._lock:
-            if n > self._available(name):
+            limit = self._available(name) if keep_reserves else self.allocator.num_free()
+            if n > limit:
                 return None
             pages = self.allocator.alloc(n)
             if pages is not None:

@@ -31,7 +31,6 @@ class KVCacheManager:
         self.arena = arena
         self.name = name
         self.page_size = arena.page_size(name)
-        self.kv_cache = arena.view(name)
         # Makes an event after this lane's last kernel on freed pages; None frees at once (CPU, tests).
         self.free_event: Callable[[], CompletionEvent] | None = None
         self._pages: dict[Hashable, list[int]] = {}
@@ -39,6 +38,16 @@ class KVCacheManager:
         self._rows: dict[Hashable, int] = {}  # seq -> row of self._table
         self._free_rows: list[int] = []
         self._table = np.zeros((16, 16), dtype=np.int32)  # [rows, max pages], grown by doubling
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """This model's view ``[num_pages, L, 2, page_size, H, D]`` of the arena (new after a rebuild)."""
+        return self.arena.view(self.name)
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """Sequences holding pages, in the order they first got one."""
+        return list(self._pages)
 
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._pages
@@ -104,6 +113,36 @@ class KVCacheManager:
             self._free_rows.append(row)
         if pages:
             self.arena.free(self.name, pages, after=self.free_event() if self.free_event else None)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only ``seq_id``'s first ``num_tokens`` tokens: the pages past them go back to the arena.
+
+        Rolls back what a failed step appended; the KV of the kept tokens is untouched (appends only wrote
+        later slots). ``num_tokens`` at or above the cached count changes nothing; 0 frees everything.
+        """
+        have = self.num_tokens(seq_id)
+        if num_tokens >= have:
+            return
+        if num_tokens <= 0:
+            self.free(seq_id)
+            return
+        pages = self._pages[seq_id]
+        keep = -(-num_tokens // self.page_size)
+        dropped = pages[keep:]
+        del pages[keep:]
+        self._num_tokens[seq_id] = num_tokens
+        if dropped:
+            self.arena.free(self.name, dropped, after=self.free_event() if self.free_event else None)
+
+    def detach_all(self) -> dict[Hashable, tuple[list[int], int]]:
+        """Forget every sequence without returning its pages (they are about to be copied out and the
+        arena released): ``seq_id -> (pages, num_tokens)``, in first-page order."""
+        held = {s: (pages, self._num_tokens[s]) for s, pages in self._pages.items()}
+        self._free_rows.extend(self._rows.values())
+        self._pages.clear()
+        self._num_tokens.clear()
+        self._rows.clear()
+        return held
 
     def replace_pages(self, seq_id: Hashable, pages: Sequence[int], num_tokens: int) -> None:
         """Make ``pages`` (already referenced for this manager) hold ``seq_id``'s first ``num_tokens`` tokens.

@@ -132,6 +132,17 @@ class DeltaController:
         """Δ for the next step."""
         return self.fixed if self.fixed is not None else self._delta
 
+    def state_dict(self) -> dict:
+        """Δ, the rewards of the current window and the history, as plain data (engine checkpoints)."""
+        history = [tuple(r) for r in self.history]
+        return {"delta": self._delta, "rewards": list(self._rewards), "history": history}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict``'s output."""
+        self._delta = state["delta"]
+        self._rewards = deque(state["rewards"], maxlen=self.control.window)
+        self.history = [DeltaRecord(*r) for r in state["history"]]
+
     def observe_reward(self, reward: float) -> None:
         """Feed the mean reward of the step just returned (skip steps that returned nothing)."""
         if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # NOTE: the package name, not __name__, so users configure one logger for everything obs reports.
 logger = logging.getLogger("oppo_engine.obs")
@@ -30,6 +30,16 @@ class StepMetrics:
         gpu_util: mean GPU utilisation in percent over the step, or `None` without NVML.
         handoffs: actor -> scorer hand-offs (one per sequence per chunk of new tokens, the prompt included
             when streaming).
+        deferral_histogram: deferral count -> rollouts of the returned batch with that many deferrals.
+        stale_tokens: tokens of the returned batch sampled by an older policy than the current one.
+        length_bias: mean response length of the returned batch over the mean of every sequence finished
+            so far (the first-B cut favours short answers; > 1 would mean long ones); `None` for an empty
+            batch.
+        recomputed_tokens: model -> tokens prefilled again in this step whose KV had been computed before
+            (after a preemption, a policy update, a checkpoint load or a rolled-back step).
+        reused_tokens: model -> tokens of retained KV the step's carried-over sequences started with.
+        swapped_tokens: model -> tokens whose KV came back from host memory (``resume()``) since the
+            last step.
     """
 
     wall_s: float
@@ -44,6 +54,12 @@ class StepMetrics:
     lane_busy: dict[str, float]
     gpu_util: float | None
     handoffs: int = 0
+    deferral_histogram: dict[int, int] = field(default_factory=dict)
+    stale_tokens: int = 0
+    length_bias: float | None = None
+    recomputed_tokens: dict[str, int] = field(default_factory=dict)
+    reused_tokens: dict[str, int] = field(default_factory=dict)
+    swapped_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

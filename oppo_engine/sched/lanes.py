@@ -26,7 +26,7 @@ from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.scorer import ScorerScheduler
-from oppo_engine.sched.sequence import Sequence
+from oppo_engine.sched.sequence import SeqStatus, Sequence
 
 # CUDA stream priorities: lower is higher; out-of-range values map to the device's extremes.
 ACTOR_PRIORITY, SCORER_PRIORITY = -5, 0
@@ -68,10 +68,14 @@ class ScorerLane:
     """The scorers' lane. The actor thread calls ``add``, ``hand_off`` and ``finish``; the work runs on a
     worker thread when ``threaded`` (streaming), else inline in ``finish`` (sequential).
 
-    A sequence is scored once every scorer has read its result; ``scored`` lists the sequences in that
-    order and ``last_score_s`` is when the last one was. An exception in the lane is kept and raised in
-    the actor thread (``check``/``finish``) with its original traceback; ``abort`` stops and joins the
-    worker before any page is freed.
+    A sequence is scored once every scorer has read its result (its status becomes ``SCORED``);
+    ``scored`` lists the sequences in that order and ``last_score_s`` is when the last one was. An
+    exception in the lane is kept and raised in the actor thread (``check``/``finish``) with its original
+    traceback; ``abort`` stops and joins the worker before any page is freed.
+
+    Sequences outlive a step here: ``pause`` stops the worker at a step's cut and keeps every unscored
+    sequence's pages, progress and pending hand-offs for the next step (the overcommit buffer carries them).
+    Between steps (the worker stopped) the actor thread may ``rescore`` a sequence in some scorers.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class ScorerLane:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._pending: dict[int, int] = {}  # seq_id -> scorers still to read
+        self._added: dict[int, Sequence] = {}  # added and not yet scored (the actor thread's view)
         self.error: BaseException | None = None
         self.scored: list[Sequence] = []
         self.last_score_s = 0.0
@@ -109,8 +114,9 @@ class ScorerLane:
     # -- the actor thread's side -----------------------------------------------------------------------
 
     def start(self, threaded: bool) -> None:
-        """Begin a step; ``threaded`` runs the scorers beside the actor on a worker thread."""
-        self._inbox, self._closing, self._stop = [], False, False
+        """Begin a step; ``threaded`` runs the scorers beside the actor on a worker thread. Sequences carried
+        from the last step (and their untaken hand-offs) are kept."""
+        self._closing, self._stop = False, False
         self.scored, self.error, self.last_score_s, self.peak_pages = [], None, 0.0, 0
         self._thread = None
         if threaded:
@@ -118,8 +124,13 @@ class ScorerLane:
             self._thread.start()
 
     def add(self, seq: Sequence) -> None:
-        """A sequence of this step: its tokens will be handed off as the actor produces them."""
+        """A sequence to score: its tokens will be handed off as the actor produces them."""
+        self._added[seq.seq_id] = seq
         self._post(_HandOff(seq, 0, False))
+
+    def knows(self, seq: Sequence) -> bool:
+        """``seq`` was added and is not scored yet (nor dropped by ``abort``)."""
+        return seq.seq_id in self._added
 
     def hand_off(self, seq: Sequence, upto: int, final: bool) -> None:
         """Hand the chunk to the scorers: tokens ``[0, upto)`` of ``seq`` are theirs to prefill."""
@@ -142,17 +153,52 @@ class ScorerLane:
             self._thread = None
         self.check()
 
+    def pause(self) -> None:
+        """Stop and join the worker between two of its rounds, keeping every sequence's state; raise the
+        lane's exception, if it has one."""
+        self._join()
+        self.check()
+
     def abort(self) -> None:
-        """Stop and join the worker, then free every scorer page and state of the step."""
+        """Stop and join the worker, then free every scorer page and state (a failed step: the sequences
+        are rolled back and prefilled again from their first token)."""
+        self._join()
+        for sched in self.scheds.values():
+            sched.abort_all()
+        self._pending.clear()
+        self._inbox.clear()
+        self._added.clear()
+
+    def rescore(self, seq: Sequence, names: list[str]) -> None:
+        """Score ``seq`` again in the scorers ``names`` from its first token (a trained scorer after a policy
+        update), keeping the others' results and pages. Only between steps (the worker stopped)."""
+        names = [n for n in names if n in self.scheds]
+        if not names:
+            return
+        if seq.seq_id not in self._added:
+            if seq.status is not SeqStatus.SCORED:
+                return  # the scorers have not seen it yet (inter): they will start from its first token
+            # Already scored: it needs these scorers once more.
+            seq.status = SeqStatus.FINISHED
+            self._added[seq.seq_id] = seq
+            self._pending[seq.seq_id] = 0
+        for name in names:
+            sched = self.scheds[name]
+            if seq in sched:
+                sched.restart(seq)
+            elif seq.seq_id in self._pending:  # this scorer had read its result already
+                sched.add(seq)
+                sched.hand_off(seq, seq.num_tokens, final=True)
+                self._pending[seq.seq_id] += 1
+            # else: the add is still in the inbox, so this scorer has not started on it
+
+    def _join(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        for sched in self.scheds.values():
-            sched.abort_all()
-        self._pending.clear()
 
     def _post(self, item: _HandOff) -> None:
         with self._cond:
@@ -231,4 +277,6 @@ class ScorerLane:
         if self._pending[seq.seq_id] == 0:
             del self._pending[seq.seq_id]
             self.scored.append(seq)
-            self.last_score_s = time.perf_counter()
+            self.last_score_s = seq.score_time = time.perf_counter()
+            seq.status = SeqStatus.SCORED
+            self._added.pop(seq.seq_id, None)

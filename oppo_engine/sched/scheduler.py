@@ -31,10 +31,18 @@ class ScheduledChunk:
 class ActorScheduler:
     """Continuous batching of the actor: running sequences first (oldest first), then admission.
 
-    A running sequence that cannot get a page preempts the most recently admitted one (its pages are freed,
-    its tokens kept; it is recomputed when readmitted, which reproduces the same tokens since sampling is
-    keyed by seed and position). Admission never preempts: it waits for pages, keeping a small watermark
-    free for the running sequences' next pages.
+    Short of pages, it admits fewer; then a running sequence that cannot get a page preempts the most
+    recently admitted sequence that was never deferred (its pages are freed, its tokens kept; it is
+    recomputed when readmitted, which reproduces the same tokens since sampling is keyed by seed and
+    position), then a deferred one, and a sequence at the deferral limit (``max_deferrals``) only when
+    nothing else holds pages -- so the engine cannot deadlock, and the step still waits for it. Admission
+    never preempts: it waits for pages, keeping a small watermark free for the running sequences' next
+    pages. A carried-over sequence keeps its KV pages while it waits to be admitted again. When nothing
+    can run at all, it gives up first the kept pages of finished sequences (see ``kept_tokens``; a rollback
+    then recomputes them), then the retained pages of the last waiting sequence.
+
+    The scheduler holds sequences only for one step: ``detach_all`` hands the unfinished ones back (their
+    pages stay in the cache) and the next step adds them again, first.
     """
 
     def __init__(
@@ -45,6 +53,7 @@ class ActorScheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
+        max_deferrals: int | None = None,
     ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
@@ -54,12 +63,21 @@ class ActorScheduler:
         self.watermark_pages = max(1, cache.arena.num_pages // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.max_deferrals = max_deferrals
+        # seq_id -> tokens of KV the sequence held when the step began: kept until the step ends even if
+        # the sequence finishes, so a failed step can give them back (reused KV cannot be recomputed).
+        self.kept_tokens: dict[int, int] = {}
+        self._finished_kept: list[int] = []  # finished sequences that still hold kept pages
         self.num_preemptions = 0
+        self.recomputed_tokens = 0  # tokens prefilled again after their KV was dropped
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` for admission (after those already waiting)."""
+        """Queue ``seq`` for admission (after those already waiting); the KV it holds now is kept until
+        ``detach_all`` even if it finishes."""
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        if seq.seq_id in self.cache:
+            self.kept_tokens[seq.seq_id] = self.cache.num_tokens(seq.seq_id)
 
     @property
     def has_work(self) -> bool:
@@ -67,7 +85,21 @@ class ActorScheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        """Reserve slots for the next forward and return its chunks (empty only when there is no work)."""
+        """Reserve slots for the next forward and return its chunks (empty when there is no work, or when
+        pages held elsewhere -- another lane's -- must be freed first)."""
+        chunks = self._schedule()
+        while not chunks and self.waiting:
+            # Starved: give up pages only a rollback would need, then carried-over KV, last first.
+            if self._finished_kept:
+                self.cache.free(self._finished_kept.pop())
+            elif (holder := self._last_waiting_holder()) is not None:
+                self._drop_kv(holder)
+            else:
+                break
+            chunks = self._schedule()
+        return chunks
+
+    def _schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         i = 0
@@ -75,8 +107,8 @@ class ActorScheduler:
             seq = self.running[i]
             n = min(seq.num_pending, budget)
             slots = self.cache.append_slots(seq.seq_id, n)
-            while slots is None and self.running[-1] is not seq:
-                self.preempt(self.running[-1])
+            while slots is None and (victim := self._victim(after=i)) is not None:
+                self.preempt(victim)
                 slots = self.cache.append_slots(seq.seq_id, n)
             if slots is None:
                 self.preempt(seq)  # the youngest itself: wait for pages freed by finishing sequences
@@ -100,8 +132,36 @@ class ActorScheduler:
             budget -= n
         return chunks
 
+    def _victim(self, after: int) -> Sequence | None:
+        """The sequence to preempt for ``running[after]``: among those admitted after it, the most recently
+        admitted never-deferred one, else a deferred one, else one at the deferral limit."""
+        later = self.running[after + 1 :]
+        for rank in range(3):
+            for seq in reversed(later):
+                if self._rank(seq) == rank:
+                    return seq
+        return None
+
+    def _rank(self, seq: Sequence) -> int:
+        if seq.deferred_steps == 0:
+            return 0
+        limit = self.max_deferrals
+        return 1 if limit is None or seq.deferred_steps < limit else 2
+
+    def _last_waiting_holder(self) -> Sequence | None:
+        for seq in reversed(self.waiting):
+            if seq.seq_id in self.cache:
+                return seq
+        return None
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        self.cache.free(seq.seq_id)
+        seq.num_computed = 0
+
     def _chunk(self, seq: Sequence, n: int, slots: list[int]) -> ScheduledChunk:
         start = seq.num_computed
+        self.recomputed_tokens += max(0, min(start + n, seq.computed_high) - start)
+        seq.computed_high = max(seq.computed_high, start + n)
         seq.num_computed += n
         return ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, seq.num_pending == 0)
 
@@ -116,7 +176,8 @@ class ActorScheduler:
         self.waiting.appendleft(seq)
 
     def append_token(self, seq: Sequence, token: int, logprob: float, policy_version: int) -> bool:
-        """Record a sampled token; returns True (and frees the actor pages) when the sequence is finished."""
+        """Record a sampled token; returns True (and frees the actor pages, but those of ``kept_tokens``)
+        when the sequence is finished."""
         seq.response_ids.append(token)
         seq.logprobs.append(logprob)
         seq.policy_versions.append(policy_version)
@@ -126,17 +187,20 @@ class ActorScheduler:
             or (not seq.sampling.ignore_eos and token in self.eos_token_ids)
         )
         if done:
-            self.cache.free(seq.seq_id)
+            self.cache.truncate(seq.seq_id, self.kept_tokens.get(seq.seq_id, 0))
+            if seq.seq_id in self.cache:
+                self._finished_kept.append(seq.seq_id)
             self.running.remove(seq)
             seq.status = SeqStatus.FINISHED
         return done
 
-    def abort_all(self) -> list[Sequence]:
-        """Free every page and return all sequences (running first), reset to their prompts."""
+    def detach_all(self) -> list[Sequence]:
+        """Hand back every unfinished sequence (running first); their pages stay in the cache,
+        ``num_computed`` with them, so a later step can continue them or the caller can truncate their KV.
+        The kept pages of finished sequences are the caller's to free (or to roll back to)."""
         seqs = self.running + list(self.waiting)
-        for seq in seqs:
-            self.cache.free(seq.seq_id)
-            seq.num_computed = 0
         self.running.clear()
         self.waiting.clear()
+        self.kept_tokens.clear()
+        self._finished_kept.clear()
         return seqs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from oppo_engine.cache.swap import HostPages, swap_in_seq, swap_out_seq
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.sched.scheduler import ScheduledChunk
 from oppo_engine.sched.sequence import Sequence
@@ -17,8 +18,15 @@ class ScorerScheduler:
     can be read). Only the lane that owns the scheduler calls it: hand-offs reach it through that lane.
 
     When the pool is short, the oldest sequence goes first: younger sequences holding this scorer's pages
-    are preempted (pages freed, scorer state dropped, prefilled again from their tokens later), so the
-    oldest always completes if the arena holds one sequence -- partly scored sequences cannot deadlock.
+    are preempted, so the oldest always completes if the arena holds one sequence -- partly scored
+    sequences cannot deadlock. A preempted sequence's pages are swapped to host memory (``copy_pages``)
+    and its scorer state kept; they come back, under new page ids, before its next chunk. The rule: always
+    swap, never recompute -- copying a page both ways moves its bytes twice, where prefilling it again
+    runs the whole model over its tokens (``swapped_tokens`` counts what came back).
+
+    Sequences carried over to the next step stay here, with their pages and progress, until scored.
+    ``recomputed_tokens`` counts tokens prefilled again below a sequence's high-water mark (after a
+    preemption, a restart, or a rolled-back step).
     """
 
     def __init__(self, scorer: Scorer, *, max_num_batched_tokens: int) -> None:
@@ -32,6 +40,11 @@ class ScorerScheduler:
         self._handed: dict[int, tuple[int, bool]] = {}  # seq_id -> (tokens available, final)
         self.num_preemptions = 0
         self.recomputed_tokens = 0
+        self.swapped_tokens = 0
+        self._swapped: dict[int, HostPages] = {}  # seq_id -> its pages on host (preempted)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._scored
 
     def add(self, seq: Sequence) -> None:
         """Start scoring ``seq`` (its first tokens may follow later)."""
@@ -62,12 +75,17 @@ class ScorerScheduler:
             if n == 0:
                 i += 1
                 continue
+            if seq.seq_id in self._swapped and not self._swap_in(seq, after=i):
+                break  # wait for pages held elsewhere
             slots = self.cache.append_slots(seq.seq_id, n)
             while slots is None and (victim := self._youngest_holding_pages(after=i)) is not None:
                 self._preempt(victim)
                 slots = self.cache.append_slots(seq.seq_id, n)
             if slots is None:
                 break  # wait for pages held elsewhere (the actor's, another scorer's)
+            high = seq.prefilled_high.get(self.scorer.name, 0)
+            self.recomputed_tokens += max(0, min(start + n, high) - start)
+            seq.prefilled_high[self.scorer.name] = max(high, start + n)
             self._scored[seq.seq_id] = start + n
             last = final and start + n == upto
             chunks.append(ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, last))
@@ -88,7 +106,31 @@ class ScorerScheduler:
             self._drop(seq)
         return seqs
 
+    def swapped_pages(self, seq_ids: set[int]) -> int:
+        """Pages of ``seq_ids`` swapped to host by this scheduler."""
+        return sum(host.num_pages() for s, host in self._swapped.items() if s in seq_ids)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Swap ``seq``'s pages to host; its scorer state stays, and it continues where it was."""
+        self.num_preemptions += 1
+        host = swap_out_seq(self.cache, seq.seq_id)
+        if host is not None:
+            self._swapped[seq.seq_id] = host
+
+    def _swap_in(self, seq: Sequence, after: int) -> bool:
+        host = self._swapped[seq.seq_id]
+        tokens = swap_in_seq(self.cache, seq.seq_id, host)
+        while tokens is None and (victim := self._youngest_holding_pages(after=after)) is not None:
+            self._preempt(victim)
+            tokens = swap_in_seq(self.cache, seq.seq_id, host)
+        if tokens is None:
+            return False
+        del self._swapped[seq.seq_id]
+        self.swapped_tokens += tokens
+        return True
+
     def _drop(self, seq: Sequence) -> None:
+        self._swapped.pop(seq.seq_id, None)
         self.scorer.release(seq.seq_id)
         self.active.remove(seq)
         del self._scored[seq.seq_id]
@@ -100,10 +142,10 @@ class ScorerScheduler:
                 return seq
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Drop ``seq``'s KV and state in this scorer; it is prefilled again from its first token."""
-        self.recomputed_tokens += self._scored[seq.seq_id]
-        self.num_preemptions += 1
+    def restart(self, seq: Sequence) -> None:
+        """Drop ``seq``'s KV and state in this scorer; it is prefilled again from its first token (a
+        trained scorer after a policy update, whose KV and results are stale)."""
+        self._swapped.pop(seq.seq_id, None)
         self.scorer.release(seq.seq_id)
         self.scorer.begin(seq.seq_id, len(seq.prompt_ids), seq.sampling.temperature)
         self._scored[seq.seq_id] = 0

@@ -17,6 +17,16 @@ class SeqStatus(enum.Enum):
     SCORED = "scored"
 
 
+@dataclass(frozen=True, slots=True)
+class SeqSnapshot:
+    """A sequence as a step found it, to roll a failed step back to (its KV is truncated to match)."""
+
+    num_response: int
+    status: SeqStatus
+    num_computed: int
+    finish_time: float | None
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """A prompt and its growing response.
@@ -25,6 +35,9 @@ class Sequence:
     go into the next forward (a prompt's prefill, possibly in chunks; then one token per decode step).
     ``num_handed_off`` counts the tokens handed to the scorers (each scorer's own progress is its
     scheduler's); ``reward``, ``ref_logprobs`` and ``values`` are the scorers' results.
+    ``computed_high`` is the most tokens ever in the actor cache and ``prefilled_high`` the same per scorer:
+    tokens below them that are prefilled again (preemption, a policy update, a rolled-back step) are
+    counted as recomputed. ``deferred_steps`` counts the steps the sequence was carried over.
     """
 
     seq_id: int
@@ -44,6 +57,9 @@ class Sequence:
     deferred_steps: int = 0
     num_preemptions: int = 0
     finish_time: float | None = None
+    score_time: float | None = None
+    computed_high: int = 0
+    prefilled_high: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -59,16 +75,24 @@ class Sequence:
             return self.response_ids[start - p : stop - p]
         return self.prompt_ids[start:] + self.response_ids[: stop - p]
 
-    def reset(self) -> None:
-        """Back to the bare prompt (after a failed step): no response, no KV anywhere."""
-        self.response_ids.clear()
-        self.logprobs.clear()
-        self.policy_versions.clear()
-        self.status = SeqStatus.WAITING
-        self.num_computed = self.num_handed_off = 0
-        self.reward = None
-        self.ref_logprobs = self.values = None
-        self.finish_time = None
+    def snapshot(self) -> SeqSnapshot:
+        """What ``restore`` brings the sequence back to."""
+        return SeqSnapshot(len(self.response_ids), self.status, self.num_computed, self.finish_time)
+
+    def restore(self, snap: SeqSnapshot, num_cached: int) -> None:
+        """Back to ``snap`` after a failed step: the tokens, log-probs and versions the step added are cut;
+        ``num_cached`` is how many tokens the actor cache still holds (after truncation). The scorers start
+        again from the first token, unless the sequence was already scored."""
+        del self.response_ids[snap.num_response :]
+        del self.logprobs[snap.num_response :]
+        del self.policy_versions[snap.num_response :]
+        self.status = snap.status
+        self.num_computed = min(snap.num_computed, num_cached)
+        self.finish_time = snap.finish_time
+        self.num_handed_off = 0
+        if snap.status is not SeqStatus.SCORED:
+            self.reward = None
+            self.ref_logprobs = self.values = None
 
     @property
     def num_pending(self) -> int:

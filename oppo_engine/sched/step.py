@@ -1,5 +1,6 @@
 """The step loop: the actor decodes the step's sequences; the scorers score them -- after generation
-(``mode="sequential"``) or streamed chunk by chunk beside it (``mode="intra"``)."""
+(``sequential``, ``inter``) or streamed chunk by chunk beside it (``intra``, ``oppo``); with overcommit
+(``inter``, ``oppo``) the step ends at the first B finished and scored, and the rest is carried over."""
 
 from __future__ import annotations
 
@@ -14,17 +15,21 @@ from oppo_engine.model.actor import ActorWorker, SampleSpec
 from oppo_engine.model.runner import SeqChunk
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane
+from oppo_engine.sched.overcommit import BatchCut
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
-from oppo_engine.sched.sequence import SeqStatus, Sequence
+from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
 
 ACTOR_LANE = "actor"
+_POLL_S = 0.005  # how often an actor short of pages (held by the scorers) looks again
+_STALL_S = 10.0
 
 
 @dataclass(slots=True)
 class StepOutcome:
-    """What one step produced: sequences in finish order, and when generation and scoring ended."""
+    """What one step produced: its batch in finish order, and when generation and scoring of it ended."""
 
     finished: list[Sequence] = field(default_factory=list)
+    finished_all: list[Sequence] = field(default_factory=list)  # every sequence finishing in the step
     tokens_generated: int = 0
     generation_end_s: float = 0.0
     end_s: float = 0.0
@@ -35,11 +40,14 @@ class StepOutcome:
 class StepLoop:
     """One step of continuous batching on the actor lane, with the scorers on their own lane.
 
-    ``stream=False`` (sequential): every sequence is handed to the scorers once generation is over, and
-    they run then. ``stream=True`` (intra-step overlap, OPPO): a sequence's prompt goes to the scorers
-    when it is admitted and its new tokens after every ``chunk_size`` decoded ones (at once when it
-    finishes); the scorers prefill them on their worker thread while the actor decodes on, so when the
-    last sequence ends only its last chunk is left to score.
+    The step's sequences come in the overcommit buffer's order (carried ones first); its batch is chosen
+    by a ``BatchCut`` as they finish (every sequence, without overcommit). ``stream=False`` (sequential,
+    inter): the actor decodes until the batch is complete; then the finished sequences are handed to the
+    scorers, which run then. ``stream=True`` (intra, oppo): a sequence's prompt goes to the scorers when
+    the step starts and its new tokens after every ``chunk_size`` decoded ones (at once when it finishes);
+    the scorers prefill them on their worker thread while the actor decodes on, and the actor keeps
+    decoding the other sequences until the batch is scored. Sequences not in the batch keep their actor
+    pages and (streamed) scorer state for the next step.
     """
 
     def __init__(
@@ -59,50 +67,84 @@ class StepLoop:
         self.timeline = timeline
         self.pages_in_use = pages_in_use
 
-    def run(self, seqs: list[Sequence], policy_version: int, chunk_size: int | None = None) -> StepOutcome:
-        """Generate and score ``seqs``; tokens are tagged with ``policy_version``. ``chunk_size`` streams."""
+    def run(
+        self, seqs: list[Sequence], policy_version: int, cut: BatchCut, chunk_size: int | None = None
+    ) -> StepOutcome:
+        """Generate and score ``seqs`` until ``cut`` has its batch; tokens are tagged with
+        ``policy_version``. ``chunk_size`` streams."""
         stream = chunk_size is not None
         out = StepOutcome()
         lane = self.scorer_lane
+        t0 = time.perf_counter()
         with _lane_threads(stream, self.actor_lane.device):
-            lane.start(threaded=stream)
+            # NOTE: the lane starts after this loop: a worker already running could score a carried
+            # sequence between the loop's reads of its status and of what the lane knows.
             for seq in seqs:
-                self.actor_sched.add(seq)
-                lane.add(seq)
-                if stream:  # the prompt is known: the scorers prefill it while the actor does
-                    self._hand_off(seq, final=False, out=out)
+                if seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED):
+                    cut.finished(seq)  # carried over finished: first in finish order
+                else:
+                    self.actor_sched.add(seq)
+                if stream and seq.status is not SeqStatus.SCORED and not lane.knows(seq):
+                    # What is known goes to the scorers at once: the prompt, and tokens carried over.
+                    lane.add(seq)
+                    self._hand_off(seq, final=seq.status is SeqStatus.FINISHED, out=out)
+            lane.start(threaded=stream)
+            out.generation_end_s = t0
             with self.actor_lane.active():
-                self._generate(policy_version, chunk_size, out)
-            out.generation_end_s = time.perf_counter()
+                drained = self._generate(policy_version, chunk_size, cut, out)
             if not stream:
-                for seq in out.finished:
-                    self._hand_off(seq, final=True, out=out)
-            lane.finish()
-        for seq in out.finished:
-            seq.status = SeqStatus.SCORED
-        out.end_s = max(lane.last_score_s, out.generation_end_s)
+                for seq in seqs:  # the scorers see finished sequences only
+                    if seq.status is SeqStatus.FINISHED and not lane.knows(seq):
+                        lane.add(seq)
+                        self._hand_off(seq, final=True, out=out)
+            if drained or not stream:
+                lane.finish()
+            else:
+                lane.pause()
+        self.actor_sched.detach_all()  # the unfinished keep their pages; the overcommit buffer carries them
+        for seq in out.finished_all:  # the step stands: KV kept for a rollback can go
+            self.actor_sched.cache.free(seq.seq_id)
+        out.finished = list(cut.batch)
+        score_times = [s.score_time for s in cut.batch if s.score_time is not None]
+        out.end_s = max([out.generation_end_s, *score_times])
         out.peak_pages = max(out.peak_pages, lane.peak_pages)
         return out
 
-    def abort(self) -> None:
-        """Stop the scorer lane, then free every page the step holds; the caller requeues the sequences."""
+    def abort(self, seqs: list[Sequence], snapshots: list[SeqSnapshot]) -> None:
+        """Roll a failed step back: stop the scorer lane and drop every scorer state (re-prefilled later),
+        then cut each sequence's tokens and actor KV back to where the step found them."""
         self.scorer_lane.abort()
-        self.actor_sched.abort_all()
+        self.actor_sched.detach_all()
+        cache = self.actor_sched.cache
+        for seq, snap in zip(seqs, snapshots, strict=True):
+            cache.truncate(seq.seq_id, snap.num_computed)
+            seq.restore(snap, cache.num_tokens(seq.seq_id))
 
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
         seq.num_handed_off = seq.num_tokens
         self.scorer_lane.hand_off(seq, seq.num_tokens, final)
         out.handoffs += 1
 
-    def _generate(self, policy_version: int, chunk_size: int | None, out: StepOutcome) -> None:
+    def _generate(self, policy_version: int, chunk_size: int | None, cut: BatchCut, out: StepOutcome) -> bool:
+        """Decode until the batch is complete (streamed: and scored); True if the actor ran out of work."""
         sched = self.actor_sched
-        while sched.has_work:
+        stream = chunk_size is not None
+        stalled_since = None
+        while not (cut.scored() if stream else cut.determined):
             self.scorer_lane.check()  # a failed scorer lane fails the step now, not at its end
+            if not sched.has_work:
+                return True
             chunks = sched.schedule()
             if not chunks:
-                raise RuntimeError(
-                    "actor scheduler made no progress: the cache cannot hold any waiting sequence"
-                )
+                # Streamed, the scorers hold pages they free as they score: wait for them, not forever.
+                stalled_since = stalled_since or time.perf_counter()
+                if not stream or time.perf_counter() - stalled_since > _STALL_S:
+                    raise RuntimeError(
+                        "actor scheduler made no progress: the cache cannot hold any waiting sequence"
+                    )
+                time.sleep(_POLL_S)
+                continue
+            stalled_since = None
             out.peak_pages = max(out.peak_pages, self.pages_in_use())
             specs = [_sample_spec(i, c.seq) for i, c in enumerate(chunks) if c.samples]
             with self.timeline.span(ACTOR_LANE, "forward", tokens=sum(len(c.token_ids) for c in chunks)):
@@ -113,11 +155,16 @@ class StepLoop:
                 out.tokens_generated += 1
                 if sched.append_token(seq, tok, lp, policy_version):
                     seq.finish_time = now
-                    out.finished.append(seq)
-                    if chunk_size is not None:
+                    out.finished_all.append(seq)
+                    was_determined = cut.determined
+                    cut.finished(seq)
+                    if cut.determined and not was_determined:
+                        out.generation_end_s = now
+                    if stream:
                         self._hand_off(seq, final=True, out=out)
-                elif chunk_size is not None and seq.num_tokens - seq.num_handed_off >= chunk_size:
+                elif stream and seq.num_tokens - seq.num_handed_off >= chunk_size:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
+        return not sched.has_work
 
 
 @contextlib.contextmanager

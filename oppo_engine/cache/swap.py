@@ -1,0 +1,126 @@
+"""Retained pages to host memory and back: the arena is released for training between steps, and the KV of
+the sequences carried over (every model's) must survive it byte for byte."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from oppo_engine import ops
+from oppo_engine.cache.arena import KVArena
+from oppo_engine.cache.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class HostPages:
+    """Pages copied out of the arena: ``buffer`` is ``[P, page_bytes]`` uint8 (pinned where a device
+    copies from it), and ``entries[model][seq_id] = (rows of buffer, num_tokens)`` in token order."""
+
+    buffer: torch.Tensor
+    entries: dict[str, dict[Hashable, tuple[list[int], int]]] = field(default_factory=dict)
+
+    def drop(self, model: str, seq_id: Hashable) -> int:
+        """Forget ``seq_id``'s pages of ``model`` (its KV will be recomputed); returns the tokens dropped."""
+        rows_tokens = self.entries.get(model, {}).pop(seq_id, None)
+        return 0 if rows_tokens is None else rows_tokens[1]
+
+    def num_pages(self, seq_ids: set[Hashable] | None = None) -> int:
+        """Pages held on host (of ``seq_ids`` only, when given)."""
+        return sum(
+            len(rows)
+            for per_seq in self.entries.values()
+            for s, (rows, _) in per_seq.items()
+            if seq_ids is None or s in seq_ids
+        )
+
+    def num_tokens(self) -> dict[str, int]:
+        """Tokens held on host, per model."""
+        return {m: sum(n for _, n in per_seq.values()) for m, per_seq in self.entries.items()}
+
+
+def swap_out(arena: KVArena, caches: dict[str, KVCacheManager]) -> HostPages:
+    """Copy every page the managers hold to host memory and detach it from them (one ``copy_pages``).
+
+    NOTE: the managers forget their sequences and the arena's pages are not freed one by one: the caller
+    releases the whole arena next.
+    """
+    arena.synchronize()
+    held = {name: cache.detach_all() for name, cache in caches.items()}
+    src: list[int] = []
+    entries: dict[str, dict[Hashable, tuple[list[int], int]]] = {}
+    for name, per_seq in held.items():
+        entries[name] = {}
+        for seq_id, (pages, num_tokens) in per_seq.items():
+            entries[name][seq_id] = (list(range(len(src), len(src) + len(pages))), num_tokens)
+            src.extend(pages)
+    pin = arena.device.type == "cuda"
+    buffer = torch.empty((max(1, len(src)), arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
+    if src:
+        ops.copy_pages(arena.page_view(), buffer, torch.tensor(src), torch.arange(len(src)))
+        if pin:
+            torch.cuda.synchronize(arena.device)
+    return HostPages(buffer, entries)
+
+
+def swap_in(host: HostPages, arena: KVArena, caches: dict[str, KVCacheManager]) -> dict[str, int]:
+    """Bring ``host``'s pages back into a rebuilt ``arena`` (new page ids, block tables rewritten); returns
+    the tokens brought back per model."""
+    src: list[int] = []
+    dst: list[int] = []
+    tokens: dict[str, int] = {}
+    for name, per_seq in host.entries.items():
+        cache = caches[name]
+        for seq_id, (rows, num_tokens) in per_seq.items():
+            pages = arena.alloc(name, len(rows), keep_reserves=False)
+            if pages is None:  # cannot happen: these pages were all held together before the release
+                raise RuntimeError(f"swap-in: the rebuilt arena cannot hold {len(rows)} pages of {name}")
+            cache.replace_pages(seq_id, pages, num_tokens)
+            src.extend(rows)
+            dst.extend(pages)
+            tokens[name] = tokens.get(name, 0) + num_tokens
+    if src:
+        ops.copy_pages(host.buffer, arena.page_view(), torch.tensor(src), torch.tensor(dst))
+        _host_copy_done(arena)
+    return tokens
+
+
+def _host_copy_done(arena: KVArena) -> None:
+    """Wait for a copy from a pinned host buffer the caller is about to drop: the custom op records no
+    use of it, so the caching host allocator could hand it out again while the copy still reads it."""
+    if arena.device.type == "cuda":
+        torch.cuda.current_stream(arena.device).synchronize()
+
+
+def swap_out_seq(cache: KVCacheManager, seq_id: Hashable) -> HostPages | None:
+    """Copy ``seq_id``'s pages of ``cache`` to host memory and free them (a preempted sequence whose KV is
+    cheaper to copy back than to prefill again); None if it holds none.
+
+    NOTE: on CUDA the copy and the later copy back run on the caller's (the lane's) stream, in order, and
+    the freed pages return to the pool only after the lane's event; only the copy back waits (it drops
+    the host buffer). Unverified on a GPU so far.
+    """
+    pages = cache.pages(seq_id)
+    if not pages:
+        return None
+    arena = cache.arena
+    pin = arena.device.type == "cuda"
+    buffer = torch.empty((len(pages), arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
+    ops.copy_pages(arena.page_view(), buffer, torch.tensor(pages), torch.arange(len(pages)))
+    host = HostPages(buffer, {cache.name: {seq_id: (list(range(len(pages))), cache.num_tokens(seq_id))}})
+    cache.free(seq_id)
+    return host
+
+
+def swap_in_seq(cache: KVCacheManager, seq_id: Hashable, host: HostPages) -> int | None:
+    """Bring ``seq_id``'s pages back from ``host`` into new pages of ``cache``; the tokens brought back, or
+    None (nothing changed) when the pool is short."""
+    rows, num_tokens = host.entries[cache.name][seq_id]
+    pages = cache.arena.alloc(cache.name, len(rows))
+    if pages is None:
+        return None
+    ops.copy_pages(host.buffer, cache.arena.page_view(), torch.tensor(rows), torch.tensor(pages))
+    _host_copy_done(cache.arena)
+    cache.replace_pages(seq_id, pages, num_tokens)
+    return num_tokens

@@ -1,0 +1,93 @@
+"""The overcommit buffer of the inter-step overlap: B + Δ sequences in flight, the first B to finish (and be
+scored) are the step's batch, the rest are carried -- tokens, log-probs and KV pages -- into the next step.
+
+Staleness bound. A sequence carried ``max_deferrals`` (k) times is *due*: it must be in the next batch, so
+the step waits for it, and the actor preempts it only when nothing else holds pages (so the engine cannot
+deadlock; its tokens are kept either way). Due sequences take batch places oldest first, at most B per
+step. Every step carries at most Δ sequences, so with Δ ≤ B all due sequences fit and no sequence is
+returned with more than k deferrals: the bound is exact. With Δ > B, up to Δ may be due at once; a due
+sequence has fewer than Δ_max carried sequences ahead of it in FIFO order and B of them leave per step, so
+it is returned with at most ``k + ceil(Δ_max / B) - 1`` deferrals (``deferral_bound``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from oppo_engine.sched.sequence import SeqStatus, Sequence
+
+
+def deferral_bound(batch_size: int, max_deferrals: int, max_overcommit: int) -> int:
+    """The most deferrals a returned rollout can have (see the module docstring)."""
+    return max_deferrals + max(0, -(-max_overcommit // batch_size) - 1)
+
+
+class BatchCut:
+    """Chooses a step's batch as its sequences finish: every due sequence (oldest first, at most
+    ``batch_size``), then the first others to finish, ``min(batch_size, len(seqs))`` in all.
+
+    ``finished(seq)`` is called in finish order (carried sequences that had already finished first);
+    ``batch`` lists the chosen ones in that order. ``determined`` once the batch is complete; ``scored``
+    once, in addition, every member is scored. ``batch_size=None`` takes every sequence (no overcommit).
+    """
+
+    def __init__(self, seqs: list[Sequence], batch_size: int | None, max_deferrals: int | None) -> None:
+        self.size = len(seqs) if batch_size is None else min(batch_size, len(seqs))
+        due = [s for s in seqs if max_deferrals is not None and s.deferred_steps >= max_deferrals]
+        self.due = {s.seq_id for s in due[: self.size]}
+        self._open = self.size - len(self.due)  # places for sequences that are not due
+        self.batch: list[Sequence] = []
+
+    def finished(self, seq: Sequence) -> None:
+        """``seq`` has its last token: it joins the batch if it is due or a place is left."""
+        if seq.seq_id in self.due:
+            self.batch.append(seq)
+        elif self._open > 0:
+            self._open -= 1
+            self.batch.append(seq)
+
+    @property
+    def determined(self) -> bool:
+        """Every member of the batch has finished."""
+        return len(self.batch) == self.size
+
+    def scored(self) -> bool:
+        """The batch is determined and every member is scored."""
+        return self.determined and all(s.status is SeqStatus.SCORED for s in self.batch)
+
+
+class OvercommitBuffer:
+    """The sequences carried between steps, oldest first (FIFO).
+
+    ``fill`` makes a step's sequences: the carried ones first, then new prompts up to ``B + Δ``;
+    ``carry`` keeps what the step did not return, counting one more deferral for each.
+    """
+
+    def __init__(self) -> None:
+        self.carried: list[Sequence] = []
+
+    def fill(self, take: Callable[[int], list[Sequence]], in_flight: int) -> list[Sequence]:
+        """Fill the buffer to ``in_flight`` (B + Δ) sequences: deferred ones first, then ``take(n)`` new."""
+        seqs = list(self.carried)
+        self.carried = []
+        if len(seqs) < in_flight:
+            try:
+                seqs += take(in_flight - len(seqs))
+            except BaseException:
+                self.carried = seqs
+                raise
+        return seqs
+
+    def carry(self, seqs: list[Sequence], batch: list[Sequence]) -> None:
+        """Keep ``seqs`` not in ``batch`` (in their order) for the next step; each was deferred once more."""
+        returned = {s.seq_id for s in batch}
+        self.carried = [s for s in seqs if s.seq_id not in returned]
+        for seq in self.carried:
+            seq.deferred_steps += 1
+
+    def put_back(self, seqs: list[Sequence]) -> None:
+        """A failed step's carried sequences go back first, in their order (new ones are requeued apart)."""
+        self.carried = list(seqs) + self.carried
+
+    def __len__(self) -> int:
+        return len(self.carried)

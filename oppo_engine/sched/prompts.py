@@ -1,0 +1,124 @@
+"""Prompt intake: the queue of prompts not yet in flight, their validation, and each sequence's seed."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict
+
+from oppo_engine.config import SamplingParams
+from oppo_engine.sched.sequence import Sequence as Seq
+from oppo_engine.sched.state import load_sequence, save_sequence
+
+
+def derive_seed(base_seed: int, prompt_index: int) -> int:
+    """A sequence's RNG seed from the engine seed and its prompt's index (splitmix64, 63 bits)."""
+    z = (base_seed * 0x9E3779B97F4A7C15 + prompt_index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+class PromptQueue:
+    """Prompts waiting for a step, in order: sequences a failed step gave back first, then the queued
+    prompts, then a lazy source. Every prompt is checked against ``max_model_len`` and the vocabulary
+    before it is queued; a sequence's seed derives from ``sampling.seed`` and its prompt's index unless its
+    own ``SamplingParams`` give one, so rollouts do not depend on batch composition.
+    """
+
+    def __init__(self, sampling: SamplingParams, *, max_model_len: int, vocab_size: int) -> None:
+        self.sampling = sampling
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.requeued: deque[Seq] = deque()  # new sequences of a failed step, rolled back, taken first
+        self._pending: deque[tuple[list[int], SamplingParams | None]] = deque()
+        self._source: Iterator[Sequence[int]] | None = None
+        self._next_prompt_index = 0
+        self._next_seq_id = 0
+
+    def validate(self, where: str, ids: Sequence[int]) -> list[int]:
+        """``ids`` as a list of ints, or ValueError naming ``where`` and the limit it breaks."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"{where} is empty: a prompt needs at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"{where} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves room for prompts "
+                f"of at most {self.max_model_len - 1} tokens"
+            )
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{where} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def add(self, prompts: Iterable[Sequence[int]], sampling: Sequence[SamplingParams] | None) -> None:
+        """Queue ``prompts``; all are validated before any is queued, so a bad call queues nothing."""
+        prompts = list(prompts)
+        if sampling is not None:
+            sampling = list(sampling)
+            if len(sampling) != len(prompts):
+                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
+            if not all(isinstance(s, SamplingParams) for s in sampling):
+                raise ValueError("sampling must hold SamplingParams")
+        checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
+        per_prompt = sampling if sampling is not None else [None] * len(checked)
+        self._pending.extend(zip(checked, per_prompt, strict=True))
+
+    def set_source(self, source: Iterable[Sequence[int]]) -> None:
+        """Pull prompts lazily from ``source`` once the queued ones run out."""
+        self._source = iter(source)
+
+    def take(self, n: int) -> list[Seq]:
+        """Up to ``n`` sequences, fewer once every supply is exhausted. A bad prompt from the source
+        raises; the good ones taken before it stay first in line."""
+        seqs: list[Seq] = []
+        while len(seqs) < n:
+            if self.requeued:
+                seqs.append(self.requeued.popleft())
+                continue
+            if self._pending:
+                ids, params = self._pending.popleft()
+            elif self._source is not None:
+                try:
+                    raw = next(self._source)
+                except StopIteration:
+                    self._source = None
+                    break
+                try:
+                    ids, params = self.validate("a prompt from the prompt source", raw), None
+                except ValueError:
+                    self.requeued.extendleft(reversed(seqs))
+                    raise
+            else:
+                break
+            seqs.append(self._new_sequence(ids, params))
+        return seqs
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams | None) -> Seq:
+        index = self._next_prompt_index
+        self._next_prompt_index += 1
+        if params is not None and params.seed is not None:
+            seed = params.seed
+        else:
+            seed = derive_seed(self.sampling.seed or 0, index)
+        seq = Seq(self._next_seq_id, index, ids, params or self.sampling, seed)
+        self._next_seq_id += 1
+        return seq
+
+    def state_dict(self) -> dict:
+        """Queued prompts, given-back sequences and the counters (a prompt source is not saved)."""
+        return {
+            "next_prompt_index": self._next_prompt_index,
+            "next_seq_id": self._next_seq_id,
+            "requeued": [save_sequence(s) for s in self.requeued],
+            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p in self._pending],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the queue with ``state``'s."""
+        self._next_prompt_index = state["next_prompt_index"]
+        self._next_seq_id = state["next_seq_id"]
+        self.requeued = deque(load_sequence(d) for d in state["requeued"])
+        self._pending = deque(
+            (list(ids), None if p is None else SamplingParams(**p)) for ids, p in state["pending"]
+        )

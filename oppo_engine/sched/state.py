@@ -1,0 +1,55 @@
+"""A sequence as plain Python data, for the engine's checkpoints (``state_dict``): tokens, log-probs, policy
+versions, seed, deferral count and the results already read; never KV, which is prefilled again."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from oppo_engine.config import SamplingParams
+from oppo_engine.sched.sequence import SeqStatus, Sequence
+
+
+def save_sequence(seq: Sequence) -> dict:
+    """``seq``'s state as lists, numbers and strings."""
+    scored = seq.status is SeqStatus.SCORED
+    return {
+        "seq_id": seq.seq_id,
+        "prompt_index": seq.prompt_index,
+        "prompt_ids": list(seq.prompt_ids),
+        "sampling": asdict(seq.sampling),
+        "seed": seq.seed,
+        "response_ids": list(seq.response_ids),
+        "logprobs": list(seq.logprobs),
+        "policy_versions": list(seq.policy_versions),
+        "deferred_steps": seq.deferred_steps,
+        "finished": seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED),
+        # Results are kept only once every scorer has read them; a partly scored sequence starts over.
+        "results": {"reward": seq.reward, "ref_logprobs": seq.ref_logprobs, "values": seq.values}
+        if scored
+        else None,
+    }
+
+
+def load_sequence(state: dict) -> Sequence:
+    """A sequence from ``save_sequence``'s output, with no KV anywhere."""
+    seq = Sequence(
+        state["seq_id"],
+        state["prompt_index"],
+        list(state["prompt_ids"]),
+        SamplingParams(**state["sampling"]),
+        state["seed"],
+        response_ids=list(state["response_ids"]),
+        logprobs=list(state["logprobs"]),
+        policy_versions=list(state["policy_versions"]),
+        deferred_steps=state["deferred_steps"],
+    )
+    # Everything generated before counts as computed once: prefilling it again is a recompute.
+    seq.computed_high = seq.num_tokens - 1 if seq.response_ids else 0
+    if state["results"] is not None:
+        seq.status = SeqStatus.SCORED
+        seq.reward = state["results"]["reward"]
+        seq.ref_logprobs = state["results"]["ref_logprobs"]
+        seq.values = state["results"]["values"]
+    elif state["finished"]:
+        seq.status = SeqStatus.FINISHED
+    return seq
