@@ -209,3 +209,22 @@ def test_demo_runs_on_models_given_by_path(task_dir, tmp_path):
     assert main(args) == 0
     assert "sequential" in (out / "table.txt").read_text()
     assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.parametrize("off_policy", ["recompute", "truncated_is"])
+def test_overcommit_feeds_the_trainer_stale_tokens_it_handles(task_dir, off_policy):
+    """In oppo mode with Δ=4, carried sequences come back with tokens of an older policy; the trainer
+    counts them and its update stays finite under either correction."""
+    torch.manual_seed(0)
+    m = load_models(task_dir / "actor", task_dir / "reward")
+    cfg = PPOConfig(batch_size=8, minibatch_size=4, lr=2e-4, critic_lr=2e-4, max_new_tokens=32,
+                    off_policy=off_policy)  # fmt: skip
+    trainer = PPOTrainer(m.actor, m.critic, m.reference, m.reward, m.tokenizer, _prompts(m.tokenizer), cfg,
+                         engine_config_for(cfg, mode="oppo", overcommit=4, max_model_len=128))  # fmt: skip
+    stats = trainer.train(4)
+    trainer.close()
+    assert sum(s.stale_tokens for s in stats) > 0
+    for s in stats:
+        versions = [v for r in s.rollout.rollouts for v in r.policy_versions]
+        assert s.stale_tokens == sum(v < s.step - 1 for v in versions)
+        assert all(torch.isfinite(torch.tensor([s.policy_loss, s.value_loss, s.kl])))

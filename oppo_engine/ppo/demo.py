@@ -21,14 +21,14 @@ from oppo_engine.ppo.trainer import PPOTrainer, engine_config_for
 
 @dataclass(slots=True)
 class DemoOptions:
-    steps: int = 40
+    steps: int = 60
     modes: tuple[str, ...] = ("sequential", "oppo")
     out: Path = Path("demo_out")
     cache: Path = Path(".cache/demo_task")
     device: str = "cpu"
     actor: Path | None = None
     reward: Path | None = None
-    batch_size: int = 16
+    batch_size: int = 32
     max_new_tokens: int = 48
     seed: int = 0
     trace_step: int | None = None  # the step whose lanes are traced (default: the middle one)

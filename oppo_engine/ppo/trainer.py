@@ -4,6 +4,13 @@ One ``step()``: the engine returns ``batch_size`` rollouts with the behaviour lo
 log-probs and the critic's values streamed while the actor decoded; the trainer turns them into
 KL-penalised rewards and GAE advantages, runs ``epochs`` passes of clipped policy and value losses over
 minibatches, and calls ``engine.update_policy()`` once, after the last optimizer step.
+
+Under overcommit (engine modes ``inter``/``oppo``) a rollout may hold tokens sampled by an older policy
+(``Rollout.policy_versions``). By default their old log-probs are recomputed with the current actor before
+the update (``PPOConfig.off_policy="recompute"``: the ratio starts at 1, as in on-policy PPO, at the cost
+of one no-grad forward of the batch when any token is stale); ``"truncated_is"`` keeps the behaviour
+log-probs and truncates the importance ratio instead. The critic's values are always current: the engine
+recomputes a carried sequence's values after ``update_policy()``.
 """
 
 from __future__ import annotations
