@@ -19,17 +19,17 @@ from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.control import ChunkSizeController, DeltaController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
+from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD, collect_models, device_of, dtype_of
 from oppo_engine.model.runner import ModelRunner, unwrap_model
 from oppo_engine.model.scorer import (
     CriticScorer,
     ReferenceScorer,
-    RetokenizedReward,
     RewardScorer,
     RuleReward,
     RuleScorer,
     Scorer,
 )
-from oppo_engine.model.support import check_model, text_config
+from oppo_engine.model.support import text_config
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
 from oppo_engine.sched.overcommit import BatchCut, OvercommitBuffer
@@ -41,7 +41,6 @@ from oppo_engine.sched.sequence import Sequence as _Seq
 from oppo_engine.sched.state import load_sequence, save_sequence
 from oppo_engine.sched.step import StepLoop, StepOutcome
 
-ACTOR, REWARD, REFERENCE, CRITIC = "actor", "reward", "reference", "critic"
 # The streamed scorers, in the order the sequential loop runs them, with the class that drives each.
 _SCORER_CLASSES: dict[str, type[Scorer]] = {
     REWARD: RewardScorer,
@@ -98,14 +97,6 @@ class CacheStats:
     page_bytes: int = 0
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _dtype_of(model: torch.nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype
-
-
 class RolloutEngine:
     """Produces ``batch_size`` scored rollouts per ``step()`` from a queue of prompts.
 
@@ -145,42 +136,16 @@ class RolloutEngine:
             fixed = cfg.overcommit if isinstance(cfg.overcommit, int) else None
             self._delta_control = DeltaController(cfg.delta, fixed=fixed)
             self._max_overcommit = fixed if fixed is not None else cfg.delta.max
-        if not isinstance(actor, torch.nn.Module) or actor.get_output_embeddings() is None:
-            raise ValueError("actor must be an HF causal LM (a model with an output embedding / LM head)")
         self.actor = actor
-        self.reward = reward
-        self.device = _device_of(actor)
-        check_model(actor, role="actor", max_model_len=self.config.max_model_len)
+        # The models the engine runs through its paged cache, by role (the name of their cache and lane).
+        self._models, rule = collect_models(
+            actor, reward, reference, critic, max_model_len=cfg.max_model_len, tokenizer=tokenizer,
+            reward_tokenizer=reward_tokenizer,
+        )  # fmt: skip
+        self.reward = reward if rule is None else rule
+        self.reward_is_model = rule is None
+        self.device = device_of(actor)
         self.vocab_size = int(text_config(actor).vocab_size)
-        if isinstance(reward, torch.nn.Module):
-            reward = self.reward = self._reward_for_vocab(reward, tokenizer, reward_tokenizer)
-        self.reward_is_model = isinstance(reward, torch.nn.Module)
-        if not self.reward_is_model and not callable(reward):
-            raise ValueError(
-                "reward must be an HF sequence-classification model or a callable(prompt, response)"
-            )
-        # The models the engine runs through its paged cache, by name (the name of their cache and lane).
-        self._models: dict[str, torch.nn.Module] = {ACTOR: actor}
-        for name, model in ((REWARD, reward if self.reward_is_model else None), (REFERENCE, reference),
-                            (CRITIC, critic)):  # fmt: skip
-            if model is None:
-                continue
-            if not isinstance(model, torch.nn.Module):
-                raise ValueError(f"{name} must be an HF model, got {type(model).__name__}")
-            if _device_of(model) != self.device:
-                raise ValueError(
-                    f"{name} is on {_device_of(model)} but actor is on {self.device}: models on different "
-                    "devices need a configured placement, which this engine does not support yet"
-                )
-            if name != REWARD:  # the reward's vocabulary was settled above
-                vocab = getattr(text_config(model), "vocab_size", None)
-                if vocab != self.vocab_size:
-                    raise ValueError(
-                        f"{name}: its vocabulary has {vocab} tokens, the actor's {self.vocab_size}; it reads "
-                        "the actor's token ids, so it needs the actor's vocabulary"
-                    )
-            check_model(model, role=name, max_model_len=self.config.max_model_len)
-            self._models[name] = model
         if eos_token_id is None:
             eos_ids: tuple[int, ...] = ()
         elif isinstance(eos_token_id, int):
@@ -189,7 +154,7 @@ class RolloutEngine:
             eos_ids = tuple(eos_token_id)
         self.eos_token_ids = eos_ids
 
-        self._specs = {name: KVSpec.from_hf_config(m.config, _dtype_of(m))
+        self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m))
                        for name, m in self._models.items()}
         self._num_pages = self._plan_pages()
         for spec in self._specs.values():
@@ -222,21 +187,6 @@ class RolloutEngine:
         self._build_cache()
 
     # ------------------------------------------------------------------ set-up
-
-    def _reward_for_vocab(self, reward: torch.nn.Module, tokenizer, reward_tokenizer):
-        """The reward model itself when it reads the actor's ids; a re-tokenizing scorer when it cannot."""
-        if (tokenizer is None) != (reward_tokenizer is None):
-            raise ValueError("tokenizer and reward_tokenizer go together: pass both or neither")
-        if tokenizer is not None and tokenizer.get_vocab() != reward_tokenizer.get_vocab():
-            return RetokenizedReward(unwrap_model(reward), tokenizer, reward_tokenizer)
-        reward_vocab = getattr(text_config(reward), "vocab_size", None)
-        if reward_vocab != self.vocab_size:
-            raise ValueError(
-                f"reward: its vocabulary has {reward_vocab} tokens, the actor's {self.vocab_size}; the "
-                "actor's token ids would be read as other tokens. Pass tokenizer= and reward_tokenizer= "
-                "to re-tokenize each response for the reward model (not streamed)"
-            )
-        return reward
 
     def _plan_pages(self) -> int:
         """Pages of the arena, validated against what one step needs at the least."""

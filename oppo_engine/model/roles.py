@@ -1,0 +1,88 @@
+"""The four models of PPO (actor, reward, reference, critic) as the engine receives them: checked, and
+sorted into the ones it runs through its paged cache and a reward it only calls."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from oppo_engine.model.runner import unwrap_model
+from oppo_engine.model.scorer import RetokenizedReward, RuleReward
+from oppo_engine.model.support import check_model, text_config
+
+ACTOR, REWARD, REFERENCE, CRITIC = "actor", "reward", "reference", "critic"
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's parameters."""
+    return next(model.parameters()).device
+
+
+def dtype_of(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's parameters."""
+    return next(model.parameters()).dtype
+
+
+def collect_models(
+    actor: nn.Module,
+    reward: nn.Module | RuleReward,
+    reference: nn.Module | None,
+    critic: nn.Module | None,
+    *,
+    max_model_len: int,
+    tokenizer=None,
+    reward_tokenizer=None,
+) -> tuple[dict[str, nn.Module], RuleReward | None]:
+    """``(models, rule)``: the models the engine runs through its cache by role, actor first, and the
+    reward as a callable when it is not streamed (a rule, or a reward model of another vocabulary, then
+    wrapped to re-tokenize). Raises ``ValueError`` naming the role and the feature for anything the
+    engine cannot run exactly (``support.check_model``), models on another device than the actor's, and a
+    scorer that would read the actor's token ids in another vocabulary.
+    """
+    if not isinstance(actor, nn.Module) or actor.get_output_embeddings() is None:
+        raise ValueError("actor must be an HF causal LM (a model with an output embedding / LM head)")
+    check_model(actor, role=ACTOR, max_model_len=max_model_len)
+    vocab_size = int(text_config(actor).vocab_size)
+    if isinstance(reward, nn.Module):
+        reward = _reward_for_vocab(reward, vocab_size, tokenizer, reward_tokenizer)
+    elif not callable(reward):
+        raise ValueError("reward must be an HF sequence-classification model or a callable(prompt, response)")
+    models: dict[str, nn.Module] = {ACTOR: actor}
+    streamed = ((REWARD, reward if isinstance(reward, nn.Module) else None), (REFERENCE, reference),
+                (CRITIC, critic))  # fmt: skip
+    for role, model in streamed:
+        if model is None:
+            continue
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{role} must be an HF model, got {type(model).__name__}")
+        if device_of(model) != device_of(actor):
+            raise ValueError(
+                f"{role} is on {device_of(model)} but actor is on {device_of(actor)}: models on different "
+                "devices need a configured placement, which this engine does not support yet"
+            )
+        if role != REWARD:  # the reward's vocabulary was settled above
+            vocab = getattr(text_config(model), "vocab_size", None)
+            if vocab != vocab_size:
+                raise ValueError(
+                    f"{role}: its vocabulary has {vocab} tokens, the actor's {vocab_size}; it reads the "
+                    "actor's token ids, so it needs the actor's vocabulary"
+                )
+        check_model(model, role=role, max_model_len=max_model_len)
+        models[role] = model
+    return models, None if isinstance(reward, nn.Module) else reward
+
+
+def _reward_for_vocab(reward: nn.Module, vocab_size: int, tokenizer, reward_tokenizer):
+    """The reward model itself when it reads the actor's ids; a re-tokenizing callable when it cannot."""
+    if (tokenizer is None) != (reward_tokenizer is None):
+        raise ValueError("tokenizer and reward_tokenizer go together: pass both or neither")
+    if tokenizer is not None and tokenizer.get_vocab() != reward_tokenizer.get_vocab():
+        return RetokenizedReward(unwrap_model(reward), tokenizer, reward_tokenizer)
+    reward_vocab = getattr(text_config(reward), "vocab_size", None)
+    if reward_vocab != vocab_size:
+        raise ValueError(
+            f"reward: its vocabulary has {reward_vocab} tokens, the actor's {vocab_size}; the actor's token "
+            "ids would be read as other tokens. Pass tokenizer= and reward_tokenizer= to re-tokenize each "
+            "response for the reward model (not streamed)"
+        )
+    return reward
