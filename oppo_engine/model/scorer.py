@@ -188,21 +188,38 @@ class ReferenceScorer(_PerTokenScorer):
             device=logits.device,
         )
         logprobs = (logits * inv_t[:, None]).log_softmax(-1)
+        # Gather every sequence's picks at once and read them back in one copy each (no sync per sequence):
+        # a chunk's first token is predicted by the previous chunk's last row (its carry), the others by the
+        # rows before them in this chunk.
+        carries: list[torch.Tensor] = []
+        rows_picked: list[int] = []
+        tokens_picked: list[int] = []
+        layout: list[tuple[_Progress, bool, int]] = []  # per chunk: (progress, carry used, picks from rows)
         for c, first, row0 in spans:
             progress = self._progress[c.seq_id]
             end = self._end(c)
             start = end - len(c.token_ids)
             targets = c.token_ids[first + 1 - start :]  # the tokens the rows before them predict
-            picked = []
-            if progress.carry is not None and start >= progress.prompt_len:
-                picked.append(progress.carry[c.token_ids[0]])
-            if targets:
-                idx = torch.arange(row0, row0 + len(targets), device=logits.device)
-                picked.append(logprobs[idx, torch.tensor(targets, device=logits.device)])
-            if picked:
-                progress.out.extend(torch.cat([p.reshape(-1) for p in picked]).tolist())
+            use_carry = progress.carry is not None and start >= progress.prompt_len
+            if use_carry:
+                carries.append(progress.carry[c.token_ids[0]])
+            rows_picked.extend(range(row0, row0 + len(targets)))
+            tokens_picked.extend(targets)
+            layout.append((progress, use_carry, len(targets)))
             # A copy: a view would keep the whole [R, V] block alive until the next chunk.
             progress.carry = logprobs[row0 + end - 1 - first].clone() if end - 1 >= first else None
+        from_carries = torch.stack(carries).tolist() if carries else []
+        from_rows = []
+        if rows_picked:
+            index = torch.tensor([rows_picked, tokens_picked], device=logits.device)
+            from_rows = logprobs[index[0], index[1]].tolist()
+        next_carry = next_row = 0
+        for progress, use_carry, n in layout:
+            if use_carry:
+                progress.out.append(from_carries[next_carry])
+                next_carry += 1
+            progress.out.extend(from_rows[next_row : next_row + n])
+            next_row += n
 
     def _temperature(self, seq_id: Hashable) -> float:
         t = self._progress[seq_id].temperature
