@@ -127,6 +127,9 @@ class _Progress:
     carry: torch.Tensor | None = None  # [V] log-probs after the previous chunk's last token (reference)
 
 
+_Span = tuple[SeqChunk, int, int]  # a chunk, its first position at or after prompt_len - 1, its first row
+
+
 class _PerTokenScorer(Scorer):
     """A scorer with one output per response token, read from the rows at positions ``prompt_len - 1`` on
     (the row before each response token)."""
@@ -148,7 +151,18 @@ class _PerTokenScorer(Scorer):
         super().release(seq_id)
         self._progress.pop(seq_id, None)
 
-    def _response_rows(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[tuple[SeqChunk, int, int]]]:
+    def prefill(self, chunks: Sequence[SeqChunk]) -> None:
+        rows, spans = self._response_rows(chunks)
+        if not rows:  # every chunk lies before the response: the forward still writes their KV
+            self.runner.forward(chunks)
+            return
+        self._read(chunks, rows, spans)
+
+    @abstractmethod
+    def _read(self, chunks: Sequence[SeqChunk], rows: list[int], spans: list[_Span]) -> None:
+        """Run the forward over ``chunks`` and append each sequence's outputs at ``rows``."""
+
+    def _response_rows(self, chunks: Sequence[SeqChunk]) -> tuple[list[int], list[_Span]]:
         """Packed rows at positions >= prompt_len - 1, and per chunk (chunk, first position, first row)."""
         rows: list[int] = []
         spans = []
@@ -177,11 +191,7 @@ class ReferenceScorer(_PerTokenScorer):
             raise ValueError(f"reference: {type(runner.model).__name__} is not a causal LM (no LM head)")
         super().__init__(runner)
 
-    def prefill(self, chunks: Sequence[SeqChunk]) -> None:
-        rows, spans = self._response_rows(chunks)
-        if not rows:
-            self.runner.forward(chunks)
-            return
+    def _read(self, chunks: Sequence[SeqChunk], rows: list[int], spans: list[_Span]) -> None:
         logits = self.runner.logits_at(chunks, rows)  # [R, V] float32
         inv_t = torch.tensor(
             [1.0 / self._temperature(c.seq_id) for c, first, _ in spans for _ in range(first, self._end(c))],
@@ -240,11 +250,7 @@ class CriticScorer(_PerTokenScorer):
             raise ValueError(f"critic: {type(runner.model).__name__} has no one-label score head")
         super().__init__(runner)
 
-    def prefill(self, chunks: Sequence[SeqChunk]) -> None:
-        rows, spans = self._response_rows(chunks)
-        if not rows:
-            self.runner.forward(chunks)
-            return
+    def _read(self, chunks: Sequence[SeqChunk], rows: list[int], spans: list[_Span]) -> None:
         values = self.runner.score_at(chunks, rows).tolist()
         for c, first, row0 in spans:
             n = max(0, self.cache.num_tokens(c.seq_id) - first)  # 0 for a chunk before the response
