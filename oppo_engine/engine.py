@@ -170,8 +170,7 @@ class RolloutEngine:
             eos_ids = tuple(eos_token_id)
         self.eos_token_ids = eos_ids
 
-        self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m))
-                       for name, m in self._models.items()}
+        self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m)) for name, m in self._models.items()}
         self._num_pages = self._plan_pages()
         for spec in self._specs.values():
             page_size = fit_page_size(spec, self._page_bytes)
@@ -539,9 +538,8 @@ class RolloutEngine:
             total_pages=self._arena.num_pages,
             free_pages=self._arena.num_free_pages(),
             pages_per_model={name: cache.num_pages_used for name, cache in self._caches.items()},
-            retained_pages=sum(
-                len({p for s in carried for p in c.pages(s)}) for c in self._caches.values()
-            ) + preempted,
+            retained_pages=sum(len({p for s in carried for p in c.pages(s)}) for c in self._caches.values())
+            + preempted,
             page_bytes=self._arena.page_bytes,
             shared_pages={name: cache.num_shared_pages for name, cache in self._caches.items()},
         )
