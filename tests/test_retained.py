@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -47,6 +48,9 @@ def assert_arena_invariant(engine: RolloutEngine) -> None:
     held = sum(c.num_pages_used for c in engine._caches.values())
     assert held == sum(arena.pages_held(name) for name in engine._caches)
     assert arena.num_free_pages() + held + arena.num_pending_pages == arena.num_pages
+    if not arena.num_pending_pages:  # every reference is a sequence's: shared pages once per holder
+        refs = Counter(p for c in engine._caches.values() for s in c.seq_ids for p in c.pages(s))
+        assert refs == {p: arena.refcount(p) for p in range(arena.num_pages) if arena.refcount(p)}
 
 
 def kv_bytes(engine: RolloutEngine, seq_ids) -> dict:

@@ -2,12 +2,14 @@
 with an update while released), failures injected into the actor and every scorer, and an arena small
 enough to preempt. After every step, failed or not, the arena's invariant holds; every step returns exactly
 B until the prompts run out; no rollout is deferred beyond the bound; every prompt comes back exactly once;
-after draining every page is free.
+after draining every page is free. With groups (n = 2) every step returns whole groups and every sample of
+every prompt comes back exactly once, its prompt's pages shared and counted by reference.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from engine_models import EOS, make_actor, make_reward
@@ -28,19 +30,21 @@ def _prompts(n: int, rng: random.Random) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("mode", "retained_kv"), [("oppo", "recompute"), ("oppo", "reuse"), ("inter", "reuse")]
+    ("mode", "retained_kv", "n"),
+    [("oppo", "recompute", 1), ("oppo", "reuse", 1), ("inter", "reuse", 1), ("oppo", "recompute", 2)],
 )
-def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mode, retained_kv):
-    rng = random.Random(mode + retained_kv)
+def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mode, retained_kv, n):
+    rng = random.Random(mode + retained_kv + ("" if n == 1 else str(n)))
+    batch = B * n
     models = dict(actor=make_actor(), reward=make_reward(), reference=make_reference(), critic=make_critic())
-    probe = RolloutEngine(**models, config=EngineConfig(batch_size=B, max_model_len=64, page_size=8))
+    probe = RolloutEngine(**models, config=EngineConfig(batch_size=batch, max_model_len=64, page_size=8))
     page_bytes = probe.cache_stats().page_bytes
     probe.close()
     extra = dict(chunk_size=3) if mode == "oppo" else {}
     engine = RolloutEngine(
         **models,
         config=EngineConfig(
-            batch_size=B,
+            batch_size=batch,
             mode=mode,
             max_model_len=64,
             page_size=8,
@@ -50,13 +54,15 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
             retained_kv=retained_kv,
             **extra,
         ),
-        sampling=SamplingParams(temperature=1.0, seed=3),
+        sampling=SamplingParams(temperature=1.0, seed=3, n=n),
         eos_token_id=EOS,
     )
-    prompts = _prompts(401, rng)
+    prompts = _prompts(401 if n == 1 else 201, rng)
     lengths = [1, 2, 3, 5, 8, 30, 50]
     sampling = [
-        SamplingParams(temperature=1.0, max_new_tokens=rng.choice(lengths), ignore_eos=rng.random() < 0.7)
+        SamplingParams(
+            temperature=1.0, max_new_tokens=rng.choice(lengths), ignore_eos=rng.random() < 0.7, n=n
+        )
         for _ in prompts
     ]
     engine.add_prompts(prompts, sampling=sampling)
@@ -65,7 +71,7 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
     for i, (obj, name) in enumerate(lanes):
         fail_randomly(obj, name, random.Random(i), p=0.01, budget=5)
 
-    bound = deferral_bound(B, MAX_DEFERRALS, DELTA_MAX)
+    bound = deferral_bound(batch, MAX_DEFERRALS, -(-DELTA_MAX // n) * n)
     seen: dict[tuple[int, ...], int] = {}
     sizes, failures, releases, updates = [], 0, 0, 0
     preemptions = 0
@@ -81,8 +87,10 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
             s.num_preemptions for s in loop.scorer_lane.scheds.values()
         )
         sizes.append(len(result.rollouts))
+        groups = Counter(r.group_id for r in result.rollouts)
+        assert set(groups.values()) <= {n}  # whole groups only
         for r in result.rollouts:
-            key = tuple(r.prompt_ids)
+            key = (*r.prompt_ids, -r.sample_index - 1)
             seen[key] = seen.get(key, 0) + 1
             assert r.deferred_steps <= bound
             assert (
@@ -104,10 +112,10 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
         elif rng.random() < 0.3:
             engine.update_policy()
             updates += 1
-    assert len(sizes) > 200  # hundreds of steps
+    assert len(sizes) > 200 // n  # hundreds of steps (a hundred for pairs)
     # Exactly B per step until the supply ends, then the remainder, then an empty step.
-    assert all(n == B for n in sizes[:-2]) and sizes[-2] in range(1, B + 1) and sizes[-1] == 0
-    assert seen == {tuple(p): 1 for p in prompts}  # every prompt exactly once
+    assert all(k == batch for k in sizes[:-2]) and sizes[-2] in range(1, batch + 1) and sizes[-1] == 0
+    assert seen == {(*p, -j - 1): 1 for p in prompts for j in range(n)}  # every sample exactly once
     assert failures >= 3 and releases > 20 and updates > 20 and preemptions > 0
     stats = engine.cache_stats()
     assert stats.free_pages == stats.total_pages and stats.retained_pages == 0
