@@ -22,6 +22,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from oppo_engine import EngineConfig, RolloutEngine  # noqa: E402
 from oppo_engine.integrations.trl import (  # noqa: E402
     REWARD_FIELD,
+    _group_heads,
+    _tokenize,
     check_trl_version,
     engine_reward,
     engine_rollout_func,
@@ -235,3 +237,36 @@ def test_unsupported_trl_versions_are_refused_naming_both():
     for version in ("1.15.0", "1.17.0"):
         with pytest.raises(ImportError, match=rf"trl {version} is installed, .* supports trl.*1\.16"):
             check_trl_version(version)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_prompts_are_tokenized_as_trl_does(tokenizer, tmp_path, chat):
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant{% endif %}"
+    )
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if chat else PROMPTS
+    actor, reward = _models(tokenizer)
+    args = _args(tmp_path)
+    engine = _engine(actor, reward, tokenizer, args)
+    trainer = GRPOTrainer(
+        model=actor,
+        reward_funcs=engine_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        rollout_func=engine_rollout_func(engine, args),
+    )
+    expected, _, _ = trainer._tokenize_prompts(prompts)
+    assert _tokenize(prompts, trainer) == [list(p) for p in expected]
+    assert len({len(p) for p in expected}) > 1
+    engine.close()
+
+
+def test_prompts_must_come_in_runs_of_num_generations():
+    assert _group_heads(["a", "a", "b", "b"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="prompt 1 differs from prompt 0"):
+        _group_heads(["a", "b", "b", "b"], 2)
+    with pytest.raises(ValueError, match="3 prompts, not a multiple of num_generations=2"):
+        _group_heads(["a", "a", "b"], 2)
