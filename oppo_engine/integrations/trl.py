@@ -66,6 +66,14 @@ from transformers import ProcessorMixin  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.data_utils import is_conversational  # noqa: E402
 
+# TRL's sampling options the engine honours: GRPOConfig option -> SamplingParams field.
+_HONOURED_OPTIONS = {
+    "num_generations": "n",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "max_completion_length": "max_new_tokens",
+}
 # TRL options the engine does not implement: option -> predicate "the option is off".
 _UNSUPPORTED_OPTIONS = {
     "use_vllm": lambda v: not v,
@@ -79,14 +87,14 @@ def sampling_params_for(args: GRPOConfig, seed: int | None = None) -> SamplingPa
     """The engine ``SamplingParams`` that sample as ``args`` asks: ``n=num_generations``, its temperature,
     top-k, top-p and ``max_new_tokens=max_completion_length``."""
     _check_unsupported(args)
-    return SamplingParams(
-        n=args.num_generations,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_new_tokens=args.max_completion_length,
-        seed=seed,
-    )
+    return SamplingParams(**_sampling_fields(args), seed=seed)
+
+
+def _sampling_fields(args: GRPOConfig) -> dict[str, Any]:
+    """SamplingParams field -> the value ``args`` gives it (TRL's ``top_k=None`` is the engine's 0: off)."""
+    fields = {field: getattr(args, option) for option, field in _HONOURED_OPTIONS.items()}
+    fields["top_k"] = fields["top_k"] or 0
+    return fields
 
 
 def _check_unsupported(args: GRPOConfig) -> None:
@@ -119,15 +127,9 @@ def _check_args(args: GRPOConfig, engine: RolloutEngine) -> None:
                 f"in {autocast_dtype}"
             )
     sampling = engine.sampling
-    honoured = {  # GRPOConfig option -> the engine's SamplingParams field
-        "num_generations": "n",
-        "temperature": "temperature",
-        "top_k": "top_k",
-        "top_p": "top_p",
-        "max_completion_length": "max_new_tokens",
-    }
-    for option, field in honoured.items():
-        if getattr(args, option) != getattr(sampling, field):
+    wanted = _sampling_fields(args)
+    for option, field in _HONOURED_OPTIONS.items():
+        if wanted[field] != getattr(sampling, field):
             raise ValueError(
                 f"GRPOConfig.{option}={getattr(args, option)!r} differs from the engine's "
                 f"SamplingParams.{field}={getattr(sampling, field)!r}: build the engine with "
