@@ -118,7 +118,7 @@ def trainers(args: argparse.Namespace, out_dir: str) -> dict[str, TimedGRPOTrain
         actor=engine_actor,
         reward=reward,
         config=EngineConfig(
-            batch_size=grpo.per_device_train_batch_size, mode=args.mode, max_model_len=args.prompt_len + 128
+            batch_size=grpo.generation_batch_size, mode=args.mode, max_model_len=args.prompt_len + 128
         ),
         sampling=sampling_params_for(grpo, seed=0),
         eos_token_id=tokenizer.eos_token_id,

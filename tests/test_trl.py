@@ -104,10 +104,12 @@ class RecordingGRPOTrainer(GRPOTrainer):
         return batch
 
 
-def _run(tokenizer, tmp_path, mode):
+def _run(tokenizer, tmp_path, mode, bf16=False):
     actor, reward = _models(tokenizer)
+    if bf16:
+        actor.to(torch.bfloat16)
     initial_actor = copy.deepcopy(actor)
-    args = _args(tmp_path)
+    args = _args(tmp_path, bf16=bf16)
     engine = _engine(actor, reward, tokenizer, args, mode)
     rollout_func = engine_rollout_func(engine, args)
     returned, scored = [], []
@@ -182,6 +184,15 @@ def test_grpo_trains_on_the_engines_groups_with_its_logprobs(tokenizer, tmp_path
     replay.sort(key=lambda r: (r.group_id, r.sample_index))
     assert [r.response_ids for r in replay] == out["completion_ids"]
     fresh.close()
+    run["engine"].close()
+
+
+def test_bf16_model_under_trls_bf16_autocast_matches_to_bf16_rounding(tokenizer, tmp_path):
+    run = _run(tokenizer, tmp_path, "sequential", bf16=True)
+    for batch in run["trainer"].generation_batches:
+        mask = batch["completion_mask"].bool()
+        old, engine_logps = batch["old_per_token_logps"][mask], batch["sampling_per_token_logps"][mask]
+        torch.testing.assert_close(old, engine_logps, atol=1e-2, rtol=0)
     run["engine"].close()
 
 
