@@ -28,6 +28,10 @@ class SamplingParams:
     the sequence's RNG seed from the engine's default seed and the prompt's index, so results do not depend
     on batch composition; an explicit seed is used as given. ``ignore_eos=True`` generates exactly
     ``max_new_tokens`` tokens (benchmarks).
+
+    ``n`` samples each prompt ``n`` times (a group: GRPO, RLOO, PPO with n > 1). Sample 0 uses the prompt's
+    seed (so ``n=1`` changes nothing) and sample ``j`` a seed derived from it and ``j``; the prompt is
+    prefilled once per model and its pages shared. All prompts of one engine use the same ``n``.
     """
 
     temperature: float = 1.0
@@ -36,8 +40,11 @@ class SamplingParams:
     max_new_tokens: int = 512
     ignore_eos: bool = False
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if not self.temperature >= 0.0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -54,7 +54,7 @@ _TRAINED_SCORERS = [CRITIC]
 # CUDA, of the physical memory on the CPU.
 DEFAULT_CUDA_MEMORY_FRACTION = 0.4
 DEFAULT_HOST_MEMORY_FRACTION = 0.25
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: sequences carry their sample index (groups)
 
 
 @dataclass(slots=True)
@@ -76,6 +76,8 @@ class Rollout:
     deferred_steps: int
     ref_logprobs: list[float] | None = None
     values: list[float] | None = None
+    group_id: int = 0
+    sample_index: int = 0
 
 
 @dataclass(slots=True)
@@ -88,13 +90,15 @@ class StepResult:
 
 @dataclass(slots=True)
 class CacheStats:
-    """Pages of the shared arena: total, free, held per model, and retained across steps."""
+    """Pages of the shared arena: total, free, held per model (a shared page once), retained across steps,
+    and shared by several samples of a group (per model)."""
 
     total_pages: int
     free_pages: int
     pages_per_model: dict[str, int] = field(default_factory=dict)
     retained_pages: int = 0  # held for carried-over sequences, in the arena or (released) on host
     page_bytes: int = 0
+    shared_pages: dict[str, int] = field(default_factory=dict)
 
 
 class RolloutEngine:
@@ -129,13 +133,25 @@ class RolloutEngine:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
         cfg = self.config
+        # Groups: every prompt yields n rollouts, cut and carried whole.
+        group = self.sampling.n
+        if cfg.batch_size % group:
+            raise ValueError(
+                f"batch_size={cfg.batch_size} is not a multiple of SamplingParams.n={group}: a step returns "
+                "whole groups (batch_size counts rollouts)"
+            )
         # Overcommit (inter, oppo): Δ is fixed, or chosen online from the reward trend.
         self._delta_control: DeltaController | None = None
         self._max_overcommit = 0
         if cfg.mode in ("inter", "oppo"):
             fixed = cfg.overcommit if isinstance(cfg.overcommit, int) else None
+            if fixed is not None and fixed % group:
+                raise ValueError(
+                    f"overcommit={fixed} is not a multiple of SamplingParams.n={group}: groups are carried "
+                    "whole"
+                )
             self._delta_control = DeltaController(cfg.delta, fixed=fixed)
-            self._max_overcommit = fixed if fixed is not None else cfg.delta.max
+            self._max_overcommit = _whole_groups(fixed if fixed is not None else cfg.delta.max, group)
         self.actor = actor
         # The models the engine runs through its paged cache, by role (the name of their cache and lane).
         self._models, rule = collect_models(
@@ -154,8 +170,7 @@ class RolloutEngine:
             eos_ids = tuple(eos_token_id)
         self.eos_token_ids = eos_ids
 
-        self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m))
-                       for name, m in self._models.items()}
+        self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m)) for name, m in self._models.items()}
         self._num_pages = self._plan_pages()
         for spec in self._specs.values():
             page_size = fit_page_size(spec, self._page_bytes)
@@ -309,7 +324,7 @@ class RolloutEngine:
         cfg = self.config
         num_carried = len(self._buffer)
         if self._delta_control is not None:
-            delta = self._delta_control.delta()
+            delta = _whole_groups(self._delta_control.delta(), self.sampling.n)
             seqs = self._buffer.fill(self._prompts.take, cfg.batch_size + delta)
             cut = BatchCut(seqs, cfg.batch_size, cfg.max_deferrals)
         else:
@@ -318,6 +333,7 @@ class RolloutEngine:
             cut = BatchCut(seqs, None, None)
         snapshots = [s.snapshot() for s in seqs]
         reused = {name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in self._caches.items()}
+        shared_before = {name: cache.shared_tokens for name, cache in self._caches.items()}
         recomputed_before, swapped_before = self._kv_counts()
         chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
         t0 = time.perf_counter()
@@ -370,6 +386,7 @@ class RolloutEngine:
             recomputed_tokens={m: recomputed[m] - recomputed_before[m] for m in recomputed},
             reused_tokens=reused,
             swapped_tokens=self._swapped_tokens,
+            shared_tokens={n: c.shared_tokens - shared_before[n] for n, c in self._caches.items()},
         )
         self._swapped_tokens = {}
         if chunk_size is not None:
@@ -388,6 +405,8 @@ class RolloutEngine:
                 deferred_steps=s.deferred_steps,
                 ref_logprobs=s.ref_logprobs,
                 values=s.values,
+                group_id=s.group_id,
+                sample_index=s.sample_index,
             )
             for s in batch
         ]
@@ -513,13 +532,16 @@ class RolloutEngine:
                 pages_per_model=dict.fromkeys(self._caches, 0),
                 retained_pages=self._host.num_pages(carried) + preempted,
                 page_bytes=self._arena.page_bytes,
+                shared_pages=dict.fromkeys(self._caches, 0),
             )
         return CacheStats(
             total_pages=self._arena.num_pages,
             free_pages=self._arena.num_free_pages(),
             pages_per_model={name: cache.num_pages_used for name, cache in self._caches.items()},
-            retained_pages=sum(len(c.pages(s)) for c in self._caches.values() for s in carried) + preempted,
+            retained_pages=sum(len({p for s in carried for p in c.pages(s)}) for c in self._caches.values())
+            + preempted,
             page_bytes=self._arena.page_bytes,
+            shared_pages={name: cache.num_shared_pages for name, cache in self._caches.items()},
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -576,3 +598,8 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _whole_groups(num_sequences: int, group: int) -> int:
+    """``num_sequences`` rounded up to whole groups of ``group``."""
+    return -(-num_sequences // group) * group

@@ -22,6 +22,7 @@ CONTRACT_FIELDS = [
     "recomputed_tokens",
     "reused_tokens",
     "swapped_tokens",
+    "shared_tokens",
 ]
 
 

@@ -77,8 +77,11 @@ class KVArena:
     before that lane's kernels on it are done, so it returns to the pool only once the event recorded
     after them has completed (polled at the next allocation).
 
+    A page may be shared by several sequences of one model (a group's prompt, ``incref``): it is held once
+    however many reference it, and returns to the pool when its last reference is dropped.
+
     NOTE: invariant, checked by tests: ``num_free_pages() + pages held by every model + pending frees ==
-    num_pages``.
+    num_pages``, a shared page counted once.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class KVArena:
         self._held = dict.fromkeys(self.specs, 0)
         self._pending: deque[tuple[CompletionEvent, list[int], str]] = deque()
         self._num_pending = 0
+        self._extra_refs = 0  # references beyond the first, over all pages (0: nothing is shared)
 
     def release(self) -> None:
         """Drop the buffer (its memory goes back to the device) and every page with it; ``rebuild`` restores
@@ -207,12 +211,34 @@ class KVArena:
                 self._held[name] += n
             return pages
 
+    def incref(self, name: str, pages: Sequence[int]) -> None:
+        """One more reference to model ``name``'s ``pages`` (another sequence shares them); a shared page is
+        still held once."""
+        if pages:
+            with self._lock:
+                self.allocator.incref(list(pages))
+                self._extra_refs += len(pages)
+
+    def refcount(self, page: int) -> int:
+        """References to ``page`` (0 when free)."""
+        return self.allocator.refcount(page)
+
     def free(self, name: str, pages: Sequence[int], after: CompletionEvent | None = None) -> None:
-        """Drop model ``name``'s reference to ``pages``; with ``after``, only once that event completes."""
+        """Drop model ``name``'s reference to ``pages``: a page whose last reference this is returns to the
+        pool -- with ``after``, only once that event completes; a shared page just loses a reference."""
         if not pages:
             return
         pages = list(pages)
         with self._lock:
+            if self._extra_refs:  # some page is shared: those of ``pages`` just lose a reference
+                refcount = self.allocator.refcount
+                shared = {p for p in pages if refcount(p) > 1}
+                if shared:
+                    self.allocator.free(list(shared))  # still referenced elsewhere: never deferred
+                    self._extra_refs -= len(shared)
+                    pages = [p for p in pages if p not in shared]
+                    if not pages:
+                        return
             self._held[name] -= len(pages)
             if after is None or after.query():
                 self.allocator.free(pages)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
+from oppo_engine import ops
 from oppo_engine.cache.arena import CompletionEvent, KVArena
 
 
@@ -20,6 +21,12 @@ class KVCacheManager:
 
     NOTE: the manager owns one reference to each page in ``pages(seq)``; ``free(seq)`` drops them all.
     Only one thread mutates a given manager (its lane); the arena is the shared, locked part.
+
+    Prefix sharing: ``fork(src, dst, n)`` gives ``dst`` the pages of ``src``'s first ``n`` tokens, one
+    more reference each (a group's prompt, prefilled once). Full pages stay shared; the page a sequence
+    next writes into is copied on write (``copy_pages``) while another sequence still references it, so
+    no sequence ever writes into a page another reads. Only this manager's sequences share its pages,
+    so only its lane changes their reference counts.
 
     Block tables are persistent (as in vLLM v1): each sequence holding pages owns a row of a host int32
     table, written when a page is appended or replaced, so a forward gathers its rows in one indexing op
@@ -38,6 +45,10 @@ class KVCacheManager:
         self._rows: dict[Hashable, int] = {}  # seq -> row of self._table
         self._free_rows: list[int] = []
         self._table = np.zeros((16, 16), dtype=np.int32)  # [rows, max pages], grown by doubling
+        # seq -> how many of its leading pages may be shared (forked from or to): a write into one of them
+        # checks its reference count first (copy on write). Absent: every page is the sequence's own.
+        self._shared_upto: dict[Hashable, int] = {}
+        self.shared_tokens = 0  # tokens given to a sequence by fork, not prefilled
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -67,9 +78,11 @@ class KVCacheManager:
 
     def pages_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
         """New pages that appending ``num_new_tokens`` to ``seq_id`` would take."""
-        have = len(self._pages.get(seq_id, ()))
-        need = -(-(self.num_tokens(seq_id) + num_new_tokens) // self.page_size)
-        return max(0, need - have)
+        pages = self._pages.get(seq_id, ())
+        start = self.num_tokens(seq_id)
+        need = -(-(start + num_new_tokens) // self.page_size) - len(pages)
+        copy = num_new_tokens > 0 and self._shared_write(seq_id, pages, start) is not None
+        return max(0, need) + copy
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
         """Whether the pool has the pages ``append_slots`` would take (another lane may take them first)."""
@@ -89,14 +102,18 @@ class KVCacheManager:
         end = start + num_new_tokens
         pages = self._pages.get(seq_id)
         needed = -(-end // ps) - (len(pages) if pages else 0)
-        if needed > 0:
-            new = self.arena.alloc(self.name, needed)
+        shared = self._shared_write(seq_id, pages, start) if pages and num_new_tokens else None
+        if needed > 0 or shared is not None:
+            new = self.arena.alloc(self.name, max(0, needed) + (shared is not None))
             if new is None:
                 return None
+            if shared is not None:
+                self._copy_on_write(seq_id, pages, shared, new.pop())
             if pages is None:
                 pages = self._pages[seq_id] = []
-            self._write_row(seq_id, len(pages), new)
-            pages.extend(new)
+            if new:
+                self._write_row(seq_id, len(pages), new)
+                pages.extend(new)
         elif pages is None:  # zero tokens for an unknown sequence
             pages = self._pages[seq_id] = []
         self._num_tokens[seq_id] = end
@@ -104,10 +121,52 @@ class KVCacheManager:
             return [pages[start // ps] * ps + start % ps]
         return [pages[t // ps] * ps + t % ps for t in range(start, end)]
 
+    def _shared_write(self, seq_id: Hashable, pages: Sequence[int] | None, start: int) -> int | None:
+        """Index of the page a write at token ``start`` lands in when another sequence references it too
+        (it must be copied first), else None. A write at a page boundary goes to a new page."""
+        if not pages or start % self.page_size == 0:
+            return None
+        upto = self._shared_upto.get(seq_id)
+        i = start // self.page_size
+        if upto is None or i >= upto or self.arena.refcount(pages[i]) == 1:
+            return None
+        return i
+
+    def _copy_on_write(self, seq_id: Hashable, pages: list[int], index: int, fresh: int) -> None:
+        """Give ``seq_id`` its own copy ``fresh`` of its shared page ``pages[index]``."""
+        view = self.arena.page_view()
+        ops.copy_pages(view, view, torch.tensor([pages[index]]), torch.tensor([fresh]))
+        old = pages[index]
+        pages[index] = fresh
+        self._write_row(seq_id, index, [fresh])
+        self.arena.free(self.name, [old])  # another sequence still references it: only a reference goes
+
+    def fork(self, src: Hashable, dst: Hashable, num_tokens: int) -> None:
+        """Make ``dst`` (holding nothing) share ``src``'s first ``num_tokens`` tokens: the pages holding
+        them get one more reference each, and ``dst`` continues from token ``num_tokens``.
+
+        The caller guarantees the KV of those tokens is written (or ordered before every later read:
+        on CUDA, by the lane's stream). The last page, when partly filled, is copied by whichever of the
+        two writes into it first.
+        """
+        if dst in self._pages:
+            raise ValueError(f"fork: sequence {dst!r} already holds pages of {self.name}")
+        if not 0 < num_tokens <= self.num_tokens(src):
+            raise ValueError(
+                f"fork: {self.name} holds {self.num_tokens(src)} tokens of {src!r}, cannot share {num_tokens}"
+            )
+        pages = self._pages[src][: -(-num_tokens // self.page_size)]
+        self.arena.incref(self.name, pages)
+        self.replace_pages(dst, pages, num_tokens)
+        self._shared_upto[dst] = len(pages)
+        self._shared_upto[src] = max(self._shared_upto.get(src, 0), len(pages))
+        self.shared_tokens += num_tokens
+
     def free(self, seq_id: Hashable) -> None:
         """Return all of ``seq_id``'s pages; unknown ids are ignored (freeing twice is harmless)."""
         pages = self._pages.pop(seq_id, None)
         self._num_tokens.pop(seq_id, None)
+        self._shared_upto.pop(seq_id, None)
         row = self._rows.pop(seq_id, None)
         if row is not None:
             self._free_rows.append(row)
@@ -139,16 +198,20 @@ class KVCacheManager:
         arena released): ``seq_id -> (pages, num_tokens)``, in first-page order."""
         held = {s: (pages, self._num_tokens[s]) for s, pages in self._pages.items()}
         self._free_rows.extend(self._rows.values())
+        self._shared_upto.clear()
         self._pages.clear()
         self._num_tokens.clear()
         self._rows.clear()
         return held
 
-    def replace_pages(self, seq_id: Hashable, pages: Sequence[int], num_tokens: int) -> None:
+    def replace_pages(
+        self, seq_id: Hashable, pages: Sequence[int], num_tokens: int, *, shared: bool = False
+    ) -> None:
         """Make ``pages`` (already referenced for this manager) hold ``seq_id``'s first ``num_tokens`` tokens.
 
         For KV that moved (swapped back in to other page ids) or was forked from shared pages; the manager
-        takes over one reference per page and drops none (the caller freed any old pages).
+        takes over one reference per page and drops none (the caller freed any old pages). ``shared``:
+        other sequences may reference some of them (they are copied before a write).
         """
         if len(pages) != -(-num_tokens // self.page_size):
             raise ValueError(
@@ -158,6 +221,10 @@ class KVCacheManager:
         self._pages[seq_id] = list(pages)
         self._num_tokens[seq_id] = num_tokens
         self._write_row(seq_id, 0, pages)
+        if shared:
+            self._shared_upto[seq_id] = len(pages)
+        else:
+            self._shared_upto.pop(seq_id, None)
 
     def block_table_rows(self, seq_ids: Sequence[Hashable], width: int) -> np.ndarray:
         """``[N, width]`` int32 host copy of the first ``width`` table entries of ``seq_ids``' rows."""
@@ -200,5 +267,19 @@ class KVCacheManager:
 
     @property
     def num_pages_used(self) -> int:
-        """Pages this model holds, over all its sequences."""
-        return sum(len(p) for p in self._pages.values())
+        """Pages this model holds, over all its sequences (a shared page once)."""
+        if not self._shared_upto:
+            return sum(len(p) for p in self._pages.values())
+        return len({p for pages in self._pages.values() for p in pages})
+
+    @property
+    def num_shared_pages(self) -> int:
+        """Pages referenced by more than one of this model's sequences."""
+        if not self._shared_upto:
+            return 0
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for pages in self._pages.values():
+            for p in pages:
+                (shared if p in seen else seen).add(p)
+        return len(shared)

@@ -16,7 +16,8 @@ from oppo_engine.cache.manager import KVCacheManager
 @dataclass(slots=True)
 class HostPages:
     """Pages copied out of the arena: ``buffer`` is ``[P, page_bytes]`` uint8 (pinned where a device
-    copies from it), and ``entries[model][seq_id] = (rows of buffer, num_tokens)`` in token order."""
+    copies from it), and ``entries[model][seq_id] = (rows of buffer, num_tokens)`` in token order. A page
+    several sequences shared is one row, listed by each of them (and shared again when swapped in)."""
 
     buffer: torch.Tensor
     entries: dict[str, dict[Hashable, tuple[list[int], int]]] = field(default_factory=dict)
@@ -27,13 +28,14 @@ class HostPages:
         return 0 if rows_tokens is None else rows_tokens[1]
 
     def num_pages(self, seq_ids: set[Hashable] | None = None) -> int:
-        """Pages held on host (of ``seq_ids`` only, when given)."""
-        return sum(
-            len(rows)
-            for per_seq in self.entries.values()
+        """Pages held on host (of ``seq_ids`` only, when given), a shared one once."""
+        return len({
+            (m, row)
+            for m, per_seq in self.entries.items()
             for s, (rows, _) in per_seq.items()
             if seq_ids is None or s in seq_ids
-        )
+            for row in rows
+        })  # fmt: skip
 
     def num_tokens(self) -> dict[str, int]:
         """Tokens held on host, per model."""
@@ -52,9 +54,13 @@ def swap_out(arena: KVArena, caches: dict[str, KVCacheManager]) -> HostPages:
     entries: dict[str, dict[Hashable, tuple[list[int], int]]] = {}
     for name, per_seq in held.items():
         entries[name] = {}
+        row_of: dict[int, int] = {}  # page -> its row: a shared page is copied once
         for seq_id, (pages, num_tokens) in per_seq.items():
-            entries[name][seq_id] = (list(range(len(src), len(src) + len(pages))), num_tokens)
-            src.extend(pages)
+            for page in pages:
+                if page not in row_of:
+                    row_of[page] = len(src)
+                    src.append(page)
+            entries[name][seq_id] = ([row_of[p] for p in pages], num_tokens)
     pin = arena.device.type == "cuda"
     buffer = torch.empty((max(1, len(src)), arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
     if src:
@@ -72,13 +78,25 @@ def swap_in(host: HostPages, arena: KVArena, caches: dict[str, KVCacheManager]) 
     tokens: dict[str, int] = {}
     for name, per_seq in host.entries.items():
         cache = caches[name]
+        uses: dict[int, int] = {}  # row -> sequences listing it
+        for rows, _ in per_seq.values():
+            for row in rows:
+                uses[row] = uses.get(row, 0) + 1
+        page_of: dict[int, int] = {}  # row -> its page in the rebuilt arena
         for seq_id, (rows, num_tokens) in per_seq.items():
-            pages = arena.alloc(name, len(rows), keep_reserves=False)
+            new_rows = [r for r in dict.fromkeys(rows) if r not in page_of]
+            pages = arena.alloc(name, len(new_rows), keep_reserves=False)
             if pages is None:  # cannot happen: these pages were all held together before the release
-                raise RuntimeError(f"swap-in: the rebuilt arena cannot hold {len(rows)} pages of {name}")
-            cache.replace_pages(seq_id, pages, num_tokens)
-            src.extend(rows)
+                raise RuntimeError(f"swap-in: the rebuilt arena cannot hold {len(new_rows)} pages of {name}")
+            page_of.update(zip(new_rows, pages, strict=True))
+            src.extend(new_rows)
             dst.extend(pages)
+            fresh = set(new_rows)
+            again = [page_of[r] for r in rows if r not in fresh]
+            arena.incref(name, again)  # shared with a sequence brought back before
+            cache.replace_pages(
+                seq_id, [page_of[r] for r in rows], num_tokens, shared=any(uses[r] > 1 for r in rows)
+            )
             tokens[name] = tokens.get(name, 0) + num_tokens
     if src:
         ops.copy_pages(host.buffer, arena.page_view(), torch.tensor(src), torch.tensor(dst))

@@ -44,6 +44,11 @@ class Scorer(ABC):
     def prefill(self, chunks: Sequence[SeqChunk]) -> None:  # noqa: B027
         """Prefill the next tokens of several sequences (slots already appended), in one forward."""
 
+    def fork(self, src: Hashable, dst: Hashable) -> None:  # noqa: B027
+        """``dst`` (begun, nothing prefilled) continues from ``src``'s prefilled tokens, which its pages now
+        share: take over ``src``'s per-sequence state at that point. Stateless before the response by
+        default (per-token scorers read rows from the last prompt token on, which a fork never shares)."""
+
     @abstractmethod
     def finish(self, seq_id: Hashable, prompt_ids: list[int], response_ids: list[int]):
         """The result for a sequence whose every token is prefilled."""
@@ -93,6 +98,11 @@ class RewardScorer(Scorer):
             return
         scores = self.runner.score_at(chunks, rows).tolist()
         self._scores.update(zip(owners, scores, strict=True))
+
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """The score of ``src``'s latest non-pad token so far is ``dst``'s too."""
+        if src in self._scores:
+            self._scores[dst] = self._scores[src]
 
     def result(self, seq_id: Hashable) -> float:
         """The score HF would give the tokens prefilled so far."""

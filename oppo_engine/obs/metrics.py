@@ -40,6 +40,8 @@ class StepMetrics:
         reused_tokens: model -> tokens of retained KV the step's carried-over sequences started with.
         swapped_tokens: model -> tokens whose KV came back from host memory (``resume()``) since the
             last step.
+        shared_tokens: model -> prompt tokens whose KV a sample of a group took from another sample
+            (``SamplingParams.n > 1``: pages shared, not prefilled) in this step.
     """
 
     wall_s: float
@@ -60,6 +62,7 @@ class StepMetrics:
     recomputed_tokens: dict[str, int] = field(default_factory=dict)
     reused_tokens: dict[str, int] = field(default_factory=dict)
     swapped_tokens: dict[str, int] = field(default_factory=dict)
+    shared_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

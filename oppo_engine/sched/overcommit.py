@@ -8,6 +8,9 @@ step. Every step carries at most Δ sequences, so with Δ ≤ B all due sequence
 returned with more than k deferrals: the bound is exact. With Δ > B, up to Δ may be due at once; a due
 sequence has fewer than Δ_max carried sequences ahead of it in FIFO order and B of them leave per step, so
 it is returned with at most ``k + ceil(Δ_max / B) - 1`` deferrals (``deferral_bound``).
+
+Groups (a prompt sampled n times) are cut whole: a group joins the batch once all its samples have
+finished, and is carried as a unit; B and Δ are then multiples of n, and the bound holds group by group.
 """
 
 from __future__ import annotations
@@ -23,28 +26,45 @@ def deferral_bound(batch_size: int, max_deferrals: int, max_overcommit: int) -> 
 
 
 class BatchCut:
-    """Chooses a step's batch as its sequences finish: every due sequence (oldest first, at most
-    ``batch_size``), then the first others to finish, ``min(batch_size, len(seqs))`` in all.
+    """Chooses a step's batch as its groups finish: every due group (oldest first, at most ``batch_size``
+    sequences), then the first others to finish, ``min(batch_size, len(seqs))`` sequences in all. A group is
+    a prompt's ``n`` samples (one sequence when ``n = 1``); ``seqs`` holds whole groups, and ``batch_size``
+    is a multiple of ``n``.
 
     ``finished(seq)`` is called in finish order (carried sequences that had already finished first);
-    ``batch`` lists the chosen ones in that order. ``determined`` once the batch is complete; ``scored``
-    once, in addition, every member is scored. ``batch_size=None`` takes every sequence (no overcommit).
+    ``batch`` lists the chosen groups in the order they completed, each in sample order. ``determined``
+    once the batch is complete; ``scored`` once, in addition, every member is scored. ``batch_size=None``
+    takes every sequence (no overcommit).
     """
 
     def __init__(self, seqs: list[Sequence], batch_size: int | None, max_deferrals: int | None) -> None:
         self.size = len(seqs) if batch_size is None else min(batch_size, len(seqs))
-        due = [s for s in seqs if max_deferrals is not None and s.deferred_steps >= max_deferrals]
-        self.due = {s.seq_id for s in due[: self.size]}
-        self._open = self.size - len(self.due)  # places for sequences that are not due
+        self.due: set[int] = set()  # group ids
+        taken = 0
+        for seq in seqs:
+            if max_deferrals is None or seq.deferred_steps < max_deferrals or seq.group_id in self.due:
+                continue
+            if taken + seq.sampling.n > self.size:
+                break
+            self.due.add(seq.group_id)
+            taken += seq.sampling.n
+        self._open = self.size - taken  # places for sequences of groups that are not due
+        self._done: dict[int, list[Sequence]] = {}  # group id -> its finished samples
         self.batch: list[Sequence] = []
 
     def finished(self, seq: Sequence) -> None:
-        """``seq`` has its last token: it joins the batch if it is due or a place is left."""
-        if seq.seq_id in self.due:
-            self.batch.append(seq)
-        elif self._open > 0:
-            self._open -= 1
-            self.batch.append(seq)
+        """``seq`` has its last token: once its whole group has, the group joins the batch if it is due or
+        places are left."""
+        done = self._done.setdefault(seq.group_id, [])
+        done.append(seq)
+        if len(done) < seq.sampling.n:
+            return
+        group = sorted(self._done.pop(seq.group_id), key=lambda s: s.sample_index)
+        if seq.group_id in self.due:
+            self.batch.extend(group)
+        elif self._open >= len(group):
+            self._open -= len(group)
+            self.batch.extend(group)
 
     @property
     def determined(self) -> bool:

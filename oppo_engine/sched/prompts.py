@@ -19,11 +19,24 @@ def derive_seed(base_seed: int, prompt_index: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+# Mixed into a prompt's seed for its samples 1..n-1, so that they do not replay the seeds of other prompts.
+_SAMPLE_SALT = 0x5DEECE66D
+
+
+def sample_seed(prompt_seed: int, sample_index: int) -> int:
+    """Sample ``sample_index``'s seed in a group: the prompt's own seed for sample 0, else derived from it."""
+    if sample_index == 0:
+        return prompt_seed
+    return derive_seed(prompt_seed ^ _SAMPLE_SALT, sample_index)
+
+
 class PromptQueue:
     """Prompts waiting for a step, in order: sequences a failed step gave back first, then the queued
     prompts, then a lazy source. Every prompt is checked against ``max_model_len`` and the vocabulary
     before it is queued; a sequence's seed derives from ``sampling.seed`` and its prompt's index unless its
     own ``SamplingParams`` give one, so rollouts do not depend on batch composition.
+
+    A prompt becomes ``sampling.n`` sequences (a group), taken together: ``take`` hands out whole groups.
     """
 
     def __init__(self, sampling: SamplingParams, *, max_model_len: int, vocab_size: int) -> None:
@@ -60,6 +73,12 @@ class PromptQueue:
                 raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
             if not all(isinstance(s, SamplingParams) for s in sampling):
                 raise ValueError("sampling must hold SamplingParams")
+            other = next((i for i, s in enumerate(sampling) if s.n != self.sampling.n), None)
+            if other is not None:
+                raise ValueError(
+                    f"sampling[{other}].n={sampling[other].n}, but this engine samples every prompt "
+                    f"n={self.sampling.n} times: all prompts of one engine use the same n"
+                )
         checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
         per_prompt = sampling if sampling is not None else [None] * len(checked)
         self._pending.extend(zip(checked, per_prompt, strict=True))
@@ -69,12 +88,14 @@ class PromptQueue:
         self._source = iter(source)
 
     def take(self, n: int) -> list[Seq]:
-        """Up to ``n`` sequences, fewer once every supply is exhausted. A bad prompt from the source
-        raises; the good ones taken before it stay first in line."""
+        """Up to ``n`` sequences in whole groups (``n`` is rounded up to a multiple of the group size), fewer
+        once every supply is exhausted. A bad prompt from the source raises; the good ones taken before it
+        stay first in line."""
         seqs: list[Seq] = []
+        group = self.sampling.n
         while len(seqs) < n:
             if self.requeued:
-                seqs.append(self.requeued.popleft())
+                seqs.extend(self.requeued.popleft() for _ in range(group))  # given back in whole groups
                 continue
             if self._pending:
                 ids, params = self._pending.popleft()
@@ -91,19 +112,22 @@ class PromptQueue:
                     raise
             else:
                 break
-            seqs.append(self._new_sequence(ids, params))
+            seqs.extend(self._new_group(ids, params))
         return seqs
 
-    def _new_sequence(self, ids: list[int], params: SamplingParams | None) -> Seq:
+    def _new_group(self, ids: list[int], params: SamplingParams | None) -> list[Seq]:
         index = self._next_prompt_index
         self._next_prompt_index += 1
         if params is not None and params.seed is not None:
             seed = params.seed
         else:
             seed = derive_seed(self.sampling.seed or 0, index)
-        seq = Seq(self._next_seq_id, index, ids, params or self.sampling, seed)
-        self._next_seq_id += 1
-        return seq
+        params = params or self.sampling
+        group = []
+        for j in range(params.n):
+            group.append(Seq(self._next_seq_id, index, ids, params, sample_seed(seed, j), sample_index=j))
+            self._next_seq_id += 1
+        return group
 
     def state_dict(self) -> dict:
         """Queued prompts, given-back sequences and the counters (a prompt source is not saved)."""

@@ -43,6 +43,12 @@ class ActorScheduler:
 
     The scheduler holds sequences only for one step: ``detach_all`` hands the unfinished ones back (their
     pages stay in the cache) and the next step adds them again, first.
+
+    Groups (a prompt sampled n > 1 times): a sample's first chunk stops at the group's shared prefix (all
+    of the prompt but its last token), so that prefix's KV is complete after one forward; a sample that
+    needs the prefix forks it from any sample of its group holding it from an earlier forward (its pages
+    shared, ``KVCacheManager.fork``), and waits -- letting younger sequences pass -- while another sample
+    of its group is computing it. A preempted sample forks again (or, if none holds it, prefills again).
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class ActorScheduler:
         # the sequence finishes, so a failed step can give them back (reused KV cannot be recomputed).
         self.kept_tokens: dict[int, int] = {}
         self._finished_kept: list[int] = []  # finished sequences that still hold kept pages
+        self._groups: dict[int, list[Sequence]] = {}  # group id -> its samples in this step (n > 1)
         self.num_preemptions = 0
         self.recomputed_tokens = 0  # tokens prefilled again after their KV was dropped
 
@@ -78,6 +85,8 @@ class ActorScheduler:
         self.waiting.append(seq)
         if seq.seq_id in self.cache:
             self.kept_tokens[seq.seq_id] = self.cache.num_tokens(seq.seq_id)
+        if seq.prefix_len:
+            self._groups.setdefault(seq.group_id, []).append(seq)
 
     @property
     def has_work(self) -> bool:
@@ -102,10 +111,11 @@ class ActorScheduler:
     def _schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        prefixing: set[int] = set()  # sequences whose prefix KV this forward writes: not forkable yet
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_pending, budget)
+            n = self._chunk_len(seq, budget, prefixing)
             slots = self.cache.append_slots(seq.seq_id, n)
             while slots is None and (victim := self._victim(after=i)) is not None:
                 self.preempt(victim)
@@ -116,21 +126,62 @@ class ActorScheduler:
             chunks.append(self._chunk(seq, n, slots))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            if seq.num_computed < seq.prefix_len and seq.seq_id not in self.cache:
+                if not self._fork_prefix(seq, prefixing) and self._prefix_in_progress(seq, prefixing):
+                    j += 1  # a sample of its group is computing the prefix: fork it next forward
+                    continue
+            n = self._chunk_len(seq, budget, prefixing)
             reserve = self.watermark_pages if self.running else 0
             if self.cache.pages_needed(seq.seq_id, n) + reserve > self.cache.num_available_pages():
+                prefixing.discard(seq.seq_id)
                 break
             slots = self.cache.append_slots(seq.seq_id, n)
             if slots is None:
+                prefixing.discard(seq.seq_id)
                 break
-            self.waiting.popleft()
+            del self.waiting[j]
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n, slots))
             budget -= n
         return chunks
+
+    def _chunk_len(self, seq: Sequence, budget: int, prefixing: set[int]) -> int:
+        """Tokens of ``seq`` in the next forward; a chunk that writes a group's prefix stops at its end."""
+        n = min(seq.num_pending, budget)
+        if seq.num_computed < seq.prefix_len:
+            prefixing.add(seq.seq_id)
+            n = min(n, seq.prefix_len - seq.num_computed)
+        return n
+
+    def _fork_prefix(self, seq: Sequence, prefixing: set[int]) -> bool:
+        """Share the group's prefix KV with ``seq`` from a sample holding it from an earlier forward."""
+        need = seq.prefix_len
+        for other in self._groups.get(seq.group_id, ()):
+            if (
+                other is not seq
+                and other.seq_id not in prefixing
+                and self.cache.num_tokens(other.seq_id) >= need
+            ):
+                self.cache.fork(other.seq_id, seq.seq_id, need)
+                seq.num_computed = need
+                seq.computed_high = max(seq.computed_high, need)
+                return True
+        return False
+
+    def _prefix_in_progress(self, seq: Sequence, prefixing: set[int]) -> bool:
+        """Another sample of ``seq``'s group is computing the prefix (in this forward, or over several)."""
+        return any(
+            other is not seq
+            and (
+                other.seq_id in prefixing
+                or (other.status is SeqStatus.RUNNING and other.num_computed < other.prefix_len)
+            )
+            for other in self._groups.get(seq.group_id, ())
+        )
 
     def _victim(self, after: int) -> Sequence | None:
         """The sequence to preempt for ``running[after]``: among those admitted after it, the most recently
@@ -203,4 +254,5 @@ class ActorScheduler:
         self.waiting.clear()
         self.kept_tokens.clear()
         self._finished_kept.clear()
+        self._groups.clear()
         return seqs

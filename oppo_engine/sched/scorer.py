@@ -24,6 +24,11 @@ class ScorerScheduler:
     swap, never recompute -- copying a page both ways moves its bytes twice, where prefilling it again
     runs the whole model over its tokens (``swapped_tokens`` counts what came back).
 
+    Groups: as on the actor, a sample's chunks stop at the group's shared prefix; a sample with nothing
+    prefilled forks the prefix (pages and the scorer's state at that point: ``Scorer.fork``) from a sample
+    of its group that has prefilled exactly the prefix, and waits while one is still prefilling it. A
+    sample that finds none prefills the prefix itself.
+
     Sequences carried over to the next step stay here, with their pages and progress, until scored.
     ``recomputed_tokens`` counts tokens prefilled again below a sequence's high-water mark (after a
     preemption, a restart, or a rolled-back step).
@@ -42,6 +47,7 @@ class ScorerScheduler:
         self.recomputed_tokens = 0
         self.swapped_tokens = 0
         self._swapped: dict[int, HostPages] = {}  # seq_id -> its pages on host (preempted)
+        self._groups: dict[int, list[Sequence]] = {}  # group id -> its samples here (n > 1)
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq.seq_id in self._scored
@@ -52,6 +58,8 @@ class ScorerScheduler:
         self._scored[seq.seq_id] = 0
         self._handed[seq.seq_id] = (0, False)
         self.active.append(seq)
+        if seq.prefix_len:
+            self._groups.setdefault(seq.group_id, []).append(seq)
 
     def hand_off(self, seq: Sequence, upto: int, final: bool) -> None:
         """Tokens ``[0, upto)`` of ``seq`` may be prefilled; ``final``: they are all it will ever have."""
@@ -64,15 +72,26 @@ class ScorerScheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         """The next forward's chunks, with their slots reserved."""
+        if self._groups:
+            # Before any sample moves past it: samples with nothing prefilled fork their group's prefix.
+            for seq in self.active:
+                if self._scored[seq.seq_id] == 0 < seq.prefix_len:
+                    self._fork_prefix(seq)
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        prefixing: set[int] = set()  # sequences whose prefix this forward prefills
         i = 0
         while i < len(self.active) and budget > 0:
             seq = self.active[i]
             start = self._scored[seq.seq_id]
             upto, final = self._handed[seq.seq_id]
+            if start == 0 < seq.prefix_len and self._prefix_in_progress(seq, prefixing):
+                i += 1  # a sample of its group is prefilling the prefix: fork it next forward
+                continue
             n = min(upto - start, budget)
-            if n == 0:
+            if start < seq.prefix_len:
+                n = min(n, seq.prefix_len - start)  # the prefix is a chunk of its own (it can be forked)
+            if n <= 0:
                 i += 1
                 continue
             if seq.seq_id in self._swapped and not self._swap_in(seq, after=i):
@@ -83,6 +102,8 @@ class ScorerScheduler:
                 slots = self.cache.append_slots(seq.seq_id, n)
             if slots is None:
                 break  # wait for pages held elsewhere (the actor's, another scorer's)
+            if start < seq.prefix_len:
+                prefixing.add(seq.seq_id)
             high = seq.prefilled_high.get(self.scorer.name, 0)
             self.recomputed_tokens += max(0, min(start + n, high) - start)
             seq.prefilled_high[self.scorer.name] = max(high, start + n)
@@ -92,6 +113,33 @@ class ScorerScheduler:
             budget -= n
             i += 1
         return chunks
+
+    def _fork_prefix(self, seq: Sequence) -> bool:
+        """Share the prefix -- pages and scorer state -- with ``seq`` (nothing prefilled) from a sample of its
+        group that has prefilled exactly the prefix (in an earlier forward: called before scheduling)."""
+        need = seq.prefix_len
+        for other in self._groups.get(seq.group_id, ()):
+            if (
+                other is not seq
+                and self._scored[other.seq_id] == need
+                and other.seq_id not in self._swapped
+                and self.cache.num_tokens(other.seq_id) == need
+            ):
+                self.cache.fork(other.seq_id, seq.seq_id, need)
+                self.scorer.fork(other.seq_id, seq.seq_id)
+                self._scored[seq.seq_id] = need
+                name = self.scorer.name
+                seq.prefilled_high[name] = max(seq.prefilled_high.get(name, 0), need)
+                return True
+        return False
+
+    def _prefix_in_progress(self, seq: Sequence, prefixing: set[int]) -> bool:
+        """Another sample of ``seq``'s group is prefilling the prefix (in this forward, or over several)."""
+        scored = self._scored
+        return any(
+            other is not seq and (other.seq_id in prefixing or 0 < scored[other.seq_id] < other.prefix_len)
+            for other in self._groups.get(seq.group_id, ())
+        )
 
     def complete(self, seq: Sequence):
         """Read ``seq``'s result after its final chunk; its pages and state are released."""
@@ -135,6 +183,11 @@ class ScorerScheduler:
         self.active.remove(seq)
         del self._scored[seq.seq_id]
         del self._handed[seq.seq_id]
+        group = self._groups.get(seq.group_id)
+        if group is not None:
+            group.remove(seq)
+            if not group:
+                del self._groups[seq.group_id]
 
     def _youngest_holding_pages(self, after: int) -> Sequence | None:
         for seq in reversed(self.active[after + 1 :]):

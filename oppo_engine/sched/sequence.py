@@ -38,6 +38,10 @@ class Sequence:
     ``computed_high`` is the most tokens ever in the actor cache and ``prefilled_high`` the same per scorer:
     tokens below them that are prefilled again (preemption, a policy update, a rolled-back step) are
     counted as recomputed. ``deferred_steps`` counts the steps the sequence was carried over.
+
+    A prompt sampled ``n > 1`` times is a group: its sequences share ``prompt_index`` (the group id) and
+    differ in ``sample_index``; the KV of the first ``prefix_len`` prompt tokens is computed once per model
+    and shared (each sample computes the last prompt token itself: its logits draw the sample's first token).
     """
 
     seq_id: int
@@ -60,6 +64,18 @@ class Sequence:
     score_time: float | None = None
     computed_high: int = 0
     prefilled_high: dict[str, int] = field(default_factory=dict)
+    sample_index: int = 0
+
+    @property
+    def group_id(self) -> int:
+        """The group's id: its prompt's index."""
+        return self.prompt_index
+
+    @property
+    def prefix_len(self) -> int:
+        """Leading tokens whose KV the group's samples share: all of the prompt but its last token (0 for a
+        prompt sampled once, or of one token)."""
+        return len(self.prompt_ids) - 1 if self.sampling.n > 1 else 0
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ def save_sequence(seq: Sequence) -> dict:
     return {
         "seq_id": seq.seq_id,
         "prompt_index": seq.prompt_index,
+        "sample_index": seq.sample_index,
         "prompt_ids": list(seq.prompt_ids),
         "sampling": asdict(seq.sampling),
         "seed": seq.seed,
@@ -42,6 +43,7 @@ def load_sequence(state: dict) -> Sequence:
         logprobs=list(state["logprobs"]),
         policy_versions=list(state["policy_versions"]),
         deferred_steps=state["deferred_steps"],
+        sample_index=state["sample_index"],
     )
     # Everything generated before counts as computed once: prefilling it again is a recompute.
     seq.computed_high = seq.num_tokens - 1 if seq.response_ids else 0
