@@ -33,7 +33,7 @@ from oppo_engine.ppo.task import train_tokenizer  # noqa: E402
 
 WORDS = "the a cat dog bird sat ran on under mat log tree red blue big small thank you please and is".split()
 PROMPTS = ["the cat sat on", "a big dog ran under", "thank you", "the red bird is on the blue log"]
-NUM_GENERATIONS = 2
+NUM_GENERATIONS = 4
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def _args(tmp_path, **overrides) -> GRPOConfig:
     # (they are the ratio's denominator for the second iteration); 4 optimizer steps = 2 generations.
     cfg = dict(
         output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=8,
         num_generations=NUM_GENERATIONS,
         num_iterations=2,
         max_completion_length=12,
@@ -112,10 +112,11 @@ def _run(tokenizer, tmp_path, mode, bf16=False):
     args = _args(tmp_path, bf16=bf16)
     engine = _engine(actor, reward, tokenizer, args, mode)
     rollout_func = engine_rollout_func(engine, args)
-    returned, scored = [], []
+    returned, scored, metrics = [], [], []
 
     def recording_rollout_func(prompts, trainer):
         returned.append(rollout_func(prompts, trainer))
+        metrics.append(rollout_func.step_metrics)
         return returned[-1]
 
     def recording_reward(prompts, completions, **kwargs):
@@ -134,7 +135,7 @@ def _run(tokenizer, tmp_path, mode, bf16=False):
     trainer.train()
     return dict(
         engine=engine, rollout_func=rollout_func, trainer=trainer, returned=returned, scored=scored,
-        actor=actor, initial_actor=initial_actor, reward=reward, args=args,
+        metrics=metrics, actor=actor, initial_actor=initial_actor, reward=reward, args=args,
     )  # fmt: skip
 
 
@@ -149,7 +150,7 @@ def test_grpo_trains_on_the_engines_groups_with_its_logprobs(tokenizer, tmp_path
     assert len(batches) == len(returned) == 2  # two generations, four optimizer steps
     assert run["engine"].policy_version == 1  # update_policy() once, between the generations
 
-    for batch, out in zip(batches, returned, strict=True):
+    for batch, out, metrics in zip(batches, returned, run["metrics"], strict=True):
         # (a) TRL trains on the completions and prompts the engine returned.
         assert _rows(batch["completion_ids"], batch["completion_mask"]) == out["completion_ids"]
         assert _rows(batch["prompt_ids"], batch["prompt_mask"]) == out["prompt_ids"]
@@ -157,6 +158,12 @@ def test_grpo_trains_on_the_engines_groups_with_its_logprobs(tokenizer, tmp_path
         for g in range(0, len(out["prompt_ids"]), NUM_GENERATIONS):
             assert all(p == out["prompt_ids"][g] for p in out["prompt_ids"][g : g + NUM_GENERATIONS])
         assert len({tuple(c) for c in out["completion_ids"]}) > 1  # sampled, not copies of one
+        # (c) Each group's prompt was prefilled once per model: its prefix (all but the last token) was
+        # shared with the other n - 1 samples, in the actor and in the reward model.
+        heads = out["prompt_ids"][::NUM_GENERATIONS]
+        assert len(metrics) == 2  # a generation batch of 2 groups, an engine step of B=4: one group each
+        shared = {name: sum(m.shared_tokens[name] for m in metrics) for name in ("actor", "reward")}
+        assert shared == dict.fromkeys(shared, (NUM_GENERATIONS - 1) * sum(len(p) - 1 for p in heads))
         # (b) The engine's behaviour log-probs equal TRL's own recomputed old log-probs (fp32, T=1, no
         # truncation), and reach TRL unchanged as its sampling log-probs.
         mask = batch["completion_mask"].bool()
@@ -210,7 +217,7 @@ def test_bad_configurations_are_refused_naming_the_option(tokenizer, tmp_path):
         ("repetition_penalty", 1.2),
         ("min_p", 0.1),
         ("generation_kwargs", {"num_beams": 2}),
-        ("num_generations_eval", 4),
+        ("num_generations_eval", 2),
         ("max_completion_length", None),
         ("bf16", True),
     ]:
@@ -219,8 +226,8 @@ def test_bad_configurations_are_refused_naming_the_option(tokenizer, tmp_path):
     for option, value in [("temperature", 0.7), ("top_k", 5), ("top_p", 0.9), ("max_completion_length", 8)]:
         with pytest.raises(ValueError, match=f"GRPOConfig.{option}={value!r} differs from the engine's"):
             engine_rollout_func(engine, _args(tmp_path, **{option: value}))
-    with pytest.raises(ValueError, match="GRPOConfig.num_generations=4 differs"):
-        engine_rollout_func(engine, _args(tmp_path, num_generations=4))
+    with pytest.raises(ValueError, match="GRPOConfig.num_generations=2 differs"):
+        engine_rollout_func(engine, _args(tmp_path, num_generations=2))
 
     # A trainer on another model than the engine's actor: refused at the first generation.
     other, _ = _models(tokenizer)
