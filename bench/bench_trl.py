@@ -7,8 +7,9 @@ model built from configs), the same prompts and GRPO settings: ``engine`` takes 
 model as a TRL reward function. They alternate for ``--rounds`` rounds of ``--steps`` optimizer steps (one
 generation each), so a burst of load on a shared machine slows both alike; the first step of each is a
 warm-up and not counted. Medians per step: the whole optimizer step, and its rollout (generation and
-reward: ``_generate_and_score_completions``). The two sample different tokens, so the mean completion
-length is printed beside the times.
+reward: ``_generate_and_score_completions``); means per step: completion tokens (the two sample different
+tokens) and the actor's prompt tokens prefilled (TRL's ``generate`` prefills each of a prompt's
+``num_generations`` copies, the engine each prompt once).
 
     python -m bench.bench_trl --rounds 3 --steps 3 --num-generations 8 --prompt-len 96
 """
@@ -45,13 +46,15 @@ WORDS = [f"w{i}" for i in range(200)]
 
 
 class TimedGRPOTrainer(GRPOTrainer):
-    """The real GRPOTrainer; records each rollout's seconds and completion tokens, and each step's seconds."""
+    """The real GRPOTrainer; records each rollout's seconds, completion tokens and actor prompt tokens
+    prefilled (the engine's ``shared_tokens`` were not), and each step's seconds."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rollout_s: list[float] = []
         self.step_s: list[float] = []
         self.completion_tokens: list[int] = []
+        self.prefilled_tokens: list[int] = []
         self.add_callback(_StepClock(self))
 
     def _generate_and_score_completions(self, inputs):
@@ -59,6 +62,9 @@ class TimedGRPOTrainer(GRPOTrainer):
         batch = super()._generate_and_score_completions(inputs)
         self.rollout_s.append(time.perf_counter() - t0)
         self.completion_tokens.append(int(batch["completion_mask"].sum()))
+        steps = getattr(self.rollout_func, "step_metrics", [])
+        shared = sum(m.shared_tokens.get("actor", 0) for m in steps)
+        self.prefilled_tokens.append(int(batch["prompt_mask"].sum()) - shared)
         return batch
 
 
@@ -163,14 +169,21 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.prompt_len} tokens, completions up to {args.max_completion_length}; "
         f"{args.rounds} rounds x {args.steps} steps, first step of each trainer not counted"
     )
-    header = f"{'generation':<18} {'step s':>8} {'rollout s':>10} {'tokens/step':>12} {'rollout tok/s':>14}"
+    header = (
+        f"{'generation':<18} {'step s':>8} {'rollout s':>10} {'completion tok':>15} {'rollout tok/s':>14} "
+        f"{'prompt tok prefilled':>21}"
+    )
     print(header)
     print("-" * len(header))
     for name, trainer in runs.items():
         step_s = statistics.median(trainer.step_s[1:])
         rollout_s = statistics.median(trainer.rollout_s[1:])
         tokens = statistics.mean(trainer.completion_tokens[1:])
-        print(f"{name:<18} {step_s:>8.3f} {rollout_s:>10.3f} {tokens:>12.0f} {tokens / rollout_s:>14.0f}")
+        prefilled = statistics.mean(trainer.prefilled_tokens[1:])
+        print(
+            f"{name:<18} {step_s:>8.3f} {rollout_s:>10.3f} {tokens:>15.0f} {tokens / rollout_s:>14.0f} "
+            f"{prefilled:>21.0f}"
+        )
 
 
 if __name__ == "__main__":
