@@ -1,7 +1,8 @@
 """TRL's ``GRPOTrainer`` as a client of the engine: a ``rollout_func`` over a ``RolloutEngine``.
 
-    args = GRPOConfig(num_generations=8, max_completion_length=256, ...)
-    engine = RolloutEngine(model, reward_model, config=EngineConfig(batch_size=64, mode="intra"),
+    args = GRPOConfig(num_generations=8, max_completion_length=256, bf16=False, ...)
+    engine = RolloutEngine(model, reward_model,
+                           config=EngineConfig(batch_size=args.generation_batch_size, mode="intra"),
                            sampling=sampling_params_for(args), eos_token_id=tokenizer.eos_token_id)
     trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=dataset,
                           reward_funcs=engine_reward, rollout_func=engine_rollout_func(engine, args))
@@ -12,8 +13,10 @@ generation batch with the process's prompts -- text, or chat messages -- each re
 not what it does), and ``trainer``. It returns a dict of per-completion lists ``prompt_ids``,
 ``completion_ids`` (EOS included when the completion ended) and ``logprobs`` (the sampling
 distribution's), one entry per prompt entry in that order; every other key is an extra field that TRL
-hands to each reward function as a keyword argument. Without vLLM the ``logprobs`` only feed TRL's
-optional off-policy sequence mask: TRL recomputes the old and reference log-probs with its own forward.
+hands to each reward function as a keyword argument (but ``env_mask``, which TRL takes as its tool mask;
+``logprob_token_ids``, named in the docstring, is read nowhere in 1.16 and would reach the reward
+functions too). Without vLLM the ``logprobs`` only feed TRL's optional off-policy sequence mask
+(``off_policy_mask_threshold``): TRL recomputes the old and reference log-probs with its own forward.
 
 Each run of copies becomes one group: the prompt is queued once and the engine samples its
 ``num_generations`` responses on shared prompt pages. Only the modes whose step returns the rollouts of
