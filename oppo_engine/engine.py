@@ -569,6 +569,15 @@ class RolloutEngine:
         self._check_not_closed()
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"state: version {state.get('version')!r}, this engine reads {_STATE_VERSION}")
+        saved = [*state["carried"], *state["prompts"]["requeued"]]
+        pending = [params for _, params in state["prompts"]["pending"] if params is not None]
+        other = {d["sampling"]["n"] for d in saved} | {p["n"] for p in pending}
+        other -= {self.sampling.n}
+        if other:
+            raise ValueError(
+                f"state: its prompts are sampled n={sorted(other)} times, this engine's n={self.sampling.n}: "
+                "groups cannot change size across a checkpoint"
+            )
         for seq in self._buffer.carried:  # what this engine held goes
             for name in self._caches:
                 self._drop_kv(name, seq)

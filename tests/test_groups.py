@@ -262,6 +262,8 @@ def test_a_checkpoint_of_carried_groups_continues_exactly(models):
     for g, w in zip(sorted(got, key=key), sorted(want, key=key), strict=True):
         assert (g.group_id, g.sample_index, g.response_ids) == (w.group_id, w.sample_index, w.response_ids)
     assert_no_reference_left(restored)
+    with pytest.raises(ValueError, match="groups cannot change size"):
+        make_engine(models, "oppo", n=4, batch_size=4, overcommit=4).load_state_dict(state)
 
 
 # -- the cache: fork, copy on write, reference counts --------------------------------------------------

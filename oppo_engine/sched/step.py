@@ -93,8 +93,15 @@ class StepLoop:
             with self.actor_lane.active():
                 drained = self._generate(policy_version, chunk_size, cut, out)
             if not stream:
-                for seq in seqs:  # the scorers see finished sequences only
-                    if seq.status is SeqStatus.FINISHED and not lane.knows(seq):
+                # The scorers see finished groups only (all samples of a prompt together, so they share
+                # its prefix; a group not finished is scored in a later step).
+                running = {s.group_id for s in seqs if s.status not in (SeqStatus.FINISHED, SeqStatus.SCORED)}
+                for seq in seqs:
+                    if (
+                        seq.status is SeqStatus.FINISHED
+                        and seq.group_id not in running
+                        and not lane.knows(seq)
+                    ):
                         lane.add(seq)
                         self._hand_off(seq, final=True, out=out)
             if drained or not stream:
