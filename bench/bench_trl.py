@@ -12,6 +12,10 @@ tokens) and the actor's prompt tokens prefilled (TRL's ``generate`` prefills eac
 ``num_generations`` copies, the engine each prompt once).
 
     python -m bench.bench_trl --rounds 3 --steps 3 --num-generations 8 --prompt-len 96
+
+On a CPU shared with another busy process, run it with ``OMP_NUM_THREADS=1``: with one core taken, HF
+``generate`` on two intra-op threads slowed down 10-25x in our runs (the engine hardly at all), which
+measures the contention, not the generation.
 """
 
 from __future__ import annotations
