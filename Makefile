@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create the venv, install the pinned
-# CPU torch, the package with its dev extras and build the C++ extension; both are cheap once done.
+# CPU torch, the package with its dev and trl extras (tests/test_trl.py runs TRL's GRPOTrainer) and build
+# the C++ extension; both are cheap once done.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -17,7 +18,7 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.torch $(EXT_SOURCES)
-	$(PY) -m pip install -q --no-build-isolation -e ".[dev]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev,trl]" "torch==$(TORCH_VERSION)"
 	$(PY) -c "import oppo_engine.ops"
 	touch $@
 

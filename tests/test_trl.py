@@ -1,0 +1,290 @@
+"""TRL's GRPOTrainer on the engine: the real trainer trains on the engine's groups, TRL's own recomputed
+log-probs equal the engine's behaviour log-probs, and configurations the engine cannot serve are refused.
+
+``make test`` installs the ``trl`` extra, so these run in CI; a dev venv without trl skips them."""
+
+import copy
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("trl") is None:
+    pytest.skip("trl is not installed: pip install -e '.[trl]' (make test does)", allow_module_level=True)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in trl 1.16
+
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from oppo_engine import EngineConfig, RolloutEngine  # noqa: E402
+from oppo_engine.integrations.trl import (  # noqa: E402
+    REWARD_FIELD,
+    _group_heads,
+    _tokenize,
+    check_trl_version,
+    engine_reward,
+    engine_rollout_func,
+    sampling_params_for,
+)
+from oppo_engine.ppo.task import train_tokenizer  # noqa: E402
+
+WORDS = "the a cat dog bird sat ran on under mat log tree red blue big small thank you please and is".split()
+PROMPTS = ["the cat sat on", "a big dog ran under", "thank you", "the red bird is on the blue log"]
+NUM_GENERATIONS = 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer([" ".join(WORDS)])
+
+
+def _config(tokenizer, **overrides) -> Qwen2Config:
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    shape.update(overrides)
+    return Qwen2Config(
+        vocab_size=32,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **shape,
+    )
+
+
+def _models(tokenizer):
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_config(_config(tokenizer), dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_config(
+        _config(tokenizer, num_hidden_layers=1, num_labels=1), dtype=torch.float32
+    ).eval()
+    return actor, reward
+
+
+def _args(tmp_path, **overrides) -> GRPOConfig:
+    # num_iterations=2 with one accumulation step: TRL recomputes the old log-probs with its own forward
+    # (they are the ratio's denominator for the second iteration); 4 optimizer steps = 2 generations.
+    cfg = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=NUM_GENERATIONS,
+        num_iterations=2,
+        max_completion_length=12,
+        max_steps=4,
+        learning_rate=1e-2,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        bf16=False,  # TRL's default autocasts the fp32 models to bf16
+    )
+    cfg.update(overrides)
+    return GRPOConfig(**cfg)
+
+
+def _engine(actor, reward, tokenizer, args, mode="sequential") -> RolloutEngine:
+    return RolloutEngine(
+        actor=actor,
+        reward=reward,
+        config=EngineConfig(batch_size=4, mode=mode, max_model_len=64, page_size=8),
+        sampling=sampling_params_for(args, seed=7),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+class RecordingGRPOTrainer(GRPOTrainer):
+    """The real GRPOTrainer; keeps each generation batch exactly as TRL built it for its loss."""
+
+    def _generate_and_score_completions(self, inputs):
+        batch = super()._generate_and_score_completions(inputs)
+        self.generation_batches.append(batch)
+        return batch
+
+
+def _run(tokenizer, tmp_path, mode, bf16=False):
+    actor, reward = _models(tokenizer)
+    if bf16:
+        actor.to(torch.bfloat16)
+    initial_actor = copy.deepcopy(actor)
+    args = _args(tmp_path, bf16=bf16)
+    engine = _engine(actor, reward, tokenizer, args, mode)
+    rollout_func = engine_rollout_func(engine, args)
+    returned, scored, metrics = [], [], []
+
+    def recording_rollout_func(prompts, trainer):
+        returned.append(rollout_func(prompts, trainer))
+        metrics.append(rollout_func.step_metrics)
+        return returned[-1]
+
+    def recording_reward(prompts, completions, **kwargs):
+        scored.append(kwargs["completion_ids"])
+        return engine_reward(prompts, completions, **kwargs)
+
+    trainer = RecordingGRPOTrainer(
+        model=actor,
+        reward_funcs=recording_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        rollout_func=recording_rollout_func,
+    )
+    trainer.generation_batches = []
+    trainer.train()
+    return dict(
+        engine=engine, rollout_func=rollout_func, trainer=trainer, returned=returned, scored=scored,
+        metrics=metrics, actor=actor, initial_actor=initial_actor, reward=reward, args=args,
+    )  # fmt: skip
+
+
+def _rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "intra"])
+def test_grpo_trains_on_the_engines_groups_with_its_logprobs(tokenizer, tmp_path, mode):
+    run = _run(tokenizer, tmp_path, mode)
+    batches, returned = run["trainer"].generation_batches, run["returned"]
+    assert len(batches) == len(returned) == 2  # two generations, four optimizer steps
+    assert run["engine"].policy_version == 1  # update_policy() once, between the generations
+
+    for batch, out, metrics in zip(batches, returned, run["metrics"], strict=True):
+        # (a) TRL trains on the completions and prompts the engine returned.
+        assert _rows(batch["completion_ids"], batch["completion_mask"]) == out["completion_ids"]
+        assert _rows(batch["prompt_ids"], batch["prompt_mask"]) == out["prompt_ids"]
+        # Each group: one prompt, its n samples in a row, as TRL's advantage (view(-1, n)) expects.
+        for g in range(0, len(out["prompt_ids"]), NUM_GENERATIONS):
+            assert all(p == out["prompt_ids"][g] for p in out["prompt_ids"][g : g + NUM_GENERATIONS])
+        assert len({tuple(c) for c in out["completion_ids"]}) > 1  # sampled, not copies of one
+        # (c) Each group's prompt was prefilled once per model: its prefix (all but the last token) was
+        # shared with the other n - 1 samples, in the actor and in the reward model.
+        heads = out["prompt_ids"][::NUM_GENERATIONS]
+        assert len(metrics) == 2  # a generation batch of 2 groups, an engine step of B=4: one group each
+        shared = {name: sum(m.shared_tokens[name] for m in metrics) for name in ("actor", "reward")}
+        assert shared == dict.fromkeys(shared, (NUM_GENERATIONS - 1) * sum(len(p) - 1 for p in heads))
+        # (b) The engine's behaviour log-probs equal TRL's own recomputed old log-probs (fp32, T=1, no
+        # truncation), and reach TRL unchanged as its sampling log-probs.
+        mask = batch["completion_mask"].bool()
+        engine_logps = batch["sampling_per_token_logps"]
+        assert engine_logps[mask].tolist() == [x for row in out["logprobs"] for x in row]
+        torch.testing.assert_close(batch["old_per_token_logps"][mask], engine_logps[mask], atol=1e-4, rtol=0)
+
+    # The reward functions saw the engine's completions and its streamed scores, which equal the reward
+    # model's own forward over prompt + completion.
+    assert run["scored"] == [out["completion_ids"] for out in returned]
+    out = returned[0]
+    for p, c, score in zip(out["prompt_ids"], out["completion_ids"], out[REWARD_FIELD], strict=True):
+        with torch.no_grad():
+            expected = run["reward"](torch.tensor([p + c])).logits[0, 0].item()
+        assert score == pytest.approx(expected, abs=1e-4)
+
+    # The first generation is the engine's own: a fresh engine with the same seed on the untrained actor
+    # samples the same tokens for the same prompts.
+    fresh = _engine(run["initial_actor"], run["reward"], tokenizer, run["args"], mode)
+    heads = out["prompt_ids"][::NUM_GENERATIONS]
+    fresh.add_prompts(heads)
+    replay = []
+    while len(replay) < len(out["completion_ids"]):
+        replay.extend(fresh.step().rollouts)
+    replay.sort(key=lambda r: (r.group_id, r.sample_index))
+    assert [r.response_ids for r in replay] == out["completion_ids"]
+    fresh.close()
+    run["engine"].close()
+
+
+def test_bf16_model_under_trls_bf16_autocast_matches_to_bf16_rounding(tokenizer, tmp_path):
+    run = _run(tokenizer, tmp_path, "sequential", bf16=True)
+    for batch in run["trainer"].generation_batches:
+        mask = batch["completion_mask"].bool()
+        old, engine_logps = batch["old_per_token_logps"][mask], batch["sampling_per_token_logps"][mask]
+        torch.testing.assert_close(old, engine_logps, atol=1e-2, rtol=0)
+    run["engine"].close()
+
+
+def test_bad_configurations_are_refused_naming_the_option(tokenizer, tmp_path):
+    actor, reward = _models(tokenizer)
+    args = _args(tmp_path)
+    for mode in ("inter", "oppo"):
+        engine = _engine(actor, reward, tokenizer, args, mode)
+        with pytest.raises(ValueError, match=f"mode='{mode}' does not fit"):
+            engine_rollout_func(engine, args)
+        engine.close()
+
+    engine = _engine(actor, reward, tokenizer, args)
+    for option, value in [
+        ("repetition_penalty", 1.2),
+        ("min_p", 0.1),
+        ("generation_kwargs", {"num_beams": 2}),
+        ("num_generations_eval", 2),
+        ("max_completion_length", None),
+        ("bf16", True),
+    ]:
+        with pytest.raises(ValueError, match=f"GRPOConfig.{option}="):
+            engine_rollout_func(engine, _args(tmp_path, **{option: value}))
+    for option, value in [("temperature", 0.7), ("top_k", 5), ("top_p", 0.9), ("max_completion_length", 8)]:
+        with pytest.raises(ValueError, match=f"GRPOConfig.{option}={value!r} differs from the engine's"):
+            engine_rollout_func(engine, _args(tmp_path, **{option: value}))
+    with pytest.raises(ValueError, match="GRPOConfig.num_generations=2 differs"):
+        engine_rollout_func(engine, _args(tmp_path, num_generations=2))
+
+    # A trainer on another model than the engine's actor: refused at the first generation.
+    other, _ = _models(tokenizer)
+    trainer = GRPOTrainer(
+        model=other,
+        reward_funcs=engine_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        rollout_func=engine_rollout_func(engine, args),
+    )
+    with pytest.raises(ValueError, match="the engine's actor is not the trainer's model"):
+        trainer.train()
+    engine.close()
+
+
+def test_engine_reward_needs_the_engines_field():
+    with pytest.raises(ValueError, match="engine_reward reads the 'engine_reward' field"):
+        engine_reward(["p"], ["c"])
+    assert engine_reward(["p"], ["c"], **{REWARD_FIELD: [0.5]}) == [0.5]
+
+
+def test_unsupported_trl_versions_are_refused_naming_both():
+    assert check_trl_version("1.16.3") == "1.16.3"
+    for version in ("1.15.0", "1.17.0"):
+        with pytest.raises(ImportError, match=rf"trl {version} is installed, .* supports trl.*1\.16"):
+            check_trl_version(version)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+def test_prompts_are_tokenized_as_trl_does(tokenizer, tmp_path, chat):
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant{% endif %}"
+    )
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if chat else PROMPTS
+    actor, reward = _models(tokenizer)
+    args = _args(tmp_path)
+    engine = _engine(actor, reward, tokenizer, args)
+    trainer = GRPOTrainer(
+        model=actor,
+        reward_funcs=engine_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        rollout_func=engine_rollout_func(engine, args),
+    )
+    expected, _, _ = trainer._tokenize_prompts(prompts)
+    assert _tokenize(prompts, trainer) == [list(p) for p in expected]
+    assert len({len(p) for p in expected}) > 1
+    engine.close()
+
+
+def test_prompts_must_come_in_runs_of_num_generations():
+    assert _group_heads(["a", "a", "b", "b"], 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="prompt 1 differs from prompt 0"):
+        _group_heads(["a", "b", "b", "b"], 2)
+    with pytest.raises(ValueError, match="3 prompts, not a multiple of num_generations=2"):
+        _group_heads(["a", "a", "b"], 2)
