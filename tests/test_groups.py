@@ -375,3 +375,32 @@ def test_bad_group_configurations_raise_value_error(models):
         engine.add_prompts([[5, 6]], [SamplingParams(n=3)])
     engine.add_prompts([[5, 6, 7]])  # the engine stays usable
     assert len(engine.step().rollouts) == 2
+
+
+def test_a_sample_is_admitted_only_when_all_its_pending_tokens_fit():
+    """Regression (found by the groups soak): a sample's first chunk stops at its group's prefix; admitted for
+    that chunk alone, it was preempted at the next one and prefilled the prefix again, forever, while a
+    waiting sequence kept the pages it needed. Now it waits for room for all its pending tokens, so the
+    scheduler gives up that retained KV and the sample gets through."""
+    from oppo_engine.sched.scheduler import ActorScheduler
+    from oppo_engine.sched.sequence import Sequence
+
+    arena, cache = _manager(num_pages=6)
+    sched = ActorScheduler(cache, max_num_seqs=1, max_num_batched_tokens=4096, max_model_len=64)
+    params = SamplingParams(max_new_tokens=40, n=2)
+    # A sample whose KV was dropped (a policy update): 8 prompt and 25 response tokens to prefill, 5 pages.
+    sample = Sequence(0, 0, list(range(4, 12)), params, seed=1, response_ids=[5] * 25, sample_index=1)
+    # A carried sequence of another group holding 3 pages of retained KV, waiting behind it.
+    carried = Sequence(2, 1, list(range(4, 12)), params, seed=2, response_ids=[5] * 17)
+    cache.append_slots(carried.seq_id, 24)
+    carried.num_computed = 24
+    sched.add(sample)
+    sched.add(carried)
+    for _ in range(6):
+        for chunk in sched.schedule():
+            if chunk.samples:
+                sched.append_token(chunk.seq, 6, 0.0, 0)
+        if sample.num_computed > sample.prefix_len + 1:
+            break
+    assert sample.num_computed >= len(sample.prompt_ids) + 25  # past its prompt and old response
+    assert carried.seq_id not in cache  # its retained KV was given up (it is prefilled again later)

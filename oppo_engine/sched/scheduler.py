@@ -135,7 +135,14 @@ class ActorScheduler:
                     continue
             n = self._chunk_len(seq, budget, prefixing)
             reserve = self.watermark_pages if self.running else 0
-            if self.cache.pages_needed(seq.seq_id, n) + reserve > self.cache.num_available_pages():
+            # NOTE: admitted only if the pool holds the pages of all its pending tokens, not just of this
+            # chunk (one that stops at its group's prefix, or at the token budget): admitting it for a first
+            # chunk only to preempt it at the next would prefill that chunk again forever, while the pages
+            # that could let it pass (kept ones, another sequence's retained KV) are never given up.
+            if (
+                self.cache.pages_needed(seq.seq_id, seq.num_pending) + reserve
+                > self.cache.num_available_pages()
+            ):
                 prefixing.discard(seq.seq_id)
                 break
             slots = self.cache.append_slots(seq.seq_id, n)
