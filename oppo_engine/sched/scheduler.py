@@ -129,22 +129,28 @@ class ActorScheduler:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[j]
+            source = None
             if seq.num_computed < seq.prefix_len and seq.seq_id not in self.cache:
-                if not self._fork_prefix(seq, prefixing) and self._prefix_in_progress(seq, prefixing):
+                source = self._prefix_source(seq, prefixing)
+                if source is None and self._prefix_in_progress(seq, prefixing):
                     j += 1  # a sample of its group is computing the prefix: fork it next forward
                     continue
-            n = self._chunk_len(seq, budget, prefixing)
             reserve = self.watermark_pages if self.running else 0
-            # NOTE: admitted only if the pool holds the pages of all its pending tokens, not just of this
-            # chunk (one that stops at its group's prefix, or at the token budget): admitting it for a first
-            # chunk only to preempt it at the next would prefill that chunk again forever, while the pages
-            # that could let it pass (kept ones, another sequence's retained KV) are never given up.
-            if (
-                self.cache.pages_needed(seq.seq_id, seq.num_pending) + reserve
-                > self.cache.num_available_pages()
-            ):
-                prefixing.discard(seq.seq_id)
+            # NOTE: admitted only if the pool holds the pages of all its pending tokens, not just of its
+            # first chunk (one that stops at its group's prefix, or at the token budget): admitting it for a
+            # first chunk only to preempt it at the next would prefill that chunk again forever, while the
+            # pages that could let it pass (kept ones, another sequence's retained KV) are never given up.
+            # A fork is made only then: one undone at once would hold no page, and a starved scheduler
+            # giving up a forked sample's KV would free nothing.
+            if source is not None:  # the prefix's full pages are shared; the rest, a partial one included
+                needed = -(-seq.num_tokens // self.cache.page_size) - seq.prefix_len // self.cache.page_size
+            else:
+                needed = self.cache.pages_needed(seq.seq_id, seq.num_pending)
+            if needed + reserve > self.cache.num_available_pages():
                 break
+            if source is not None:
+                self._fork(source, seq)
+            n = self._chunk_len(seq, budget, prefixing)
             slots = self.cache.append_slots(seq.seq_id, n)
             if slots is None:
                 prefixing.discard(seq.seq_id)
@@ -164,8 +170,8 @@ class ActorScheduler:
             n = min(n, seq.prefix_len - seq.num_computed)
         return n
 
-    def _fork_prefix(self, seq: Sequence, prefixing: set[int]) -> bool:
-        """Share the group's prefix KV with ``seq`` from a sample holding it from an earlier forward."""
+    def _prefix_source(self, seq: Sequence, prefixing: set[int]) -> Sequence | None:
+        """A sample of ``seq``'s group holding the group's prefix KV from an earlier forward, if any."""
         need = seq.prefix_len
         for other in self._groups.get(seq.group_id, ()):
             if (
@@ -173,11 +179,15 @@ class ActorScheduler:
                 and other.seq_id not in prefixing
                 and self.cache.num_tokens(other.seq_id) >= need
             ):
-                self.cache.fork(other.seq_id, seq.seq_id, need)
-                seq.num_computed = need
-                seq.computed_high = max(seq.computed_high, need)
-                return True
-        return False
+                return other
+        return None
+
+    def _fork(self, source: Sequence, seq: Sequence) -> None:
+        """Share ``source``'s prefix KV with ``seq``, which continues after it."""
+        need = seq.prefix_len
+        self.cache.fork(source.seq_id, seq.seq_id, need)
+        seq.num_computed = need
+        seq.computed_high = max(seq.computed_high, need)
 
     def _prefix_in_progress(self, seq: Sequence, prefixing: set[int]) -> bool:
         """Another sample of ``seq``'s group is computing the prefix (in this forward, or over several)."""
