@@ -20,6 +20,7 @@ from test_ppo_scorers import make_critic, make_reference
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.sched.overcommit import deferral_bound
+from oppo_engine.sched.sequence import SeqStatus
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,13 @@ def test_the_first_b_to_finish_are_returned_in_finish_order_and_the_rest_carried
     # In flight: prompts 0..3; the two shortest finish first, shortest first.
     assert [len(r.response_ids) for r in first.rollouts] == [2, 3]
     assert first.metrics.overcommit == 2 and first.metrics.deferred == 2
-    assert engine.cache_stats().retained_pages > 0  # the carried ones keep their KV
+    # The carried ones keep their KV while unfinished. In oppo the actor decodes on while the batch is
+    # scored, so on a slow scorer lane both may finish -- and be scored, holding no page -- within the step.
+    unfinished = [s for s in engine._buffer.carried if s.status not in (SeqStatus.FINISHED, SeqStatus.SCORED)]
+    if mode == "inter":
+        assert len(unfinished) == 2  # the actor stopped at the cut
+    if unfinished:
+        assert engine.cache_stats().retained_pages > 0
     second = engine.step()
     got = [(len(r.response_ids), r.deferred_steps) for r in second.rollouts]
     if mode == "inter":
