@@ -160,6 +160,9 @@ bench_step bench-attention 90 "$OUT_DIR/bench_attention.log" bench/bench_attenti
   "$PYTHON" bench/bench_attention.py --quick --out "$OUT_DIR/bench_attention.csv"
 bench_step bench-decode 60 "$OUT_DIR/bench_decode.log" bench/bench_decode.py 'decode_throughput_engine_vs_hf=' \
   "$PYTHON" -m bench.bench_decode --preset 0.5b --batch-size 32 --new-tokens 64 --repeats 2
+bench_step bench-groups 60 "$OUT_DIR/groups.log" bench/bench_groups.py 'speedup_shared_vs_unshared=' \
+  "$PYTHON" -m bench.bench_groups --preset 0.5b --n 8 --groups 4 --prompt-len 512 --response-len 32 --rounds 2 \
+  --mode intra
 bench_step bench-e2e 180 "$OUT_DIR/e2e.log" bench/bench_e2e.py 'speedup_oppo_vs_(sequential|hf)=' \
   "$PYTHON" -m bench.bench_e2e --preset 0.5b --out "$OUT_DIR/e2e"
 

@@ -266,6 +266,25 @@ def test_a_checkpoint_of_carried_groups_continues_exactly(models):
         make_engine(models, "oppo", n=4, batch_size=4, overcommit=4).load_state_dict(state)
 
 
+@pytest.mark.cuda
+def test_groups_on_cuda_streams_equal_their_samples_run_separately():
+    """Copy on write and forks on the lanes' CUDA streams (the actor's high-priority, the scorers' low)."""
+    makers = dict(actor=make_actor, reward=make_reward, reference=make_reference, critic=make_critic)
+    cuda = {name: make().to("cuda") for name, make in makers.items()}
+    n = 4
+    want = separate(cuda, PROMPTS, n)
+    engine = make_engine(cuda, "oppo", n=n, batch_size=8, overcommit=4, chunk_size=3)
+    engine.add_prompts(PROMPTS)
+    got, metrics = drain(engine)
+    assert_whole_groups(got, n)
+    for r in got:
+        assert_same(r, want[r.group_id, r.sample_index])
+    shared = {name: sum(m.shared_tokens[name] for m in metrics) for name in MODELS}
+    assert shared == dict.fromkeys(MODELS, (n - 1) * sum(len(p) - 1 for p in PROMPTS))
+    engine._arena.synchronize()  # deferred frees behind the lanes' events
+    assert_no_reference_left(engine)
+
+
 # -- the cache: fork, copy on write, reference counts --------------------------------------------------
 
 
