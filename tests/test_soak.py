@@ -8,7 +8,9 @@ every prompt comes back exactly once, its prompt's pages shared and counted by r
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 from collections import Counter
 
 import pytest
@@ -21,6 +23,28 @@ from oppo_engine.control import DeltaControl
 from oppo_engine.sched.overcommit import deferral_bound
 
 B, MAX_DEFERRALS, DELTA_MAX = 2, 2, 3  # Δ may exceed B: the bound is then max_deferrals + 1
+STEP_LIMIT_S = 120  # a step takes well under a second: one this long makes no progress (a livelock)
+
+
+class StepStalled(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Raise StepStalled in this (the main) thread if the block runs longer than ``seconds``: a livelocked
+    step fails the test, with the engine's rollback, instead of hanging the run."""
+
+    def stalled(signum, frame):
+        raise StepStalled(f"a step made no progress for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stalled)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _prompts(n: int, rng: random.Random) -> list[list[int]]:
@@ -77,7 +101,8 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
     preemptions = 0
     while True:
         try:
-            result = engine.step()
+            with _deadline(STEP_LIMIT_S):
+                result = engine.step()
         except Boom:
             failures += 1
             assert_arena_invariant(engine)
