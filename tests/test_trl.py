@@ -95,6 +95,18 @@ def _engine(actor, reward, tokenizer, args, mode="sequential") -> RolloutEngine:
     )
 
 
+def _trainer(model, tokenizer, args, rollout_func, reward=engine_reward, cls=GRPOTrainer, prompts=PROMPTS):
+    """A GRPO trainer on ``model`` whose completions come from ``rollout_func``."""
+    return cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )
+
+
 class RecordingGRPOTrainer(GRPOTrainer):
     """The real GRPOTrainer; keeps each generation batch exactly as TRL built it for its loss."""
 
@@ -123,14 +135,7 @@ def _run(tokenizer, tmp_path, mode, bf16=False):
         scored.append(kwargs["completion_ids"])
         return engine_reward(prompts, completions, **kwargs)
 
-    trainer = RecordingGRPOTrainer(
-        model=actor,
-        reward_funcs=recording_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=tokenizer,
-        rollout_func=recording_rollout_func,
-    )
+    trainer = _trainer(actor, tokenizer, args, recording_rollout_func, recording_reward, RecordingGRPOTrainer)
     trainer.generation_batches = []
     trainer.train()
     return dict(
@@ -231,14 +236,7 @@ def test_bad_configurations_are_refused_naming_the_option(tokenizer, tmp_path):
 
     # A trainer on another model than the engine's actor: refused at the first generation.
     other, _ = _models(tokenizer)
-    trainer = GRPOTrainer(
-        model=other,
-        reward_funcs=engine_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=tokenizer,
-        rollout_func=engine_rollout_func(engine, args),
-    )
+    trainer = _trainer(other, tokenizer, args, engine_rollout_func(engine, args))
     with pytest.raises(ValueError, match="the engine's actor is not the trainer's model"):
         trainer.train()
     engine.close()
@@ -268,14 +266,7 @@ def test_prompts_are_tokenized_as_trl_does(tokenizer, tmp_path, chat):
     actor, reward = _models(tokenizer)
     args = _args(tmp_path)
     engine = _engine(actor, reward, tokenizer, args)
-    trainer = GRPOTrainer(
-        model=actor,
-        reward_funcs=engine_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer,
-        rollout_func=engine_rollout_func(engine, args),
-    )
+    trainer = _trainer(actor, tokenizer, args, engine_rollout_func(engine, args), prompts=prompts)
     expected, _, _ = trainer._tokenize_prompts(prompts)
     assert _tokenize(prompts, trainer) == [list(p) for p in expected]
     assert len({len(p) for p in expected}) > 1

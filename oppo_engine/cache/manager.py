@@ -84,6 +84,11 @@ class KVCacheManager:
         copy = num_new_tokens > 0 and self._shared_write(seq_id, pages, start) is not None
         return max(0, need) + copy
 
+    def pages_needed_forked(self, num_shared: int, num_tokens: int) -> int:
+        """New pages a sequence forked at ``num_shared`` tokens would take to hold ``num_tokens``: the shared
+        full pages are free; a partly filled last one is copied on write."""
+        return -(-num_tokens // self.page_size) - num_shared // self.page_size
+
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
         """Whether the pool has the pages ``append_slots`` would take (another lane may take them first)."""
         return self.pages_needed(seq_id, num_new_tokens) <= self.arena.available_pages(self.name)

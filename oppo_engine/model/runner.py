@@ -197,8 +197,13 @@ class ModelRunner:
             max_context_len=max_context_len,
             backend=self.backend,
             plan=ops.plan_forward(
-                self.cache.kv_cache, block_tables, context_lens_t, cu_seqlens_q, self.num_q_heads,
-                max_q_len=max_q_len, max_context_len=max_context_len,
+                self.cache.kv_cache,
+                block_tables,
+                context_lens_t,
+                cu_seqlens_q,
+                self.num_q_heads,
+                max_q_len=max_q_len,
+                max_context_len=max_context_len,
             ),  # fmt: skip
         )
         return _Batch(i64[:T].view(1, T), i64[T : 2 * T].view(1, T), i64[3 * T :], meta)

@@ -142,8 +142,8 @@ class ActorScheduler:
             # pages that could let it pass (kept ones, another sequence's retained KV) are never given up.
             # A fork is made only then: one undone at once would hold no page, and a starved scheduler
             # giving up a forked sample's KV would free nothing.
-            if source is not None:  # the prefix's full pages are shared; the rest, a partial one included
-                needed = -(-seq.num_tokens // self.cache.page_size) - seq.prefix_len // self.cache.page_size
+            if source is not None:
+                needed = self.cache.pages_needed_forked(seq.prefix_len, seq.num_tokens)
             else:
                 needed = self.cache.pages_needed(seq.seq_id, seq.num_pending)
             if needed + reserve > self.cache.num_available_pages():
