@@ -21,9 +21,9 @@ Per call (per layer), as Hugging Face's eager attention and masks define them:
 
 from __future__ import annotations
 
-import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +32,10 @@ import triton.language as tl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
-# Split-KV rule constants (see _choose_num_splits).
-_MIN_KV_PER_SPLIT = 256
-_MAX_SPLITS = 64
-_TARGET_PROGRAMS_PER_SM = 2
+# Split-KV (flash-decoding): every sequence's keys are cut into splits of this many tokens, counted from
+# its own first key, so how a token's attention is split -- and so its bits -- follow from its own context
+# alone, never from the batch it shares a launch with. A multiple of every BLOCK_N.
+KV_PER_SPLIT = 512
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 _LOG2E = math.log2(math.e)
 
@@ -49,19 +49,20 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["item_offset", "window"])
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     kv_ptr,  # [num_pages, L, 2, page_size, Hkv, D], already offset to `layer`
     block_tables_ptr,  # [N, max_pages] int32
     context_lens_ptr,  # [N] int32
     cu_seqlens_q_ptr,  # [N + 1] int32
+    work_ptr,  # [num_items, 2] int32 work list (sequence, q block); unread when DECODE
     out_ptr,  # [T, Hq, D] in q.dtype, or [num_splits, T, Hq, D] fp32 partials when SPLIT_KV
     lse_ptr,  # [num_splits, T, Hq] fp32 (SPLIT_KV only), log2-sum-exp of the scaled scores
     qk_scale,  # softmax scale * log2(e) (the kernel works in base 2); scale / softcap when SOFTCAP
     softcap_log2e,  # softcap * log2(e) (SOFTCAP only)
     window,  # sliding window in tokens (HAS_WINDOW only)
-    num_splits,
+    item_offset,  # this launch's first entry of the work list
     kv_per_split,  # tokens per split, a multiple of BLOCK_N
     stride_q_tok,
     stride_q_head,
@@ -86,17 +87,25 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DECODE: tl.constexpr,  # every item is a whole sequence of <= 1 new token: item i is sequence i
     DOT_FP32: tl.constexpr,  # upcast operands before tl.dot (bf16 under the interpreter is wrong)
     DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
+    # One program: one work item (a sequence's block of BLOCK_Q query tokens), one KV head, one split.
+    item = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    split = tl.program_id(2)
+    if DECODE:
+        seq = item
+        q_block = 0
+    else:
+        entry = work_ptr + (item_offset + item).to(tl.int64) * 2
+        seq = tl.load(entry)
+        q_block = tl.load(entry + 1)
 
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    # The grid is sized for the longest query chunk; shorter sequences leave these programs idle.
+    # Only a decode launch over a padded bucket has such programs (a sequence with no new token).
     if q_block * BLOCK_Q >= q_len:
         return
     ctx_len = tl.load(context_lens_ptr + seq)
@@ -187,9 +196,9 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_kv_reduce_kernel(
-    part_ptr,  # [num_splits, T, Hq, D] fp32, each split's output normalised by its own sum
+    part_ptr,  # [num_splits, T, Hq, D] fp32, each split's output normalised by its own sum (0: no key)
     lse_ptr,  # [num_splits, T, Hq] fp32, base 2; -inf for a split that saw no key
     out_ptr,  # [T, Hq, D]
     num_splits,
@@ -202,33 +211,29 @@ def _split_kv_reduce_kernel(
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
+    # NOTE: splits are combined one by one in split order, so a token's sum has the same operations in
+    # the same order whatever the launch's split count: a split that saw no key adds exactly 0 * 0.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(
-        lse_ptr + offs_s * stride_l_split + tok * stride_l_tok + head, mask=s_mask, other=float("-inf")
-    )
-    lse_max = tl.max(lse, 0)
+    lse_row = lse_ptr + tok * stride_l_tok + head
+    part_row = part_ptr + tok * stride_p_tok + head * stride_p_head + offs_d
+    lse_max = float("-inf")
+    for s in range(num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_row + s * stride_l_split))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)
-    part = tl.load(
-        part_ptr
-        + offs_s[:, None] * stride_p_split
-        + tok * stride_p_tok
-        + head * stride_p_head
-        + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = 0.0
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(lse_row + s * stride_l_split) - lse_max)
+        acc += w * tl.load(part_row + s * stride_p_split, mask=d_mask, other=0.0)
+        total += w
+    total = tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d,
-        o.to(out_ptr.dtype.element_ty),
+        (acc / total).to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
 
@@ -268,63 +273,72 @@ def _launch_config(max_q_len: int, block_d: int, group: int, dtype: torch.dtype)
     return _Config(max(block_m, _next_pow2(group)), block_n, num_warps, num_stages)
 
 
-def _choose_num_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
-    """Number of KV splits (flash-decoding) for a launch of ``num_programs`` useful programs.
-
-    Rule: split only when the unsplit grid leaves the GPU underfilled (fewer than
-    ``_TARGET_PROGRAMS_PER_SM * num_sms`` programs) and contexts are long enough that each split still
-    walks at least ``_MIN_KV_PER_SPLIT`` keys; then split just enough to reach the target, capped at
-    ``_MAX_SPLITS``. A batch of 64 decodes x 8 KV heads never splits; 1 sequence x 8 KV heads at 16k
-    context splits 33 ways on 132 SMs.
-    """
-    target = _TARGET_PROGRAMS_PER_SM * num_sms
-    if num_programs >= target or max_context_len < 2 * _MIN_KV_PER_SPLIT:
-        return 1
-    return max(1, min(_cdiv(target, num_programs), max_context_len // _MIN_KV_PER_SPLIT, _MAX_SPLITS))
+def _decode_config(block_d: int, group: int, dtype: torch.dtype) -> _Config:
+    return _launch_config(1, block_d, group, dtype)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _prefill_config(block_d: int, group: int, dtype: torch.dtype) -> _Config:
+    return _launch_config(2, block_d, group, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """One kernel launch: ``num_items`` work items from ``item_offset`` of the plan's work list (or, for a
+    decode-only forward, sequence ``i`` as item ``i``), all with one tile configuration."""
+
+    config: _Config
+    block_q: int  # query tokens per program
+    item_offset: int
+    num_items: int
+    decode: bool  # items are whole sequences (no work list read)
 
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    config: _Config
+    """Everything about a forward's launches that follows from host-known sizes (the benchmark reports it)."""
+
     block_d: int
-    block_q: int  # query tokens per program
-    num_q_blocks: int
-    num_splits: int
     kv_per_split: int
+    num_splits: int  # split slots per (item, KV head): ceil(max_context_len / kv_per_split)
+    launches: tuple[_Launch, ...]
 
 
 def _plan(
+    q_lens: list[int] | None,
     num_seqs: int,
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    max_q_len: int,
     max_context_len: int,
     dtype: torch.dtype,
-    device: torch.device,
-    num_splits: int | None = None,
-) -> _Plan:
-    """Everything about a launch that follows from the batch shape (the benchmark reports it too)."""
+    kv_per_split: int = KV_PER_SPLIT,
+) -> tuple[_Plan, list[tuple[int, int]]]:
+    """The launches of one forward and its work list ``[(sequence, q block)]``.
+
+    ``q_lens is None`` means a decode-only forward of ``num_seqs`` sequences (<= 1 new token each): one
+    launch, item ``i`` = sequence ``i``, no work list -- sizes a captured graph knows for its bucket.
+    Otherwise decodes (one new token) and prefill chunks go to two launches, each with its own fixed tile
+    configuration, so a decode token's numbers never depend on whether a prefill shares its forward;
+    the prefill launch walks a flat list of (sequence, q block) pairs, so no program idles on a short one.
+    """
     group = num_q_heads // num_kv_heads
     block_d = max(16, _next_pow2(head_dim))
-    cfg = _launch_config(max_q_len, block_d, group, dtype)
-    block_q = cfg.block_m // group
-    num_q_blocks = _cdiv(max_q_len, block_q)
-    if num_splits is None:
-        num_splits = _choose_num_splits(
-            num_q_blocks * num_seqs * num_kv_heads, max_context_len, _num_sms(device)
-        )
-    kv_per_split = _cdiv(_cdiv(max_context_len, num_splits), cfg.block_n) * cfg.block_n
-    # Rounding kv_per_split up can leave trailing splits that no sequence reaches: drop them.
-    num_splits = _cdiv(max_context_len, kv_per_split)
-    return _Plan(cfg, block_d, block_q, num_q_blocks, num_splits, kv_per_split)
+    decode_cfg = _decode_config(block_d, group, dtype)
+    decode_q = decode_cfg.block_m // group
+    num_splits = max(1, _cdiv(max_context_len, kv_per_split))
+    if q_lens is None:
+        only = _Launch(decode_cfg, decode_q, 0, num_seqs, True)
+        return _Plan(block_d, kv_per_split, num_splits, (only,)), []
+    decodes = [(n, 0) for n, q in enumerate(q_lens) if q == 1]
+    prefill_cfg = _prefill_config(block_d, group, dtype)
+    prefill_q = prefill_cfg.block_m // group
+    chunks = [(n, b) for n, q in enumerate(q_lens) if q > 1 for b in range(_cdiv(q, prefill_q))]
+    launches = []
+    if decodes:
+        launches.append(_Launch(decode_cfg, decode_q, 0, len(decodes), False))
+    if chunks:
+        launches.append(_Launch(prefill_cfg, prefill_q, len(decodes), len(chunks), False))
+    return _Plan(block_d, kv_per_split, num_splits, tuple(launches)), decodes + chunks
 
 
 def _check_q(q: torch.Tensor) -> None:
@@ -425,6 +439,14 @@ class AttentionPlan:
     ``cu_seqlens_q`` objects (checked by identity). A call with a plan re-checks only what changes per
     layer: q's shape, dtype and strides, ``layer``, ``out``, ``sliding_window`` and ``softcap``. The plan
     does not depend on the window or softcap, so sliding and global layers share it.
+
+    Capture contract (CUDA graphs of a decode bucket): a plan made with ``decode_only=True``,
+    ``max_q_len=1`` and ``max_context_len=max_model_len`` reads nothing from the device, and its launch
+    grids and split count follow from the bucket size ``N`` and ``max_model_len`` alone; it holds no
+    work list, and its split-KV scratch (``partial``, ``lse``) is allocated once, here. Made once per
+    bucket over static ``block_tables``/``context_lens``/``cu_seqlens_q`` buffers (rewritten in place
+    between replays), every layer's launches are the same from replay to replay. Padding rows of a
+    bucket may have ``q_len`` 0 (no rows, nothing written) or ``q_len`` 1 with ``context_len`` 0 (output 0).
     """
 
     kv_cache: torch.Tensor  # [num_pages, L, 2, page_size, Hkv, D]
@@ -435,6 +457,9 @@ class AttentionPlan:
     max_q_len: int
     max_context_len: int
     launch: _Plan | None  # None when there is nothing to attend (no new token or no cached key)
+    work: torch.Tensor | None = None  # [num_items, 2] int32 (sequence, q block) on the device
+    partial: torch.Tensor | None = None  # [num_splits, T, Hq, D] fp32 split outputs, shared by the layers
+    lse: torch.Tensor | None = None  # [num_splits, T, Hq] fp32
 
 
 def plan_attention(
@@ -446,45 +471,89 @@ def plan_attention(
     *,
     max_q_len: int | None = None,
     max_context_len: int | None = None,
-    num_splits: int | None = None,
+    q_lens: Sequence[int] | None = None,
+    num_tokens: int | None = None,
+    decode_only: bool = False,
+    kv_per_split: int | None = None,
 ) -> AttentionPlan:
-    """Check one forward's attention inputs and plan the kernel launch, once for all layers.
+    """Check one forward's attention inputs and plan the kernel launches, once for all layers.
 
-    Args are those of :func:`paged_attention`; ``num_q_heads`` is the model's ``Hq``. Without the host
-    maxima this syncs once (two ``.item()``); with them it never touches the device. Raises ``ValueError``
-    on malformed inputs, naming the argument.
+    Args are those of :func:`paged_attention`; ``num_q_heads`` is the model's ``Hq``. ``q_lens`` (host
+    ints, one per sequence) gives the work list where the caller knows the query lengths (the runner
+    does); without them, and without ``decode_only``, this reads them (and the maxima) from the device
+    once. ``num_tokens`` is ``T`` (from ``q_lens`` or ``cu_seqlens_q`` otherwise). ``decode_only``: every
+    sequence has at most one new token (see the capture contract in :class:`AttentionPlan`).
+    ``kv_per_split`` overrides :data:`KV_PER_SPLIT` (tests: splits on short contexts). Raises
+    ``ValueError`` on malformed inputs, naming the argument.
     """
     _check_batch(kv_cache, block_tables, context_lens, cu_seqlens_q)
     num_kv_heads = kv_cache.shape[4]
     if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv_cache heads ({num_kv_heads})")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if kv_per_split is None:
+        kv_per_split = KV_PER_SPLIT
+    elif (
+        isinstance(kv_per_split, bool)
+        or not isinstance(kv_per_split, int)
+        or kv_per_split < 1
+        or (kv_per_split % 64)
+    ):
+        raise ValueError(f"kv_per_split must be a positive multiple of 64 tokens, got {kv_per_split!r}")
     num_seqs = context_lens.shape[0]
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if num_seqs else 0
+    if q_lens is not None:
+        q_lens = list(q_lens)
+        if len(q_lens) != num_seqs:
+            raise ValueError(f"q_lens has {len(q_lens)} entries for {num_seqs} sequences")
+    elif max_q_len == 1:
+        decode_only = True  # the host maximum says so: nothing to read
+    elif not decode_only:
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    if decode_only:
+        if q_lens is not None and max(q_lens, default=0) > 1:
+            raise ValueError("decode_only: a sequence has more than one new token")
+        max_q_len = 1 if max_q_len is None else max_q_len
+        q_lens = None
+    elif max_q_len is None:
+        max_q_len = max(q_lens, default=0)
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if num_seqs else 0
-    launch = None
-    if max_q_len > 0 and max_context_len > 0:
-        launch = _plan(
-            num_seqs,
-            num_q_heads,
-            num_kv_heads,
-            kv_cache.shape[5],
-            max_q_len,
-            max_context_len,
-            kv_cache.dtype,
-            kv_cache.device,
-            num_splits,
+    if num_tokens is None:  # a decode-only plan sizes its scratch for one token per sequence
+        num_tokens = sum(q_lens) if q_lens is not None else num_seqs
+    if max_q_len <= 0 or max_context_len <= 0 or num_tokens == 0:
+        return AttentionPlan(
+            kv_cache, block_tables, context_lens, cu_seqlens_q, num_q_heads, max_q_len, max_context_len, None
         )
-        if num_seqs * launch.num_splits > _MAX_GRID_YZ:
-            raise ValueError(
-                f"context_lens: {num_seqs} sequences x {launch.num_splits} KV splits exceed the grid limit "
-                f"{_MAX_GRID_YZ}"
-            )
+    head_dim = kv_cache.shape[5]
+    launch, items = _plan(
+        q_lens, num_seqs, num_q_heads, num_kv_heads, head_dim, max_context_len, kv_cache.dtype, kv_per_split
+    )
+    if launch.num_splits > _MAX_GRID_YZ:
+        raise ValueError(
+            f"max_context_len: {launch.num_splits} KV splits of {kv_per_split} tokens exceed the grid "
+            f"limit {_MAX_GRID_YZ}"
+        )
+    device = kv_cache.device
+    work = None
+    if items:
+        host = torch.tensor(items, dtype=torch.int32)
+        work = host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+    partial = lse = None
+    if launch.num_splits > 1:
+        shape = (launch.num_splits, num_tokens, num_q_heads)
+        partial = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+        lse = torch.empty(shape, dtype=torch.float32, device=device)
     return AttentionPlan(
-        kv_cache, block_tables, context_lens, cu_seqlens_q, num_q_heads, max_q_len, max_context_len, launch
+        kv_cache,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
+        num_q_heads,
+        max_q_len,
+        max_context_len,
+        launch,
+        work,
+        partial,
+        lse,
     )
 
 
@@ -500,7 +569,7 @@ def _checked_plan(
     softcap: float | None,
     max_q_len: int | None,
     max_context_len: int | None,
-    num_splits: int | None,
+    kv_per_split: int | None,
     plan: AttentionPlan | None,
 ) -> AttentionPlan:
     """The plan for this call: the given one after the per-layer checks, or a fresh one after all checks."""
@@ -526,7 +595,7 @@ def _checked_plan(
             q.shape[1],
             max_q_len=max_q_len,
             max_context_len=max_context_len,
-            num_splits=num_splits,
+            kv_per_split=kv_per_split,
         )
     return plan
 
@@ -545,7 +614,7 @@ def paged_attention(
     max_q_len: int | None = None,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
-    num_splits: int | None = None,
+    kv_per_split: int | None = None,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention of packed new tokens over their sequences' cached K/V (Triton).
@@ -565,9 +634,11 @@ def paged_attention(
         max_q_len, max_context_len: host-side maxima of the query and context lengths; pass them to
             avoid a device sync.
         out: optional ``[T, Hq, D]`` output buffer (same dtype as q).
-        num_splits: force the number of KV splits (1 = no split-KV); ``None`` picks it from the batch shape.
+        kv_per_split: keys per split-KV partition (a multiple of 64); ``None`` is :data:`KV_PER_SPLIT`.
+            A sequence's keys are split from its own first key, so its output does not depend on the
+            other sequences of the launch (bit for bit).
         plan: from :func:`plan_attention` for this forward; skips the batch checks and the launch
-            planning, and supersedes ``max_q_len``, ``max_context_len`` and ``num_splits``.
+            planning, and supersedes ``max_q_len``, ``max_context_len`` and ``kv_per_split``.
 
     Returns:
         ``out``, ``[T, Hq, D]`` in q.dtype.
@@ -584,7 +655,7 @@ def paged_attention(
         softcap,
         max_q_len,
         max_context_len,
-        num_splits,
+        kv_per_split,
         plan,
     )
     interpreted = q.device.type != "cuda"
@@ -600,64 +671,66 @@ def paged_attention(
     if num_tokens == 0 or launch is None:
         return out
 
-    num_seqs = context_lens.shape[0]
     num_kv_heads = kv_cache.shape[4]
-    cfg = launch.config
     num_splits = launch.num_splits
     split_kv = num_splits > 1
     if split_kv:
-        partial = torch.empty(
-            (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty((num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+        partial, lse = plan.partial, plan.lse
+        if partial.shape[1] < num_tokens:
+            raise ValueError(f"q has {num_tokens} rows, the plan's split-KV scratch {partial.shape[1]}")
         o_buf, o_split_stride, lse_strides = partial, partial.stride(0), lse.stride()[:2]
     else:
         lse = out  # unused by the kernel when SPLIT_KV is off
         o_buf, o_split_stride, lse_strides = out, 0, (0, 0)
+    work = plan.work if plan.work is not None else context_lens  # unread by a decode-only launch
 
     # With a softcap the kernel needs s = q.k * scale / c for tanh, then c * log2(e) for base 2.
     qk_scale = scale / softcap if softcap is not None else scale * _LOG2E
-    grid = (launch.num_q_blocks, num_kv_heads, num_seqs * num_splits)
-    _paged_attention_kernel[grid](
-        q,
-        kv_cache[:, layer],
-        block_tables,
-        context_lens,
-        cu_seqlens_q,
-        o_buf,
-        lse,
-        qk_scale,
-        (softcap or 1.0) * _LOG2E,
-        sliding_window or 0,
-        num_splits,
-        launch.kv_per_split,
-        q.stride(0),
-        q.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        kv_cache.stride(4),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        o_split_stride,
-        o_buf.stride(-3),
-        o_buf.stride(-2),
-        *lse_strides,
-        HEAD_DIM=head_dim,
-        BLOCK_D=launch.block_d,
-        GROUP=num_q_heads // num_kv_heads,
-        BLOCK_M=cfg.block_m,
-        BLOCK_Q=launch.block_q,
-        BLOCK_N=cfg.block_n,
-        PAGE_SIZE=kv_cache.shape[3],
-        SPLIT_KV=split_kv,
-        HAS_WINDOW=sliding_window is not None,
-        SOFTCAP=softcap is not None,
-        DOT_FP32=interpreted and q.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    layer_cache = kv_cache[:, layer]
+    for item in launch.launches:
+        cfg = item.config
+        _paged_attention_kernel[(item.num_items, num_kv_heads, num_splits)](
+            q,
+            layer_cache,
+            block_tables,
+            context_lens,
+            cu_seqlens_q,
+            work,
+            o_buf,
+            lse,
+            qk_scale,
+            (softcap or 1.0) * _LOG2E,
+            sliding_window or 0,
+            item.item_offset,
+            launch.kv_per_split,
+            q.stride(0),
+            q.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            kv_cache.stride(4),
+            block_tables.stride(0),
+            block_tables.stride(1),
+            o_split_stride,
+            o_buf.stride(-3),
+            o_buf.stride(-2),
+            *lse_strides,
+            HEAD_DIM=head_dim,
+            BLOCK_D=launch.block_d,
+            GROUP=num_q_heads // num_kv_heads,
+            BLOCK_M=cfg.block_m,
+            BLOCK_Q=item.block_q,
+            BLOCK_N=cfg.block_n,
+            PAGE_SIZE=kv_cache.shape[3],
+            SPLIT_KV=split_kv,
+            HAS_WINDOW=sliding_window is not None,
+            SOFTCAP=softcap is not None,
+            DECODE=item.decode,
+            DOT_FP32=interpreted and q.dtype == torch.bfloat16,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     if split_kv:
         _split_kv_reduce_kernel[(num_tokens, num_q_heads)](
             partial,
@@ -673,7 +746,6 @@ def paged_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=launch.block_d,
-            BLOCK_S=_next_pow2(num_splits),
             num_warps=4,
         )
     return out
@@ -693,7 +765,7 @@ def paged_attention_ref(
     max_q_len: int | None = None,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
-    num_splits: int | None = None,
+    kv_per_split: int | None = None,
     plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Pure-torch paged attention (same signature and checks as :func:`paged_attention`; the test oracle).
@@ -701,7 +773,7 @@ def paged_attention_ref(
     Gathers each sequence's pages (from the first one its window reaches) with one indexing op and
     attends in float32 with the causal offset of the new tokens: ``scaled_dot_product_attention`` without
     a softcap, explicit softmax with one (SDPA has none). Loops over sequences only. ``max_q_len``,
-    ``max_context_len``, ``num_splits`` and ``plan`` serve the checks only.
+    ``max_context_len``, ``kv_per_split`` and ``plan`` serve the checks only.
     """
     _checked_plan(
         q,
@@ -715,7 +787,7 @@ def paged_attention_ref(
         softcap,
         max_q_len,
         max_context_len,
-        num_splits,
+        kv_per_split,
         plan,
     )
     if out is None:

@@ -265,8 +265,7 @@ class RolloutEngine:
                 cache = self._caches[name] = KVCacheManager(arena, name)
                 scorers.append(scorer_class(ModelRunner(self._models[name], cache, backend=backend)))
         actor_lane = DeviceLane(self.device, ACTOR_PRIORITY)
-        if actor_lane.stream is not None:
-            actor_cache.free_event = actor_lane.free_event
+        actor_lane.attach(actor_cache)
         self._loop = StepLoop(
             actor_sched=actor_sched,
             actor=ActorWorker(ModelRunner(self.actor, actor_cache, backend=backend)),
@@ -522,6 +521,8 @@ class RolloutEngine:
         """Pages of the arena: total, free, per model, and retained for carried-over sequences (in the
         arena, or on host while the memory is released -- the arena then holds nothing)."""
         self._check_not_closed()
+        if self._host is None:
+            self._arena.reclaim(wait=True)  # deferred frees whose lane's kernels are done count as free
         carried = {s.seq_id for s in self._buffer.carried}
         # Pages of preempted scorer KV on host count too: they are held for these sequences.
         preempted = sum(sched.swapped_pages(carried) for sched in self._loop.scorer_lane.scheds.values())

@@ -115,6 +115,9 @@ class FakeEvent:
     def query(self) -> bool:
         return self.done
 
+    def synchronize(self) -> None:
+        self.done = True
+
 
 def check_invariant(arena: KVArena, managers) -> None:
     held = sum(m.num_pages_used for m in managers)
@@ -203,3 +206,78 @@ def test_concurrent_lanes_under_reserves_never_deadlock_or_leak():
     assert not errors, errors
     check_invariant(arena, managers)
     assert arena.num_free_pages() == arena.num_pages
+
+
+def two_lanes(arena: KVArena) -> tuple[KVCacheManager, KVCacheManager, list[FakeEvent], list[FakeEvent]]:
+    """An actor and a reward manager on two lanes (streams), each lane's frees behind its own events."""
+    actor, reward = KVCacheManager(arena, "actor"), KVCacheManager(arena, "reward")
+    arena.set_lane("actor", "actor-stream")
+    arena.set_lane("reward", "scorer-stream")
+    actor_events: list[FakeEvent] = []
+    reward_events: list[FakeEvent] = []
+    for manager, events in ((actor, actor_events), (reward, reward_events)):
+        manager.free_event = lambda events=events: events.append(FakeEvent()) or events[-1]
+    return actor, reward, actor_events, reward_events
+
+
+def test_a_slow_lane_event_does_not_hold_another_lanes_completed_frees():
+    arena = make_arena(num_pages=6)
+    actor, reward, actor_events, reward_events = two_lanes(arena)
+    reward.append_slots("r", 64)  # pages 0, 1 (32 reward tokens per page)
+    actor.append_slots("a", 16)  # pages 2, 3
+    reward.free("r")  # the scorer lane's event is slow
+    actor.free("a")
+    actor_events[0].done = True  # the actor's kernels on pages 2, 3 are done
+    arena.reclaim()
+    assert arena.num_free_pages() == 4 and arena.num_pending_pages == 2
+    check_invariant(arena, [actor, reward])
+    assert arena.available_pages("actor") == 4  # not the scorer lane's two pending pages
+    reward_events[0].done = True
+    arena.reclaim()
+    assert arena.num_free_pages() == 6
+    check_invariant(arena, [actor, reward])
+
+
+def test_a_lane_takes_back_its_own_pending_pages_without_waiting_and_others_do_not():
+    arena = make_arena(num_pages=3)
+    actor, reward, actor_events, _ = two_lanes(arena)
+    actor.append_slots("a", 16)  # pages 0, 1
+    actor.free("a")  # event not complete: the actor lane's kernels may still touch pages 0, 1
+    assert arena.num_pending_pages == 2 and arena.available_pages("actor") == 3
+    assert arena.available_pages("reward") == 1
+    assert reward.append_slots("r", 33) is None  # another lane may not have them
+    # The actor's own stream orders its next kernels after those on pages 0, 1: no event needed.
+    slots = actor.append_slots("b", 24)
+    assert slots is not None and sorted(actor.pages("b")) == [0, 1, 2]
+    assert arena.num_pending_pages == 0
+    check_invariant(arena, [actor, reward])
+    assert not actor_events[0].done
+
+
+def test_reclaim_with_wait_returns_every_pending_free():
+    arena = make_arena(num_pages=4)
+    actor, reward, _, _ = two_lanes(arena)
+    actor.append_slots("a", 8)
+    reward.append_slots("r", 1)
+    actor.free("a")
+    reward.free("r")
+    arena.reclaim()
+    assert arena.num_free_pages() == 2
+    arena.reclaim(wait=True)
+    assert arena.num_free_pages() == arena.num_pages and arena.num_pending_pages == 0
+
+
+def test_a_held_host_buffer_lives_until_its_copy_event_completes():
+    import weakref
+
+    arena = make_arena(num_pages=2)
+    event = FakeEvent()
+    buffer = torch.empty(4, dtype=torch.uint8)
+    alive = weakref.ref(buffer)
+    arena.hold(buffer, event)
+    del buffer
+    arena.reclaim()
+    assert alive() is not None and arena.num_held_buffers == 1  # the copy may still read it
+    event.done = True
+    arena.reclaim()
+    assert alive() is None and arena.num_held_buffers == 0

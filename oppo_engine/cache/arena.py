@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +58,8 @@ class CompletionEvent(Protocol):
 
     def query(self) -> bool: ...
 
+    def synchronize(self) -> None: ...
+
 
 class KVArena:
     """``num_pages`` pages of ``page_bytes`` bytes on one device, shared by several models.
@@ -74,14 +76,23 @@ class KVArena:
     no lane waits on another for pages: the rule cannot deadlock.
 
     Frees may be deferred (``free(..., after=event)``): on CUDA a page freed by one lane must not be reused
-    before that lane's kernels on it are done, so it returns to the pool only once the event recorded
-    after them has completed (polled at the next allocation).
+    by another before the freeing lane's kernels on it are done, so it returns to the pool only once the
+    event recorded after them has completed. Pending frees are kept per lane (``set_lane``: the models
+    whose kernels run on one stream share a lane), in the order they were recorded, so one lane's slow
+    event never holds another lane's completed frees behind it; every completed one is reclaimed at each
+    allocation and whenever the counts are read (``reclaim``). A lane takes its *own* pending pages back
+    at once, with no event: its stream orders its later kernels after the earlier ones on those pages.
+
+    Host buffers a device copy still reads or writes (pinned swap buffers) are held by ``hold`` until the
+    event recorded after the copy completes: the caching host allocator would otherwise hand a dropped
+    buffer out again while the copy is in flight.
 
     A page may be shared by several sequences of one model (a group's prompt, ``incref``): it is held once
     however many reference it, and returns to the pool when its last reference is dropped.
 
     NOTE: invariant, checked by tests: ``num_free_pages() + pages held by every model + pending frees ==
-    num_pages``, a shared page counted once.
+    num_pages``, a shared page counted once. A pending page keeps its allocator reference (count 1) until it
+    is reclaimed or taken back by its own lane.
     """
 
     def __init__(
@@ -112,6 +123,7 @@ class KVArena:
         self._page_sizes = {name: fit_page_size(spec, self.page_bytes) for name, spec in self.specs.items()}
         self._lock = threading.Lock()
         self._reserve = dict.fromkeys(self.specs, 0)
+        self._lane = {name: name for name in self.specs}  # model -> the lane (stream) its kernels run on
         self.rebuild()
 
     def rebuild(self) -> None:
@@ -120,8 +132,10 @@ class KVArena:
         self.allocator = ops.PageAllocator(self.num_pages)
         self._views = {name: self._make_view(name) for name in self.specs}
         self._held = dict.fromkeys(self.specs, 0)
-        self._pending: deque[tuple[CompletionEvent, list[int], str]] = deque()
-        self._num_pending = 0
+        # lane -> its deferred frees, oldest first: (event, pages); events of one lane complete in order.
+        self._pending: dict[Hashable, deque[tuple[CompletionEvent, list[int]]]] = {}
+        self._num_pending: dict[Hashable, int] = {}
+        self._held_buffers: list[tuple[CompletionEvent, object]] = []
         self._extra_refs = 0  # references beyond the first, over all pages (0: nothing is shared)
 
     def release(self) -> None:
@@ -141,7 +155,37 @@ class KVArena:
         """Wait for every deferred free (used before the pages are copied or dropped wholesale)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._reclaim()
+        self.reclaim()
+
+    def set_lane(self, name: str, lane: Hashable) -> None:
+        """Model ``name``'s kernels run on ``lane`` (one stream): its frees pend on that lane's queue, and
+        the lane's models take back each other's pending pages without waiting (stream order)."""
+        if name not in self.specs:
+            raise ValueError(f"KVArena: unknown model {name!r}; models are {list(self.specs)}")
+        with self._lock:
+            if self._pending.get(self._lane[name]):
+                raise RuntimeError(f"KVArena: {name!r} has pending frees on its lane; set lanes before use")
+            self._lane[name] = lane
+
+    def hold(self, buffer: object, until: CompletionEvent | None) -> None:
+        """Keep ``buffer`` (a host tensor a device copy uses) alive until ``until`` completes; None: no-op."""
+        if until is None or until.query():
+            return
+        with self._lock:
+            self._held_buffers.append((until, buffer))
+
+    def hold_for_copy(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` alive until the copies issued on the current stream so far are done (CUDA; the
+        CPU copies synchronously). Replaces a stream sync after a copy from or to a pinned host buffer."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.hold(buffer, event)
+
+    @property
+    def num_held_buffers(self) -> int:
+        """Host buffers still held for a device copy in flight."""
+        return len(self._held_buffers)
 
     def _make_view(self, name: str) -> torch.Tensor:
         spec, ps = self.specs[name], self._page_sizes[name]
@@ -165,13 +209,13 @@ class KVArena:
         return self.buffer.view(self.num_pages, self.page_bytes)
 
     def num_free_pages(self) -> int:
-        """Pages no model holds right now (pending frees not counted)."""
+        """Pages no model holds right now (pending frees not counted: ``reclaim`` first to count them)."""
         return self.allocator.num_free()
 
     @property
     def num_pending_pages(self) -> int:
         """Freed pages still waiting for their freeing lane's kernels."""
-        return self._num_pending
+        return sum(self._num_pending.values())
 
     def pages_held(self, name: str) -> int:
         """Pages model ``name`` holds."""
@@ -186,14 +230,16 @@ class KVArena:
         self._reserve[name] = pages
 
     def available_pages(self, name: str) -> int:
-        """Pages model ``name`` may take now: the free ones, less what others need to reach their reserves."""
-        self._reclaim()
+        """Pages model ``name`` may take now: the free ones and its lane's own pending ones, less what others
+        need to reach their reserves."""
+        self.reclaim()
         with self._lock:
             return self._available(name)
 
     def _available(self, name: str) -> int:
         owed = sum(max(0, r - self._held[m]) for m, r in self._reserve.items() if m != name)
-        return max(0, self.allocator.num_free() - owed)
+        own_pending = self._num_pending.get(self._lane[name], 0)
+        return max(0, self.allocator.num_free() + own_pending - owed)
 
     def alloc(self, name: str, n: int, *, keep_reserves: bool = True) -> list[int] | None:
         """``n`` fresh pages for model ``name`` (reference count 1), or None (nothing taken) if it may not.
@@ -201,15 +247,37 @@ class KVArena:
         ``keep_reserves=False`` ignores other models' reserves: only for bringing back pages that were all
         held together before (swap-in), where the order of the models must not matter.
         """
-        self._reclaim()
+        self.reclaim()
         with self._lock:
-            limit = self._available(name) if keep_reserves else self.allocator.num_free()
+            lane = self._lane[name]
+            own_pending = self._num_pending.get(lane, 0)
+            limit = self._available(name) if keep_reserves else self.allocator.num_free() + own_pending
             if n > limit:
                 return None
-            pages = self.allocator.alloc(n)
-            if pages is not None:
-                self._held[name] += n
+            # The lane's own pending pages first: they need no event, and leave the free pool to the others.
+            pages = self._take_pending(lane, min(n, own_pending))
+            if len(pages) < n:
+                fresh = self.allocator.alloc(n - len(pages))
+                if fresh is None:  # every allocator call is under this lock, and n <= limit
+                    raise RuntimeError(f"KVArena: the allocator refused {n - len(pages)} free pages")
+                pages += fresh
+            self._held[name] += n
             return pages
+
+    def _take_pending(self, lane: Hashable, n: int) -> list[int]:
+        """Up to ``n`` of ``lane``'s pending pages, newest first (each keeps its allocator reference)."""
+        taken: list[int] = []
+        queue = self._pending.get(lane)
+        while queue and len(taken) < n:
+            event, pages = queue[-1]
+            k = min(n - len(taken), len(pages))
+            taken.extend(pages[len(pages) - k :])
+            if k == len(pages):
+                queue.pop()
+            else:
+                queue[-1] = (event, pages[: len(pages) - k])
+        self._num_pending[lane] = self._num_pending.get(lane, 0) - len(taken)
+        return taken
 
     def incref(self, name: str, pages: Sequence[int]) -> None:
         """One more reference to model ``name``'s ``pages`` (another sequence shares them); a shared page is
@@ -243,15 +311,29 @@ class KVArena:
             if after is None or after.query():
                 self.allocator.free(pages)
             else:
-                self._pending.append((after, pages, name))
-                self._num_pending += len(pages)
+                lane = self._lane[name]
+                self._pending.setdefault(lane, deque()).append((after, pages))
+                self._num_pending[lane] = self._num_pending.get(lane, 0) + len(pages)
 
-    def _reclaim(self) -> None:
-        """Return the pages of completed deferred frees to the pool, oldest first."""
-        if not self._pending:
+    def reclaim(self, *, wait: bool = False) -> None:
+        """Return the pages of every completed deferred free to the pool (each lane's, oldest first, up to
+        its first incomplete event), and drop the held host buffers whose copies are done. ``wait`` first
+        waits for every pending event (exact counts for a stats read; never on the hot path)."""
+        if not (self._num_pending_any() or self._held_buffers):
             return
+        if wait:
+            with self._lock:
+                events = [e for queue in self._pending.values() for e, _ in queue]
+            for event in events:  # outside the lock: a lane may free meanwhile (its event joins next time)
+                event.synchronize()
         with self._lock:
-            while self._pending and self._pending[0][0].query():
-                _, pages, _ = self._pending.popleft()
-                self._num_pending -= len(pages)
-                self.allocator.free(pages)
+            for lane, queue in self._pending.items():
+                while queue and queue[0][0].query():
+                    _, pages = queue.popleft()
+                    self._num_pending[lane] -= len(pages)
+                    self.allocator.free(pages)
+            if self._held_buffers:
+                self._held_buffers = [(e, b) for e, b in self._held_buffers if not e.query()]
+
+    def _num_pending_any(self) -> bool:
+        return any(self._num_pending.values())

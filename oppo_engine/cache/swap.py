@@ -100,24 +100,19 @@ def swap_in(host: HostPages, arena: KVArena, caches: dict[str, KVCacheManager]) 
             tokens[name] = tokens.get(name, 0) + num_tokens
     if src:
         ops.copy_pages(host.buffer, arena.page_view(), torch.tensor(src), torch.tensor(dst))
-        _host_copy_done(arena)
+        # NOTE: the custom op records no use of the pinned buffer with the caching host allocator, so the
+        # arena holds it until the copy is done: dropped earlier, it could be handed out mid-copy.
+        arena.hold_for_copy(host.buffer)
     return tokens
-
-
-def _host_copy_done(arena: KVArena) -> None:
-    """Wait for a copy from a pinned host buffer the caller is about to drop: the custom op records no
-    use of it, so the caching host allocator could hand it out again while the copy still reads it."""
-    if arena.device.type == "cuda":
-        torch.cuda.current_stream(arena.device).synchronize()
 
 
 def swap_out_seq(cache: KVCacheManager, seq_id: Hashable) -> HostPages | None:
     """Copy ``seq_id``'s pages of ``cache`` to host memory and free them (a preempted sequence whose KV is
     cheaper to copy back than to prefill again); None if it holds none.
 
-    NOTE: on CUDA the copy and the later copy back run on the caller's (the lane's) stream, in order, and
-    the freed pages return to the pool only after the lane's event; only the copy back waits (it drops
-    the host buffer). Unverified on a GPU so far.
+    NOTE: on CUDA the copy and the later copy back run on the caller's (the lane's) stream, in order; the
+    freed pages return to the pool only after the lane's event, and the arena holds the pinned buffer
+    until each copy is done (nothing waits on the host).
     """
     pages = cache.pages(seq_id)
     if not pages:
@@ -126,6 +121,7 @@ def swap_out_seq(cache: KVCacheManager, seq_id: Hashable) -> HostPages | None:
     pin = arena.device.type == "cuda"
     buffer = torch.empty((len(pages), arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
     ops.copy_pages(arena.page_view(), buffer, torch.tensor(pages), torch.arange(len(pages)))
+    arena.hold_for_copy(buffer)  # the HostPages may be dropped (KV recomputed instead) mid-copy
     host = HostPages(buffer, {cache.name: {seq_id: (list(range(len(pages))), cache.num_tokens(seq_id))}})
     cache.free(seq_id)
     return host
@@ -139,6 +135,6 @@ def swap_in_seq(cache: KVCacheManager, seq_id: Hashable, host: HostPages) -> int
     if pages is None:
         return None
     ops.copy_pages(host.buffer, cache.arena.page_view(), torch.tensor(rows), torch.tensor(pages))
-    _host_copy_done(cache.arena)
+    cache.arena.hold_for_copy(host.buffer)
     cache.replace_pages(seq_id, pages, num_tokens)
     return num_tokens

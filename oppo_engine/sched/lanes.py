@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oppo_engine.cache.manager import KVCacheManager
 from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.obs import Timeline
@@ -55,6 +56,39 @@ class DeviceLane:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
+
+    def attach(self, cache: KVCacheManager) -> None:
+        """Run ``cache``'s model on this lane: its frees pend behind this lane's events (CUDA), and the
+        lane's models take back each other's pending pages without waiting (one stream orders them)."""
+        cache.arena.set_lane(cache.name, self)
+        if self.stream is not None:
+            cache.free_event = self.free_event
+
+    def wait_for(self, stream) -> None:
+        """Order this lane's later kernels after the work issued on ``stream`` so far (the caller's: the
+        weights ``optimizer.step()`` or an FSDP gather just wrote there may still be in flight)."""
+        if self.stream is not None and stream is not None and stream != self.stream:
+            self.stream.wait_stream(stream)
+
+
+@contextlib.contextmanager
+def ordered_with_caller(*lanes: DeviceLane) -> Iterator[None]:
+    """A step's stream order with the thread that calls ``step()``: every lane starts after the work issued
+    on the caller's current stream so far (weights written by ``optimizer.step()``, an FSDP gather), and
+    that stream continues after the lanes' work (the trainer reuses what the step touched). CPU: nothing."""
+    device = lanes[0].device
+    if device.type != "cuda":
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    for lane in lanes:
+        lane.wait_for(caller)
+    try:
+        yield
+    finally:
+        for lane in lanes:
+            if lane.stream is not None and lane.stream != caller:
+                caller.wait_stream(lane.stream)
 
 
 @dataclass(slots=True)
@@ -96,9 +130,8 @@ class ScorerLane:
         self.timeline = timeline
         self.pages_in_use = pages_in_use
         self.device_lane = device_lane
-        if device_lane.stream is not None:
-            for sched in self.scheds.values():
-                sched.cache.free_event = device_lane.free_event
+        for sched in self.scheds.values():
+            device_lane.attach(sched.cache)
         self._cond = threading.Condition()
         self._inbox: list[_HandOff] = []
         self._closing = False

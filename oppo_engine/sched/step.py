@@ -14,7 +14,7 @@ import torch
 from oppo_engine.model.actor import ActorWorker, SampleSpec
 from oppo_engine.model.runner import SeqChunk
 from oppo_engine.obs import Timeline
-from oppo_engine.sched.lanes import DeviceLane, ScorerLane
+from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
 from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
@@ -76,7 +76,10 @@ class StepLoop:
         out = StepOutcome()
         lane = self.scorer_lane
         t0 = time.perf_counter()
-        with _lane_threads(stream, self.actor_lane.device):
+        with (
+            _lane_threads(stream, self.actor_lane.device),
+            ordered_with_caller(self.actor_lane, lane.device_lane),
+        ):
             # NOTE: the lane starts after this loop: a worker already running could score a carried
             # sequence between the loop's reads of its status and of what the lane knows.
             for seq in seqs:

@@ -14,7 +14,7 @@ import torch
 from paged_cases import DEVICE, LAYER, NUM_LAYERS, Case, dense_causal_attention_f64, make_case
 
 from oppo_engine.kernels.paged_attention import (
-    _choose_num_splits,
+    KV_PER_SPLIT,
     paged_attention,
     paged_attention_ref,
     plan_attention,
@@ -28,9 +28,9 @@ TOLERANCES = {
 }
 
 
-def assert_kernel_matches_reference(case: Case, num_splits: int | None = None, **kwargs) -> torch.Tensor:
+def assert_kernel_matches_reference(case: Case, kv_per_split: int | None = None, **kwargs) -> torch.Tensor:
     out = torch.full_like(case.q, float("nan"))
-    result = paged_attention(*case.args(), out=out, num_splits=num_splits, **kwargs)
+    result = paged_attention(*case.args(), out=out, kv_per_split=kv_per_split, **kwargs)
     assert result is out
     expected = paged_attention_ref(*case.args(), out=torch.full_like(case.q, float("nan")), **kwargs)
     assert not expected.isnan().any(), "the reference read a poisoned element"
@@ -97,18 +97,18 @@ def test_strided_query_view_matches_reference():
     assert_kernel_matches_reference(case)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_split_kv_matches_reference_for_decode_and_prefill(num_splits: int):
+@pytest.mark.parametrize("kv_per_split", [64, 128, 512])
+def test_split_kv_matches_reference_for_decode_and_prefill(kv_per_split: int):
     # Shorter sequences leave some splits empty; the prefill chunk has rows whose causal end falls
     # before a split's start.
     case = make_case([(1, 150), (1, 3), (30, 130)], num_q_heads=8, num_kv_heads=2, seed=7)
-    assert_kernel_matches_reference(case, num_splits=num_splits)
+    assert_kernel_matches_reference(case, kv_per_split=kv_per_split)
 
 
 def test_split_kv_and_unsplit_paths_agree():
     case = make_case([(1, 200), (1, 64)], dtype=torch.float16, seed=8)
-    split = paged_attention(*case.args(), num_splits=4)
-    unsplit = paged_attention(*case.args(), num_splits=1)
+    split = paged_attention(*case.args(), kv_per_split=64)
+    unsplit = paged_attention(*case.args(), kv_per_split=512)
     torch.testing.assert_close(split, unsplit, atol=2e-3, rtol=2e-3)
 
 
@@ -119,16 +119,17 @@ def test_host_maxima_give_the_same_output_as_computed_ones():
     torch.testing.assert_close(given, computed, atol=0, rtol=0)
 
 
-def test_split_rule_splits_only_underfilled_long_context_launches():
-    sms = 132
-    assert _choose_num_splits(64 * 8, 16384, sms) == 1  # enough programs already
-    assert _choose_num_splits(1 * 8, 256, sms) == 1  # too short to split
-    assert _choose_num_splits(1 * 8, 16384, sms) == 33  # 8 programs -> 2 * 132 target
-    assert _choose_num_splits(8 * 8, 4096, sms) == 5
-    assert _choose_num_splits(1, 1 << 20, sms) == 64  # capped
-    for programs, ctx in [(1, 600), (3, 2000), (100, 5000)]:
-        splits = _choose_num_splits(programs, ctx, sms)
-        assert 1 <= splits <= ctx // 256
+def test_splits_follow_each_sequences_own_context_not_the_batch():
+    # A fixed number of keys per split: the split count of a launch is ceil(max context / KV_PER_SPLIT),
+    # whatever the number of sequences; a decode-only plan needs no work list.
+    for num_seqs in (1, 7, 256):
+        case = make_case([(1, 1 + 9 * n % 1200) for n in range(num_seqs)], seed=12)
+        plan = plan_attention(
+            case.kv_cache, case.block_tables, case.context_lens, case.cu_seqlens_q, case.q.shape[1],
+            max_q_len=1, max_context_len=1200,
+        )  # fmt: skip
+        assert plan.launch.num_splits == -(-1200 // KV_PER_SPLIT) and plan.work is None
+        assert [launch.num_items for launch in plan.launch.launches] == [num_seqs]
 
 
 def test_reference_matches_dense_causal_attention_in_float64():
@@ -172,11 +173,11 @@ def test_softcap_matches_reference_with_and_without_window(window: int | None):
     assert_kernel_matches_reference(case, sliding_window=window, softcap=5.0)
 
 
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_sliding_window_with_split_kv_matches_reference(num_splits: int):
+@pytest.mark.parametrize("kv_per_split", [64, 128])
+def test_sliding_window_with_split_kv_matches_reference(kv_per_split: int):
     # Splits wholly before a window see no key and must drop out of the reduction.
     case = make_case([(1, 150), (1, 3), (30, 130)], num_q_heads=8, num_kv_heads=2, seed=22, window=37)
-    assert_kernel_matches_reference(case, num_splits=num_splits, sliding_window=37, softcap=20.0)
+    assert_kernel_matches_reference(case, kv_per_split=kv_per_split, sliding_window=37, softcap=20.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -297,3 +298,58 @@ def test_7b_shapes_match_reference_on_gpu(batch: int, q_len: int, ctx: int):
         [(q_len, ctx)] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, seed=12
     )
     assert_kernel_matches_reference(case)
+
+
+def _alone(case: Case, n: int) -> Case:
+    """Sequence ``n`` of ``case`` as a batch of its own: the same queries, cache, pages and context."""
+    lo, hi = case.cu_seqlens_q[n].item(), case.cu_seqlens_q[n + 1].item()
+    return Case(
+        case.q[lo:hi].clone(),
+        case.kv_cache,
+        case.block_tables[n : n + 1].clone(),
+        case.context_lens[n : n + 1].clone(),
+        torch.tensor([0, hi - lo], dtype=torch.int32, device=case.q.device),
+        case.scale,
+    )
+
+
+# A long decode (split several ways), a short one, a prefill chunk over a long context, a fresh prompt.
+MIXED = [(1, 700), (1, 9), (40, 610), (1, 1300), (17, 17), (1, 260)]
+
+
+def assert_batch_invariant(dtype: torch.dtype, kv_per_split: int | None, **kwargs) -> None:
+    case = make_case(MIXED, num_q_heads=8, num_kv_heads=2, dtype=dtype, seed=40)
+    batched = paged_attention(*case.args(), kv_per_split=kv_per_split, **kwargs)
+    decodes_only = [n for n, (q_len, _) in enumerate(MIXED) if q_len == 1]
+    for n in range(len(MIXED)):
+        lo, hi = case.cu_seqlens_q[n].item(), case.cu_seqlens_q[n + 1].item()
+        alone = paged_attention(*_alone(case, n).args(), kv_per_split=kv_per_split, **kwargs)
+        assert torch.equal(alone, batched[lo:hi]), f"sequence {n} {MIXED[n]} depends on its batch"
+    # And a decode-only batch (its own launch shape) gives each decode the same bits again.
+    rows = torch.tensor([case.cu_seqlens_q[n].item() for n in decodes_only])
+    decode_case = Case(
+        case.q[rows].clone(),
+        case.kv_cache,
+        case.block_tables[decodes_only].clone(),
+        case.context_lens[decodes_only].clone(),
+        torch.arange(len(decodes_only) + 1, dtype=torch.int32, device=case.q.device),
+        case.scale,
+    )
+    decoded = paged_attention(*decode_case.args(), kv_per_split=kv_per_split, max_q_len=1, **kwargs)
+    assert torch.equal(decoded, batched[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_per_split", [None, 128])
+def test_a_sequence_alone_and_in_a_mixed_batch_gets_bit_identical_attention(dtype, kv_per_split):
+    assert_batch_invariant(dtype, kv_per_split)
+
+
+def test_batch_invariance_holds_with_window_and_softcap():
+    assert_batch_invariant(torch.float32, 128, sliding_window=200, softcap=30.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv_per_split", [None, 128])
+def test_a_sequence_alone_and_in_a_mixed_batch_gets_bit_identical_attention_in_bf16_on_gpu(kv_per_split):
+    assert_batch_invariant(torch.bfloat16, kv_per_split)
