@@ -27,7 +27,7 @@ import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from oppo_engine.kernels.paged_attention import _plan, paged_attention
+from oppo_engine.kernels.paged_attention import _plan, paged_attention, plan_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 FLASH_PAGE_SIZE = 256
@@ -175,8 +175,22 @@ def bench_paged_and_sdpa(row: Row, copy_gb_s: float, matmul_tflop_s: float) -> N
     out = torch.empty_like(t["q"])
     args = (t["q"], t["kv_cache"], 0, t["block_tables"], t["context_lens"], t["cu_seqlens_q"], HEAD_DIM**-0.5)
 
-    def ours(num_splits: int | None = None):
-        return paged_attention(*args, max_q_len=q_len, max_context_len=ctx, out=out, num_splits=num_splits)
+    # Planned once, as the engine plans once per forward for all layers.
+    plans = {
+        per_split: plan_attention(
+            *args[1:2],
+            *args[3:6],
+            NUM_Q_HEADS,
+            max_q_len=q_len,
+            max_context_len=ctx,
+            q_lens=[q_len] * batch,
+            kv_per_split=per_split,
+        )  # fmt: skip
+        for per_split in (None, -(-ctx // 64) * 64)
+    }
+
+    def ours(kv_per_split: int | None = None):
+        return paged_attention(*args, out=out, plan=plans[kv_per_split])
 
     row.time_us = _bench_us(ours)
     if row.kind == "decode":
@@ -186,7 +200,7 @@ def bench_paged_and_sdpa(row: Row, copy_gb_s: float, matmul_tflop_s: float) -> N
         row.tflop_s = prefill_flops(batch, q_len, ctx) / row.time_us / 1e6
         row.frac_of_matmul = row.tflop_s / matmul_tflop_s
     if row.splits > 1:
-        row.unsplit_us = _bench_us(lambda: ours(num_splits=1))
+        row.unsplit_us = _bench_us(lambda: ours(kv_per_split=-(-ctx // 64) * 64))
 
     try:
         row.sdpa_gather_us = _bench_us(lambda: gather_contiguous(t, batch, ctx))
@@ -203,7 +217,8 @@ def bench_paged_and_sdpa(row: Row, copy_gb_s: float, matmul_tflop_s: float) -> N
 
 
 def bench_row(kind: str, batch: int, q_len: int, ctx: int, copy_gb_s: float, matmul_tflop_s: float) -> Row:
-    plan = _plan(batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, q_len, ctx, DTYPE, torch.device("cuda"))
+    q_lens = None if q_len == 1 else [q_len] * batch
+    plan, _ = _plan(q_lens, batch, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, ctx, DTYPE)
     row = Row(kind, batch, q_len, ctx, plan.num_splits, time_us=float("nan"))
     bench_paged_and_sdpa(row, copy_gb_s, matmul_tflop_s)
     torch.cuda.empty_cache()

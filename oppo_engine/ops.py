@@ -166,9 +166,11 @@ def plan_forward(
     *,
     max_q_len: int,
     max_context_len: int,
+    q_lens: list[int] | None = None,
 ) -> AttentionPlan | None:
     """The once-per-forward plan of the attention path the tensors will take (checks included), or None
-    where that path needs none (the C++ CPU op checks its inputs itself, cheaply, in every call)."""
+    where that path needs none (the C++ CPU op checks its inputs itself, cheaply, in every call).
+    ``q_lens`` (host ints) builds the kernel's work list without reading the device."""
     if not (kv_cache.is_cuda or _triton_on_cpu):
         return None
     return plan_attention(
@@ -179,6 +181,7 @@ def plan_forward(
         num_q_heads,
         max_q_len=max_q_len,
         max_context_len=max_context_len,
+        q_lens=q_lens,
     )
 
 

@@ -165,3 +165,34 @@ def test_every_prompt_finishes_with_unchanged_tokens_and_no_page_leaks(
                 scored.append(c.seq.seq_id)
     assert sorted(scored) == list(range(len(seqs)))
     assert arena.num_free_pages() == arena.num_pages
+
+
+class _PendingEvent:
+    """A CUDA event whose lane's kernels are still running (never completes here)."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        raise AssertionError("the scheduler must not wait for an event")
+
+
+def test_preemption_reuses_pages_pending_behind_the_lanes_own_event_and_takes_one_victim():
+    # 4 pages of 8 tokens; three 8-token prompts hold 3. On CUDA a preempted sequence's pages pend behind
+    # the actor lane's event: the actor lane may reuse them at once (its stream orders the kernels), so
+    # one victim is enough for the sequence that needs a page.
+    arena = KVArena({"actor": SPEC}, page_size=8, num_pages=4)
+    cache = KVCacheManager(arena, "actor")
+    arena.set_lane("actor", "actor-stream")
+    cache.free_event = _PendingEvent
+    sched = ActorScheduler(cache, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    seqs = [Sequence(i, i, [1 + i] * 8, SamplingParams(max_new_tokens=20), i) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    assert len(sched.schedule()) == 3  # the three prompts, one page each
+    for seq in seqs:
+        sched.append_token(seq, 5, 0.0, 0)
+    chunks = sched.schedule()  # every sequence needs a second page; one is free
+    assert sched.num_preemptions == 1 and seqs[2].status is SeqStatus.WAITING
+    assert [c.seq.seq_id for c in chunks] == [0, 1]
+    assert arena.num_pending_pages == 0 and arena.num_free_pages() == 0

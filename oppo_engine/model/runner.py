@@ -88,10 +88,14 @@ class ModelRunner:
         return self._logits(batch, batch.last)
 
     @torch.inference_mode()
-    def logits_at(self, chunks: Sequence[SeqChunk], rows: Sequence[int]) -> torch.Tensor:
-        """Logits ``[len(rows), V]`` float32 after the tokens at packed ``rows`` of the forward."""
+    def logits_at(
+        self, chunks: Sequence[SeqChunk], rows: Sequence[int], *, float32: bool = True
+    ) -> torch.Tensor:
+        """Logits ``[len(rows), V]`` after the tokens at packed ``rows`` of the forward: float32, or the
+        model's own dtype with ``float32=False`` (no float32 copy of a large block)."""
         batch = self._prepare(chunks)
-        return self._logits(batch, torch.as_tensor(rows, dtype=torch.int64).to(self.device))
+        picked = torch.as_tensor(rows, dtype=torch.int64).to(self.device)
+        return self._logits(batch, picked, float32=float32)
 
     @torch.inference_mode()
     def logits_all(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
@@ -124,7 +128,7 @@ class ModelRunner:
             out = self.base(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False)
         return out.last_hidden_state[0]
 
-    def _logits(self, batch: _Batch, rows: torch.Tensor | None) -> torch.Tensor:
+    def _logits(self, batch: _Batch, rows: torch.Tensor | None, *, float32: bool = True) -> torch.Tensor:
         """Logits ``[len(rows), V]`` (every row when ``rows`` is None) through the model's own forward."""
         if self.lm_head is None:
             raise ValueError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
@@ -137,7 +141,7 @@ class ModelRunner:
         logits = out.logits[0]
         if rows is not None and not self._keeps_logits:
             logits = logits.index_select(0, rows)
-        return logits.float()
+        return logits.float() if float32 else logits
 
     def _prepare(self, chunks: Sequence[SeqChunk]) -> _Batch:
         """Index tensors of one forward, built on the host and moved in two copies (int64, int32), no sync.
@@ -204,6 +208,7 @@ class ModelRunner:
                 self.num_q_heads,
                 max_q_len=max_q_len,
                 max_context_len=max_context_len,
+                q_lens=q_lens,
             ),  # fmt: skip
         )
         return _Batch(i64[:T].view(1, T), i64[T : 2 * T].view(1, T), i64[3 * T :], meta)
