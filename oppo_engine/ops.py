@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from oppo_engine import _C
+from oppo_engine.kernels import cache_ops as _cache_fallback
 from oppo_engine.kernels import flash_backend as _flash
 from oppo_engine.kernels import paged_attention as _attn
 from oppo_engine.kernels import sample as _sample
@@ -23,6 +24,18 @@ AttentionPlan = _attn.AttentionPlan
 plan_attention = _attn.plan_attention
 
 ATTENTION_BACKENDS = ("triton", "flash_attn")
+
+# Whether the extension was built with its CUDA cache kernels (nvcc at build time). Without them, CUDA
+# tensors take the Triton/torch fallbacks of kernels/cache_ops.py: the engine needs no nvcc.
+CUDA_CACHE_OPS = torch._C._dispatch_has_kernel_for_dispatch_key("oppo::reshape_and_cache", "CUDA")
+
+
+def cache_ops_backend(device: torch.device) -> str:
+    """Which implementation runs the cache ops on ``device``: "cpu", "cuda" (compiled) or "triton"."""
+    if device.type != "cuda":
+        return "cpu"
+    return "cuda" if CUDA_CACHE_OPS else "triton"
+
 
 # Run the Triton kernels on CPU tensors too (only under TRITON_INTERPRET=1): lets the CPU test suite drive
 # the real kernels through the whole engine, as they run on CUDA.
@@ -71,6 +84,9 @@ def reshape_and_cache(
     ``kv_cache`` is one model's view ``[num_pages, L, 2, page_size, H, D]`` of the arena; the write happens on
     the caller's current stream.
     """
+    if kv_cache.is_cuda and not CUDA_CACHE_OPS:
+        _cache_fallback.reshape_and_cache(key, value, kv_cache, slot_mapping, layer)
+        return
     torch.ops.oppo.reshape_and_cache(key, value, kv_cache, slot_mapping, layer)
 
 
@@ -79,6 +95,9 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_
 
     ``src``/``dst`` may be the arena or a pinned host buffer; the ids are int64 CPU tensors.
     """
+    if (src.is_cuda or dst.is_cuda) and not CUDA_CACHE_OPS:
+        _cache_fallback.copy_pages(src, dst, src_ids, dst_ids)
+        return
     torch.ops.oppo.copy_pages(src, dst, src_ids, dst_ids)
 
 

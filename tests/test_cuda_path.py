@@ -83,3 +83,53 @@ def test_reference_logprobs_as_gather_minus_logsumexp_equal_the_log_softmax_form
     new = scorer.picked_logprobs(logits, inv_t, lse, rows, tokens)
     assert new[2] == float("-inf")
     torch.testing.assert_close(new, old, atol=2e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pattern", ["one_token", "crossing_pages", "padded"])
+def test_triton_reshape_and_cache_writes_the_same_bytes_as_the_cpp_op(dtype, pattern):
+    from test_cache_ops import NUM_PAGES, SMALL, make_slots, non_contiguous_kv, poisoned_arena, small_model
+
+    from oppo_engine.kernels import cache_ops
+
+    gen = torch.Generator().manual_seed(len(pattern) + dtype.itemsize)
+    arena = poisoned_arena(gen)
+    expected = arena.clone()
+    slots = make_slots(pattern, small_model(arena, dtype).shape[3], NUM_PAGES, gen)
+    key, value = non_contiguous_kv(gen, len(slots), SMALL["heads"], SMALL["head_dim"], dtype)
+    cache_ops.reshape_and_cache(key, value, small_model(arena, dtype), slots, 2)
+    torch.ops.oppo.reshape_and_cache(key, value, small_model(expected, dtype), slots, 2)
+    assert torch.equal(arena, expected)  # the whole arena: nothing written outside the slots either
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "same_buffer"),
+    [
+        ([0, 1, 2, 5], [3, 4, 5, 0], False),  # a run of three, then one
+        ([2, 3], [3, 4], True),  # overlapping run in one buffer: page by page, in order, as the C++ op
+        ([7], [7], True),
+        ([], [], False),
+    ],
+)
+def test_torch_copy_pages_copies_the_same_bytes_as_the_cpp_op(src_ids, dst_ids, same_buffer):
+    from oppo_engine.kernels import cache_ops
+
+    gen = torch.Generator().manual_seed(len(src_ids))
+    src = torch.randint(0, 256, (8, 300), dtype=torch.uint8, generator=gen)
+    dst = src if same_buffer else torch.randint(0, 256, (8, 300), dtype=torch.uint8, generator=gen)
+    src_b, dst_b = src.clone(), dst.clone()
+    if same_buffer:
+        src_b = dst_b
+    ids = torch.tensor(src_ids, dtype=torch.int64), torch.tensor(dst_ids, dtype=torch.int64)
+    cache_ops.copy_pages(src, dst, *ids)
+    torch.ops.oppo.copy_pages(src_b, dst_b, *ids)
+    assert torch.equal(dst, dst_b)
+
+
+def test_fallback_copy_pages_refuses_bad_ids_like_the_cpp_op():
+    from oppo_engine.kernels import cache_ops
+
+    src, dst = torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"dst_ids\[0\] = 2 outside \[0, 2\)"):
+        cache_ops.copy_pages(src, dst, torch.tensor([1]), torch.tensor([2]))
+    assert not dst.any()
