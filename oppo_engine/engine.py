@@ -30,6 +30,7 @@ from oppo_engine.model.scorer import (
     Scorer,
 )
 from oppo_engine.model.support import text_config
+from oppo_engine.model.warmup import warm_up_models
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
 from oppo_engine.sched.overcommit import BatchCut, OvercommitBuffer
@@ -280,6 +281,8 @@ class RolloutEngine:
             timeline=self._timeline,
             pages_in_use=lambda: arena.num_pages - arena.num_free_pages(),
         )
+        if self.device.type == "cuda":  # compile the Triton variants here, not on two lanes at once
+            warm_up_models(self._loop.actor, scorers, cfg.max_model_len)
 
     def _check_open(self) -> None:
         self._check_not_closed()

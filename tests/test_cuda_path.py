@@ -38,7 +38,7 @@ def make_engine(actor, reward, mode: str = "sequential", **cfg) -> RolloutEngine
     return RolloutEngine(
         actor=actor,
         reward=reward,
-        config=EngineConfig(batch_size=4, mode=mode, max_model_len=64, page_size=8, **cfg),
+        config=EngineConfig(batch_size=4, mode=mode, **{"max_model_len": 64, "page_size": 8, **cfg}),
         sampling=SamplingParams(temperature=0.0, max_new_tokens=12),
         eos_token_id=EOS,
     )
@@ -133,3 +133,23 @@ def test_fallback_copy_pages_refuses_bad_ids_like_the_cpp_op():
     with pytest.raises(ValueError, match=r"dst_ids\[0\] = 2 outside \[0, 2\)"):
         cache_ops.copy_pages(src, dst, torch.tensor([1]), torch.tensor([2]))
     assert not dst.any()
+
+
+@pytest.mark.parametrize(("max_model_len", "forwards"), [(64, 3), (640, 6)])
+def test_warm_up_runs_every_launch_shape_and_leaves_the_cache_as_it_was(
+    actor, reward, max_model_len, forwards
+):
+    from oppo_engine.model.warmup import warm_up_models
+
+    prompts = random_prompts(4, seed=5)
+    cold = make_engine(actor, reward, max_model_len=max_model_len)
+    cold.add_prompts(prompts)
+    expected = [r.response_ids for r in drain(cold)]
+    engine = make_engine(actor, reward, max_model_len=max_model_len)
+    # On CUDA the engine does this at build; here on the CPU ops, to prove it leaves nothing behind.
+    ran = warm_up_models(engine._loop.actor, engine._loop.scorer_lane.scorers, max_model_len)
+    assert ran == 2 * forwards  # the actor's and the reward model's
+    stats = engine.cache_stats()
+    assert stats.free_pages == stats.total_pages and not any(stats.pages_per_model.values()), stats
+    engine.add_prompts(prompts)
+    assert [r.response_ids for r in drain(engine)] == expected
