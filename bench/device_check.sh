@@ -1,22 +1,59 @@
 #!/usr/bin/env bash
 # One-shot check on the H200 test machine: build the extension against that machine's own torch
-# (2.11+cu130; never pip-install torch there: it has no network), run the CUDA tests and the Triton kernel
-# tests natively, then the attention and end-to-end benchmarks, and print a summary table.
+# (2.11+cu130; never pip-install torch there: it has no network), run the `cuda` tests, a short end-to-end
+# benchmark, decode eager vs graph, the Triton kernel tests natively, then the groups benchmark; print a
+# summary table and pack every log into one archive.
 #
 #   bash bench/device_check.sh            # outputs in $OUT_DIR, default ${OUT:-./device_out}
 #
-# Every step runs under `timeout` and reports, whatever happened to the ones before it; the whole script
-# ends within 8 minutes (BUDGET_S) and exits non-zero if any step failed. Without a CUDA device (a dry run)
-# the CUDA tests are skipped by pytest and the GPU benchmarks are skipped here.
+# The device tool brings back at most 8 files: this writes two, summary.txt and device_check_logs.tar.gz
+# (every step's log, the e2e CSVs). Without a CUDA device (a dry run, e.g. on the CPU development
+# machine) every GPU step prints "skipped: no CUDA" with the command it would run, and nothing is built.
+#
+# Budget: a rerun must fit in the same 15 minutes of device time (each machine start costs a minute or
+# more), so the whole run stays under 6 minutes by the caps' arithmetic below. Each step runs under
+# `timeout --kill-after=GRACE_S CAP`, cut further to the time left, so a step costs at most CAP + GRACE_S.
+#
+#   | order | step          | cap (s) | worst case (s) | what                                          |
+#   | ----- | ------------- | ------- | -------------- | --------------------------------------------- |
+#   | 1     | machine       |      15 |             18 | nvidia-smi, versions, is CUDA there           |
+#   | 2     | build         |     100 |            103 | pip install -e . (CMake, nvcc sm_90)          |
+#   | 3     | cuda-tests    |      40 |             43 | pytest -m cuda tests                          |
+#   | 4     | e2e           |      35 |             38 | bench_e2e 0.5b: sequential vs oppo, 2 steps   |
+#   | 5     | decode        |      25 |             28 | bench_decode 0.5b B=32 (eager vs graph)       |
+#   | 6     | kernel-tests  |      45 |             48 | pytest tests/kernels -m "not cuda" (-n 8)     |
+#   | 7     | groups        |      15 |             18 | bench_groups 0.5b n=8, 1 round                |
+#   |       | summary, pack |       5 |              5 |                                               |
+#   |       | total         |         |        **301** |                                               |
+#   |       | scale-out     |         |         **55** | reserved: SCALEOUT_STEPS below, not yet used  |
+#   |       | budget        |         |        **356** | BUDGET_S, under 6 minutes                     |
+#
+# NOTE: steps the scale-out issues add go in SCALEOUT_STEPS (after groups) and must fit its 55 s,
+# grace included; the script refuses to start if the table's arithmetic exceeds BUDGET_S.
 set -u
 
 PYTHON=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-465}  # 8 minutes, less the summary and one step's --kill-after grace
+BUDGET_S=${BUDGET_S:-356}
+GRACE_S=3
+SUMMARY_S=5
+SCALEOUT_S=55
+# step -> cap, in run order (the table above).
+STEPS=(machine build cuda-tests e2e decode kernel-tests groups)
+declare -A CAP=([machine]=15 [build]=100 [cuda-tests]=40 [e2e]=35 [decode]=25 [kernel-tests]=45 [groups]=15)
+
+worst=$((SUMMARY_S + SCALEOUT_S))
+for step in "${STEPS[@]}"; do worst=$((worst + CAP[$step] + GRACE_S)); done
+if ((worst > BUDGET_S)); then
+  echo "device_check: caps add up to ${worst}s, over the ${BUDGET_S}s budget" >&2
+  exit 2
+fi
+
 OUT_DIR=${OUT_DIR:-${OUT:-./device_out}}
 if ! mkdir -p "$OUT_DIR" || ! OUT_DIR=$(cd "$OUT_DIR" && pwd); then
   echo "cannot create OUT_DIR=$OUT_DIR" >&2
   exit 2
 fi
+LOG_DIR=$(mktemp -d "${TMPDIR:-/tmp}/device_check.XXXXXX") || exit 2
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 
 export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -26,11 +63,13 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 SUMMARY=()
 FAILED=0
 BUILD_OK=0
+HAVE_CUDA=0
 
-remaining() { echo $((BUDGET_S - SECONDS)); }
+RESERVE_S=$((SCALEOUT_S + SUMMARY_S))  # kept back from the steps before the scale-out section
+remaining() { echo $((BUDGET_S - RESERVE_S - SECONDS)); }
 
 record() {  # record STEP STATUS SECONDS FIGURE
-  SUMMARY+=("$(printf '%-16s %-8s %6s  %s' "$1" "$2" "$3" "$4")")
+  SUMMARY+=("$(printf '%-14s %-8s %6s  %s' "$1" "$2" "$3" "$4")")
   case $2 in PASS | EMPTY | SKIP) ;; *) FAILED=1 ;; esac
 }
 
@@ -40,21 +79,23 @@ last_line() {  # last_line LOG [PATTERN]: the last non-empty line (matching PATT
   echo "${line:0:70}"
 }
 
-# run_step STEP CAP_S LOG CMD...: CMD under timeout min(CAP_S, time left); sets STEP_RC and STEP_S.
+# run_step STEP LOG CMD...: CMD under timeout min(CAP[STEP], time left); sets STEP_RC and STEP_S.
 run_step() {
-  local step=$1 cap=$2 log=$3 left limit t0
-  shift 3
+  local step=$1 log=$2 cap left limit t0
+  shift 2
+  cap=${CAP[$step]}
   left=$(remaining)
   limit=$((cap < left ? cap : left))
   STEP_S=0
-  if ((limit < 15)); then
+  if ((limit < 5)); then
     STEP_RC=124
     echo "no time left for $step" >"$log"
     return
   fi
-  echo "== $step (limit ${limit}s): $*"
+  local cmd="$*"
+  echo "== $step (limit ${limit}s): ${cmd:0:150}"
   t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  timeout --kill-after=$GRACE_S "$limit" "$@" >"$log" 2>&1
   STEP_RC=$?
   STEP_S=$((SECONDS - t0))
 }
@@ -65,48 +106,46 @@ show_tail() {  # show_tail STEP LOG LINES
   echo "---- end of $2 ----" >&2
 }
 
-pytest_step() {  # pytest_step STEP CAP LOG ARGS...: rc 5 (nothing collected) is EMPTY, not a failure
-  local step=$1 cap=$2 log=$3
-  shift 3
-  if ((!BUILD_OK)); then
+gpu_ready() {  # gpu_ready STEP CMD...: true if the step may run; otherwise records why not
+  local step=$1
+  shift
+  if [[ $HAVE_CUDA != 1 ]]; then
+    echo "== $step: skipped: no CUDA (would run, cap ${CAP[$step]}s: $*)"
+    record "$step" SKIP 0 "skipped: no CUDA"
+    return 1
+  fi
+  if [[ $step != build ]] && ((!BUILD_OK)); then
     record "$step" SKIP 0 "build failed"
     FAILED=1
-    return
+    return 1
   fi
-  run_step "$step" "$cap" "$log" "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
+  return 0
+}
+
+verdict() {  # verdict STEP LOG PATTERN TAIL_LINES: PASS / EMPTY (pytest rc 5) / TIMEOUT / FAIL from STEP_RC
   case $STEP_RC in
-    0) record "$step" PASS "$STEP_S" "$(last_line "$log")" ;;
-    5) record "$step" EMPTY "$STEP_S" "no tests collected" ;;
-    124 | 137) record "$step" TIMEOUT "$STEP_S" "$(last_line "$log")" && show_tail "$step" "$log" 30 ;;
-    *) record "$step" FAIL "$STEP_S" "$(last_line "$log")" && show_tail "$step" "$log" 60 ;;
+    0) record "$1" PASS "$STEP_S" "$(last_line "$2" "$3")" ;;
+    5) record "$1" EMPTY "$STEP_S" "no tests collected" ;;
+    124 | 137) record "$1" TIMEOUT "$STEP_S" "$(last_line "$2")" && show_tail "$1" "$2" 30 ;;
+    *) record "$1" FAIL "$STEP_S" "rc=$STEP_RC $(last_line "$2")" && show_tail "$1" "$2" "$4" ;;
   esac
 }
 
-bench_step() {  # bench_step STEP CAP LOG FILE FIGURE_PATTERN CMD...
-  local step=$1 cap=$2 log=$3 file=$4 pattern=$5
-  shift 5
-  if [[ ! -f $file ]]; then
-    record "$step" SKIP 0 "$file absent"
-  elif ((!BUILD_OK)); then
-    record "$step" SKIP 0 "build failed"
-    FAILED=1
-  elif [[ $HAVE_CUDA != 1 ]]; then
-    record "$step" SKIP 0 "no CUDA device"
-  else
-    run_step "$step" "$cap" "$log" "$@"
-    case $STEP_RC in
-      0) record "$step" PASS "$STEP_S" "$(last_line "$log" "$pattern")" ;;
-      124 | 137) record "$step" TIMEOUT "$STEP_S" "$(last_line "$log")" && show_tail "$step" "$log" 30 ;;
-      *) record "$step" FAIL "$STEP_S" "rc=$STEP_RC $(last_line "$log")" && show_tail "$step" "$log" 40 ;;
-    esac
-  fi
+gpu_step() {  # gpu_step STEP LOG FIGURE_PATTERN CMD...
+  local step=$1 log=$2 pattern=$3
+  shift 3
+  gpu_ready "$step" "$@" || return 0
+  run_step "$step" "$log" "$@"
+  verdict "$step" "$log" "$pattern" 60
 }
 
+has_module() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
+
 # --- 1. the machine ---------------------------------------------------------------------------------------
-{
-  echo "== device_check $(date -u +%FT%TZ) in $(pwd), outputs in $OUT_DIR"
-  if command -v nvidia-smi >/dev/null; then timeout 30 nvidia-smi; else echo "nvidia-smi: not found"; fi
-  timeout 120 "$PYTHON" - <<'EOF'
+run_step machine "$LOG_DIR/machine.log" bash -c '
+  echo "== device_check $(date -u +%FT%TZ) in $(pwd)"
+  if command -v nvidia-smi >/dev/null; then timeout 10 nvidia-smi; else echo "nvidia-smi: not found"; fi
+  "$0" - <<EOF
 import sys
 print("python", sys.version.split()[0], sys.executable)
 for name in ("torch", "triton", "transformers"):
@@ -117,65 +156,79 @@ for name in ("torch", "triton", "transformers"):
 import torch
 if torch.cuda.is_available():
     print("cuda", torch.version.cuda, torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+    print("HAVE_CUDA=1")
 else:
     print("cuda: no device")
-EOF
-} 2>&1 | tee "$OUT_DIR/summary.txt"
-HAVE_CUDA=$(timeout 120 "$PYTHON" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+EOF' "$PYTHON"
+cat "$LOG_DIR/machine.log"
+grep -q '^HAVE_CUDA=1$' "$LOG_DIR/machine.log" && HAVE_CUDA=1
+verdict machine "$LOG_DIR/machine.log" '^(cuda|python)' 20
 
 # --- 2. build and install the extension into this python ---------------------------------------------------
-run_step build 240 "$OUT_DIR/build.log" "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e .
-if ((STEP_RC == 0)); then
-  BUILD_S=$STEP_S
-  # A CUDA torch with no CUDA kernel registered means CMake fell back to the CPU ops: count that as failed.
-  CHECK=$(timeout 120 "$PYTHON" -c "
-import torch, oppo_engine.ops
-has = torch._C._dispatch_has_kernel_for_dispatch_key('oppo::reshape_and_cache', 'CUDA')
-print('cuda ops registered' if has else 'CPU ops only', int(has or not torch.cuda.is_available()))
-" 2>>"$OUT_DIR/build.log")
-  [[ -n $CHECK ]] || CHECK="import of oppo_engine.ops failed 0"
-  if [[ ${CHECK##* } == 1 ]]; then
-    BUILD_OK=1
-    record build PASS "$BUILD_S" "${CHECK% *}"
+BUILD_CMD=("$PYTHON" -m pip install -v --no-build-isolation --no-deps -e .)
+if gpu_ready build "${BUILD_CMD[@]}"; then
+  run_step build "$LOG_DIR/build.log" "${BUILD_CMD[@]}"
+  if ((STEP_RC == 0)); then
+    # CMake fails a CUDA torch without nvcc; still, a build without the CUDA kernels is not this check.
+    CHECK=$(timeout 60 "$PYTHON" -c "
+import torch, oppo_engine.ops as ops
+print('cuda cache ops registered' if ops.CUDA_CACHE_OPS else 'CPU ops only', int(ops.CUDA_CACHE_OPS))
+" 2>>"$LOG_DIR/build.log")
+    [[ -n $CHECK ]] || CHECK="import of oppo_engine.ops failed 0"
+    if [[ ${CHECK##* } == 1 ]]; then
+      BUILD_OK=1
+      record build PASS "$STEP_S" "${CHECK% *}"
+    else
+      record build FAIL "$STEP_S" "${CHECK% *}"
+      show_tail build "$LOG_DIR/build.log" 60
+    fi
   else
-    record build FAIL "$BUILD_S" "${CHECK% *}"
-    show_tail build "$OUT_DIR/build.log" 60
+    verdict build "$LOG_DIR/build.log" . 80
+    echo "######## BUILD FAILED (rc=$STEP_RC): the extension is not installed ########" >&2
   fi
-else
-  if ((STEP_RC == 124 || STEP_RC == 137)); then
-    record build TIMEOUT "$STEP_S" "killed at the time limit"
-  else
-    record build FAIL "$STEP_S" "rc=$STEP_RC $(last_line "$OUT_DIR/build.log" 'rror')"
-  fi
-  echo "######## BUILD FAILED (rc=$STEP_RC): the extension is not installed ########" >&2
-  show_tail build "$OUT_DIR/build.log" 80
 fi
 
-# --- 3. tests ----------------------------------------------------------------------------------------------
-pytest_step cuda-tests 120 "$OUT_DIR/cuda_tests.log" -m cuda tests
-pytest_step kernel-tests 120 "$OUT_DIR/kernel_tests.log" tests/kernels
+# Per-test timeout where pytest-timeout is installed (the H200 image has it); -n 8 where xdist is.
+PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider)
+has_module pytest_timeout && PYTEST+=(--timeout=30)
 
-# --- 4. benchmarks (GPU only) ------------------------------------------------------------------------------
-bench_step bench-attention 90 "$OUT_DIR/bench_attention.log" bench/bench_attention.py . \
-  "$PYTHON" bench/bench_attention.py --quick --out "$OUT_DIR/bench_attention.csv"
-bench_step bench-decode 60 "$OUT_DIR/bench_decode.log" bench/bench_decode.py 'decode_throughput_engine_vs_hf=' \
-  "$PYTHON" -m bench.bench_decode --preset 0.5b --batch-size 32 --new-tokens 64 --repeats 2
-bench_step bench-groups 60 "$OUT_DIR/groups.log" bench/bench_groups.py 'speedup_shared_vs_unshared=' \
-  "$PYTHON" -m bench.bench_groups --preset 0.5b --n 8 --groups 4 --prompt-len 512 --response-len 32 --rounds 2 \
+# --- 3. the cuda tests --------------------------------------------------------------------------------------
+gpu_step cuda-tests "$LOG_DIR/cuda_tests.log" 'passed|failed' "${PYTEST[@]}" -m cuda tests
+
+# --- 4. end to end: fewer modes and steps ------------------------------------------------------------------
+gpu_step e2e "$LOG_DIR/e2e.log" 'speedup_oppo_vs_(sequential|hf)=' \
+  "$PYTHON" -m bench.bench_e2e --preset 0.5b --modes sequential,oppo --steps 2 --warmup 1 \
+  --response-len-cap 256 --out "$LOG_DIR/e2e"
+
+# --- 5. decode: eager vs captured graph (the graph column where bench_decode offers it) --------------------
+DECODE=("$PYTHON" -m bench.bench_decode --preset 0.5b --batch-size 32 --new-tokens 64 --repeats 2)
+if [[ $HAVE_CUDA == 1 ]] && "$PYTHON" -m bench.bench_decode --help 2>/dev/null | grep -q -- '--graph'; then
+  DECODE+=(--graph)
+fi
+gpu_step decode "$LOG_DIR/decode.log" 'decode_throughput|graph' "${DECODE[@]}"
+
+# --- 6. the Triton kernel tests, natively (the cuda ones ran in step 3) -------------------------------------
+KERNELS=("${PYTEST[@]}" -m "not cuda" tests/kernels)
+has_module xdist && KERNELS+=(-n 8)
+gpu_step kernel-tests "$LOG_DIR/kernel_tests.log" 'passed|failed' "${KERNELS[@]}"
+
+# --- 7. groups ----------------------------------------------------------------------------------------------
+gpu_step groups "$LOG_DIR/groups.log" 'speedup_shared_vs_unshared=' \
+  "$PYTHON" -m bench.bench_groups --preset 0.5b --n 8 --groups 4 --prompt-len 512 --response-len 32 --rounds 1 \
   --mode intra
-bench_step bench-e2e 180 "$OUT_DIR/e2e.log" bench/bench_e2e.py 'speedup_oppo_vs_(sequential|hf)=' \
-  "$PYTHON" -m bench.bench_e2e --preset 0.5b --out "$OUT_DIR/e2e"
 
-# The device tool brings back at most 8 files: fold the e2e folder into one archive when there are more.
-if (($(find "$OUT_DIR" -type f | wc -l) > 8)) && [[ -d $OUT_DIR/e2e ]]; then
-  tar -czf "$OUT_DIR/e2e.tar.gz" -C "$OUT_DIR" e2e && rm -rf "$OUT_DIR/e2e"
-fi
+# --- 8. scale-out (SCALEOUT_S = 55 s reserved, grace included; nothing yet) ---------------------------------
+# SCALEOUT_STEPS: add each step to STEPS and CAP above (the arithmetic check counts it) and a gpu_step
+# line here; their caps plus GRACE_S each must fit SCALEOUT_S (55 s left today).
+RESERVE_S=$SUMMARY_S
 
-# --- 5. summary --------------------------------------------------------------------------------------------
+# --- 9. summary and one archive ----------------------------------------------------------------------------
 {
   echo
-  printf '%-16s %-8s %6s  %s\n' step status seconds "key figure"
+  printf '%-14s %-8s %6s  %s\n' step status seconds "key figure"
   printf '%s\n' "${SUMMARY[@]}"
-  echo "total ${SECONDS}s; $( ((FAILED)) && echo 'SOME STEPS FAILED' || echo 'all steps passed')"
-} | tee -a "$OUT_DIR/summary.txt"
+  echo "total ${SECONDS}s of a ${BUDGET_S}s budget; $( ((FAILED)) && echo 'SOME STEPS FAILED' || echo 'all steps passed')"
+} | tee "$LOG_DIR/summary.txt"
+cp "$LOG_DIR/summary.txt" "$OUT_DIR/summary.txt"
+tar -czf "$OUT_DIR/device_check_logs.tar.gz" -C "$LOG_DIR" . && rm -rf "$LOG_DIR"
 exit "$FAILED"
