@@ -21,6 +21,7 @@ Per call (per layer), as Hugging Face's eager attention and masks define them:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -40,6 +41,19 @@ _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 _LOG2E = math.log2(math.e)
 
 
+def _jit(**options):
+    """``triton.jit`` with the options this Triton knows (``do_not_specialize_on_alignment`` is recent)."""
+    known = inspect.signature(triton.jit).parameters
+    return triton.jit(**{k: v for k, v in options.items() if k in known})
+
+
+# NOTE: arguments whose value (or 16-byte alignment) changes from forward to forward with the batch are not
+# specialised on, so one compiled variant serves every batch of a launch shape: the build-time warm-up then
+# compiles everything a run launches, and a captured graph never meets a cold variant. The metadata
+# pointers are slices of one packed buffer, aligned or not depending on N; their loads are scalar.
+_BATCH_VARYING_POINTERS = ["block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "work_ptr"]
+
+
 @triton.jit
 def _tanh(x):
     # libdevice's tanh does not run under the interpreter. Stable form: exp2 of -2|x| never overflows; for
@@ -49,7 +63,10 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
-@triton.jit(do_not_specialize=["item_offset", "window"])
+@_jit(
+    do_not_specialize=["item_offset", "window", "stride_bt_seq", "stride_lse_split"],
+    do_not_specialize_on_alignment=_BATCH_VARYING_POINTERS,
+)
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     kv_ptr,  # [num_pages, L, 2, page_size, Hkv, D], already offset to `layer`
@@ -196,7 +213,7 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@_jit(do_not_specialize=["num_splits", "stride_l_split"])
 def _split_kv_reduce_kernel(
     part_ptr,  # [num_splits, T, Hq, D] fp32, each split's output normalised by its own sum (0: no key)
     lse_ptr,  # [num_splits, T, Hq] fp32, base 2; -inf for a split that saw no key

@@ -47,7 +47,7 @@ def _mix32(x):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one variant for every batch size (build-time warm-up)
 def _sample_kernel(
     logits_ptr,  # [N, V]
     temperature_ptr,  # [N] fp32

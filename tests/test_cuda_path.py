@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_models import EOS, make_actor, make_reward, random_prompts
+from engine_models import EOS, actor_config, make_actor, make_reward, random_prompts
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
@@ -32,6 +33,14 @@ def actor():
 @pytest.fixture(scope="module")
 def reward():
     return make_reward()
+
+
+def long_context_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Actor and reward with 1,024 positions: contexts past one split-KV partition (512 keys)."""
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_config(actor_config(max_position_embeddings=1024), dtype=torch.float32)
+    cfg = actor_config(max_position_embeddings=1024, hidden_size=32, num_hidden_layers=1, num_labels=1)
+    return actor.eval(), AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
 
 
 def make_engine(actor, reward, mode: str = "sequential", **cfg) -> RolloutEngine:
@@ -136,11 +145,10 @@ def test_fallback_copy_pages_refuses_bad_ids_like_the_cpp_op():
 
 
 @pytest.mark.parametrize(("max_model_len", "forwards"), [(64, 3), (640, 6)])
-def test_warm_up_runs_every_launch_shape_and_leaves_the_cache_as_it_was(
-    actor, reward, max_model_len, forwards
-):
+def test_warm_up_runs_every_launch_shape_and_leaves_the_cache_as_it_was(max_model_len, forwards):
     from oppo_engine.model.warmup import warm_up_models
 
+    actor, reward = long_context_models()
     prompts = random_prompts(4, seed=5)
     cold = make_engine(actor, reward, max_model_len=max_model_len)
     cold.add_prompts(prompts)
@@ -153,3 +161,78 @@ def test_warm_up_runs_every_launch_shape_and_leaves_the_cache_as_it_was(
     assert stats.free_pages == stats.total_pages and not any(stats.pages_per_model.values()), stats
     engine.add_prompts(prompts)
     assert [r.response_ids for r in drain(engine)] == expected
+
+
+# -- on a GPU -----------------------------------------------------------------------------------------
+
+
+def _compiled_variants() -> int:
+    """Triton kernels compiled so far for the engine's kernels (0 caches where this Triton hides them)."""
+    from oppo_engine.kernels import paged_attention as attn
+    from oppo_engine.kernels import sample
+
+    total = 0
+    for fn in (attn._paged_attention_kernel, attn._split_kv_reduce_kernel, sample._sample_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton does not expose its compiled-kernel cache")
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_step_reads_weights_written_on_the_callers_stream_just_before_it():
+    # The trainer's optimizer.step() writes the weights on its (default) stream; the actor lane must not
+    # read them before that stream gets there. The write is queued behind a ~1 s sleep on that stream.
+    actor, reward = make_actor(seed=0).cuda(), make_reward().cuda()
+    new = make_actor(seed=7).cuda()
+    prompts = random_prompts(4, seed=8)
+    want_engine = make_engine(new, reward, "intra", chunk_size=4)
+    want_engine.add_prompts(prompts)
+    want = {tuple(r.prompt_ids): r.response_ids for r in drain(want_engine)}
+    engine = make_engine(actor, reward, "intra", chunk_size=4)
+    engine.add_prompts(prompts)
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        torch.cuda._sleep(2_000_000_000)  # cycles: about a second on an H200
+        for p, q in zip(actor.parameters(), new.parameters(), strict=True):
+            p.copy_(q)
+    got = {tuple(r.prompt_ids): r.response_ids for r in drain(engine)}
+    assert got == want
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_preempted_sequences_swap_is_exact_and_never_waits_on_the_host():
+    from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
+    from oppo_engine.cache.swap import swap_in_seq, swap_out_seq
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    arena = KVArena({"reward": spec}, page_size=16, num_pages=16, device="cuda")
+    cache = KVCacheManager(arena, "reward")
+    cache.append_slots("s", 40)
+    arena.page_view().copy_(torch.randint(0, 256, arena.page_view().shape, dtype=torch.uint8, device="cuda"))
+    before = arena.page_view()[cache.pages("s")].clone()
+    host = swap_out_seq(cache, "s")
+    torch.cuda._sleep(1_000_000_000)  # the copy back queues behind this on the current stream
+    assert swap_in_seq(cache, "s", host) == 40
+    # Returned before the copy ran: the pinned buffer is held until its event, not waited for.
+    assert arena.num_held_buffers >= 1
+    del host
+    torch.cuda.synchronize()
+    assert torch.equal(arena.page_view()[cache.pages("s")], before)
+    arena.reclaim()
+    assert arena.num_held_buffers == 0
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_engine_compiles_its_kernels_at_build_and_never_in_a_step():
+    actor, reward = (m.cuda() for m in long_context_models())
+    engine = make_engine(actor, reward, "oppo", max_model_len=640, overcommit=2, chunk_size=4)
+    compiled = _compiled_variants()
+    # Prompts of lengths whose metadata lands at every alignment, a long one past a split.
+    prompts = [list(range(4, 4 + n)) for n in (3, 9, 17, 30, 530, 61, 5, 2)]
+    engine.add_prompts(prompts)
+    drain(engine)
+    assert _compiled_variants() == compiled
+    stats = engine.cache_stats()
+    assert stats.free_pages == stats.total_pages
