@@ -353,3 +353,28 @@ def test_batch_invariance_holds_with_window_and_softcap():
 @pytest.mark.parametrize("kv_per_split", [None, 128])
 def test_a_sequence_alone_and_in_a_mixed_batch_gets_bit_identical_attention_in_bf16_on_gpu(kv_per_split):
     assert_batch_invariant(torch.bfloat16, kv_per_split)
+
+
+def test_a_decode_bucket_plan_made_once_serves_its_static_buffers_rewritten_in_place():
+    # What a captured decode graph relies on: a plan from host sizes only (bucket, max_model_len), over
+    # static metadata buffers whose contents change between replays; its scratch is the plan's own.
+    bucket, max_model_len = 4, 700
+    case = make_case([(1, 650), (1, 3), (1, 129), (1, 1), (1, 20), (1, 600), (1, 64), (1, 2)], seed=41)
+    q = torch.empty_like(case.q[:bucket])
+    tables = torch.zeros_like(case.block_tables[:bucket])
+    lens = torch.empty_like(case.context_lens[:bucket])
+    cu = case.cu_seqlens_q[: bucket + 1].clone()
+    plan = plan_attention(
+        case.kv_cache, tables, lens, cu, q.shape[1], max_q_len=1, max_context_len=max_model_len,
+        num_tokens=bucket, decode_only=True, kv_per_split=128,
+    )  # fmt: skip
+    assert plan.work is None and plan.launch.num_splits == -(-max_model_len // 128)
+    scratch = plan.partial
+    for rows in (slice(0, 4), slice(4, 8), slice(0, 4)):
+        q.copy_(case.q[rows])
+        tables.copy_(case.block_tables[rows])
+        lens.copy_(case.context_lens[rows])
+        got = paged_attention(q, case.kv_cache, LAYER, tables, lens, cu, case.scale, plan=plan)
+        want = paged_attention_ref(q, case.kv_cache, LAYER, tables, lens, cu, case.scale)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert plan.partial is scratch
