@@ -23,9 +23,13 @@ from oppo_engine.obs.metrics import format_step_summary
 from oppo_engine.obs.timeline import Timeline
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.bench_e2e") -> argparse.Namespace:
     """Command-line options; see --help."""
-    p = argparse.ArgumentParser(prog="python -m bench.bench_e2e", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--preset", default="tiny", help=f"one of {sorted(PRESETS)} or a local checkpoint directory"
     )
@@ -84,9 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, ModeSummary]:
+def main(argv: list[str] | None = None, prog: str = "python -m bench.bench_e2e") -> dict[str, ModeSummary]:
     """Run the benchmark; print the table and the speedup lines; return the per-mode summaries."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     device = torch.device(args.device)
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -164,6 +168,11 @@ def main(argv: list[str] | None = None) -> dict[str, ModeSummary]:
     seq = [s for s in summaries if split_mode(s.mode)[0] == "sequential" and s.available]
     if seq:
         by_mode["sequential"] = max(seq, key=lambda s: s.tokens_per_s)
+    for line in e2e_report.spread_warnings(records):
+        print(line)
+    if args.steps < e2e_report.MIN_STEPS_FOR_SPEEDUP:
+        print(e2e_report.too_few_steps_line(args.steps))
+        return by_mode
     print(e2e_report.speedup_line(by_mode, "intra", "sequential"))
     print(e2e_report.speedup_line(by_mode, "oppo", "sequential"))
     print(e2e_report.speedup_line(by_mode, "oppo", "hf"))
