@@ -33,7 +33,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.bench
     p.add_argument(
         "--preset", default="tiny", help=f"one of {sorted(PRESETS)} or a local checkpoint directory"
     )
-    p.add_argument("--workload", default="longtail", choices=sorted(DISTRIBUTIONS))
+    p.add_argument(
+        "--workload", default="longtail", choices=sorted(DISTRIBUTIONS), help="response-length distribution"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="rollouts per step (B)")
     p.add_argument("--num-prompts", type=int, default=None, help="default: B * (warmup + steps + 1)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per mode")
@@ -44,22 +46,30 @@ def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.bench
         help="comma-separated subset of " + ",".join(ALL_MODES) + "; MODE@N runs an engine mode on N torch "
         "threads (on the CPU the streamed modes use one per lane whatever N)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to run on"
+    )
     p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on CUDA, float32 on CPU",
     )
-    p.add_argument("--prompt-len-cap", type=int, default=128)
-    p.add_argument("--response-len-cap", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len-cap", type=int, default=128, help="longest prompt of the workload")
+    p.add_argument("--response-len-cap", type=int, default=512, help="longest response of the workload")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="seed of the models, the workload and the sampling")
     p.add_argument(
         "--overcommit",
         default="auto",
         type=lambda v: v if v == "auto" else int(v),
         help="Δ of the inter and oppo modes: an int >= 0, or auto (the reward-slope controller)",
+    )
+    p.add_argument(
+        "--max-policy-lag",
+        default=2,
+        type=lambda v: None if v == "none" else int(v),
+        help="the engine's bound on a returned token's policy lag (inter, oppo); none: max_deferrals only",
     )
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV arena per engine (default: engine's)")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for CSV, PNG and traces")

@@ -26,15 +26,11 @@ def _type_error(what: str, hint: str = _TOKENIZE) -> TypeError:
 
 def _is_token(value: Any) -> bool:
     """An integer token id: an int, a numpy integer or a 0-d integer tensor (never a bool)."""
-    if isinstance(value, bool) or _is_bool_scalar(value):
+    if isinstance(value, bool):  # numpy's bool is neither Integral nor an integer array
         return False
     if isinstance(value, numbers.Integral):
         return True
     return _is_array(value) and _ndim(value) == 0 and _is_integer_array(value)
-
-
-def _is_bool_scalar(value: Any) -> bool:
-    return type(value).__name__ == "bool_"  # numpy.bool_, which is not numbers.Integral either
 
 
 def _is_array(value: Any) -> bool:

@@ -94,6 +94,7 @@ def test_one_sampling_params_applies_to_every_prompt(actor):
         ("hello", "got str: tokenize first, or pass tokenizer= to the engine"),
         ([[5.7, 6.0]], "got float"),
         ([[True, 5]], "got bool"),
+        ([[np.bool_(True), 5]], "got bool"),
         (torch.tensor([[5.0, 6.0]]), "dtype torch.float32"),
         (np.array([[0.5]]), "dtype float64"),
         ([[{"a": 1}]], "got dict"),
