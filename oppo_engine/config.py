@@ -87,7 +87,7 @@ class EngineConfig:
     set, a fixed ``overcommit`` (or ``delta.max``) above ``batch_size`` is refused: more sequences could
     fall due than one batch holds.
     ``kv_cache_bytes=None`` sizes the arena for B (+ Δ_max under overcommit: ``overcommit`` when fixed,
-    ``delta.max`` under "auto") sequences of ``max_model_len`` tokens in every model,
+    ``delta.max`` under "auto", B/4 by default) sequences of ``max_model_len`` tokens in every model,
     capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only).
