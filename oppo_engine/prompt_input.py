@@ -75,6 +75,8 @@ def to_token_lists(prompts: Any, attention_mask: Any = None, tokenizer: Any = No
         if attention_mask is None:
             attention_mask = prompts.get("attention_mask")
         prompts = prompts["input_ids"]
+        if isinstance(prompts, Mapping):
+            raise _type_error("a nested mapping as input_ids", "pass token ids, or a tokenizer's output")
     if isinstance(prompts, str | bytes):
         if tokenizer is None:
             raise _type_error(type(prompts).__name__)
@@ -108,7 +110,10 @@ def to_token_lists(prompts: Any, attention_mask: Any = None, tokenizer: Any = No
 def one_prompt(prompt: Any, tokenizer: Any = None, where: str = "a prompt") -> list[int]:
     """One prompt (token ids, a 1-D tensor or array, text or a conversation with ``tokenizer``) as ints."""
     if isinstance(prompt, Mapping) and "input_ids" in prompt and not _is_message(prompt):
-        prompt = prompt["input_ids"]
+        rows = to_token_lists(prompt, tokenizer=tokenizer)  # its attention_mask strips its padding
+        if len(rows) != 1:
+            raise _type_error(f"a tokenizer output of {len(rows)} prompts in {where}", "one prompt per item")
+        return rows[0]
     if isinstance(prompt, str | bytes):
         if tokenizer is None:
             raise _type_error(f"{type(prompt).__name__} in {where}")

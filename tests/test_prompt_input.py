@@ -136,7 +136,9 @@ def test_wrong_values_raise_value_error_and_queue_nothing(actor, prompts, kwargs
 
 def test_prompt_source_items_get_the_same_treatment(actor):
     engine = make_engine(actor)
-    engine.set_prompt_source(iter([torch.tensor([5, 6]), [np.int64(7)], "text", {"input_ids": [8, 9]}, [10]]))
+    padded = {"input_ids": [0, 8, 9], "attention_mask": [0, 1, 1]}  # one text's tokenizer output
+    items = [torch.tensor([5, 6]), [np.int64(7)], "text", padded]
+    engine.set_prompt_source(iter([*items, [10]]))
     assert [r.prompt_ids for _ in range(2) for r in engine.step().rollouts] == [[5, 6], [7]]
     with pytest.raises(TypeError, match="got str in a prompt from the prompt source"):
         engine.step()
