@@ -34,3 +34,43 @@ def test_readme_ppo_loop_runs_with_truncated_importance_weights():
     scope: dict = {"__name__": "readme_example"}
     exec(compile(code, str(README), "exec"), scope)  # noqa: S102
     assert scope["engine"].policy_version == 4
+
+
+def _table(title: str) -> dict[str, str]:
+    """Name -> documented default of the README's defaults table whose first header cell is ``title``."""
+    text = README.read_text()
+    start = text.index(f"| `{title}`")
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        name_cell, value_cell = line.split("|")[1:3]
+        names = re.findall(r"`(\w+)`", name_cell)
+        values = re.findall(r"`([^`]+)`", value_cell)
+        assert len(names) == len(values), line
+        rows.update(zip(names, values, strict=True))
+    return rows
+
+
+def test_readme_defaults_tables_match_the_code():
+    import ast
+    import dataclasses
+
+    from oppo_engine import EngineConfig
+    from oppo_engine.control import ChunkControl, DeltaControl
+
+    for cls, title in (
+        (EngineConfig, "EngineConfig"),
+        (ChunkControl, "ChunkControl"),
+        (DeltaControl, "DeltaControl"),
+    ):
+        documented = _table(title)
+        defaults = {
+            f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+        }
+        assert documented, title
+        for name, value in documented.items():
+            assert name in defaults, f"{title}.{name} is documented but not a field with a default"
+            assert ast.literal_eval(value) == defaults[name], (
+                f"{title}.{name}: README {value}, code {defaults[name]!r}"
+            )
