@@ -23,13 +23,19 @@ from oppo_engine.obs.metrics import format_step_summary
 from oppo_engine.obs.timeline import Timeline
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, prog: str = "python -m bench.bench_e2e") -> argparse.Namespace:
     """Command-line options; see --help."""
-    p = argparse.ArgumentParser(prog="python -m bench.bench_e2e", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--preset", default="tiny", help=f"one of {sorted(PRESETS)} or a local checkpoint directory"
     )
-    p.add_argument("--workload", default="longtail", choices=sorted(DISTRIBUTIONS))
+    p.add_argument(
+        "--workload", default="longtail", choices=sorted(DISTRIBUTIONS), help="response-length distribution"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="rollouts per step (B)")
     p.add_argument("--num-prompts", type=int, default=None, help="default: B * (warmup + steps + 1)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per mode")
@@ -40,22 +46,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated subset of " + ",".join(ALL_MODES) + "; MODE@N runs an engine mode on N torch "
         "threads (on the CPU the streamed modes use one per lane whatever N)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to run on"
+    )
     p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: bfloat16 on CUDA, float32 on CPU",
     )
-    p.add_argument("--prompt-len-cap", type=int, default=128)
-    p.add_argument("--response-len-cap", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len-cap", type=int, default=128, help="longest prompt of the workload")
+    p.add_argument("--response-len-cap", type=int, default=512, help="longest response of the workload")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="seed of the models, the workload and the sampling")
     p.add_argument(
         "--overcommit",
         default="auto",
         type=lambda v: v if v == "auto" else int(v),
         help="Δ of the inter and oppo modes: an int >= 0, or auto (the reward-slope controller)",
+    )
+    p.add_argument(
+        "--max-policy-lag",
+        default=2,
+        type=lambda v: None if v == "none" else int(v),
+        help="the engine's bound on a returned token's policy lag (inter, oppo); none: max_deferrals only",
     )
     p.add_argument("--kv-cache-gb", type=float, default=None, help="KV arena per engine (default: engine's)")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="directory for CSV, PNG and traces")
@@ -84,9 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, ModeSummary]:
+def main(argv: list[str] | None = None, prog: str = "python -m bench.bench_e2e") -> dict[str, ModeSummary]:
     """Run the benchmark; print the table and the speedup lines; return the per-mode summaries."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     device = torch.device(args.device)
     if args.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -164,6 +178,11 @@ def main(argv: list[str] | None = None) -> dict[str, ModeSummary]:
     seq = [s for s in summaries if split_mode(s.mode)[0] == "sequential" and s.available]
     if seq:
         by_mode["sequential"] = max(seq, key=lambda s: s.tokens_per_s)
+    for line in e2e_report.spread_warnings(records):
+        print(line)
+    if args.steps < e2e_report.MIN_STEPS_FOR_SPEEDUP:
+        print(e2e_report.too_few_steps_line(args.steps))
+        return by_mode
     print(e2e_report.speedup_line(by_mode, "intra", "sequential"))
     print(e2e_report.speedup_line(by_mode, "oppo", "sequential"))
     print(e2e_report.speedup_line(by_mode, "oppo", "hf"))

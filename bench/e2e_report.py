@@ -117,6 +117,32 @@ def speedup_line(summaries: dict[str, ModeSummary], fast: str, base: str) -> str
     return f"{key}={ratio:.2f}"
 
 
+MIN_STEPS_FOR_SPEEDUP = 3  # fewer measured steps per mode: one cold or noisy step decides the ratio
+MAX_STEP_SPREAD = 2.0  # slowest over fastest measured step of one mode above which its figures are noisy
+
+
+def spread_warnings(records: dict[str, list[StepRecord]]) -> list[str]:
+    """A warning line for each mode whose measured step times spread more than ``MAX_STEP_SPREAD`` times."""
+    lines = []
+    for mode, recs in records.items():
+        walls = [r.metrics.wall_s for r in recs]
+        if len(walls) >= 2 and min(walls) > 0 and max(walls) / min(walls) > MAX_STEP_SPREAD:
+            lines.append(
+                f"WARNING [{mode}] step times spread {max(walls) / min(walls):.1f}x "
+                f"({min(walls):.3f}s to {max(walls):.3f}s): its figures are noisy; run more --warmup / "
+                "--steps"
+            )
+    return lines
+
+
+def too_few_steps_line(steps: int) -> str:
+    """Said instead of the speed-up lines when too few steps were measured to compare modes."""
+    return (
+        f"no speed-up line: --steps {steps} is below {MIN_STEPS_FOR_SPEEDUP}, and so few steps per mode "
+        "(one of them possibly cold) cannot support a ratio; run --steps 3 or more"
+    )
+
+
 def write_csvs(out: Path, summaries: list[ModeSummary], records: list[StepRecord]) -> list[Path]:
     """summary.csv (one row per mode) and steps.csv (one row per measured step)."""
     out.mkdir(parents=True, exist_ok=True)

@@ -142,6 +142,8 @@ class EngineRunner:
         overcommit = getattr(args, "overcommit", "auto")
         # Δ applies to the overcommitting modes only (the knob rule refuses it elsewhere).
         knobs = dict(overcommit=overcommit) if mode in ("inter", "oppo") and overcommit != "auto" else {}
+        if mode in ("inter", "oppo") and hasattr(args, "max_policy_lag"):
+            knobs["max_policy_lag"] = args.max_policy_lag
         try:
             with _unavailable_if_not_implemented(f"{mode}: RolloutEngine"):
                 self.engine = rollout_engine(

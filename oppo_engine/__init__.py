@@ -1,6 +1,7 @@
 """oppo_engine: a rollout backend for PPO-RLHF that overlaps generation with scoring (OPPO, ICLR 2026).
 
-Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams`` (see README.md and DESIGN.md). They are
+Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward`` (see README.md and
+DESIGN.md). They are
 imported lazily, so ``import oppo_engine.ops`` (or ``.cache``) does not pull in transformers.
 """
 
@@ -10,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "BatchedReward": "oppo_engine.model.rewards",
     "EngineConfig": "oppo_engine.config",
     "SamplingParams": "oppo_engine.config",
     "RolloutEngine": "oppo_engine.engine",
@@ -19,6 +21,7 @@ _EXPORTS = {
     "StepMetrics": "oppo_engine.obs.metrics",
 }
 __all__ = [
+    "BatchedReward",
     "CacheStats",
     "EngineConfig",
     "Rollout",
@@ -31,6 +34,7 @@ __all__ = [
 if TYPE_CHECKING:
     from oppo_engine.config import EngineConfig, SamplingParams
     from oppo_engine.engine import CacheStats, Rollout, RolloutEngine, StepResult
+    from oppo_engine.model.rewards import BatchedReward
     from oppo_engine.obs.metrics import StepMetrics
 
 

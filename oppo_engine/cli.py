@@ -45,9 +45,9 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if any(r.records for r in runs) else 1
 
 
-def bench(argv: list[str]) -> int:
-    """Run the end-to-end benchmark (bench/bench_e2e.py) with ``argv``."""
-    _bench_module().main(argv)
+def bench(argv: list[str], prog: str = "oppo-engine bench") -> int:
+    """Run the end-to-end benchmark (bench/bench_e2e.py) with ``argv``; ``--help`` names ``prog``."""
+    _bench_module().main(argv, prog=prog)
     return 0
 
 
@@ -57,23 +57,34 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if argv and argv[0] in ("bench", "trace"):
         rest = argv[1:] + (["--trace"] if argv[0] == "trace" and "--trace" not in argv else [])
-        return bench(rest)
-    parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="PPO on the embedded task in sequential and oppo mode, side by side")
+        return bench(rest, prog=f"oppo-engine {argv[0]}")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace}")
+    d = sub.add_parser(
+        "demo",
+        help="PPO on the embedded task in sequential and oppo mode, side by side",
+        description=demo.__doc__,
+        formatter_class=defaults,
+    )
     d.add_argument("--steps", type=int, default=60, help="PPO steps per mode")
     d.add_argument("--modes", default="sequential,oppo", help="comma-separated engine modes")
     d.add_argument("--out", default="demo_out", help="folder for table.txt, plots and traces")
     d.add_argument("--cache", default=".cache/demo_task", help="where the embedded task's models are built")
-    d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    d.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to run on"
+    )
     d.add_argument("--actor", help="local HF causal LM (with its tokenizer) instead of the embedded task")
     d.add_argument("--reward", help="local one-label HF reward model (with --actor)")
-    d.add_argument("--batch-size", type=int, default=32)
-    d.add_argument("--max-new-tokens", type=int, default=48)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--batch-size", type=int, default=32, help="rollouts per PPO step (B)")
+    d.add_argument("--max-new-tokens", type=int, default=48, help="response length cap")
+    d.add_argument("--seed", type=int, default=0, help="seed of the task, the models and the sampling")
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `oppo-engine`: what it can do, not an argparse complaint
+        parser.print_help()
+        return 0
     try:
         return demo(args)
     except (ValueError, NotImplementedError) as e:  # bad options: a message, not a traceback

@@ -17,7 +17,12 @@ _KNOB_MODES = {
     "delta": ("inter", "oppo"),  # the online overcommit control
     "max_deferrals": ("inter", "oppo"),
     "retained_kv": ("inter", "oppo"),  # deferred sequences across a policy update
+    "max_policy_lag": ("inter", "oppo"),  # the staleness bound of carried sequences
 }
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(slots=True)
@@ -27,7 +32,9 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1.0`` disable truncation. ``seed=None`` derives
     the sequence's RNG seed from the engine's default seed and the prompt's index, so results do not depend
     on batch composition; an explicit seed is used as given. ``ignore_eos=True`` generates exactly
-    ``max_new_tokens`` tokens (benchmarks).
+    ``max_new_tokens`` tokens (benchmarks): it ignores EOS only, never ``stop_token_ids``.
+    ``stop_token_ids`` end a response too, as EOS does (vLLM's ``stop_token_ids``); EOS and stop tokens are
+    kept in ``response_ids`` and ``logprobs``, because RL trains on them.
 
     ``n`` samples each prompt ``n`` times (a group: GRPO, RLOO, PPO with n > 1). Sample 0 uses the prompt's
     seed (so ``n=1`` changes nothing) and sample ``j`` a seed derived from it and ``j``; the prompt is
@@ -41,8 +48,15 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        stop = self.stop_token_ids
+        if isinstance(stop, int | str) or not all(_is_token_id(t) for t in stop):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a sequence of token ids >= 0, got {stop!r}"
+            )
+        self.stop_token_ids = tuple(int(t) for t in stop)
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if not self.temperature >= 0.0:
@@ -67,8 +81,13 @@ class EngineConfig:
     ``inter``/``oppo``) raises ``ValueError``; defaults never do. ``chunk`` (``ChunkControl``) sets the
     online chunk-size search of ``chunk_size="auto"``; ``delta`` (``DeltaControl``) the online Δ of
     ``overcommit="auto"``; ``max_deferrals`` bounds how many steps a sequence may be deferred.
+    ``max_policy_lag`` (default 2) bounds staleness: no returned token was sampled more than this many
+    policy versions (``update_policy`` calls) before the step that returns it; a carried sequence about
+    to exceed it is due and taken by the next batch. ``None`` leaves only ``max_deferrals``. While it is
+    set, a fixed ``overcommit`` (or ``delta.max``) above ``batch_size`` is refused: more sequences could
+    fall due than one batch holds.
     ``kv_cache_bytes=None`` sizes the arena for B (+ Δ_max under overcommit: ``overcommit`` when fixed,
-    ``delta.max`` under "auto") sequences of ``max_model_len`` tokens in every model,
+    ``delta.max`` under "auto", B/4 by default) sequences of ``max_model_len`` tokens in every model,
     capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only).
@@ -87,6 +106,7 @@ class EngineConfig:
     chunk: ChunkControl = field(default_factory=ChunkControl)
     delta: DeltaControl = field(default_factory=DeltaControl)
     max_deferrals: int = 4
+    max_policy_lag: int | None = 2
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -125,6 +145,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.delta must be a DeltaControl, got {self.delta!r}")
         if self.max_deferrals < 1:
             raise ValueError(f"EngineConfig.max_deferrals must be >= 1, got {self.max_deferrals}")
+        self._check_policy_lag()
         if self.chunk != ChunkControl() and self.chunk_size != "auto":
             raise ValueError(
                 f"EngineConfig.chunk is ignored with chunk_size={self.chunk_size!r}: the search runs only "
@@ -143,3 +164,19 @@ class EngineConfig:
                     f"EngineConfig.{name}={value!r} is ignored by mode={self.mode!r}: it applies only to "
                     f"mode in {modes}; leave it at its default ({defaults[name]!r}) or change the mode"
                 )
+
+    def _check_policy_lag(self) -> None:
+        lag = self.max_policy_lag
+        if lag is not None and not (_is_token_id(lag) and lag >= 1):
+            raise ValueError(f"EngineConfig.max_policy_lag must be an int >= 1 or None, got {lag!r}")
+        if lag is None or self.mode not in ("inter", "oppo"):
+            return
+        fixed = self.overcommit if isinstance(self.overcommit, int) else None
+        bound = ("overcommit", fixed) if fixed is not None else ("delta.max", self.delta.max)
+        if bound[1] is not None and bound[1] > self.batch_size:
+            raise ValueError(
+                f"EngineConfig.{bound[0]}={bound[1]} exceeds batch_size={self.batch_size} while "
+                f"max_policy_lag={lag}: more carried sequences could fall due than one batch holds; lower "
+                f"{bound[0]} to at most batch_size, or set max_policy_lag=None (staleness then bounded by "
+                "max_deferrals only)"
+            )

@@ -19,6 +19,7 @@ from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.control import ChunkSizeController, DeltaController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
+from oppo_engine.model.eos import resolve_eos_token_ids
 from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD, collect_models, device_of, dtype_of
 from oppo_engine.model.runner import ModelRunner, unwrap_model
 from oppo_engine.model.scorer import (
@@ -32,8 +33,10 @@ from oppo_engine.model.scorer import (
 from oppo_engine.model.support import text_config
 from oppo_engine.model.warmup import warm_up_models
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
+from oppo_engine.obs.staleness import StaleBatchWarning
+from oppo_engine.prompt_input import one_prompt, to_token_lists
 from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
-from oppo_engine.sched.overcommit import BatchCut, OvercommitBuffer
+from oppo_engine.sched.overcommit import BatchCut, OvercommitBuffer, lag_due
 from oppo_engine.sched.profiler import SwitchCostProfiler
 from oppo_engine.sched.prompts import PromptQueue
 from oppo_engine.sched.scheduler import ActorScheduler
@@ -79,6 +82,8 @@ class Rollout:
     values: list[float] | None = None
     group_id: int = 0
     sample_index: int = 0
+    finish_reason: str = "length"  # "eos" | "stop" | "length" | "max_model_len" | "error"
+    error: str | None = None  # the failure's message when finish_reason == "error"
 
 
 @dataclass(slots=True)
@@ -106,7 +111,9 @@ class RolloutEngine:
     """Produces ``batch_size`` scored rollouts per ``step()`` from a queue of prompts.
 
     ``actor`` is an HF causal LM and ``reward`` an HF sequence-classification model with one label (or a
-    plain callable ``reward(prompt_ids, response_ids) -> float``, which is not streamed). ``reference`` (a
+    plain callable ``reward(prompt_ids, response_ids) -> float``, or ``BatchedReward(fn)`` with
+    ``fn(prompts, responses) -> list[float]``; neither is streamed; each result must be a finite number).
+    ``reference`` (a
     frozen causal LM) and ``critic`` (a one-label value model) are optional scorers that fill
     ``Rollout.ref_logprobs`` and ``Rollout.values``. All are used as they are (shared with the trainer,
     in train mode or not, PEFT-wrapped or not); the engine keeps their KV in one paged arena of its own. A
@@ -116,7 +123,11 @@ class RolloutEngine:
     with another vocabulary is refused unless both tokenizers are given (``tokenizer`` for the actor,
     ``reward_tokenizer``); when their vocabularies differ, each finished sequence is decoded with the
     actor's tokenizer (special tokens skipped), re-encoded with the reward model's (its own special tokens
-    added) and scored by the reward model's own HF forward -- exact, but not streamed.
+    added) and scored by the reward model's own HF forward -- exact, but not streamed. ``tokenizer`` alone
+    lets ``add_prompts`` take text and chat conversations.
+
+    ``eos_token_id=None`` stops at the union of the EOS ids in the actor's ``generation_config`` and
+    config (with a warning if neither lists one); ``()`` never stops on EOS.
     """
 
     def __init__(
@@ -151,9 +162,11 @@ class RolloutEngine:
                     f"overcommit={fixed} is not a multiple of SamplingParams.n={group}: groups are carried "
                     "whole"
                 )
-            self._delta_control = DeltaController(cfg.delta, fixed=fixed)
-            self._max_overcommit = _whole_groups(fixed if fixed is not None else cfg.delta.max, group)
+            delta = cfg.delta.resolve(cfg.batch_size, group)  # None defaults: B/8 and B/4, whole groups
+            self._delta_control = DeltaController(delta, fixed=fixed)
+            self._max_overcommit = _whole_groups(fixed if fixed is not None else delta.max, group)
         self.actor = actor
+        self.tokenizer = tokenizer
         # The models the engine runs through its paged cache, by role (the name of their cache and lane).
         self._models, rule = collect_models(
             actor, reward, reference, critic, max_model_len=cfg.max_model_len, tokenizer=tokenizer,
@@ -163,13 +176,7 @@ class RolloutEngine:
         self.reward_is_model = rule is None
         self.device = device_of(actor)
         self.vocab_size = int(text_config(actor).vocab_size)
-        if eos_token_id is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos_token_id, int):
-            eos_ids = (eos_token_id,)
-        else:
-            eos_ids = tuple(eos_token_id)
-        self.eos_token_ids = eos_ids
+        self.eos_token_ids = resolve_eos_token_ids(actor, eos_token_id)
 
         self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m)) for name, m in self._models.items()}
         self._num_pages = self._plan_pages()
@@ -199,6 +206,7 @@ class RolloutEngine:
         self._swapped_tokens: dict[str, int] = {}  # brought back from host since the last step
         self._trainer_reward = False  # report_reward() was called: it feeds the Δ controller from now on
         self._finished_tokens = self._finished_seqs = 0  # response lengths of every finished sequence
+        self._stale_warning = StaleBatchWarning()
         self._arena: KVArena | None = None
         self._build_cache()
 
@@ -296,19 +304,32 @@ class RolloutEngine:
     # ------------------------------------------------------------------ prompts
 
     def add_prompts(
-        self, prompt_token_ids: Iterable[Sequence[int]], sampling: Sequence[SamplingParams] | None = None
+        self,
+        prompts,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        attention_mask=None,
     ) -> None:
-        """Queue prompts (lists of token ids); ``sampling`` optionally gives one SamplingParams per prompt.
+        """Queue prompts: lists of token ids (numpy / torch integer scalars too), a 2-D tensor or array
+        (``attention_mask`` strips padding on either side; without it every row is taken whole), a
+        tokenizer's ``BatchEncoding`` or dict, one 1-D sequence as one prompt, ``[]`` as none; with
+        ``tokenizer=`` given to the engine, also text and chat conversations (``oppo_engine.prompt_input``).
+        ``sampling`` is one ``SamplingParams`` for all, or a list of one per prompt.
 
-        All prompts are validated before any is queued, so a bad call queues nothing.
+        A wrong type raises ``TypeError``, a wrong value (empty prompt, id outside the vocabulary, too long)
+        ``ValueError``; all prompts are validated before any is queued, so a bad call queues nothing.
         """
         self._check_open()
-        self._prompts.add(prompt_token_ids, sampling)
+        self._prompts.add(to_token_lists(prompts, attention_mask, self.tokenizer), sampling)
 
-    def set_prompt_source(self, source: Iterable[Sequence[int]]) -> None:
-        """Pull prompts lazily from ``source`` once the queued ones run out."""
+    def set_prompt_source(self, source: Iterable) -> None:
+        """Pull prompts lazily from ``source`` once the queued ones run out; each item is one prompt in any
+        form ``add_prompts`` takes for one (token ids, a 1-D tensor, a tokenizer's output for one text, and,
+        with ``tokenizer=``, text or a conversation)."""
         self._check_open()
-        self._prompts.set_source(source)
+        tokenizer = self.tokenizer
+        # NOTE: map, not a generator: a bad item raises at its turn and the source goes on after it.
+        where = "a prompt from the prompt source"
+        self._prompts.set_source(map(lambda p: one_prompt(p, tokenizer, where), source))
 
     # ------------------------------------------------------------------ the step
 
@@ -328,7 +349,8 @@ class RolloutEngine:
         if self._delta_control is not None:
             delta = _whole_groups(self._delta_control.delta(), self.sampling.n)
             seqs = self._buffer.fill(self._prompts.take, cfg.batch_size + delta)
-            cut = BatchCut(seqs, cfg.batch_size, cfg.max_deferrals)
+            due = lag_due(self._policy_version, cfg.max_policy_lag)
+            cut = BatchCut(seqs, cfg.batch_size, cfg.max_deferrals, lag_due=due)
         else:
             delta = 0
             seqs = self._prompts.take(cfg.batch_size)
@@ -391,6 +413,7 @@ class RolloutEngine:
             shared_tokens={n: c.shared_tokens - shared_before[n] for n, c in self._caches.items()},
         )
         self._swapped_tokens = {}
+        self._stale_warning.check(metrics.stale_tokens, sum(len(s.response_ids) for s in batch))
         if chunk_size is not None:
             self._observe_chunk(chunk_size, out, metrics.wall_s)
         if self._delta_control is not None and batch and not self._trainer_reward:
@@ -409,6 +432,7 @@ class RolloutEngine:
                 values=s.values,
                 group_id=s.group_id,
                 sample_index=s.sample_index,
+                finish_reason=s.finish_reason or "length",
             )
             for s in batch
         ]

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from bench import bench_e2e
+from bench import bench_e2e, e2e_report
+from oppo_engine.obs.metrics import StepMetrics
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--prompt-len-cap", "8", "--response-len-cap", "8"]
 
@@ -23,13 +24,13 @@ def _run(tmp_path, *extra: str) -> dict:
 
 
 def test_engine_modes_run_through_the_public_api_and_the_speedups_are_printed(capsys, tmp_path):
-    res = _run(tmp_path, "--modes", "hf,sequential,oppo", "--steps", "2", "--warmup", "1", "--trace")
+    res = _run(tmp_path, "--modes", "hf,sequential,oppo", "--steps", "3", "--warmup", "1", "--trace")
     out = capsys.readouterr().out
 
     seq = res["sequential"]
-    assert seq.available and seq.steps == 2
+    assert seq.available and seq.steps == 3
     steps = [r for r in csv.DictReader((tmp_path / "steps.csv").open()) if r["mode"] == "sequential"]
-    assert len(steps) == 2  # the warm-up step is not measured
+    assert len(steps) == 3  # the warm-up step is not measured
     # ignore_eos: each step generates exactly the response lengths the workload drew for its 2 prompts
     assert all(int(r["rollouts"]) == 2 and int(r["tokens_generated"]) >= 2 for r in steps)
     want = sum(float(r["tokens_generated"]) for r in steps) / sum(float(r["wall_s"]) for r in steps)
@@ -37,7 +38,7 @@ def test_engine_modes_run_through_the_public_api_and_the_speedups_are_printed(ca
     assert 0 < seq.peak_pages <= seq.total_pages
 
     assert res["hf"].available and res["hf"].tokens_per_s > 0
-    assert res["oppo"].available and res["oppo"].steps == 2
+    assert res["oppo"].available and res["oppo"].steps == 3
     speed = _speedups(out)
     # Numbers, not nan: both modes ran. (Their size is not asserted: with 8 prompts, oppo may decode every
     # remaining token while its warm-up step's batch is scored, leaving the measured steps none.)
@@ -65,7 +66,30 @@ def test_bad_arguments_are_rejected():
 
 
 def test_a_fixed_overcommit_reaches_the_overcommitting_modes_only(tmp_path):
-    _run(tmp_path, "--modes", "sequential,inter", "--steps", "2", "--warmup", "0", "--overcommit", "3")
+    _run(tmp_path, "--modes", "sequential,inter", "--steps", "2", "--warmup", "0", "--overcommit", "3",
+         "--max-policy-lag", "none")  # fmt: skip
     steps = list(csv.DictReader((tmp_path / "steps.csv").open()))
     assert {r["overcommit"] for r in steps if r["mode"] == "inter"} == {"3"}
     assert {r["overcommit"] for r in steps if r["mode"] == "sequential"} == {"0"}
+
+
+def test_fewer_than_three_steps_print_no_speedup_line_and_say_why(capsys, tmp_path):
+    _run(tmp_path, "--modes", "sequential,oppo", "--steps", "1", "--warmup", "0")
+    out = capsys.readouterr().out
+    assert "speedup_" not in out
+    assert "no speed-up line: --steps 1 is below 3" in out
+
+
+def _record(mode: str, wall_s: float) -> e2e_report.StepRecord:
+    metrics = StepMetrics(wall_s, wall_s, 0.0, 1, 1, None, 0, 0, 1, {}, None)
+    return e2e_report.StepRecord(mode, 0, metrics)
+
+
+def test_a_mode_whose_step_times_spread_more_than_twice_is_warned_about():
+    records = {
+        "steady": [_record("steady", t) for t in (1.0, 1.5, 1.9)],
+        "noisy": [_record("noisy", t) for t in (1.0, 1.2, 2.5)],
+        "single": [_record("single", 1.0)],
+    }
+    lines = e2e_report.spread_warnings(records)
+    assert len(lines) == 1 and lines[0].startswith("WARNING [noisy] step times spread 2.5x")

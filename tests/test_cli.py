@@ -24,3 +24,30 @@ def test_demo_bad_option_exits_2_with_a_message(tmp_path, capsys, args, match):
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
     assert not cache.exists()  # refused before the task was built
+
+
+def test_bare_command_prints_help_not_an_argparse_error(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr()
+    assert "usage: oppo-engine" in out.out and "demo" in out.out and "bench" in out.out
+    assert "required" not in out.err
+
+
+@pytest.mark.parametrize(
+    ("args", "prog", "defaults"),
+    [
+        (["--help"], "usage: oppo-engine", []),
+        (["demo", "--help"], "usage: oppo-engine demo", ["(default: 60)", "(default: 32)", "torch device"]),
+        (["bench", "--help"], "usage: oppo-engine bench", ["(default: tiny)", "(default: 3)"]),
+        (["trace", "--help"], "usage: oppo-engine trace", ["(default: longtail)"]),
+    ],
+)
+def test_every_help_shows_its_program_name_and_defaults(capsys, args, prog, defaults):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prog), out[:80]
+    for text in defaults:
+        assert text in " ".join(out.split()), text  # argparse wraps lines
+    assert "python -m bench" not in out

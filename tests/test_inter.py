@@ -122,9 +122,11 @@ def test_no_rollout_is_deferred_beyond_the_bound_and_every_step_returns_b(
     prompts = random_prompts(n, seed=42 + overcommit)
     # A long tail: a few responses much longer than the rest, which the cut would otherwise defer forever.
     lengths = [rng.choice([1, 2, 3, 30]) for _ in range(n)]
+    # The deferral bound alone (Δ may exceed B): the policy-lag bound is tests/test_policy_lag.py's.
     engine = make_engine(
-        models, "inter", batch_size=batch_size, overcommit=overcommit, max_deferrals=max_deferrals
-    )
+        models, "inter", batch_size=batch_size, overcommit=overcommit, max_deferrals=max_deferrals,
+        max_policy_lag=None,
+    )  # fmt: skip
     steps = drain(_with(engine, prompts, lengths_sampling(lengths)))
     bound = deferral_bound(batch_size, max_deferrals, overcommit)
     assert bound == max_deferrals + (math.ceil(overcommit / batch_size) - 1)

@@ -207,8 +207,11 @@ def test_reward_with_another_vocabulary_is_refused_without_tokenizers():
     ).eval()
     with pytest.raises(ValueError, match="reward: its vocabulary has 135 tokens, the actor's 128"):
         make_engine(make_actor(), reward)
-    with pytest.raises(ValueError, match="pass both or neither"):
+    # tokenizer= alone means one tokenizer for both models: the vocabularies must then agree.
+    with pytest.raises(ValueError, match="reward: its vocabulary has 135 tokens"):
         make_engine(make_actor(), reward, tokenizer=_word_tokenizer(["a"]))
+    with pytest.raises(ValueError, match="reward_tokenizer needs tokenizer="):
+        make_engine(make_actor(), reward, reward_tokenizer=_word_tokenizer(["a"]))
 
 
 def test_reward_with_another_vocabulary_scores_the_retokenized_text():

@@ -349,7 +349,10 @@ def test_auto_overcommit_follows_the_reward_trend_and_the_trainers_signal():
     control = DeltaControl(init=1, min=0, max=3, inc=1, dec=1, window=3, significance=0.0)
     engine = RolloutEngine(
         **models,
-        config=EngineConfig(batch_size=2, mode="inter", delta=control, max_model_len=64, page_size=8),
+        # Δ up to 3 > B: only without the policy-lag bound (the controller is what is tested here).
+        config=EngineConfig(
+            batch_size=2, mode="inter", delta=control, max_model_len=64, page_size=8, max_policy_lag=None
+        ),
         sampling=SamplingParams(temperature=1.0, max_new_tokens=6, seed=1),
         eos_token_id=EOS,
     )

@@ -4,6 +4,7 @@ log-probs equal the engine's behaviour log-probs, and configurations the engine 
 ``make test`` installs the ``trl`` extra, so these run in CI; a dev venv without trl skips them."""
 
 import copy
+import dataclasses
 import importlib.util
 import os
 
@@ -279,3 +280,21 @@ def test_prompts_must_come_in_runs_of_num_generations():
         _group_heads(["a", "b", "b", "b"], 2)
     with pytest.raises(ValueError, match="3 prompts, not a multiple of num_generations=2"):
         _group_heads(["a", "a", "b"], 2)
+
+
+def test_the_engines_resolved_eos_set_is_compared_and_stop_tokens_are_refused(tokenizer, tmp_path):
+    actor, reward = _models(tokenizer)
+    args = _args(tmp_path)
+    config = EngineConfig(batch_size=4, mode="sequential", max_model_len=64, page_size=8)
+    # eos_token_id omitted: the engine resolves the actor's own EOS ids, which are the trainer's.
+    sampling = sampling_params_for(args, seed=7)
+    engine = RolloutEngine(actor=actor, reward=reward, config=config, sampling=sampling)
+    assert engine.eos_token_ids == (tokenizer.eos_token_id,)
+    func = engine_rollout_func(engine, args)
+    func._bind(_trainer(actor, tokenizer, args, func))  # accepted: the EOS sets agree
+    engine.close()
+    stopping = dataclasses.replace(sampling, stop_token_ids=(5,))
+    engine = RolloutEngine(actor=actor, reward=reward, config=config, sampling=stopping)
+    with pytest.raises(ValueError, match=r"stop_token_ids=\(5,\): TRL treats a completion"):
+        engine_rollout_func(engine, args)
+    engine.close()

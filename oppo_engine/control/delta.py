@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 RULES = ("slope", "alg1")
@@ -27,7 +27,10 @@ def _is_int(value: object) -> bool:
 class DeltaControl:
     """Settings of the Δ controller (``EngineConfig.delta``).
 
-    Δ starts at ``init`` and stays in ``[min, max]``. ``window``: how many steps of mean reward the
+    Δ starts at ``init`` and stays in ``[min, max]``. ``init=None`` and ``max=None`` (the defaults) scale
+    with the batch: the engine resolves them when it is built (``resolve``) to B/8 and B/4, rounded up to
+    whole groups and at least one group (the paper's fixed 4 and 8 are for B=112). ``window``: how many
+    steps of mean reward the
     slope is fitted over; Δ does not move before the window is full. ``rule="slope"`` steps by ``inc``
     up and ``dec`` down; ``rule="alg1"`` steps by ``max(1, Δ // 4)`` either way (the paper's Algorithm
     1). ``significance``: Δ grows only while the fitted slope exceeds ``significance`` standard errors
@@ -36,9 +39,9 @@ class DeltaControl:
     overcommit off.
     """
 
-    init: int = 16
+    init: int | None = None
     min: int = 0
-    max: int = 64
+    max: int | None = None
     inc: int = 4
     dec: int = 4
     window: int = 5
@@ -48,11 +51,15 @@ class DeltaControl:
     def __post_init__(self) -> None:
         for name in ("init", "min", "max", "inc", "dec"):
             value = getattr(self, name)
+            if value is None and name in ("init", "max"):
+                continue
             if not _is_int(value) or value < 0:
                 raise ValueError(f"DeltaControl.{name} must be an int >= 0, got {value!r}")
-        if self.max < self.min:
+        if self.max is not None and self.max < self.min:
             raise ValueError(f"DeltaControl.max ({self.max}) must be >= min ({self.min})")
-        if not self.min <= self.init <= self.max:
+        if self.init is not None and self.init < self.min:
+            raise ValueError(f"DeltaControl.init must be >= min ({self.min}), got {self.init}")
+        if None not in (self.init, self.max) and not self.min <= self.init <= self.max:
             raise ValueError(
                 f"DeltaControl.init must be in [min, max] = [{self.min}, {self.max}], got {self.init}"
             )
@@ -67,6 +74,24 @@ class DeltaControl:
                 f"DeltaControl.window must be an int >= {min_window} (a slope needs two points, its standard "
                 f"error three), got {self.window!r}"
             )
+
+
+    def resolve(self, batch_size: int, group: int = 1) -> DeltaControl:
+        """These settings with ``init=None`` and ``max=None`` resolved for batch size B and groups of
+        ``group``: ``init`` = B/8 and ``max`` = B/4, rounded up to whole groups, at least one group, and
+        kept within the explicit bounds (``max`` at least ``min`` and the explicit ``init``)."""
+        max_ = self.max
+        if max_ is None:
+            max_ = max(_whole_groups(batch_size / 4, group), self.min, self.init or 0)
+        init = self.init
+        if init is None:
+            init = min(max(_whole_groups(batch_size / 8, group), self.min), max_)
+        return replace(self, init=init, max=max_)
+
+
+def _whole_groups(num_sequences: float, group: int) -> int:
+    """``num_sequences`` rounded up to whole groups of ``group``, and at least one group."""
+    return max(1, math.ceil(num_sequences / group)) * group
 
 
 def fit_slope(values: list[float]) -> tuple[float, float]:
@@ -123,6 +148,11 @@ class DeltaController:
         if fixed is not None and (not _is_int(fixed) or fixed < 0):
             raise ValueError(f"fixed overcommit must be an int >= 0 or None, got {fixed!r}")
         self.control = control if control is not None else DeltaControl()
+        if fixed is None and (self.control.init is None or self.control.max is None):
+            raise ValueError(
+                "DeltaController needs DeltaControl.init and max: give them, or resolve the defaults for the "
+                "batch size with DeltaControl.resolve(batch_size, group)"
+            )
         self.fixed = fixed
         self.history: list[DeltaRecord] = []
         self._delta = self.control.init

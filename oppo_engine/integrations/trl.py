@@ -140,6 +140,11 @@ def _check_args(args: GRPOConfig, engine: RolloutEngine) -> None:
             )
     if sampling.ignore_eos:
         raise ValueError("the engine's SamplingParams.ignore_eos=True: TRL's completions end at EOS")
+    if sampling.stop_token_ids:
+        raise ValueError(
+            f"the engine's SamplingParams.stop_token_ids={sampling.stop_token_ids}: TRL treats a completion "
+            "that ends without EOS as truncated; leave stop_token_ids empty"
+        )
 
 
 class EngineRolloutFunc:

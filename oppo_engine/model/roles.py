@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from oppo_engine.model.rewards import BatchedReward, check_reward_arity
 from oppo_engine.model.runner import unwrap_model
 from oppo_engine.model.scorer import RetokenizedReward, RuleReward
 from oppo_engine.model.support import check_model, text_config
@@ -47,6 +48,8 @@ def collect_models(
         reward = _reward_for_vocab(reward, vocab_size, tokenizer, reward_tokenizer)
     elif not callable(reward):
         raise ValueError("reward must be an HF sequence-classification model or a callable(prompt, response)")
+    elif not isinstance(reward, BatchedReward):  # BatchedReward checked its fn when it was made
+        check_reward_arity(reward, "reward")
     models: dict[str, nn.Module] = {ACTOR: actor}
     streamed = ((REWARD, reward if isinstance(reward, nn.Module) else None), (REFERENCE, reference),
                 (CRITIC, critic))  # fmt: skip
@@ -74,8 +77,9 @@ def collect_models(
 
 def _reward_for_vocab(reward: nn.Module, vocab_size: int, tokenizer, reward_tokenizer):
     """The reward model itself when it reads the actor's ids; a re-tokenizing callable when it cannot."""
-    if (tokenizer is None) != (reward_tokenizer is None):
-        raise ValueError("tokenizer and reward_tokenizer go together: pass both or neither")
+    if reward_tokenizer is not None and tokenizer is None:
+        raise ValueError("reward_tokenizer needs tokenizer= (the actor's) to decode the actor's token ids")
+    reward_tokenizer = reward_tokenizer if reward_tokenizer is not None else tokenizer  # alone: shared
     if tokenizer is not None and tokenizer.get_vocab() != reward_tokenizer.get_vocab():
         return RetokenizedReward(unwrap_model(reward), tokenizer, reward_tokenizer)
     reward_vocab = getattr(text_config(reward), "vocab_size", None)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from oppo_engine.cache.manager import KVCacheManager
+from oppo_engine.model.rewards import BatchedReward, check_reward_value, reward_name
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 from oppo_engine.model.support import text_config
 
@@ -52,6 +53,11 @@ class Scorer(ABC):
     @abstractmethod
     def finish(self, seq_id: Hashable, prompt_ids: list[int], response_ids: list[int]):
         """The result for a sequence whose every token is prefilled."""
+
+    def finish_batch(self, items: Sequence[tuple[list[int], list[int]]]) -> list:
+        """The results of several whole sequences ``(prompt_ids, response_ids)`` of a scorer that is not
+        streamed (``cache is None``), read together once a scoring pass has them all."""
+        return [self.finish(None, p, r) for p, r in items]
 
     def release(self, seq_id: Hashable) -> None:
         """Free the sequence's pages and state (harmless if already released)."""
@@ -269,15 +275,24 @@ class CriticScorer(_PerTokenScorer):
 
 
 class RuleScorer(Scorer):
-    """A plain callable ``reward(prompt_ids, response_ids) -> float``: read once a sequence has finished."""
+    """A plain callable ``reward(prompt_ids, response_ids) -> float`` read once a sequence has finished, or a
+    ``BatchedReward`` read once for every sequence a scoring pass finishes."""
 
     field = "reward"
 
-    def __init__(self, rule: RuleReward) -> None:
+    def __init__(self, rule: RuleReward | BatchedReward) -> None:
         self.rule = rule
+        self.name_for_errors = reward_name(rule)
 
     def finish(self, seq_id: Hashable, prompt_ids: list[int], response_ids: list[int]) -> float:
-        return float(self.rule(list(prompt_ids), list(response_ids)))
+        return self.finish_batch([(prompt_ids, response_ids)])[0]
+
+    def finish_batch(self, items: Sequence[tuple[list[int], list[int]]]) -> list[float]:
+        """The rewards of several finished sequences ``(prompt_ids, response_ids)``: one call of a
+        ``BatchedReward``, one call per sequence of a plain callable; every result checked."""
+        if isinstance(self.rule, BatchedReward):
+            return self.rule([list(p) for p, _ in items], [list(r) for _, r in items])
+        return [check_reward_value(self.rule(list(p), list(r)), self.name_for_errors) for p, r in items]
 
 
 class RetokenizedReward:

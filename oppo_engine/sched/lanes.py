@@ -281,12 +281,13 @@ class ScorerLane:
                     sched.add(seq)
             for sched in self.scheds.values():
                 sched.hand_off(seq, h.upto, h.final)
-            if h.final:
-                for scorer in self.scorers:
-                    if scorer.cache is None:  # read once, now that the sequence is whole
-                        with self.timeline.span(scorer.name, "score"):
-                            result = scorer.finish(seq.seq_id, seq.prompt_ids, seq.response_ids)
-                        self._completed(seq, scorer, result)
+        finals = [h.seq for h in inbox if h.final]
+        for scorer in self.scorers:
+            if scorer.cache is None and finals:  # read once, now that the sequences are whole: one pass
+                with self.timeline.span(scorer.name, "score"):
+                    results = scorer.finish_batch([(s.prompt_ids, s.response_ids) for s in finals])
+                for seq, result in zip(finals, results, strict=True):
+                    self._completed(seq, scorer, result)
 
     def _round(self) -> bool:
         """One forward per scorer that has tokens to prefill; True if any ran."""

@@ -9,6 +9,12 @@ returned with more than k deferrals: the bound is exact. With Δ > B, up to Δ m
 sequence has fewer than Δ_max carried sequences ahead of it in FIFO order and B of them leave per step, so
 it is returned with at most ``k + ceil(Δ_max / B) - 1`` deferrals (``deferral_bound``).
 
+Policy lag. With ``max_policy_lag`` (L) set, a carried sequence whose oldest token was sampled L or more
+policy versions ago is due as well (``lag_due``): deferred once more, it could be returned after another
+policy update with a lag above L. So no returned token lags more than L versions behind the policy that
+returns it (with one update per step, a sequence waits at most L steps). Δ ≤ B is then required, so
+that every due sequence fits in one batch.
+
 Groups (a prompt sampled n times) are cut whole: a group joins the batch once all its samples have
 finished, and is carried as a unit; B and Δ are then multiples of n, and the bound holds group by group.
 """
@@ -20,16 +26,27 @@ from collections.abc import Callable
 from oppo_engine.sched.sequence import SeqStatus, Sequence
 
 
+def lag_due(policy_version: int, max_policy_lag: int | None) -> Callable[[Sequence], bool] | None:
+    """The test "due by its policy lag" for a step run at ``policy_version`` (None without a bound)."""
+    if max_policy_lag is None:
+        return None
+
+    def due(seq: Sequence) -> bool:
+        return bool(seq.policy_versions) and policy_version - seq.policy_versions[0] >= max_policy_lag
+
+    return due
+
+
 def deferral_bound(batch_size: int, max_deferrals: int, max_overcommit: int) -> int:
     """The most deferrals a returned rollout can have (see the module docstring)."""
     return max_deferrals + max(0, -(-max_overcommit // batch_size) - 1)
 
 
 class BatchCut:
-    """Chooses a step's batch as its groups finish: every due group (oldest first, at most ``batch_size``
-    sequences), then the first others to finish, ``min(batch_size, len(seqs))`` sequences in all. A group is
-    a prompt's ``n`` samples (one sequence when ``n = 1``); ``seqs`` holds whole groups, and ``batch_size``
-    is a multiple of ``n``.
+    """Chooses a step's batch as its groups finish: every due group (at the deferral limit, or by
+    ``lag_due``; oldest first, at most ``batch_size`` sequences), then the first others to finish,
+    ``min(batch_size, len(seqs))`` sequences in all. A group is a prompt's ``n`` samples (one sequence when
+    ``n = 1``); ``seqs`` holds whole groups, and ``batch_size`` is a multiple of ``n``.
 
     ``finished(seq)`` is called in finish order (carried sequences that had already finished first);
     ``batch`` lists the chosen groups in the order they completed, each in sample order. ``determined``
@@ -37,12 +54,22 @@ class BatchCut:
     takes every sequence (no overcommit).
     """
 
-    def __init__(self, seqs: list[Sequence], batch_size: int | None, max_deferrals: int | None) -> None:
+    def __init__(
+        self,
+        seqs: list[Sequence],
+        batch_size: int | None,
+        max_deferrals: int | None,
+        lag_due: Callable[[Sequence], bool] | None = None,
+    ) -> None:
         self.size = len(seqs) if batch_size is None else min(batch_size, len(seqs))
         self.due: set[int] = set()  # group ids
+        lagging = {s.group_id for s in seqs if lag_due(s)} if lag_due is not None else set()
         taken = 0
         for seq in seqs:
-            if max_deferrals is None or seq.deferred_steps < max_deferrals or seq.group_id in self.due:
+            if seq.group_id in self.due:
+                continue
+            deferred_out = max_deferrals is not None and seq.deferred_steps >= max_deferrals
+            if not (deferred_out or seq.group_id in lagging):
                 continue
             if taken + seq.sampling.n > self.size:
                 break

@@ -48,6 +48,15 @@ class PromptQueue:
         self._source: Iterator[Sequence[int]] | None = None
         self._next_prompt_index = 0
         self._next_seq_id = 0
+        self.check_sampling(sampling, "sampling")
+
+    def check_sampling(self, params: SamplingParams, where: str) -> None:
+        """ValueError if ``params`` names a stop token outside the vocabulary (it could never be sampled)."""
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"{where}.stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
 
     def validate(self, where: str, ids: Sequence[int]) -> list[int]:
         """``ids`` as a list of ints, or ValueError naming ``where`` and the limit it breaks."""
@@ -64,15 +73,28 @@ class PromptQueue:
             raise ValueError(f"{where} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def add(self, prompts: Iterable[Sequence[int]], sampling: Sequence[SamplingParams] | None) -> None:
-        """Queue ``prompts``; all are validated before any is queued, so a bad call queues nothing."""
+    def add(
+        self,
+        prompts: Iterable[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> None:
+        """Queue ``prompts``; all are validated before any is queued, so a bad call queues nothing.
+        ``sampling`` is one ``SamplingParams`` for all of them, or one per prompt."""
         prompts = list(prompts)
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
         if sampling is not None:
+            if not isinstance(sampling, Iterable):
+                raise TypeError(
+                    f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
+                )
             sampling = list(sampling)
             if len(sampling) != len(prompts):
                 raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
             if not all(isinstance(s, SamplingParams) for s in sampling):
-                raise ValueError("sampling must hold SamplingParams")
+                raise TypeError("sampling must be a SamplingParams or a list of them")
+            for i, s in enumerate(sampling):
+                self.check_sampling(s, f"sampling[{i}]")
             other = next((i for i, s in enumerate(sampling) if s.n != self.sampling.n), None)
             if other is not None:
                 raise ValueError(
@@ -105,6 +127,9 @@ class PromptQueue:
                 except StopIteration:
                     self._source = None
                     break
+                except Exception:  # a source item of the wrong type: the good ones stay first in line
+                    self.requeued.extendleft(reversed(seqs))
+                    raise
                 try:
                     ids, params = self.validate("a prompt from the prompt source", raw), None
                 except ValueError:

@@ -249,11 +249,8 @@ class ActorScheduler:
         seq.response_ids.append(token)
         seq.logprobs.append(logprob)
         seq.policy_versions.append(policy_version)
-        done = (
-            len(seq.response_ids) >= seq.sampling.max_new_tokens
-            or seq.num_tokens >= self.max_model_len
-            or (not seq.sampling.ignore_eos and token in self.eos_token_ids)
-        )
+        seq.finish_reason = reason = self._finish_reason(seq, token)
+        done = reason is not None
         if done:
             self.cache.truncate(seq.seq_id, self.kept_tokens.get(seq.seq_id, 0))
             if seq.seq_id in self.cache:
@@ -261,6 +258,19 @@ class ActorScheduler:
             self.running.remove(seq)
             seq.status = SeqStatus.FINISHED
         return done
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why ``seq`` ends with ``token`` (None: it goes on). EOS first: when EOS is also the last allowed
+        token, the response ended on its own."""
+        if not seq.sampling.ignore_eos and token in self.eos_token_ids:
+            return "eos"
+        if token in seq.sampling.stop_token_ids:
+            return "stop"
+        if len(seq.response_ids) >= seq.sampling.max_new_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "max_model_len"
+        return None
 
     def detach_all(self) -> list[Sequence]:
         """Hand back every unfinished sequence (running first); their pages stay in the cache,

@@ -65,6 +65,7 @@ class Sequence:
     computed_high: int = 0
     prefilled_high: dict[str, int] = field(default_factory=dict)
     sample_index: int = 0
+    finish_reason: str | None = None  # set when the scheduler finishes it: "eos", "stop", "length", ...
 
     @property
     def group_id(self) -> int:
@@ -106,6 +107,8 @@ class Sequence:
         self.num_computed = min(snap.num_computed, num_cached)
         self.finish_time = snap.finish_time
         self.num_handed_off = 0
+        if snap.status not in (SeqStatus.FINISHED, SeqStatus.SCORED):
+            self.finish_reason = None
         if snap.status is not SeqStatus.SCORED:
             self.reward = None
             self.ref_logprobs = self.values = None

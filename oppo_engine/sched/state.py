@@ -24,6 +24,7 @@ def save_sequence(seq: Sequence) -> dict:
         "policy_versions": list(seq.policy_versions),
         "deferred_steps": seq.deferred_steps,
         "finished": seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED),
+        "finish_reason": seq.finish_reason,
         # Results are kept only once every scorer has read them; a partly scored sequence starts over.
         "results": {"reward": seq.reward, "ref_logprobs": seq.ref_logprobs, "values": seq.values}
         if scored
@@ -54,4 +55,6 @@ def load_sequence(state: dict) -> Sequence:
         seq.values = state["results"]["values"]
     elif state["finished"]:
         seq.status = SeqStatus.FINISHED
+    if seq.status is not SeqStatus.WAITING:
+        seq.finish_reason = state.get("finish_reason")
     return seq
