@@ -61,9 +61,30 @@ def test_a_reproducing_failure_is_pinned_on_its_group_by_halving(culprit):
     assert isinstance(out.failed[0].error, Poison)
     assert out.result == [g for g in groups if g != culprit]  # the rest of the batch goes on
     probes = [g for kind, g in runs.log if kind == "probe"]
-    assert probes and len(probes) <= 2 * 3  # at most two halves per level of a 7-group bisection
-    assert [culprit] in probes  # the culprit failed alone
+    assert len(probes) <= 2 * 3 + 1  # at most two halves per level of a 7-group bisection, one confirmation
+    assert probes.count([culprit]) == 2  # the culprit failed alone, twice
     assert out.retries == len(runs.log) - 1
+
+
+def test_a_group_that_fails_alone_only_once_is_not_quarantined():
+    # Runs 0 and 1 (attempt, retry) fail, then the probe of [0] (run 2): flaky, not a culprit.
+    runs = Runs(flaky={0, 1, 2})
+    with pytest.raises(Poison):
+        run_quarantined([0, 1], runs.attempt, runs.probe)
+    assert runs.log == [("attempt", [0, 1]), ("attempt", [0, 1]), ("probe", [0]), ("probe", [0])]
+
+
+def test_a_retry_failing_in_another_role_propagates():
+    class Roles(Runs):
+        def _run(self, kind, groups):
+            self.log.append((kind, list(groups)))
+            with model_call("actor" if len(self.log) == 1 else "reward"):
+                raise Poison("failed")
+
+    runs = Roles()
+    with pytest.raises(Poison):
+        run_quarantined(list(range(4)), runs.attempt, runs.probe)
+    assert len(runs.log) == 2
 
 
 def test_two_poisoned_groups_are_both_quarantined():

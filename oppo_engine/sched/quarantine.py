@@ -5,10 +5,11 @@ A forward packs many sequences, so a failure has no single culprit at first. The
 
 1. An ``Exception`` raised by a model forward or a reward call (marked by ``model_call``) rolls the step
    back and retries it once: a failure that does not reproduce is absorbed.
-2. If the retry fails with the same type, the culprit is isolated by probing halves of the step's groups
-   (each probe runs its groups to the end, then is rolled back) until one group fails alone. That group
-   leaves the step (quarantined, with its error) and the rest runs again; a further failure of the same
-   type is isolated the same way.
+2. If the retry fails the same way (the same exception type, raised by the same role), the culprit is
+   isolated by probing halves of the step's groups (each probe runs its groups to the end, then is rolled
+   back) until one group fails alone, twice (a single failure is never trusted: that is what the retry
+   is for). That group leaves the step (quarantined, with its error) and the rest runs again; a further
+   failure of the same kind is isolated the same way.
 3. Anything else propagates after the rollback: a ``BaseException`` that is not an ``Exception``
    (``KeyboardInterrupt``), an out-of-memory error, an error the engine raised itself, a retry failing
    with another type, or a reproducing failure that no single group explains.
@@ -102,19 +103,19 @@ def run_quarantined(
     live = list(groups)
     failed: list[Quarantined[G]] = []
     retries = 0
-    failing_type: type[BaseException] | None = None
+    failing: _Kind | None = None
     while True:
         try:
             return QuarantineOutcome(attempt(live), failed, retries)
         except Exception as e:
-            if not is_retryable(e) or (failing_type is not None and type(e) is not failing_type):
+            if not is_retryable(e) or (failing is not None and _kind(e) != failing):
                 raise
             error = e
         retries += 1
-        if failing_type is None:  # the first failure: retry once, as it may not reproduce
-            failing_type = type(error)
+        if failing is None:  # the first failure: retry once, as it may not reproduce
+            failing = _kind(error)
             continue
-        culprit, culprit_error, probes = _isolate(live, probe, failing_type)
+        culprit, culprit_error, probes = _isolate(live, probe, failing)
         retries += probes
         if culprit is None:
             raise error
@@ -122,34 +123,42 @@ def run_quarantined(
         live = [g for g in live if g is not culprit]
 
 
+_Kind = tuple[type, str | None]  # (exception type, role): what "fails the same way" compares
+
+
+def _kind(error: BaseException) -> _Kind:
+    return type(error), failed_in(error)
+
+
 def _isolate(
-    groups: list[G], probe: Callable[[list[G]], None], failing_type: type[BaseException]
+    groups: list[G], probe: Callable[[list[G]], None], failing: _Kind
 ) -> tuple[G | None, BaseException | None, int]:
-    """``(culprit, its error, probes run)``: the one group that fails alone with ``failing_type``, found by
-    halving, or ``(None, None, probes)`` when neither half of a failing set fails alone. A single group
-    failed alone already (the attempts that brought us here ran nothing else)."""
-    candidates, error, probes = groups, None, 0
+    """``(culprit, its error, probes run)``: the one group that fails alone the ``failing`` way, found by
+    halving and confirmed by a second probe of it alone, or ``(None, None, probes)`` when neither half of
+    a failing set fails alone. A step of one group has failed alone twice already (attempt and retry)."""
+    if len(groups) == 1:
+        return groups[0], None, 0
+    candidates, probes = groups, 0
     while len(candidates) > 1:
         half = len(candidates) // 2
         for part in (candidates[:half], candidates[half:]):
             probes += 1
-            part_error = _probe_error(probe, part, failing_type)
-            if part_error is not None:
-                candidates, error = part, part_error
+            if _probe_error(probe, part, failing) is not None:
+                candidates = part
                 break
         else:
             return None, None, probes
-    return (candidates[0], error, probes) if candidates else (None, None, probes)
+    probes += 1  # the confirmation
+    error = _probe_error(probe, candidates, failing)
+    return (candidates[0], error, probes) if error is not None else (None, None, probes)
 
 
-def _probe_error(
-    probe: Callable[[list[G]], None], groups: list[G], failing_type: type[BaseException]
-) -> BaseException | None:
-    """The error of ``probe(groups)`` if it fails the same way; another failure propagates."""
+def _probe_error(probe: Callable[[list[G]], None], groups: list[G], failing: _Kind) -> BaseException | None:
+    """The error of ``probe(groups)`` if it fails the ``failing`` way; another failure propagates."""
     try:
         probe(groups)
     except Exception as e:
-        if is_retryable(e) and type(e) is failing_type:
+        if is_retryable(e) and _kind(e) == failing:
             return e
         raise
     return None
