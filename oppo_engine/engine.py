@@ -126,6 +126,9 @@ class RolloutEngine:
     ``reward_tokenizer``); when their vocabularies differ, each finished sequence is decoded with the
     actor's tokenizer (special tokens skipped), re-encoded with the reward model's (its own special tokens
     added) and scored by the reward model's own HF forward -- exact, but not streamed.
+
+    ``max_model_len`` is the resolved ``EngineConfig.max_model_len`` (``None`` there: the smallest of 4096
+    and every model's position limit): the most prompt + response tokens of any sequence.
     """
 
     def __init__(
@@ -437,7 +440,7 @@ class RolloutEngine:
         # after the batch's last score, and the caller waits for them too.
         t_end = time.perf_counter()
         batch = out.finished
-        feed_delta = self._delta_control is not None and batch and not self._trainer_reward
+        feed_delta = self._delta_control is not None and bool(batch) and not self._trainer_reward
         mean_reward = sum(float(s.reward) for s in batch) / len(batch) if batch else 0.0
         if feed_delta and not math.isfinite(mean_reward):
             bad = next(s for s in batch if not math.isfinite(float(s.reward)))

@@ -396,3 +396,19 @@ def test_a_checkpoint_whose_prompts_do_not_fit_is_refused_and_changes_nothing(mo
     with pytest.raises(ValueError, match="state: queued prompt 0 has 40 tokens"):
         small.load_state_dict(state)
     assert small.state_dict() == before
+
+
+def test_a_failing_prompt_source_loses_none_of_the_prompts_taken_before_it(models):
+    good = random_prompts(3, seed=49)
+
+    def source():
+        yield from good
+        raise OSError("dataset shard unreadable")
+
+    engine = make_engine(models, "sequential", batch_size=4)
+    engine.set_prompt_source(source())
+    with pytest.raises(OSError, match="unreadable"):
+        engine.step()
+    engine.set_prompt_source(iter(()))
+    got, _ = drain(engine)
+    assert sorted(r.prompt_ids for r in got) == sorted(good)

@@ -105,6 +105,9 @@ class PromptQueue:
                 except StopIteration:
                     self._source = None
                     break
+                except BaseException:  # the source's own failure: what was taken stays first in line
+                    self.requeued.extendleft(reversed(seqs))
+                    raise
                 try:
                     ids, params = self.validate("a prompt from the prompt source", raw), None
                 except ValueError:
