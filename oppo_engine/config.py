@@ -89,6 +89,8 @@ class EngineConfig:
     ``kv_cache_bytes=None`` sizes the arena for B (+ Δ_max under overcommit: ``overcommit`` when fixed,
     ``delta.max`` under "auto", B/4 by default) sequences of ``max_model_len`` tokens in every model,
     capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
+    ``max_model_len`` bounds prompt + response tokens; ``None`` (the default) resolves at build to the
+    smallest of 4096 and every model's position limit, read back as ``RolloutEngine.max_model_len``.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only).
     """
@@ -99,7 +101,7 @@ class EngineConfig:
     overcommit: int | str = "auto"
     page_size: int = 16
     kv_cache_bytes: int | None = None
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     max_num_batched_tokens: int = 4096
     retained_kv: str = "recompute"
     attention_backend: str = "triton"
@@ -124,7 +126,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.kv_cache_bytes must be positive or None, got {self.kv_cache_bytes}"
             )
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from oppo_engine.model.scorer import (
     RuleScorer,
     Scorer,
 )
-from oppo_engine.model.support import text_config
+from oppo_engine.model.support import resolve_max_model_len, text_config
 from oppo_engine.model.warmup import warm_up_models
 from oppo_engine.obs import GpuUtilSampler, StepMetrics, Timeline, log_step
 from oppo_engine.obs.staleness import StaleBatchWarning
@@ -39,10 +41,11 @@ from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane,
 from oppo_engine.sched.overcommit import BatchCut, OvercommitBuffer, lag_due
 from oppo_engine.sched.profiler import SwitchCostProfiler
 from oppo_engine.sched.prompts import PromptQueue
+from oppo_engine.sched.quarantine import describe, run_quarantined
 from oppo_engine.sched.scheduler import ActorScheduler
 from oppo_engine.sched.sequence import SeqStatus
 from oppo_engine.sched.sequence import Sequence as _Seq
-from oppo_engine.sched.state import load_sequence, save_sequence
+from oppo_engine.sched.state import load_sequence, restart_from_prompt, save_sequence, why_not_carried
 from oppo_engine.sched.step import StepLoop, StepOutcome
 
 # The streamed scorers, in the order the sequential loop runs them, with the class that drives each.
@@ -58,7 +61,9 @@ _TRAINED_SCORERS = [CRITIC]
 # CUDA, of the physical memory on the CPU.
 DEFAULT_CUDA_MEMORY_FRACTION = 0.4
 DEFAULT_HOST_MEMORY_FRACTION = 0.25
-_STATE_VERSION = 2  # 2: sequences carry their sample index (groups)
+# 2: sequences carry their sample index (groups); 3: the settings they depend on ("settings"). 2 still loads.
+_STATE_VERSION = 3
+_READABLE_STATE_VERSIONS = (2, 3)
 
 
 @dataclass(slots=True)
@@ -88,10 +93,13 @@ class Rollout:
 
 @dataclass(slots=True)
 class StepResult:
-    """The rollouts of one ``step()`` in finish order, and what the step measured."""
+    """The rollouts of one ``step()`` in finish order, and what the step measured. ``failed`` holds the
+    quarantined rollouts: whole groups whose forward or reward failed alone (``finish_reason="error"``,
+    ``error`` the message, NaN reward), never counted among the B."""
 
     rollouts: list[Rollout]
     metrics: StepMetrics
+    failed: list[Rollout] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -128,6 +136,9 @@ class RolloutEngine:
 
     ``eos_token_id=None`` stops at the union of the EOS ids in the actor's ``generation_config`` and
     config (with a warning if neither lists one); ``()`` never stops on EOS.
+
+    ``max_model_len`` is the resolved ``EngineConfig.max_model_len`` (``None`` there: the smallest of 4096
+    and every model's position limit): the most prompt + response tokens of any sequence.
     """
 
     def __init__(
@@ -166,10 +177,13 @@ class RolloutEngine:
             self._delta_control = DeltaController(delta, fixed=fixed)
             self._max_overcommit = _whole_groups(fixed if fixed is not None else delta.max, group)
         self.actor = actor
-        self.tokenizer = tokenizer
+        # The longest sequence, resolved from the config against every model's position limit.
+        self.max_model_len = resolve_max_model_len(
+            cfg.max_model_len, {ACTOR: actor, REWARD: reward, REFERENCE: reference, CRITIC: critic}
+        )
         # The models the engine runs through its paged cache, by role (the name of their cache and lane).
         self._models, rule = collect_models(
-            actor, reward, reference, critic, max_model_len=cfg.max_model_len, tokenizer=tokenizer,
+            actor, reward, reference, critic, max_model_len=self.max_model_len, tokenizer=tokenizer,
             reward_tokenizer=reward_tokenizer,
         )  # fmt: skip
         self.reward = reward if rule is None else rule
@@ -196,7 +210,7 @@ class RolloutEngine:
             self._profiler = SwitchCostProfiler(ACTOR, [REWARD, *(n for n in self._models if n != ACTOR)])
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
         self._prompts = PromptQueue(
-            self.sampling, max_model_len=self.config.max_model_len, vocab_size=self.vocab_size
+            self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size
         )
         self._buffer = OvercommitBuffer()
         self._policy_version = 0
@@ -217,7 +231,7 @@ class RolloutEngine:
         cfg = self.config
         page_bytes = self._page_bytes = page_bytes_for(self._specs, cfg.page_size)
         pages_per_seq = {
-            name: -(-cfg.max_model_len // fit_page_size(spec, page_bytes))
+            name: -(-self.max_model_len // fit_page_size(spec, page_bytes))
             for name, spec in self._specs.items()
         }
         if cfg.kv_cache_bytes is not None:
@@ -237,7 +251,7 @@ class RolloutEngine:
         if num_pages < one_sequence:
             raise ValueError(
                 f"kv_cache_bytes={cfg.kv_cache_bytes} gives {num_pages} pages of {page_bytes} bytes, but one "
-                f"sequence of max_model_len={cfg.max_model_len} tokens needs {one_sequence} pages "
+                f"sequence of max_model_len={self.max_model_len} tokens needs {one_sequence} pages "
                 f"in the caches of {', '.join(self._specs)} together; raise kv_cache_bytes or lower "
                 "max_model_len"
             )
@@ -256,14 +270,14 @@ class RolloutEngine:
         )
         # Arbitration between lanes: every model can always hold one max_model_len sequence (DESIGN.md).
         for name in self._specs:
-            arena.set_reserve(name, -(-cfg.max_model_len // arena.page_size(name)))
+            arena.set_reserve(name, -(-self.max_model_len // arena.page_size(name)))
         actor_cache = KVCacheManager(arena, ACTOR)
         self._caches = {ACTOR: actor_cache}
         actor_sched = ActorScheduler(
             actor_cache,
             max_num_seqs=cfg.batch_size + self._max_overcommit,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len,
+            max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             max_deferrals=cfg.max_deferrals if self._delta_control is not None else None,
         )
@@ -290,7 +304,7 @@ class RolloutEngine:
             pages_in_use=lambda: arena.num_pages - arena.num_free_pages(),
         )
         if self.device.type == "cuda":  # compile the Triton variants here, not on two lanes at once
-            warm_up_models(self._loop.actor, scorers, cfg.max_model_len)
+            warm_up_models(self._loop.actor, scorers, self.max_model_len)
 
     def _check_open(self) -> None:
         self._check_not_closed()
@@ -338,10 +352,15 @@ class RolloutEngine:
 
         With overcommit (``inter``, ``oppo``) B + Δ sequences are in flight: the carried-over ones first,
         then new prompts; the first B to finish and be scored are returned (finish order), the rest --
-        tokens, log-probs, KV pages of every model -- are carried to the next step. Once the prompt supply
-        is exhausted it returns what remains (fewer than B), then empty results. An error inside the step
-        rolls every sequence back to its state at the start of the step (tokens, log-probs, the KV pages
-        allocated during the step), puts them first in line and propagates; the retry is exact.
+        tokens and KV pages -- continue next step. Once the prompt supply is exhausted it returns what
+        remains (fewer than B), then empty results.
+
+        Failures (README, "Exceptions"): an ``Exception`` from a model forward or a reward is retried once
+        within the call; one that reproduces is pinned on a group by retrying halves, and that group comes
+        back in ``StepResult.failed`` (``finish_reason="error"``), never among the B. Anything else -- a
+        ``BaseException``, out of memory, a failure no single group explains -- rolls every sequence back
+        to its state at the start of the step (tokens, log-probs, the KV pages allocated during the step),
+        puts them first in line and propagates; the step is all-or-nothing, and the retry is exact.
         """
         self._check_open()
         cfg = self.config
@@ -349,12 +368,9 @@ class RolloutEngine:
         if self._delta_control is not None:
             delta = _whole_groups(self._delta_control.delta(), self.sampling.n)
             seqs = self._buffer.fill(self._prompts.take, cfg.batch_size + delta)
-            due = lag_due(self._policy_version, cfg.max_policy_lag)
-            cut = BatchCut(seqs, cfg.batch_size, cfg.max_deferrals, lag_due=due)
         else:
             delta = 0
             seqs = self._prompts.take(cfg.batch_size)
-            cut = BatchCut(seqs, None, None)
         snapshots = [s.snapshot() for s in seqs]
         reused = {name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in self._caches.items()}
         shared_before = {name: cache.shared_tokens for name, cache in self._caches.items()}
@@ -369,22 +385,95 @@ class RolloutEngine:
             with contextlib.ExitStack() as models:
                 for model in self._models.values():
                     models.enter_context(paged_attention_enabled(unwrap_model(model)))
-                out = self._loop.run(seqs, self._policy_version, cut, chunk_size=chunk_size)
+                run = run_quarantined(
+                    _groups(seqs),
+                    lambda groups: self._attempt(seqs, snapshots, groups, chunk_size),
+                    lambda groups: self._probe(seqs, snapshots, groups, chunk_size),
+                )
+            # NOTE: the seam for collectives of a process group: quarantine ran every retry above, so what
+            # the ranks would exchange from here on is final.
         except BaseException:
-            # Nothing is lost: the step's pages go back, and its sequences (with their seeds) go first in
-            # line as the step found them.
-            self._loop.abort(seqs, snapshots)
-            self._buffer.put_back(seqs[:num_carried])
-            self._prompts.requeued.extendleft(reversed(seqs[num_carried:]))
+            self._give_back(seqs, snapshots, num_carried)
             raise
         finally:
             gpu = self._gpu.stop() if self._gpu is not None else None
+        out = run.result
+        failed = [s for q in run.failed for s in q.group]
+        for seq in failed:  # out of the step for good: its KV (carried over, the actor's) goes
+            for cache in self._caches.values():
+                cache.free(seq.seq_id)
+        live = [s for s in seqs if all(s is not f for f in failed)]
+        counters = (self._finished_tokens, self._finished_seqs, dict(self._swapped_tokens), self._step_index)
+        deferred = [s.deferred_steps for s in seqs]
+        try:
+            return self._commit_step(
+                out, run, live, delta, chunk_size, gpu, t0, reused, shared_before,
+                recomputed_before, swapped_before,
+            )  # fmt: skip
+        except BaseException:
+            # All or nothing: the step's batch is not lost to a failure after the loop (a NaN reward).
+            self._finished_tokens, self._finished_seqs, self._swapped_tokens, self._step_index = counters
+            for seq, n in zip(seqs, deferred, strict=True):
+                seq.deferred_steps = n
+            self._buffer.carried = []
+            self._give_back(seqs, snapshots, num_carried)
+            raise
+
+    def _attempt(self, seqs, snapshots, groups: list[list[_Seq]], chunk_size: int | None) -> StepOutcome:
+        """One run of the step loop over ``groups`` (a subset of the step's ``seqs``); rolled back if it
+        fails."""
+        live = [s for g in groups for s in g]
+        if self._delta_control is not None:
+            due = lag_due(self._policy_version, self.config.max_policy_lag)
+            cut = BatchCut(live, self.config.batch_size, self.config.max_deferrals, lag_due=due)
+        else:
+            cut = BatchCut(live, None, None)
+        try:
+            return self._loop.run(live, self._policy_version, cut, chunk_size=chunk_size)
+        except BaseException:
+            self._loop.abort(seqs, snapshots)
+            raise
+
+    def _probe(self, seqs, snapshots, groups: list[list[_Seq]], chunk_size: int | None) -> None:
+        """Run ``groups`` to the end (every sequence finished and scored), then roll back: a quarantine
+        probe, to see whether these groups fail alone."""
+        live = [s for g in groups for s in g]
+        try:
+            cut = BatchCut(live, None, None)
+            self._loop.run(live, self._policy_version, cut, chunk_size=chunk_size, commit=False)
+        finally:
+            self._loop.abort(seqs, snapshots)
+
+    def _give_back(self, seqs: list[_Seq], snapshots, num_carried: int) -> None:
+        """Nothing is lost: the step's pages go back, and its sequences (with their seeds) go first in line
+        as the step found them."""
+        self._loop.abort(seqs, snapshots)
+        self._buffer.put_back(seqs[:num_carried])
+        self._prompts.requeued.extendleft(reversed(seqs[num_carried:]))
+
+    def _commit_step(
+        self, out: StepOutcome, run, live: list[_Seq], delta: int, chunk_size: int | None, gpu, t0: float,
+        reused: dict, shared_before: dict, recomputed_before: dict, swapped_before: dict,
+    ) -> StepResult:  # fmt: skip
+        """The work after the step loop: checks first, then carry-over, counters, metrics and the
+        controllers (the caller undoes the engine's part if anything raises)."""
         # NOTE: not out.end_s: in oppo the actor's forward in flight at the cut (and the lane's pause) end
         # after the batch's last score, and the caller waits for them too.
         t_end = time.perf_counter()
         batch = out.finished
+        feed_delta = self._delta_control is not None and bool(batch) and not self._trainer_reward
+        mean_reward = sum(float(s.reward) for s in batch) / len(batch) if batch else 0.0
+        if feed_delta and not math.isfinite(mean_reward):
+            bad = next(s for s in batch if not math.isfinite(float(s.reward)))
+            raise ValueError(
+                f"reward: a non-finite reward {bad.reward!r} (prompt {bad.group_id}, sample "
+                f"{bad.sample_index}) cannot feed the overcommit controller; the step is rolled back. Fix "
+                "the reward, or call report_reward() to feed the controller yourself"
+            )
+        rollouts = [_rollout(s) for s in batch]
+        failed = [_rollout(s, error=describe(q.error)) for q in run.failed for s in q.group]
         if self._delta_control is not None:
-            self._buffer.carry(seqs, batch)
+            self._buffer.carry(live, batch)
         self._finished_tokens += sum(len(s.response_ids) for s in out.finished_all)
         self._finished_seqs += len(out.finished_all)
         recomputed, swapped = self._kv_counts()
@@ -411,32 +500,19 @@ class RolloutEngine:
             reused_tokens=reused,
             swapped_tokens=self._swapped_tokens,
             shared_tokens={n: c.shared_tokens - shared_before[n] for n, c in self._caches.items()},
+            retries=run.retries,
         )
-        self._swapped_tokens = {}
+        log_step(self._step_index + 1, metrics)
         self._stale_warning.check(metrics.stale_tokens, sum(len(s.response_ids) for s in batch))
+        # NOTE: the controllers last: nothing after them can fail but an asynchronous interrupt, and one
+        # extra timing sample changes no rollout.
         if chunk_size is not None:
             self._observe_chunk(chunk_size, out, metrics.wall_s)
-        if self._delta_control is not None and batch and not self._trainer_reward:
-            self._delta_control.observe_reward(sum(float(s.reward) for s in batch) / len(batch))
+        if feed_delta:
+            self._delta_control.observe_reward(mean_reward)
+        self._swapped_tokens = {}
         self._step_index += 1
-        log_step(self._step_index, metrics)
-        rollouts = [
-            Rollout(
-                prompt_ids=list(s.prompt_ids),
-                response_ids=list(s.response_ids),
-                logprobs=list(s.logprobs),
-                reward=float(s.reward),
-                policy_versions=list(s.policy_versions),
-                deferred_steps=s.deferred_steps,
-                ref_logprobs=s.ref_logprobs,
-                values=s.values,
-                group_id=s.group_id,
-                sample_index=s.sample_index,
-                finish_reason=s.finish_reason or "length",
-            )
-            for s in batch
-        ]
-        return StepResult(rollouts, metrics)
+        return StepResult(rollouts, metrics, failed)
 
     def _kv_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """Per model so far: tokens prefilled again below their high-water mark, and tokens whose KV a
@@ -590,13 +666,32 @@ class RolloutEngine:
             "carried": [save_sequence(s) for s in self._buffer.carried],
             "delta": None if delta is None else delta.state_dict(),
             "trainer_reward": self._trainer_reward,
+            # What the carried sequences depend on: another engine continues them only if it matches.
+            "settings": {
+                "mode": self.config.mode,
+                "overcommit": self.config.overcommit,
+                "n": self.sampling.n,
+                "max_model_len": self.max_model_len,
+                "eos_token_ids": list(self.eos_token_ids),
+            },
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Replace the prompts in flight and queued with ``state``'s (the KV of each is prefilled again)."""
+    def load_state_dict(self, state: dict) -> int:
+        """Replace the prompts in flight and queued with ``state``'s (the KV of each is prefilled again);
+        returns how many sequences had to start over from their prompts.
+
+        Carried-over sequences continue only in an engine that can carry them (overcommit, a
+        ``max_model_len`` at least the saved one, the same EOS ids: ``sched.state.why_not_carried``);
+        otherwise each is requeued from its prompt (same prompt index and seed, its tokens dropped),
+        first in line, with one warning. None is ever dropped. A state whose prompts do not fit this
+        engine (longer than its ``max_model_len``, ids outside its vocabulary, another ``n``) raises
+        ``ValueError`` and changes nothing. States of version 2 (before the settings were saved) load.
+        """
         self._check_not_closed()
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"state: version {state.get('version')!r}, this engine reads {_STATE_VERSION}")
+        if state.get("version") not in _READABLE_STATE_VERSIONS:
+            raise ValueError(
+                f"state: version {state.get('version')!r}, this engine reads {_READABLE_STATE_VERSIONS}"
+            )
         saved = [*state["carried"], *state["prompts"]["requeued"]]
         pending = [params for _, params in state["prompts"]["pending"] if params is not None]
         other = {d["sampling"]["n"] for d in saved} | {p["n"] for p in pending}
@@ -606,18 +701,37 @@ class RolloutEngine:
                 f"state: its prompts are sampled n={sorted(other)} times, this engine's n={self.sampling.n}: "
                 "groups cannot change size across a checkpoint"
             )
+        for d in saved:
+            self._prompts.validate(f"state: the prompt of sequence {d['seq_id']}", d["prompt_ids"])
+        for i, (ids, _) in enumerate(state["prompts"]["pending"]):
+            self._prompts.validate(f"state: queued prompt {i}", ids)
+        carried = state["carried"]
+        reason = why_not_carried(
+            state.get("settings"), overcommit=self._delta_control is not None,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
+        restarted = [] if reason is None else [restart_from_prompt(d) for d in carried]
+        if restarted:
+            warnings.warn(
+                f"load_state_dict: {len(restarted)} carried-over sequences start over from their prompts "
+                f"(tokens dropped): {reason}",
+                stacklevel=2,
+            )
         for seq in self._buffer.carried:  # what this engine held goes
             for name in self._caches:
                 self._drop_kv(name, seq)
         self._loop.scorer_lane.abort()
         self._policy_version = state["policy_version"]
         self._prompts.load_state_dict(state["prompts"])
+        # Older than anything queued: first in line (whole groups, in their order).
+        self._prompts.requeued.extendleft(reversed([load_sequence(d) for d in restarted]))
         self._step_index = state["step_index"]
         self._finished_tokens, self._finished_seqs = state["finished_lengths"]
-        self._buffer.carried = [load_sequence(d) for d in state["carried"]]
+        self._buffer.carried = [] if restarted else [load_sequence(d) for d in carried]
         if self._delta_control is not None and state["delta"] is not None:
             self._delta_control.load_state_dict(state["delta"])
         self._trainer_reward = state["trainer_reward"]
+        return len(restarted)
 
     @property
     def timeline(self) -> Timeline:
@@ -635,6 +749,32 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _groups(seqs: list[_Seq]) -> list[list[_Seq]]:
+    """``seqs`` as their groups (a prompt's samples), in order of first appearance."""
+    groups: dict[int, list[_Seq]] = {}
+    for seq in seqs:
+        groups.setdefault(seq.group_id, []).append(seq)
+    return list(groups.values())
+
+
+def _rollout(seq: _Seq, error: str | None = None) -> Rollout:
+    """``seq`` as a returned rollout; with ``error``, a quarantined one (NaN reward, no scores)."""
+    return Rollout(
+        prompt_ids=list(seq.prompt_ids),
+        response_ids=list(seq.response_ids),
+        logprobs=list(seq.logprobs),
+        reward=math.nan if error is not None else float(seq.reward),
+        policy_versions=list(seq.policy_versions),
+        deferred_steps=seq.deferred_steps,
+        ref_logprobs=None if error is not None else seq.ref_logprobs,
+        values=None if error is not None else seq.values,
+        group_id=seq.group_id,
+        sample_index=seq.sample_index,
+        finish_reason="error" if error is not None else seq.finish_reason or "length",
+        error=error,
+    )
 
 
 def _whole_groups(num_sequences: int, group: int) -> int:

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 from engine_models import EOS, make_actor, make_reward, random_prompts
-from test_intra import Boom, _fail_on_call, assert_all_pages_free, assert_equals_hf
+from test_intra import _fail_on_call, assert_all_pages_free, assert_equals_hf
 from test_ppo_scorers import make_critic, make_reference
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
@@ -200,7 +200,7 @@ def test_tight_memory_preempts_samples_and_stays_exact(models):
 
 
 @pytest.mark.parametrize("lane", ["actor", "reward", "critic"])
-def test_a_failed_step_leaks_no_shared_page_and_the_retry_is_exact(models, lane):
+def test_a_one_shot_failure_leaks_no_shared_page_and_the_retry_is_exact(models, lane):
     n = 3
     prompts = PROMPTS[:4]
     want = separate(models, prompts, n)
@@ -216,10 +216,8 @@ def test_a_failed_step_leaks_no_shared_page_and_the_retry_is_exact(models, lane)
                              max_num_batched_tokens=8)  # fmt: skip
         engine.add_prompts(prompts)
         _fail_on_call(*lane_call(engine), k=rng.randrange(1, 10))
-        with pytest.raises(Boom):
-            engine.step()
-        assert_no_reference_left(engine)
-        got, _ = drain(engine)
+        got, metrics = drain(engine)  # the failure is absorbed by its step's own retry
+        assert sum(m.retries for m in metrics) == 1
         assert_whole_groups(got, n)
         assert sorted((r.group_id, r.sample_index) for r in got) == sorted(want)
         for r in got:

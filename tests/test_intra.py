@@ -2,7 +2,8 @@
 
 Against ``sequential`` on the same seeds: the same tokens and policy versions, the same behaviour
 log-probs; rewards, reference log-probs and critic values equal to HF's own forward on the whole sequence.
-Failures injected in either lane surface from ``step()``, leak no page, and the retry is exact.
+A one-shot failure injected in either lane is absorbed by the step's own retry: counted in ``retries``, no
+page leaked, and the result equals a fault-free run.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _fail_on_call(obj, name: str, k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("lane", ["actor", "reward", "reference", "critic"])
-def test_failure_in_any_lane_surfaces_leaks_nothing_and_the_retry_is_exact(models, lane):
+def test_a_one_shot_failure_in_any_lane_is_absorbed_leaks_nothing_and_equals_a_fault_free_run(models, lane):
     prompts = random_prompts(6, seed=11)
 
     def lane_call(engine: RolloutEngine) -> tuple[object, str]:
@@ -161,16 +162,15 @@ def test_failure_in_any_lane_surfaces_leaks_nothing_and_the_retry_is_exact(model
     rng = random.Random(lane)
     for _ in range(3):  # a few random points in the step
         engine = make_engine(models, "intra", **budget)
-        _fail_on_call(*lane_call(engine), k=rng.randrange(12))
+        calls = _fail_on_call(*lane_call(engine), k=rng.randrange(12))
         engine.add_prompts(prompts)  # one step of B = 6
         threads = torch.get_num_threads()
-        with pytest.raises(Boom) as info:
-            engine.step()
-        assert "wrapped" in {entry.name for entry in info.traceback}  # the original traceback
+        result = engine.step()
+        assert result.metrics.retries == 1 and result.failed == []
         assert_all_pages_free(engine)
         assert torch.get_num_threads() == threads
-        # The failing call is spent: the retried step is what a clean run gives, every prompt once.
-        got = sorted(engine.step().rollouts, key=lambda r: prompts.index(r.prompt_ids))
+        # The failing call was retried within the step: its result is what a clean run gives.
+        got = sorted(result.rollouts, key=lambda r: prompts.index(r.prompt_ids))
         assert_same_rollouts(got, want)
         assert engine.step().rollouts == []
         assert_all_pages_free(engine)

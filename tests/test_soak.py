@@ -98,7 +98,7 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
 
     bound = deferral_bound(batch, MAX_DEFERRALS, -(-DELTA_MAX // n) * n)
     seen: dict[tuple[int, ...], int] = {}
-    sizes, failures, releases, updates = [], 0, 0, 0
+    sizes, quarantined, failures, releases, updates = [], [], 0, 0, 0
     preemptions = 0
     while True:
         try:
@@ -109,10 +109,16 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
             assert_arena_invariant(engine)
             continue
         assert_arena_invariant(engine)
+        failures += result.metrics.retries  # absorbed by the step's retry (or isolated)
+        for r in result.failed:  # flakes that happened to reproduce: quarantined with their reason, once
+            assert "Boom" in r.error and r.finish_reason == "error"
+            key = (*r.prompt_ids, -r.sample_index - 1)
+            seen[key] = seen.get(key, 0) + 1
         preemptions = loop.actor_sched.num_preemptions + sum(
             s.num_preemptions for s in loop.scorer_lane.scheds.values()
         )
         sizes.append(len(result.rollouts))
+        quarantined.append(bool(result.failed))
         groups = Counter(r.group_id for r in result.rollouts)
         assert set(groups.values()) <= {n}  # whole groups only
         for r in result.rollouts:
@@ -140,7 +146,9 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
             updates += 1
     assert len(sizes) > 200 // n  # hundreds of steps (a hundred for pairs)
     # Exactly B per step until the supply ends, then the remainder, then an empty step.
-    assert all(k == batch for k in sizes[:-2]) and sizes[-2] in range(1, batch + 1) and sizes[-1] == 0
+    # (fewer only in a step that quarantined a group, which needs a flake to fail alone twice: rare)
+    assert all(k == batch or q for k, q in zip(sizes[:-2], quarantined[:-2], strict=True))
+    assert sizes[-2] in range(1, batch + 1) and sizes[-1] == 0
     assert seen == {(*p, -j - 1): 1 for p in prompts for j in range(n)}  # every sample exactly once
     assert failures >= 3 and releases > 20 and updates > 20 and preemptions > 0
     stats = engine.cache_stats()

@@ -227,6 +227,13 @@ class EngineRolloutFunc:
         rollouts: list[Rollout] = []
         while len(rollouts) < expected:
             result = self.engine.step()
+            if result.failed:
+                # TRL's advantages need every group whole: a quarantined group cannot be left out.
+                bad = result.failed[0]
+                raise RuntimeError(
+                    f"the engine quarantined the group of prompt {bad.prompt_ids!r} (its completion "
+                    f"failed: {bad.error}); TRL needs every group of the batch, so the step cannot go on"
+                )
             if not result.rollouts:
                 raise RuntimeError(
                     f"the engine ran dry after {len(rollouts)} of {expected} rollouts: it must serve only "

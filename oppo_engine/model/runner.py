@@ -58,7 +58,7 @@ class ModelRunner:
         self.lm_head: nn.Module | None = model.get_output_embeddings()
         self.score_head: nn.Module | None = None
         if self.lm_head is None:
-            self.score_head = _reward_score_head(model)
+            self.score_head = _score_head(model, cache.name)
         # Causal LMs without `logits_to_keep` compute logits for every row, then the wanted rows are kept.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = model.device
@@ -106,7 +106,9 @@ class ModelRunner:
     def score_at(self, chunks: Sequence[SeqChunk], rows: Sequence[int]) -> torch.Tensor:
         """Score-head outputs ``[len(rows)]`` float32 at packed ``rows`` of the forward over ``chunks``."""
         if self.score_head is None:
-            raise ValueError(f"reward: {type(self.model).__name__} is a language model, it has no score head")
+            raise ValueError(
+                f"{self.cache.name}: {type(self.model).__name__} is a language model, it has no score head"
+            )
         batch = self._prepare(chunks)
         hidden = self._base_forward(batch)
         picked = hidden.index_select(0, torch.as_tensor(rows, dtype=torch.int64).to(hidden.device))
@@ -116,7 +118,9 @@ class ModelRunner:
     def score_last(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Score-head output ``[N]`` float32 at each chunk's last token."""
         if self.score_head is None:
-            raise ValueError(f"reward: {type(self.model).__name__} is a language model, it has no score head")
+            raise ValueError(
+                f"{self.cache.name}: {type(self.model).__name__} is a language model, it has no score head"
+            )
         batch = self._prepare(chunks)
         return self.score_head(self._base_forward(batch).index_select(0, batch.last)).float()[:, 0]
 
@@ -239,18 +243,17 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _reward_score_head(model: nn.Module) -> nn.Module:
-    """The one-label score head of a sequence-classification reward model, or ValueError."""
+def _score_head(model: nn.Module, role: str) -> nn.Module:
+    """The one-label score head of a sequence-classification model (the reward or the critic, ``role``),
+    or ValueError naming the role."""
     score = getattr(model, "score", None)
     if not isinstance(score, nn.Module):
-        raise ValueError(
-            f"reward: {type(model).__name__} has neither an LM head nor a reward score head (`score`)"
-        )
+        raise ValueError(f"{role}: {type(model).__name__} has neither an LM head nor a score head (`score`)")
     num_labels = getattr(model.config, "num_labels", None)
     out_features = getattr(score, "out_features", None)
     if num_labels != 1 or out_features not in (None, 1):
         raise ValueError(
-            f"reward: the reward model must have num_labels == 1 (one score), got num_labels={num_labels}"
+            f"{role}: the {role} model must have num_labels == 1 (one score), got num_labels={num_labels}"
             f" and a score head with out_features={out_features}"
         )
     return score

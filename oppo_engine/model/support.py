@@ -7,7 +7,15 @@ names the feature. What is accepted is exact by construction: attention goes thr
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+
 from torch import nn
+
+# The longest sequence an engine runs when EngineConfig.max_model_len is None and no model is shorter.
+DEFAULT_MAX_MODEL_LEN = 4096
+# Names HF gives a learned (absolute) position-embedding table: GPT-2, GPT-Neo, GPT-BigCode, OPT, ...
+_POSITION_TABLES = frozenset({"wpe", "embed_positions", "position_embeddings"})
 
 
 def text_config(model: nn.Module):
@@ -74,8 +82,9 @@ def _rope_parameters(config) -> list[dict]:
     return [p for p in params.values() if isinstance(p, dict)]
 
 
-def _check_rope(model: nn.Module, role: str, max_model_len: int) -> None:
-    """Refuse RoPE whose frequencies depend on the longest sequence of the batch, where that can happen.
+def _rope_exact_limit(model: nn.Module) -> tuple[int, str] | None:
+    """``(limit, rope_type)`` for RoPE whose frequencies depend on the longest sequence of the batch: the
+    longest ``max_model_len`` at which it is still exact (None for every other position encoding).
 
     HF's "dynamic" (NTK) and "longrope" RoPE size their frequencies from ``max(position_ids) + 1`` over the
     whole (packed) batch, so one sequence's numbers would depend on its neighbours. Below the original
@@ -83,20 +92,76 @@ def _check_rope(model: nn.Module, role: str, max_model_len: int) -> None:
     there (dynamic: strictly below, since HF resets a grown cache only for shorter batches).
     """
     config = text_config(model)
+    limits = []
     for params in _rope_parameters(config):
         rope_type = params.get("rope_type", params.get("type", "default"))
         if "dynamic" in rope_type:
-            limit = config.max_position_embeddings - 1
+            limits.append((config.max_position_embeddings - 1, rope_type))
         elif rope_type == "longrope":
             limit = params.get("original_max_position_embeddings") or getattr(
                 config, "original_max_position_embeddings", config.max_position_embeddings
             )
-        else:
+            limits.append((limit, rope_type))
+    return min(limits) if limits else None
+
+
+def _check_rope(model: nn.Module, role: str, max_model_len: int) -> None:
+    """Refuse RoPE whose frequencies depend on the longest sequence of the batch, past where it is exact
+    (``_rope_exact_limit``)."""
+    found = _rope_exact_limit(model)
+    if found is not None and max_model_len > found[0]:
+        limit, rope_type = found
+        raise ValueError(
+            f"{role}: rope_type={rope_type!r} RoPE sizes its frequencies from the longest sequence in a "
+            f"batch, so with max_model_len={max_model_len} > {limit} a rollout would depend on its "
+            f"batch neighbours; set EngineConfig.max_model_len <= {limit} (exact there) or use a static "
+            "RoPE scaling"
+        )
+
+
+def position_limit(model: nn.Module) -> tuple[int | None, bool]:
+    """``(limit, learned)``: the most positions ``model`` was built for (``n_positions`` or
+    ``max_position_embeddings``; None when its config states none) and whether they index a learned
+    position-embedding table (a position past it fails, or reads another row) rather than RoPE (past it the
+    model runs, but outside the lengths it was trained on)."""
+    config = text_config(model)
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None, False
+    learned = any(
+        isinstance(m, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES
+        for name, m in model.named_modules()
+    )
+    return limit, learned
+
+
+def resolve_max_model_len(configured: int | None, models: Mapping[str, nn.Module]) -> int:
+    """The longest sequence (prompt + response) the engine runs, from ``EngineConfig.max_model_len``.
+
+    ``None``: the smallest of ``DEFAULT_MAX_MODEL_LEN`` and every model's position limit (for a dynamic or
+    longrope RoPE, the longest length at which it is exact). An explicit value
+    past a learned position table raises ``ValueError`` naming the role and both numbers; past a RoPE
+    model's ``max_position_embeddings`` it warns (exact, but beyond what the model was trained on).
+    ``models`` maps role to model; entries that are not ``nn.Module`` (a reward callable) are skipped.
+    """
+    modules = {role: m for role, m in models.items() if isinstance(m, nn.Module)}
+    limits = {role: position_limit(m) for role, m in modules.items()}
+    if configured is None:
+        exact = [found[0] for m in modules.values() if (found := _rope_exact_limit(m)) is not None]
+        stated = [limit for limit, _ in limits.values() if limit is not None]
+        return min([DEFAULT_MAX_MODEL_LEN, *stated, *exact])
+    for role, (limit, learned) in limits.items():
+        if limit is None or configured <= limit:
             continue
-        if max_model_len > limit:
+        if learned:
             raise ValueError(
-                f"{role}: rope_type={rope_type!r} RoPE sizes its frequencies from the longest sequence in a "
-                f"batch, so with max_model_len={max_model_len} > {limit} a rollout would depend on its "
-                f"batch neighbours; set EngineConfig.max_model_len <= {limit} (exact there) or use a static "
-                "RoPE scaling"
+                f"{role}: max_model_len={configured} exceeds its learned position table of {limit} "
+                f"positions (n_positions / max_position_embeddings); set EngineConfig.max_model_len <= "
+                f"{limit}, or leave it None to take the models' limit"
             )
+        warnings.warn(
+            f"{role}: max_model_len={configured} exceeds its max_position_embeddings={limit}: positions "
+            "past it are computed exactly but lie beyond the lengths the model was trained on",
+            stacklevel=3,
+        )
+    return configured

@@ -42,6 +42,8 @@ class StepMetrics:
             last step.
         shared_tokens: model -> prompt tokens whose KV a sample of a group took from another sample
             (``SamplingParams.n > 1``: pages shared, not prefilled) in this step.
+        retries: runs of the step loop after the first within this step: the retry of a failed forward or
+            reward, the halving probes that isolate a culprit group, the runs without a quarantined group.
     """
 
     wall_s: float
@@ -63,6 +65,7 @@ class StepMetrics:
     reused_tokens: dict[str, int] = field(default_factory=dict)
     swapped_tokens: dict[str, int] = field(default_factory=dict)
     shared_tokens: dict[str, int] = field(default_factory=dict)
+    retries: int = 0
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

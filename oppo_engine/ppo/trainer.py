@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from oppo_engine.model.support import text_config
 from oppo_engine.ppo import core
 from oppo_engine.ppo.batch import RolloutBatch, canonical_order, collate
 from oppo_engine.ppo.config import PPOConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -63,7 +66,8 @@ class PPOTrainer:
     """PPO on ``actor`` (causal LM) and ``critic`` (one-label value model), against a frozen ``reference``
     (causal LM) and a frozen ``reward`` model (one label), all HF models sharing ``tokenizer``'s vocabulary.
 
-    ``prompts`` (token-id lists) are cycled. ``engine_config`` picks the engine's mode and cache; its
+    ``prompts`` (token-id lists) are cycled. A rollout the engine quarantined (``StepResult.failed``) is
+    logged as a warning and left out of the update. ``engine_config`` picks the engine's mode and cache; its
     ``batch_size`` must be ``config.batch_size``. Bad input raises ``ValueError`` here, before any work.
     """
 
@@ -98,12 +102,6 @@ class PPOTrainer:
         prompts = [list(p) for p in prompts]
         if not prompts:
             raise ValueError("prompts is empty")
-        longest = max(len(p) for p in prompts)
-        if longest + cfg.max_new_tokens > engine_config.max_model_len:
-            raise ValueError(
-                f"a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds "
-                f"max_model_len={engine_config.max_model_len}"
-            )
         for model in (reference, reward):
             model.requires_grad_(False)
         self.actor, self.critic, self.reference, self.reward = actor, critic, reference, reward
@@ -119,6 +117,14 @@ class PPOTrainer:
             ),
             eos_token_id=tokenizer.eos_token_id,
         )
+        # The engine resolves max_model_len (None: the models' limit), so the check reads its value.
+        longest = max(len(p) for p in prompts)
+        if longest + cfg.max_new_tokens > self.engine.max_model_len:
+            self.engine.close()
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds "
+                f"max_model_len={self.engine.max_model_len}"
+            )
         self.engine.set_prompt_source(itertools.cycle(prompts))
         self.device = next(actor.parameters()).device
         self.actor_optim = torch.optim.AdamW(actor.parameters(), lr=cfg.lr)
@@ -132,6 +138,15 @@ class PPOTrainer:
         t0 = time.perf_counter()
         result = self.engine.step()
         t1 = time.perf_counter()
+        for r in result.failed:  # quarantined by the engine: logged, and the update goes on without them
+            logger.warning(
+                "PPO step %d: rollout of prompt %s left out: %s", self.steps + 1, r.prompt_ids, r.error
+            )
+        if not result.rollouts:
+            raise RuntimeError(
+                f"PPO step {self.steps + 1}: the engine returned no rollout ({len(result.failed)} "
+                "quarantined): there is nothing to train on"
+            )
         batch = collate(canonical_order(result.rollouts), self.tokenizer.pad_token_id, self.device)
         if cfg.release_memory:
             self.engine.release_memory()

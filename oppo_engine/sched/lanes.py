@@ -26,6 +26,7 @@ from oppo_engine.cache.manager import KVCacheManager
 from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.obs import Timeline
+from oppo_engine.sched.quarantine import model_call
 from oppo_engine.sched.scorer import ScorerScheduler
 from oppo_engine.sched.sequence import SeqStatus, Sequence
 
@@ -137,6 +138,7 @@ class ScorerLane:
         self._closing = False
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._exited = threading.Event()  # set by the worker as it leaves _run
         self._pending: dict[int, int] = {}  # seq_id -> scorers still to read
         self._added: dict[int, Sequence] = {}  # added and not yet scored (the actor thread's view)
         self.error: BaseException | None = None
@@ -153,7 +155,8 @@ class ScorerLane:
         self.scored, self.error, self.last_score_s, self.peak_pages = [], None, 0.0, 0
         self._thread = None
         if threaded:
-            self._thread = threading.Thread(target=self._run, name="oppo-scorer-lane", daemon=True)
+            self._exited.clear()
+            self._thread = threading.Thread(target=self._run_worker, name="oppo-scorer-lane", daemon=True)
             self._thread.start()
 
     def add(self, seq: Sequence) -> None:
@@ -182,8 +185,7 @@ class ScorerLane:
         if self._thread is None:
             self._run()
         else:
-            self._thread.join()
-            self._thread = None
+            self._wait_for_worker()
         self.check()
 
     def pause(self) -> None:
@@ -226,12 +228,33 @@ class ScorerLane:
             # else: the add is still in the inbox, so this scorer has not started on it
 
     def _join(self) -> None:
+        self._request_stop()
+        self._wait_for_worker()
+
+    def _request_stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+
+    def _wait_for_worker(self) -> None:
+        """Wait until the worker has left ``_run``, even across interrupts, then re-raise the first.
+
+        NOTE: a ``KeyboardInterrupt`` that lands in ``Thread.join()`` makes CPython 3.11 mark the thread
+        stopped while it still runs (a later ``join()`` returns at once): freeing pages then would free
+        them under the worker. So the worker's own exit Event is what is waited for; an interrupt stops
+        the worker at its next round and is re-raised once it has exited.
+        """
+        interrupt: BaseException | None = None
+        while self._thread is not None:
+            try:
+                self._exited.wait()
+                self._thread.join()  # the worker has returned from _run: this ends at once
+                self._thread = None
+            except BaseException as e:
+                interrupt = interrupt or e
+                self._request_stop()
+        if interrupt is not None:
+            raise interrupt
 
     def _post(self, item: _HandOff) -> None:
         with self._cond:
@@ -239,6 +262,12 @@ class ScorerLane:
             self._cond.notify()
 
     # -- the lane's own side ---------------------------------------------------------------------------
+
+    def _run_worker(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._exited.set()
 
     def _run(self) -> None:
         idle_after_close = 0.0
@@ -284,7 +313,7 @@ class ScorerLane:
         finals = [h.seq for h in inbox if h.final]
         for scorer in self.scorers:
             if scorer.cache is None and finals:  # read once, now that the sequences are whole: one pass
-                with self.timeline.span(scorer.name, "score"):
+                with self.timeline.span(scorer.name, "score"), model_call(scorer.name):
                     results = scorer.finish_batch([(s.prompt_ids, s.response_ids) for s in finals])
                 for seq, result in zip(finals, results, strict=True):
                     self._completed(seq, scorer, result)
@@ -298,7 +327,10 @@ class ScorerLane:
                 continue
             worked = True
             self.peak_pages = max(self.peak_pages, self.pages_in_use())
-            with self.timeline.span(name, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
+            with (
+                self.timeline.span(name, "prefill", tokens=sum(len(c.token_ids) for c in chunks)),
+                model_call(name),
+            ):
                 sched.scorer.prefill([SeqChunk(c.seq.seq_id, c.token_ids, c.slots) for c in chunks])
             for c in chunks:
                 if c.samples:  # the chunk that reaches the last token completes the result

@@ -127,7 +127,7 @@ class PromptQueue:
                 except StopIteration:
                     self._source = None
                     break
-                except Exception:  # a source item of the wrong type: the good ones stay first in line
+                except BaseException:  # the source's own failure: what was taken stays first in line
                     self.requeued.extendleft(reversed(seqs))
                     raise
                 try:

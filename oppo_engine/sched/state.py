@@ -58,3 +58,40 @@ def load_sequence(state: dict) -> Sequence:
     if seq.status is not SeqStatus.WAITING:
         seq.finish_reason = state.get("finish_reason")
     return seq
+
+
+def restart_from_prompt(state: dict) -> dict:
+    """``save_sequence`` output of the same sequence started over from its prompt: same prompt index,
+    sample and seed, its tokens, log-probs, results and deferrals dropped."""
+    return dict(
+        state,
+        response_ids=[],
+        logprobs=[],
+        policy_versions=[],
+        deferred_steps=0,
+        finished=False,
+        results=None,
+    )
+
+
+def why_not_carried(
+    settings: dict | None, *, overcommit: bool, max_model_len: int, eos_token_ids: tuple[int, ...]
+) -> str | None:
+    """Why an engine cannot continue a checkpoint's carried sequences as they are (None if it can).
+
+    They continue only in an engine with overcommit (``inter``/``oppo``: the others carry nothing across
+    steps), whose ``max_model_len`` is at least the saved one (a sequence may already be longer) and whose
+    EOS ids are the saved ones (a response may already have passed one). ``settings`` is None for states
+    saved before they were recorded (version 2): only the first rule can be checked.
+    """
+    if not overcommit:
+        return "this engine's mode carries no sequence across steps"
+    if settings is None:
+        return None
+    if settings["max_model_len"] > max_model_len:
+        saved = settings["max_model_len"]
+        return f"they were generated under max_model_len={saved}, this engine's is {max_model_len}"
+    if sorted(settings["eos_token_ids"]) != sorted(eos_token_ids):
+        saved = sorted(settings["eos_token_ids"])
+        return f"they were generated with EOS ids {saved}, this engine's are {sorted(eos_token_ids)}"
+    return None

@@ -16,6 +16,7 @@ from oppo_engine.model.runner import SeqChunk
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
+from oppo_engine.sched.quarantine import model_call
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
 from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
 
@@ -68,10 +69,16 @@ class StepLoop:
         self.pages_in_use = pages_in_use
 
     def run(
-        self, seqs: list[Sequence], policy_version: int, cut: BatchCut, chunk_size: int | None = None
+        self,
+        seqs: list[Sequence],
+        policy_version: int,
+        cut: BatchCut,
+        chunk_size: int | None = None,
+        commit: bool = True,
     ) -> StepOutcome:
         """Generate and score ``seqs`` until ``cut`` has its batch; tokens are tagged with
-        ``policy_version``. ``chunk_size`` streams."""
+        ``policy_version``. ``chunk_size`` streams. ``commit=False`` (a quarantine probe, rolled back
+        after) keeps the actor KV held for a rollback."""
         stream = chunk_size is not None
         out = StepOutcome()
         lane = self.scorer_lane
@@ -112,7 +119,7 @@ class StepLoop:
             else:
                 lane.pause()
         self.actor_sched.detach_all()  # the unfinished keep their pages; the overcommit buffer carries them
-        for seq in out.finished_all:  # the step stands: KV kept for a rollback can go
+        for seq in out.finished_all if commit else ():  # the step stands: KV kept for a rollback can go
             self.actor_sched.cache.free(seq.seq_id)
         out.finished = list(cut.batch)
         score_times = [s.score_time for s in cut.batch if s.score_time is not None]
@@ -157,7 +164,10 @@ class StepLoop:
             stalled_since = None
             out.peak_pages = max(out.peak_pages, self.pages_in_use())
             specs = [_sample_spec(i, c.seq) for i, c in enumerate(chunks) if c.samples]
-            with self.timeline.span(ACTOR_LANE, "forward", tokens=sum(len(c.token_ids) for c in chunks)):
+            with (
+                self.timeline.span(ACTOR_LANE, "forward", tokens=sum(len(c.token_ids) for c in chunks)),
+                model_call(ACTOR_LANE),
+            ):
                 tokens, logprobs = self.actor.forward(_seq_chunks(chunks), specs)
             now = time.perf_counter()
             for spec, tok, lp in zip(specs, tokens, logprobs, strict=True):
