@@ -177,6 +177,7 @@ class RolloutEngine:
             self._delta_control = DeltaController(delta, fixed=fixed)
             self._max_overcommit = _whole_groups(fixed if fixed is not None else delta.max, group)
         self.actor = actor
+        self.tokenizer = tokenizer
         # The longest sequence, resolved from the config against every model's position limit.
         self.max_model_len = resolve_max_model_len(
             cfg.max_model_len, {ACTOR: actor, REWARD: reward, REFERENCE: reference, CRITIC: critic}

@@ -226,7 +226,8 @@ def test_a_nan_reward_in_oppo_raises_and_loses_nothing(models):
         return math.nan if calls["n"] == 1 else float(len(response_ids))
 
     engine = _with(make_engine(dict(models, reward=nan_once), "oppo", overcommit="auto"), prompts)
-    with pytest.raises(ValueError, match="non-finite reward"):
+    # A callable's result is checked where it is read (the front door's rule): raised at once, not retried.
+    with pytest.raises(ValueError, match="nan_once.* returned nan: rewards must be finite"):
         engine.step()
     assert_all_pages_free(engine)
     got, _ = drain(engine)
@@ -304,7 +305,8 @@ def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_
 
 def _carrying(models, prompts, **cfg) -> tuple[RolloutEngine, list]:
     """An oppo engine after one step of B = 4 with Δ = 16: 16 sequences carried."""
-    engine = _with(make_engine(models, "oppo", batch_size=4, overcommit=16, max_new=12, **cfg), prompts)
+    cfg = dict(batch_size=4, overcommit=16, max_policy_lag=None, max_new=12, **cfg)
+    engine = _with(make_engine(models, "oppo", **cfg), prompts)
     first = engine.step().rollouts
     assert len(engine._buffer.carried) == 16
     return engine, first
@@ -338,8 +340,8 @@ def test_a_checkpoint_whose_settings_differ_restarts_its_carried_sequences(model
     state = source.state_dict()
     target = RolloutEngine(
         **models,
-        config=EngineConfig(batch_size=4, mode="oppo", overcommit=16, chunk_size=3, page_size=8,
-                            max_model_len=other.get("max_model_len", 64)),
+        config=EngineConfig(batch_size=4, mode="oppo", overcommit=16, max_policy_lag=None, chunk_size=3,
+                            page_size=8, max_model_len=other.get("max_model_len", 64)),
         sampling=SamplingParams(temperature=1.0, max_new_tokens=12, seed=7),
         eos_token_id=other.get("eos", EOS),
     )  # fmt: skip
@@ -354,7 +356,7 @@ def test_a_checkpoint_into_a_matching_engine_continues_its_carried_sequences(mod
     source, first = _carrying(models, prompts)
     state = source.state_dict()
     want, _ = drain(source)
-    target = make_engine(models, "inter", batch_size=4, overcommit=16, max_new=12)
+    target = make_engine(models, "inter", batch_size=4, overcommit=16, max_policy_lag=None, max_new=12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert target.load_state_dict(state) == 0
@@ -367,7 +369,7 @@ def test_a_state_saved_by_version_2_still_loads_and_loses_no_prompt(models, mode
     fixture = json.loads((FIXTURES / "engine_state_v2.json").read_text())  # saved by the engine before
     state = fixture["state"]
     assert state["version"] == 2 and "settings" not in state and len(state["carried"]) == 4
-    cfg = dict(overcommit=4, chunk_size=4) if mode == "oppo" else {}
+    cfg = dict(overcommit=4, max_policy_lag=None, chunk_size=4) if mode == "oppo" else {}
     target = RolloutEngine(
         **models,
         config=EngineConfig(batch_size=2, mode=mode, max_model_len=64, page_size=8, **cfg),

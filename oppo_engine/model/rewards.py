@@ -25,12 +25,15 @@ class BatchedReward:
         self.fn = fn
 
     def __call__(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
-        results = self.fn(prompts, responses)
+        return self.check(self.fn(prompts, responses), len(prompts))
+
+    def check(self, results: object, num_sequences: int) -> list[float]:
+        """``fn``'s ``results`` for ``num_sequences`` sequences as floats, each checked (see the class)."""
         name = f"BatchedReward({reward_name(self.fn)})"
         if isinstance(results, str | bytes) or not hasattr(results, "__len__"):
             raise TypeError(f"{name} returned {type(results).__name__}; it must return a list of floats")
-        if len(results) != len(prompts):
-            raise ValueError(f"{name} returned {len(results)} rewards for {len(prompts)} sequences")
+        if len(results) != num_sequences:
+            raise ValueError(f"{name} returned {len(results)} rewards for {num_sequences} sequences")
         return [check_reward_value(r, name) for r in results]
 
     def __repr__(self) -> str:

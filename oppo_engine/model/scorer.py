@@ -288,11 +288,21 @@ class RuleScorer(Scorer):
         return self.finish_batch([(prompt_ids, response_ids)])[0]
 
     def finish_batch(self, items: Sequence[tuple[list[int], list[int]]]) -> list[float]:
-        """The rewards of several finished sequences ``(prompt_ids, response_ids)``: one call of a
-        ``BatchedReward``, one call per sequence of a plain callable; every result checked."""
+        """The rewards of several finished sequences ``(prompt_ids, response_ids)``; every result checked."""
+        return self.check_batch(self.call_batch(items), len(items))
+
+    def call_batch(self, items: Sequence[tuple[list[int], list[int]]]) -> list[object] | object:
+        """The user's reward, unchecked: one call of a ``BatchedReward``, one call per sequence of a plain
+        callable. (Kept apart from ``check_batch``: a failure here is the reward's, one there the engine's.)"""
         if isinstance(self.rule, BatchedReward):
-            return self.rule([list(p) for p, _ in items], [list(r) for _, r in items])
-        return [check_reward_value(self.rule(list(p), list(r)), self.name_for_errors) for p, r in items]
+            return self.rule.fn([list(p) for p, _ in items], [list(r) for _, r in items])
+        return [self.rule(list(p), list(r)) for p, r in items]
+
+    def check_batch(self, results: list[object] | object, num_sequences: int) -> list[float]:
+        """``call_batch``'s results as finite floats: ``TypeError``/``ValueError`` naming the reward."""
+        if isinstance(self.rule, BatchedReward):
+            return self.rule.check(results, num_sequences)
+        return [check_reward_value(r, self.name_for_errors) for r in results]
 
 
 class RetokenizedReward:

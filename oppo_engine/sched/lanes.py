@@ -313,8 +313,10 @@ class ScorerLane:
         finals = [h.seq for h in inbox if h.final]
         for scorer in self.scorers:
             if scorer.cache is None and finals:  # read once, now that the sequences are whole: one pass
-                with self.timeline.span(scorer.name, "score"), model_call(scorer.name):
-                    results = scorer.finish_batch([(s.prompt_ids, s.response_ids) for s in finals])
+                with self.timeline.span(scorer.name, "score"):
+                    with model_call(scorer.name):  # the reward's own failure: retried, or quarantined
+                        raw = scorer.call_batch([(s.prompt_ids, s.response_ids) for s in finals])
+                    results = scorer.check_batch(raw, len(finals))  # a bad result: raised at once
                 for seq, result in zip(finals, results, strict=True):
                     self._completed(seq, scorer, result)
 
