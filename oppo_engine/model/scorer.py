@@ -293,7 +293,7 @@ class RuleScorer(Scorer):
 
     def call_batch(self, items: Sequence[tuple[list[int], list[int]]]) -> list[object] | object:
         """The user's reward, unchecked: one call of a ``BatchedReward``, one call per sequence of a plain
-        callable. (Kept apart from ``check_batch``: a failure here is the reward's, one there the engine's.)"""
+        callable. Kept apart from ``check_batch``: a failure here is the reward's, one there the engine's."""
         if isinstance(self.rule, BatchedReward):
             return self.rule.fn([list(p) for p, _ in items], [list(r) for _, r in items])
         return [self.rule(list(p), list(r)) for p, r in items]
