@@ -121,8 +121,7 @@ class RolloutEngine:
     ``actor`` is an HF causal LM and ``reward`` an HF sequence-classification model with one label (or a
     plain callable ``reward(prompt_ids, response_ids) -> float``, or ``BatchedReward(fn)`` with
     ``fn(prompts, responses) -> list[float]``; neither is streamed; each result must be a finite number).
-    ``reference`` (a
-    frozen causal LM) and ``critic`` (a one-label value model) are optional scorers that fill
+    ``reference`` (a frozen causal LM) and ``critic`` (a one-label value model) are optional scorers that fill
     ``Rollout.ref_logprobs`` and ``Rollout.values``. All are used as they are (shared with the trainer,
     in train mode or not, PEFT-wrapped or not); the engine keeps their KV in one paged arena of its own. A
     model the engine cannot run exactly is refused here, with a ``ValueError`` naming the feature.
