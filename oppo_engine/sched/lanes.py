@@ -25,6 +25,7 @@ import torch
 from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.obs import Timeline
+from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor, LaneThread
 from oppo_engine.sched.scorer import ScorerScheduler
 from oppo_engine.sched.sequence import SeqStatus, Sequence
 
@@ -78,6 +79,8 @@ class ScorerLane:
     Between steps (the worker stopped) the actor thread may ``rescore`` a sequence in some scorers.
     """
 
+    _LANE = "scorer"
+
     def __init__(
         self,
         scorers: list[Scorer],
@@ -99,17 +102,24 @@ class ScorerLane:
         if device_lane.stream is not None:
             for sched in self.scheds.values():
                 sched.cache.free_event = device_lane.free_event
+        self.clock: Clock = time.perf_counter
+        self.executor: LaneExecutor = THREADS
         self._cond = threading.Condition()
         self._inbox: list[_HandOff] = []
         self._closing = False
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._thread: LaneThread | None = None
         self._pending: dict[int, int] = {}  # seq_id -> scorers still to read
         self._added: dict[int, Sequence] = {}  # added and not yet scored (the actor thread's view)
         self.error: BaseException | None = None
         self.scored: list[Sequence] = []
         self.last_score_s = 0.0
         self.peak_pages = 0
+
+    def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
+        """Read the time from ``clock`` and run the worker on ``executor`` (between steps only)."""
+        self.clock, self.executor = clock, executor
+        self._cond = executor.condition()
 
     # -- the actor thread's side -----------------------------------------------------------------------
 
@@ -120,8 +130,7 @@ class ScorerLane:
         self.scored, self.error, self.last_score_s, self.peak_pages = [], None, 0.0, 0
         self._thread = None
         if threaded:
-            self._thread = threading.Thread(target=self._run, name="oppo-scorer-lane", daemon=True)
-            self._thread.start()
+            self._thread = self.executor.start(self._run, "oppo-scorer-lane")
 
     def add(self, seq: Sequence) -> None:
         """A sequence to score: its tokens will be handed off as the actor produces them."""
@@ -217,6 +226,8 @@ class ScorerLane:
                             return
                         inbox, self._inbox = self._inbox, []
                         closing = self._closing
+                    if inbox:
+                        self.executor.unit(self._LANE, "take")
                     self._take(inbox)
                     if self._round():
                         idle_after_close = 0.0
@@ -263,6 +274,7 @@ class ScorerLane:
             if not chunks:
                 continue
             worked = True
+            self.executor.unit(self._LANE, f"{name} forward")
             self.peak_pages = max(self.peak_pages, self.pages_in_use())
             with self.timeline.span(name, "prefill", tokens=sum(len(c.token_ids) for c in chunks)):
                 sched.scorer.prefill([SeqChunk(c.seq.seq_id, c.token_ids, c.slots) for c in chunks])
@@ -277,6 +289,6 @@ class ScorerLane:
         if self._pending[seq.seq_id] == 0:
             del self._pending[seq.seq_id]
             self.scored.append(seq)
-            self.last_score_s = seq.score_time = time.perf_counter()
+            self.last_score_s = seq.score_time = self.clock()
             seq.status = SeqStatus.SCORED
             self._added.pop(seq.seq_id, None)

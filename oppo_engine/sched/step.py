@@ -16,6 +16,7 @@ from oppo_engine.model.runner import SeqChunk
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane
 from oppo_engine.sched.overcommit import BatchCut
+from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
 from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
 
@@ -66,6 +67,14 @@ class StepLoop:
         self.actor_lane = actor_lane
         self.timeline = timeline
         self.pages_in_use = pages_in_use
+        self.clock: Clock = time.perf_counter
+        self.executor: LaneExecutor = THREADS
+
+    def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
+        """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's and its scorer
+        lane's; the defaults are the real clock and OS threads: see ``sched/runtime.py``)."""
+        self.clock, self.executor = clock, executor
+        self.scorer_lane.use_runtime(clock, executor)
 
     def run(
         self, seqs: list[Sequence], policy_version: int, cut: BatchCut, chunk_size: int | None = None
@@ -75,7 +84,7 @@ class StepLoop:
         stream = chunk_size is not None
         out = StepOutcome()
         lane = self.scorer_lane
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with _lane_threads(stream, self.actor_lane.device):
             # NOTE: the lane starts after this loop: a worker already running could score a carried
             # sequence between the loop's reads of its status and of what the lane knows.
@@ -128,6 +137,7 @@ class StepLoop:
             seq.restore(snap, cache.num_tokens(seq.seq_id))
 
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
+        self.executor.unit(ACTOR_LANE, "hand-off")
         seq.num_handed_off = seq.num_tokens
         self.scorer_lane.hand_off(seq, seq.num_tokens, final)
         out.handoffs += 1
@@ -144,19 +154,20 @@ class StepLoop:
             chunks = sched.schedule()
             if not chunks:
                 # Streamed, the scorers hold pages they free as they score: wait for them, not forever.
-                stalled_since = stalled_since or time.perf_counter()
-                if not stream or time.perf_counter() - stalled_since > _STALL_S:
+                stalled_since = stalled_since or self.clock()
+                if not stream or self.clock() - stalled_since > _STALL_S:
                     raise RuntimeError(
                         "actor scheduler made no progress: the cache cannot hold any waiting sequence"
                     )
-                time.sleep(_POLL_S)
+                self.executor.sleep(_POLL_S)
                 continue
             stalled_since = None
             out.peak_pages = max(out.peak_pages, self.pages_in_use())
             specs = [_sample_spec(i, c.seq) for i, c in enumerate(chunks) if c.samples]
+            self.executor.unit(ACTOR_LANE, "forward")
             with self.timeline.span(ACTOR_LANE, "forward", tokens=sum(len(c.token_ids) for c in chunks)):
                 tokens, logprobs = self.actor.forward(_seq_chunks(chunks), specs)
-            now = time.perf_counter()
+            now = self.clock()
             for spec, tok, lp in zip(specs, tokens, logprobs, strict=True):
                 seq = chunks[spec.row].seq
                 out.tokens_generated += 1

@@ -1,0 +1,53 @@
+"""Where the step loop's time and lane threads come from.
+
+The step loop and the scorer lane read the time through a ``Clock`` and start, wake and wait for the scorer
+lane's worker through a ``LaneExecutor``. The defaults are the real thing: ``time.perf_counter`` and OS
+threads. The deterministic simulator (``tests/sim/``) injects a virtual clock and an executor that runs one
+lane at a time and orders the lanes' units of work from a seed, so every interleaving replays; the engine
+has no simulator-only branch, only these calls.
+
+``unit(lane, what)`` marks the boundary of a unit of a lane's work (a forward, a hand-off, a score read):
+with OS threads it does nothing; a simulator may switch to another lane there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+Clock = Callable[[], float]
+
+
+class LaneThread(Protocol):
+    """A started lane worker."""
+
+    def join(self) -> None: ...
+
+
+class LaneExecutor:
+    """Runs lane workers on OS threads, with ``threading``'s synchronisation and the real ``sleep``.
+
+    A simulator subclasses it; every method here is one the step loop and the lanes call.
+    """
+
+    def start(self, target: Callable[[], None], name: str) -> LaneThread:
+        """Run ``target`` on a new worker (a daemon thread named ``name``) and return it."""
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def condition(self) -> threading.Condition:
+        """A condition variable for a lane's inbox (``with``, ``wait(timeout)``, ``notify``)."""
+        return threading.Condition()
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (a lane polling for pages another lane holds)."""
+        time.sleep(seconds)
+
+    def unit(self, lane: str, what: str) -> None:
+        """A unit of ``lane``'s work (``what``) is about to run; OS threads interleave on their own."""
+
+
+THREADS = LaneExecutor()
