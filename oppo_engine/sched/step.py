@@ -153,9 +153,11 @@ class StepLoop:
                 return True
             chunks = sched.schedule()
             if not chunks:
-                # Streamed, the scorers hold pages they free as they score: wait for them, not forever.
+                # Streamed, the scorers hold pages they free as they score; deferred frees (a lane's kernels
+                # still on them) come back once those finish: wait for them, not forever.
                 stalled_since = stalled_since or self.clock()
-                if not stream or self.clock() - stalled_since > _STALL_S:
+                waiting_for = stream or sched.cache.arena.num_pending_pages > 0
+                if not waiting_for or self.clock() - stalled_since > _STALL_S:
                     raise RuntimeError(
                         "actor scheduler made no progress: the cache cannot hold any waiting sequence"
                     )
