@@ -1,8 +1,9 @@
 """A lane executor that runs one lane at a time and orders their units of work from a seed.
 
-Each lane is still a Python thread (the engine's code runs unchanged), but a baton decides which one runs:
-a lane runs until its next unit boundary (``unit``), a wait on a condition, a sleep or a join, and there
-the executor's policy picks the next lane to run from the runnable ones. Time is a virtual ``SimClock``:
+Each lane runs the engine's code unchanged, on a greenlet of its own (a stack switched within one OS
+thread: no OS scheduling, so a switch costs microseconds): a lane runs until its next unit boundary
+(``unit``), a wait on a condition, a sleep or a join, and there the executor's policy picks the next lane
+to run from the runnable ones. Time is a virtual ``SimClock``:
 the stand-in models advance it by their costs, and when every lane waits it jumps to the earliest
 deadline. Since only one thread ever runs and every choice comes from the seeded policy, a schedule
 replays exactly from its seed. A state where every lane waits with no deadline is a hang
@@ -12,9 +13,10 @@ replays exactly from its seed. A state where every lane waits with no deadline i
 from __future__ import annotations
 
 import random
-import threading
 from collections import deque
 from collections.abc import Callable
+
+import greenlet
 
 from oppo_engine.sched.runtime import LaneExecutor
 
@@ -52,12 +54,11 @@ class SimEvent:
 
 
 class _Lane:
-    __slots__ = ("name", "lock", "state", "deadline", "cond", "joiners")
+    __slots__ = ("name", "glet", "state", "deadline", "cond", "joiners")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, glet: greenlet.greenlet) -> None:
         self.name = name
-        self.lock = threading.Lock()
-        self.lock.acquire()  # a lane blocks on its own lock until the baton is handed to it
+        self.glet = glet
         self.state = RUN
         self.deadline: float | None = None
         self.cond: SimCondition | None = None
@@ -95,7 +96,7 @@ class Policy:
 
 
 class SimCondition:
-    """``threading.Condition`` for lanes under the baton: the lock is the baton itself."""
+    """``threading.Condition`` for lanes of one OS thread: only the running lane holds it."""
 
     def __init__(self, ex: SimExecutor) -> None:
         self.ex = ex
@@ -154,8 +155,9 @@ class SimExecutor(LaneExecutor):
         trace_len: int = 40,
     ) -> None:
         self.rng, self.clock, self.policy, self.on_unit = rng, clock, policy, on_unit
-        self.current = _Lane("actor")
+        self.current = _Lane("actor", greenlet.getcurrent())
         self.lanes: list[_Lane] = [self.current]
+        self.closed = False  # set when the schedule ends: a lane left suspended is not resumed
         self.units = 0
         self.forwards = 0  # units that are model forwards
         self.interrupt_at: int | None = None
@@ -164,27 +166,29 @@ class SimExecutor(LaneExecutor):
     # -- LaneExecutor ----------------------------------------------------------------------------------
 
     def start(self, target: Callable[[], None], name: str) -> _SimThread:
-        lane = _Lane("scorer" if "scorer" in name else name)
-        self.lanes.append(lane)
+        main = self.lanes[0].glet
 
         def body() -> None:
-            lane.lock.acquire()
             try:
                 target()
-            finally:
-                lane.state = DONE
-                self.lanes.remove(lane)
-                for j in lane.joiners:
-                    j.state = RUN
-                lane.joiners.clear()
-                try:
-                    nxt = self._next(lane, "exit")
-                except SimDeadlock:  # nothing left to run: the actor takes the baton and finds out
-                    nxt = self.lanes[0]
-                    nxt.state = RUN
-                self._hand_baton(nxt)
+            except greenlet.GreenletExit:
+                return
+            if self.closed:
+                return
+            lane.state = DONE
+            self.lanes.remove(lane)
+            for j in lane.joiners:
+                j.state = RUN
+            lane.joiners.clear()
+            try:
+                self.current = self._next(lane, "exit")
+            except SimDeadlock:  # nothing left to run: the actor takes over and finds out
+                self.current = self.lanes[0]
+                self.current.state = RUN
+            # Returning switches to the parent (the actor's greenlet), which passes on to ``current``.
 
-        threading.Thread(target=body, name=name, daemon=True).start()
+        lane = _Lane("scorer" if "scorer" in name else name, greenlet.greenlet(body, parent=main))
+        self.lanes.append(lane)
         return _SimThread(self, lane)
 
     def condition(self) -> SimCondition:
@@ -257,9 +261,9 @@ class SimExecutor(LaneExecutor):
             self._switch(me, nxt)
 
     def _switch(self, me: _Lane, nxt: _Lane) -> None:
-        self._hand_baton(nxt)
-        me.lock.acquire()
-
-    def _hand_baton(self, nxt: _Lane) -> None:
         self.current = nxt
-        nxt.lock.release()
+        nxt.glet.switch()
+        # Back here when a lane handed over to ``me``, or when a lane ended (its greenlet returns to the
+        # actor's): then pass on to the lane it chose.
+        while self.current is not me:
+            self.current.glet.switch()

@@ -320,6 +320,7 @@ def run_schedule(seed: int) -> Report:
             raise
         raise SimFailure(seed, w, e, list(sim.ex.trace)) from e
     finally:
+        sim.ex.closed = True
         if sim.engine is not None:
             sim.engine.close()
 
