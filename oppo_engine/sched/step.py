@@ -69,6 +69,7 @@ class StepLoop:
         self.pages_in_use = pages_in_use
         self.clock: Clock = time.perf_counter
         self.executor: LaneExecutor = THREADS
+        self._in_flight: list[ScheduledChunk] = []  # the actor forward under way: its slots are not written
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
         """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's and its scorer
@@ -132,8 +133,12 @@ class StepLoop:
         self.scorer_lane.abort()
         self.actor_sched.detach_all()
         cache = self.actor_sched.cache
+        # NOTE: a sequence whose KV was dropped in the step and recomputed may hold slots of the forward that
+        # failed below its starting count: only the KV before that forward's chunk was written.
+        unwritten = {c.seq.seq_id: c.start for c in self._in_flight}
+        self._in_flight = []
         for seq, snap in zip(seqs, snapshots, strict=True):
-            cache.truncate(seq.seq_id, snap.num_computed)
+            cache.truncate(seq.seq_id, min(snap.num_computed, unwritten.get(seq.seq_id, snap.num_computed)))
             seq.restore(snap, cache.num_tokens(seq.seq_id))
 
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
@@ -166,9 +171,11 @@ class StepLoop:
             stalled_since = None
             out.peak_pages = max(out.peak_pages, self.pages_in_use())
             specs = [_sample_spec(i, c.seq) for i, c in enumerate(chunks) if c.samples]
+            self._in_flight = chunks
             self.executor.unit(ACTOR_LANE, "forward")
             with self.timeline.span(ACTOR_LANE, "forward", tokens=sum(len(c.token_ids) for c in chunks)):
                 tokens, logprobs = self.actor.forward(_seq_chunks(chunks), specs)
+            self._in_flight = []
             now = self.clock()
             for spec, tok, lp in zip(specs, tokens, logprobs, strict=True):
                 seq = chunks[spec.row].seq

@@ -21,6 +21,7 @@ FOUND_BUGS = {
     135: "the same admission livelock, n=3",
     208: "the same admission livelock, n=2",
     227: "the same admission livelock, oppo",
+    6767: "a rollback kept slots of the failed forward that the step had recomputed from 0: wrong KV",
 }
 
 
