@@ -160,10 +160,13 @@ class Ledger:
     def check_end(self) -> None:
         """Every sample returned once or quarantined; once the last deferred free is done, every page free."""
         e = self.engine
+        poison = self.sim.faults.poison_prompt
         for g in range(len(self.prompts)):
             for j in range(self.sim.w.n):
                 if self.seen[(g, j)] != 1 and (g, j) not in self.failed:
                     _fail(f"prompt {g} sample {j} never came back")
+                if g == poison and (g, j) not in self.failed:
+                    _fail(f"poison prompt {g} sample {j} was not quarantined")
         if e._buffer.carried:
             _fail(f"{len(e._buffer.carried)} sequences still carried at the end")
         self.sim.clock.advance(1e9)

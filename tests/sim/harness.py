@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.cache.arena import KVSpec, fit_page_size, page_bytes_for
+from oppo_engine.engine import StepResult
+from oppo_engine.obs import StepMetrics
 
 from .executor import Policy, SimClock, SimExecutor
 from .models import EOS, VOCAB, sim_models
@@ -28,6 +30,9 @@ PROGRESS_FACTOR = 4
 POLL_UNITS = 20_000
 MODES = ("sequential", "intra", "inter", "oppo")
 _TAGS = {"reward": 2, "ref_logprobs": 3, "values": 4}
+# Poison prompts (every forward holding one fails) run once steps quarantine their culprit into
+# StepResult.failed (issue 19); before that such a prompt blocks every later step, by contract.
+QUARANTINE = "failed" in StepResult.__dataclass_fields__ and "retries" in StepMetrics.__dataclass_fields__
 
 
 class Livelock(BaseException):
@@ -83,6 +88,7 @@ class Workload:
     p_reload: float
     p_report: float
     late_prompts: int  # prompts added after the first step
+    poison: bool  # one prompt's every forward fails (only where steps quarantine: QUARANTINE)
 
     @classmethod
     def draw(cls, seed: int) -> Workload:
@@ -128,6 +134,7 @@ class Workload:
             p_reload=r.choice((0.0, 0.0, 0.15)),
             p_report=r.choice((0.0, 0.2)),
             late_prompts=late,
+            poison=r.random() < 0.15,  # drawn last: the draws above stay those of the seeds on record
         )
 
     def config(self, kv_cache_bytes: int) -> EngineConfig:
@@ -175,6 +182,8 @@ class Sim:
         self.ex.interrupt_at = w.interrupt_at
         self.faults = Faults()
         self.faults.fail_at = w.fail_forward_at
+        if QUARANTINE and w.poison:
+            self.faults.poison_prompt = w.seed % len(w.prompts)
         self.oracle = Oracle(
             vocab=VOCAB, eos=EOS, mean_len=w.mean_len, long_len=w.max_model_len, p_long=w.p_long
         )
