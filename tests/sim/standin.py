@@ -102,17 +102,19 @@ class PageIO:
         assert spec.dtype.itemsize == 4, "the stand-in writes int32 fingerprints into fp32 KV"
         self.token_ints = spec.num_kv_heads * spec.head_dim  # layer 0, key, one token
         self.ps = cache.page_size
+        self._page_ints = cache.arena.page_bytes // 4
+        self._salt = tag * 104_729
 
     def _ints(self) -> np.ndarray:
         return self.cache.arena.buffer.view(torch.int32).numpy()
 
     def _fp(self, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        h = (positions * 0x9E3779B1 + tokens * 0x85EBCA77 + self.tag * 0xC2B2AE3D) & 0x7FFFFFFF
-        return (h | 1).astype(np.int32)
+        """A nonzero int32 of (model, position, token)."""
+        return ((positions * 1_000_003 + tokens * 7_919 + self._salt) % 2_147_483_629 + 1).astype(np.int32)
 
     def _index(self, slots: np.ndarray) -> np.ndarray:
-        page_ints = self.cache.arena.page_bytes // 4
-        return (slots // self.ps) * page_ints + (slots % self.ps) * self.token_ints
+        pages, offsets = np.divmod(slots, self.ps)
+        return pages * self._page_ints + offsets * self.token_ints
 
     def check(self, seq: Seq, upto: int, who: str) -> None:
         """Tokens ``[0, upto)`` of ``seq`` hold their fingerprints in this model's pages."""
