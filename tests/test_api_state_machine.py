@@ -56,10 +56,11 @@ def _models():
 
 def _build(mode: str, n: int) -> RolloutEngine:
     actor, reward = _models()
+    over = {"overcommit": 2 * n} if mode in ("inter", "oppo") else {}  # sequences are carried over
     return RolloutEngine(
         actor=actor,
         reward=reward,
-        config=EngineConfig(batch_size=2 * n, mode=mode, page_size=8, max_model_len=MAX_MODEL_LEN),
+        config=EngineConfig(batch_size=2 * n, mode=mode, page_size=8, max_model_len=MAX_MODEL_LEN, **over),
         sampling=SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=0, n=n),
         eos_token_id=3,
     )
