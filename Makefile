@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-fast bench lint cuda-compile clean
+.PHONY: demo test test-fast bench lint cuda-compile clean sim
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m pytest -q bench --benchmark-only
 	$(PY) -m bench.bench_e2e --preset tiny
+
+# A long search of the deterministic simulator (tests/sim/): SEEDS schedules from seed START; a failure
+# prints its seed, its trace and the command that replays it.
+SEEDS ?= 100000
+START ?= 0
+sim: $(VENV)/.installed
+	$(PY) -m tests.sim --seeds $(SEEDS) --start $(START)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check oppo_engine kernels tests bench

@@ -168,7 +168,8 @@ def test_every_prompt_finishes_with_unchanged_tokens_and_no_page_leaks(
 
 
 class _PendingEvent:
-    """A CUDA event whose lane's kernels are still running (never completes here)."""
+    """A CUDA event whose lane's kernels are still running (never completes here): the freed pages stay
+    pending."""
 
     def query(self) -> bool:
         return False
@@ -196,3 +197,27 @@ def test_preemption_reuses_pages_pending_behind_the_lanes_own_event_and_takes_on
     assert sched.num_preemptions == 1 and seqs[2].status is SeqStatus.WAITING
     assert [c.seq.seq_id for c in chunks] == [0, 1]
     assert arena.num_pending_pages == 0 and arena.num_free_pages() == 0
+
+
+def test_admission_leaves_the_pages_an_older_sequence_needs_for_its_pending_tokens():
+    """Regression (the simulator, seeds 107/135/208/227): a sample whose first chunk stops at its group's
+    prefix left budget for a younger sequence, admitted into the pages the sample needed for the rest of its
+    prompt; the sample then preempted it, but the victim's frees were deferred (its kernels on them), so it
+    preempted itself too, and again at every step. Now admission leaves those pages."""
+    arena = KVArena({"m": SPEC}, page_size=8, num_pages=6)
+    cache = KVCacheManager(arena, "m")
+    cache.free_event = _PendingEvent
+    sched = ActorScheduler(cache, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    params = SamplingParams(max_new_tokens=40, n=2)
+    # Prompt of 21 tokens (a prefix of 20) and 19 response tokens kept over a preemption: 5 pages.
+    old = Sequence(0, 0, list(range(4, 25)), params, seed=1, response_ids=[5] * 19)
+    young = Sequence(2, 1, [7], params, seed=2, response_ids=[5] * 10)  # 11 tokens: 2 pages
+    sched.add(old)
+    sched.add(young)
+    computed = []
+    for _ in range(3):
+        for chunk in sched.schedule():
+            assert chunk.seq is old, "the young sequence took the old one's pages"
+        computed.append(old.num_computed)
+    assert computed == [16, 20, 36]  # 16, then the prefix chunk, then on: never preempted
+    assert old.num_preemptions == 0

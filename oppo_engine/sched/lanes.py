@@ -27,6 +27,7 @@ from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.quarantine import model_call
+from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor, LaneThread
 from oppo_engine.sched.scorer import ScorerScheduler
 from oppo_engine.sched.sequence import SeqStatus, Sequence
 
@@ -113,6 +114,8 @@ class ScorerLane:
     Between steps (the worker stopped) the actor thread may ``rescore`` a sequence in some scorers.
     """
 
+    _LANE = "scorer"
+
     def __init__(
         self,
         scorers: list[Scorer],
@@ -133,18 +136,24 @@ class ScorerLane:
         self.device_lane = device_lane
         for sched in self.scheds.values():
             device_lane.attach(sched.cache)
+        self.clock: Clock = time.perf_counter
+        self.executor: LaneExecutor = THREADS
         self._cond = threading.Condition()
         self._inbox: list[_HandOff] = []
         self._closing = False
         self._stop = False
-        self._thread: threading.Thread | None = None
-        self._exited = threading.Event()  # set by the worker as it leaves _run
+        self._thread: LaneThread | None = None
         self._pending: dict[int, int] = {}  # seq_id -> scorers still to read
         self._added: dict[int, Sequence] = {}  # added and not yet scored (the actor thread's view)
         self.error: BaseException | None = None
         self.scored: list[Sequence] = []
         self.last_score_s = 0.0
         self.peak_pages = 0
+
+    def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
+        """Read the time from ``clock`` and run the worker on ``executor`` (between steps only)."""
+        self.clock, self.executor = clock, executor
+        self._cond = executor.condition()
 
     # -- the actor thread's side -----------------------------------------------------------------------
 
@@ -155,9 +164,7 @@ class ScorerLane:
         self.scored, self.error, self.last_score_s, self.peak_pages = [], None, 0.0, 0
         self._thread = None
         if threaded:
-            self._exited.clear()
-            self._thread = threading.Thread(target=self._run_worker, name="oppo-scorer-lane", daemon=True)
-            self._thread.start()
+            self._thread = self.executor.start(self._run, "oppo-scorer-lane")
 
     def add(self, seq: Sequence) -> None:
         """A sequence to score: its tokens will be handed off as the actor produces them."""
@@ -237,18 +244,13 @@ class ScorerLane:
             self._cond.notify()
 
     def _wait_for_worker(self) -> None:
-        """Wait until the worker has left ``_run``, even across interrupts, then re-raise the first.
-
-        NOTE: a ``KeyboardInterrupt`` that lands in ``Thread.join()`` makes CPython 3.11 mark the thread
-        stopped while it still runs (a later ``join()`` returns at once): freeing pages then would free
-        them under the worker. So the worker's own exit Event is what is waited for; an interrupt stops
-        the worker at its next round and is re-raised once it has exited.
-        """
+        """Wait until the worker has left ``_run``, even across interrupts, then re-raise the first: an
+        interrupt stops the worker at its next round, and no page is freed under it (the executor's
+        ``join`` waits for the worker's own exit signal: see ``sched/runtime.py``)."""
         interrupt: BaseException | None = None
         while self._thread is not None:
             try:
-                self._exited.wait()
-                self._thread.join()  # the worker has returned from _run: this ends at once
+                self._thread.join()
                 self._thread = None
             except BaseException as e:
                 interrupt = interrupt or e
@@ -263,12 +265,6 @@ class ScorerLane:
 
     # -- the lane's own side ---------------------------------------------------------------------------
 
-    def _run_worker(self) -> None:
-        try:
-            self._run()
-        finally:
-            self._exited.set()
-
     def _run(self) -> None:
         idle_after_close = 0.0
         try:
@@ -279,6 +275,8 @@ class ScorerLane:
                             return
                         inbox, self._inbox = self._inbox, []
                         closing = self._closing
+                    if inbox:
+                        self.executor.unit(self._LANE, "take")
                     self._take(inbox)
                     if self._round():
                         idle_after_close = 0.0
@@ -328,6 +326,7 @@ class ScorerLane:
             if not chunks:
                 continue
             worked = True
+            self.executor.unit(self._LANE, f"{name} forward")
             self.peak_pages = max(self.peak_pages, self.pages_in_use())
             with (
                 self.timeline.span(name, "prefill", tokens=sum(len(c.token_ids) for c in chunks)),
@@ -345,6 +344,6 @@ class ScorerLane:
         if self._pending[seq.seq_id] == 0:
             del self._pending[seq.seq_id]
             self.scored.append(seq)
-            self.last_score_s = seq.score_time = time.perf_counter()
+            self.last_score_s = seq.score_time = self.clock()
             seq.status = SeqStatus.SCORED
             self._added.pop(seq.seq_id, None)

@@ -126,6 +126,9 @@ class ActorScheduler:
             chunks.append(self._chunk(seq, n, slots))
             budget -= n
             i += 1
+        # Pages the running sequences still need for their pending tokens (a prompt prefilled in chunks):
+        # admission leaves them, so that it never takes what an older sequence needs next forward.
+        committed = sum(self.cache.pages_needed(s.seq_id, s.num_pending) for s in self.running)
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[j]
@@ -146,7 +149,7 @@ class ActorScheduler:
                 needed = self.cache.pages_needed_forked(seq.prefix_len, seq.num_tokens)
             else:
                 needed = self.cache.pages_needed(seq.seq_id, seq.num_pending)
-            if needed + reserve > self.cache.num_available_pages():
+            if needed + reserve + committed > self.cache.num_available_pages():
                 break
             if source is not None:
                 self._fork(source, seq)
@@ -159,6 +162,7 @@ class ActorScheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, n, slots))
+            committed += self.cache.pages_needed(seq.seq_id, seq.num_pending)
             budget -= n
         return chunks
 

@@ -17,6 +17,7 @@ from oppo_engine.obs import Timeline
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
 from oppo_engine.sched.quarantine import model_call
+from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
 from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
 
@@ -67,6 +68,15 @@ class StepLoop:
         self.actor_lane = actor_lane
         self.timeline = timeline
         self.pages_in_use = pages_in_use
+        self.clock: Clock = time.perf_counter
+        self.executor: LaneExecutor = THREADS
+        self._in_flight: list[ScheduledChunk] = []  # the actor forward under way: its slots are not written
+
+    def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
+        """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's and its scorer
+        lane's; the defaults are the real clock and OS threads: see ``sched/runtime.py``)."""
+        self.clock, self.executor = clock, executor
+        self.scorer_lane.use_runtime(clock, executor)
 
     def run(
         self,
@@ -82,7 +92,7 @@ class StepLoop:
         stream = chunk_size is not None
         out = StepOutcome()
         lane = self.scorer_lane
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with (
             _lane_threads(stream, self.actor_lane.device),
             ordered_with_caller(self.actor_lane, lane.device_lane),
@@ -133,11 +143,16 @@ class StepLoop:
         self.scorer_lane.abort()
         self.actor_sched.detach_all()
         cache = self.actor_sched.cache
+        # NOTE: a sequence whose KV was dropped in the step and recomputed may hold slots of the forward that
+        # failed below its starting count: only the KV before that forward's chunk was written.
+        unwritten = {c.seq.seq_id: c.start for c in self._in_flight}
+        self._in_flight = []
         for seq, snap in zip(seqs, snapshots, strict=True):
-            cache.truncate(seq.seq_id, snap.num_computed)
+            cache.truncate(seq.seq_id, min(snap.num_computed, unwritten.get(seq.seq_id, snap.num_computed)))
             seq.restore(snap, cache.num_tokens(seq.seq_id))
 
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
+        self.executor.unit(ACTOR_LANE, "hand-off")
         seq.num_handed_off = seq.num_tokens
         self.scorer_lane.hand_off(seq, seq.num_tokens, final)
         out.handoffs += 1
@@ -153,23 +168,28 @@ class StepLoop:
                 return True
             chunks = sched.schedule()
             if not chunks:
-                # Streamed, the scorers hold pages they free as they score: wait for them, not forever.
-                stalled_since = stalled_since or time.perf_counter()
-                if not stream or time.perf_counter() - stalled_since > _STALL_S:
+                # Streamed, the scorers hold pages they free as they score; deferred frees (a lane's kernels
+                # still on them) come back once those finish: wait for them, not forever.
+                stalled_since = stalled_since or self.clock()
+                waiting_for = stream or sched.cache.arena.num_pending_pages > 0
+                if not waiting_for or self.clock() - stalled_since > _STALL_S:
                     raise RuntimeError(
                         "actor scheduler made no progress: the cache cannot hold any waiting sequence"
                     )
-                time.sleep(_POLL_S)
+                self.executor.sleep(_POLL_S)
                 continue
             stalled_since = None
             out.peak_pages = max(out.peak_pages, self.pages_in_use())
             specs = [_sample_spec(i, c.seq) for i, c in enumerate(chunks) if c.samples]
+            self._in_flight = chunks
+            self.executor.unit(ACTOR_LANE, "forward")
             with (
                 self.timeline.span(ACTOR_LANE, "forward", tokens=sum(len(c.token_ids) for c in chunks)),
                 model_call(ACTOR_LANE),
             ):
                 tokens, logprobs = self.actor.forward(_seq_chunks(chunks), specs)
-            now = time.perf_counter()
+            self._in_flight = []
+            now = self.clock()
             for spec, tok, lp in zip(specs, tokens, logprobs, strict=True):
                 seq = chunks[spec.row].seq
                 out.tokens_generated += 1

@@ -1,0 +1,177 @@
+"""The checks of a schedule that read whole steps: every prompt's samples come back exactly once (or are
+quarantined), equal to what the oracle says they must be; a failed step leaves the state it found; nothing
+is held between steps but what the carried sequences need; nothing at all at the end."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from oppo_engine import RolloutEngine
+from oppo_engine.sched.overcommit import deferral_bound
+from oppo_engine.sched.prompts import derive_seed, sample_seed
+from oppo_engine.sched.sequence import SeqStatus
+
+
+def _fail(message: str) -> None:
+    from .harness import InvariantViolation  # noqa: PLC0415
+
+    raise InvariantViolation(message)
+
+
+def _seq_state(s) -> tuple:
+    scored = s.status is SeqStatus.SCORED
+    return (
+        s.seq_id,
+        s.prompt_index,
+        s.sample_index,
+        tuple(s.response_ids),
+        tuple(s.logprobs),
+        tuple(s.policy_versions),
+        s.deferred_steps,
+        s.status,
+        (s.reward, s.ref_logprobs, s.values) if scored else None,
+    )
+
+
+class Ledger:
+    """What the engine has accepted and returned over a schedule."""
+
+    def __init__(self, sim, engine: RolloutEngine) -> None:
+        self.sim = sim
+        self.engine = engine
+        self.prompts: list[list[int]] = []  # by prompt index (= group id): prompts are taken in order
+        self.seen: Counter = Counter()
+        self.failed: set[tuple[int, int]] = set()
+        self.returned = 0
+        self.quarantined = 0
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.sim.engine
+
+    @engine.setter
+    def engine(self, value: RolloutEngine) -> None:
+        self.sim.engine = value
+
+    def add(self, prompts: list[list[int]]) -> None:
+        self.engine.add_prompts(prompts)
+        self.prompts.extend(prompts)
+
+    @property
+    def total(self) -> int:
+        return len(self.prompts) * self.sim.w.n
+
+    # -- per step ---------------------------------------------------------------------------------------
+
+    def record(self, result) -> bool:
+        """Check a step's result; True once every accepted sample is back (or quarantined)."""
+        w, oracle = self.sim.w, self.sim.oracle
+        remaining = self.total - self.returned - self.quarantined
+        failed = list(getattr(result, "failed", []))
+        if not failed and len(result.rollouts) != min(w.batch_size, remaining):
+            _fail(f"a step returned {len(result.rollouts)} rollouts, B={w.batch_size}, {remaining} remain")
+        per_group = Counter(r.group_id for r in result.rollouts)
+        if any(c != w.n for c in per_group.values()):
+            _fail(f"a step returned part of a group: {dict(per_group)} (n={w.n})")
+        over = w.mode in ("inter", "oppo")
+        limit = deferral_bound(w.batch_size, w.max_deferrals, self.sim.engine._max_overcommit) if over else 0
+        version = self.engine.policy_version
+        for r in result.rollouts:
+            key = (r.group_id, r.sample_index)
+            self.seen[key] += 1
+            if self.seen[key] > 1 or key in self.failed:
+                _fail(f"prompt {r.group_id} sample {r.sample_index} returned twice")
+            prompt = self.prompts[r.group_id]
+            if r.prompt_ids != prompt:
+                _fail(f"prompt {r.group_id}: returned with another prompt")
+            seed = sample_seed(derive_seed(w.seed, r.group_id), r.sample_index)
+            response, logprobs = oracle.rollout(prompt, seed, w.max_new_tokens, w.max_model_len)
+            if r.response_ids != response or r.logprobs != logprobs:
+                _fail(f"prompt {r.group_id} sample {r.sample_index}: response differs from the oracle's")
+            if r.reward != oracle.reward(prompt, response):
+                _fail(f"prompt {r.group_id} sample {r.sample_index}: reward differs from the oracle's")
+            for name, on in (("ref_logprobs", w.reference), ("values", w.critic)):
+                want = oracle.per_token(name, prompt, response) if on else None
+                if getattr(r, name) != want:
+                    _fail(f"prompt {r.group_id} sample {r.sample_index}: {name} differ from the oracle's")
+            if len(r.policy_versions) != len(response) or any(v > version for v in r.policy_versions):
+                _fail(f"prompt {r.group_id}: policy versions {r.policy_versions} (now {version})")
+            if r.policy_versions != sorted(r.policy_versions):
+                _fail(f"prompt {r.group_id}: policy versions go back: {r.policy_versions}")
+            if r.deferred_steps > limit:
+                _fail(f"prompt {r.group_id}: deferred {r.deferred_steps} steps, the bound is {limit}")
+        for r in failed:
+            key = (r.group_id, r.sample_index)
+            if key in self.seen or key in self.failed:
+                _fail(f"prompt {r.group_id} sample {r.sample_index} quarantined after being returned")
+            if r.finish_reason != "error" or not r.error:
+                _fail(f"prompt {r.group_id}: quarantined without its reason")
+            self.failed.add(key)
+        self.returned += len(result.rollouts)
+        self.quarantined += len(failed)
+        return self.returned + self.quarantined == self.total
+
+    def snapshot(self) -> tuple:
+        """The state a failed step must give back: carried sequences, the queue, the actor KV."""
+        e = self.engine
+        carried = [_seq_state(s) for s in e._buffer.carried]
+        queue: list = []
+        for s in e._prompts.requeued:
+            fresh = not s.response_ids and s.deferred_steps == 0 and s.status is SeqStatus.WAITING
+            if not fresh:
+                queue.append(_seq_state(s))
+            elif s.sample_index == 0:
+                queue.append(("fresh", tuple(s.prompt_ids)))
+        queue += [("fresh", tuple(ids)) for ids, _ in e._prompts._pending]
+        actor = e._loop.actor_sched.cache
+        kv = {s.seq_id: actor.num_tokens(s.seq_id) for s in e._buffer.carried}
+        return carried, queue, kv
+
+    def check_restored(self, before: tuple) -> None:
+        """After a failed step: every sequence and the queue as the step found them, no actor KV beyond
+        what they held, no scorer state, no page leaked."""
+        from .harness import check_pages  # noqa: PLC0415
+
+        carried, queue, kv = self.snapshot()
+        if carried != before[0]:
+            _fail("a failed step changed the carried sequences")
+        if queue != before[1]:
+            _fail("a failed step changed the prompt queue")
+        for seq_id, n in kv.items():
+            if n > before[2].get(seq_id, 0):
+                _fail(
+                    f"a failed step left seq {seq_id} with {n} tokens of actor KV (had {before[2][seq_id]})"
+                )
+        for name, sched in self.engine._loop.scorer_lane.scheds.items():
+            if sched.cache.seq_ids:
+                _fail(f"a failed step left {name} pages for {sched.cache.seq_ids}")
+        self.check_between_steps()
+        check_pages(self.engine)
+
+    def check_between_steps(self) -> None:
+        """Pages are held only for carried sequences."""
+        e = self.engine
+        carried = {s.seq_id for s in e._buffer.carried}
+        for name, cache in e._caches.items():
+            stray = set(cache.seq_ids) - carried
+            if stray:
+                _fail(f"{name} holds pages of sequences not carried over: {sorted(stray)}")
+
+    def check_end(self) -> None:
+        """Every sample returned once or quarantined; once the last deferred free is done, every page free."""
+        e = self.engine
+        poison = self.sim.faults.poison_prompt
+        for g in range(len(self.prompts)):
+            for j in range(self.sim.w.n):
+                if self.seen[(g, j)] != 1 and (g, j) not in self.failed:
+                    _fail(f"prompt {g} sample {j} never came back")
+                if g == poison and (g, j) not in self.failed:
+                    _fail(f"poison prompt {g} sample {j} was not quarantined")
+        if e._buffer.carried:
+            _fail(f"{len(e._buffer.carried)} sequences still carried at the end")
+        self.sim.clock.advance(1e9)
+        for name in e._caches:
+            e._arena.available_pages(name)  # reclaims completed deferred frees
+        stats = e.cache_stats()
+        if stats.free_pages != stats.total_pages:
+            _fail(f"{stats.total_pages - stats.free_pages} pages leaked at the end")
