@@ -237,13 +237,15 @@ def _split_kv_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
     lse_row = lse_ptr + tok * stride_l_tok + head
     part_row = part_ptr + tok * stride_p_tok + head * stride_p_head + offs_d
-    lse_max = float("-inf")
-    for s in range(num_splits):
+    # Loop-carried values start as tensors (split 0 always exists: the reduce runs for >= 2 splits).
+    lse_first = tl.load(lse_row)
+    lse_max = lse_first
+    for s in range(1, num_splits):
         lse_max = tl.maximum(lse_max, tl.load(lse_row + s * stride_l_split))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    total = 0.0
-    for s in range(num_splits):
+    total = tl.exp2(lse_first - lse_max)
+    acc = total * tl.load(part_row, mask=d_mask, other=0.0)
+    for s in range(1, num_splits):
         w = tl.exp2(tl.load(lse_row + s * stride_l_split) - lse_max)
         acc += w * tl.load(part_row + s * stride_p_split, mask=d_mask, other=0.0)
         total += w
