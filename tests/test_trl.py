@@ -279,3 +279,25 @@ def test_prompts_must_come_in_runs_of_num_generations():
         _group_heads(["a", "b", "b", "b"], 2)
     with pytest.raises(ValueError, match="3 prompts, not a multiple of num_generations=2"):
         _group_heads(["a", "a", "b"], 2)
+
+
+def test_a_quarantined_group_makes_the_rollout_func_raise_naming_its_prompt(tokenizer, tmp_path):
+    actor, _ = _models(tokenizer)
+    args = _args(tmp_path)
+    poison: list[list[int]] = []
+
+    def reward(prompt_ids, response_ids):  # fails for one prompt, every time: the engine quarantines it
+        if prompt_ids in poison:
+            raise ValueError("unscorable")
+        return float(len(response_ids))
+
+    engine = _engine(actor, reward, tokenizer, args)
+    rollout_func = engine_rollout_func(engine, args)
+    trainer = _trainer(actor, tokenizer, args, rollout_func)
+    poison.append(_tokenize([PROMPTS[1]], trainer)[0])
+    batch = [p for p in PROMPTS[:2] for _ in range(NUM_GENERATIONS)]
+    with pytest.raises(
+        RuntimeError, match=r"quarantined the group of prompt .*reward: ValueError: unscorable"
+    ):
+        rollout_func(batch, trainer)
+    engine.close()
