@@ -23,6 +23,7 @@ CONTRACT_FIELDS = [
     "reused_tokens",
     "swapped_tokens",
     "shared_tokens",
+    "retries",
 ]
 
 

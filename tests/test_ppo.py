@@ -228,3 +228,26 @@ def test_overcommit_feeds_the_trainer_stale_tokens_it_handles(task_dir, off_poli
         versions = [v for r in s.rollout.rollouts for v in r.policy_versions]
         assert s.stale_tokens == sum(v < s.step - 1 for v in versions)
         assert all(torch.isfinite(torch.tensor([s.policy_loss, s.value_loss, s.kl])))
+
+
+def test_the_trainer_logs_quarantined_rollouts_and_trains_without_them(task_dir, caplog):
+    import logging
+    import math
+
+    trainer = _trainer(task_dir, "intra")
+    scorer = trainer.engine._loop.scorer_lane.scheds["reward"].scorer
+    prefill = scorer.prefill
+
+    def failing_prefill(chunks):  # the reward model cannot read sequence 3, whatever it is batched with
+        if any(c.seq_id == 3 for c in chunks):
+            raise RuntimeError("reward model fell over on this sequence")
+        return prefill(chunks)
+
+    scorer.prefill = failing_prefill
+    with caplog.at_level(logging.WARNING, logger="oppo_engine.ppo.trainer"):
+        stats = trainer.step()
+    assert len(stats.rollout.failed) == 1 and len(stats.rollout.rollouts) == 7
+    assert "reward model fell over" in caplog.text and "left out" in caplog.text
+    assert all(math.isfinite(v) for v in (stats.reward, stats.kl, stats.policy_loss, stats.value_loss))
+    assert trainer.engine.policy_version == 1  # the update ran
+    trainer.close()

@@ -298,3 +298,25 @@ def test_the_engines_resolved_eos_set_is_compared_and_stop_tokens_are_refused(to
     with pytest.raises(ValueError, match=r"stop_token_ids=\(5,\): TRL treats a completion"):
         engine_rollout_func(engine, args)
     engine.close()
+
+
+def test_a_quarantined_group_makes_the_rollout_func_raise_naming_its_prompt(tokenizer, tmp_path):
+    actor, _ = _models(tokenizer)
+    args = _args(tmp_path)
+    poison: list[list[int]] = []
+
+    def reward(prompt_ids, response_ids):  # fails for one prompt, every time: the engine quarantines it
+        if prompt_ids in poison:
+            raise ValueError("unscorable")
+        return float(len(response_ids))
+
+    engine = _engine(actor, reward, tokenizer, args)
+    rollout_func = engine_rollout_func(engine, args)
+    trainer = _trainer(actor, tokenizer, args, rollout_func)
+    poison.append(_tokenize([PROMPTS[1]], trainer)[0])
+    batch = [p for p in PROMPTS[:2] for _ in range(NUM_GENERATIONS)]
+    with pytest.raises(
+        RuntimeError, match=r"quarantined the group of prompt .*reward: ValueError: unscorable"
+    ):
+        rollout_func(batch, trainer)
+    engine.close()

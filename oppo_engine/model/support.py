@@ -159,6 +159,9 @@ def resolve_max_model_len(configured: int | None, models: Mapping[str, nn.Module
                 f"positions (n_positions / max_position_embeddings); set EngineConfig.max_model_len <= "
                 f"{limit}, or leave it None to take the models' limit"
             )
+        exact = _rope_exact_limit(modules[role])
+        if exact is not None and configured > exact[0]:
+            continue  # refused by check_model, with the reason
         warnings.warn(
             f"{role}: max_model_len={configured} exceeds its max_position_embeddings={limit}: positions "
             "past it are computed exactly but lie beyond the lengths the model was trained on",
