@@ -71,7 +71,9 @@ class EngineConfig:
     ``delta.max`` under "auto") sequences of ``max_model_len`` tokens in every model,
     capped to 40% of the free device memory on CUDA or 25% of the RAM on the CPU.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
-    ``"triton"`` or ``"flash_attn"`` (CUDA only).
+    ``"triton"`` or ``"flash_attn"`` (CUDA only). ``graph`` runs the actor's decode-only forwards through
+    captured graphs (CUDA graphs per batch-size bucket on CUDA, ``torch.compile`` on the CPU): ``True``,
+    ``False``, or ``"auto"`` (fixed per device type: on for CUDA, off for the CPU).
     """
 
     batch_size: int = 64
@@ -87,6 +89,7 @@ class EngineConfig:
     chunk: ChunkControl = field(default_factory=ChunkControl)
     delta: DeltaControl = field(default_factory=DeltaControl)
     max_deferrals: int = 4
+    graph: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -125,6 +128,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.delta must be a DeltaControl, got {self.delta!r}")
         if self.max_deferrals < 1:
             raise ValueError(f"EngineConfig.max_deferrals must be >= 1, got {self.max_deferrals}")
+        if self.graph not in ("auto", True, False):
+            raise ValueError(f"EngineConfig.graph must be 'auto', True or False, got {self.graph!r}")
         if self.chunk != ChunkControl() and self.chunk_size != "auto":
             raise ValueError(
                 f"EngineConfig.chunk is ignored with chunk_size={self.chunk_size!r}: the search runs only "

@@ -19,6 +19,7 @@ from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.control import ChunkSizeController, DeltaController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
+from oppo_engine.model.graph import CapturedDecode, graph_enabled
 from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD, collect_models, device_of, dtype_of
 from oppo_engine.model.runner import ModelRunner, unwrap_model
 from oppo_engine.model.scorer import (
@@ -267,9 +268,14 @@ class RolloutEngine:
         actor_lane = DeviceLane(self.device, ACTOR_PRIORITY)
         if actor_lane.stream is not None:
             actor_cache.free_event = actor_lane.free_event
+        actor_runner = ModelRunner(self.actor, actor_cache, backend=backend)
+        if graph_enabled(cfg.graph, self.device):  # captured decode (model/graph.py)
+            actor_runner.captured = CapturedDecode(
+                actor_runner, max_num_seqs=cfg.batch_size + self._max_overcommit, max_model_len=cfg.max_model_len
+            )
         self._loop = StepLoop(
             actor_sched=actor_sched,
-            actor=ActorWorker(ModelRunner(self.actor, actor_cache, backend=backend)),
+            actor=ActorWorker(actor_runner),
             scorer_lane=ScorerLane(
                 scorers,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -336,6 +342,9 @@ class RolloutEngine:
         shared_before = {name: cache.shared_tokens for name, cache in self._caches.items()}
         recomputed_before, swapped_before = self._kv_counts()
         chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
+        captured = self._loop.actor.runner.captured
+        if captured is not None:
+            captured.start_step()
         t0 = time.perf_counter()
         self._timeline.clear()
         if self._gpu is not None:
@@ -387,6 +396,7 @@ class RolloutEngine:
             reused_tokens=reused,
             swapped_tokens=self._swapped_tokens,
             shared_tokens={n: c.shared_tokens - shared_before[n] for n, c in self._caches.items()},
+            **(captured.step_metrics() if captured is not None else {}),
         )
         self._swapped_tokens = {}
         if chunk_size is not None:

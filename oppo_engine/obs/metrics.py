@@ -42,6 +42,11 @@ class StepMetrics:
             last step.
         shared_tokens: model -> prompt tokens whose KV a sample of a group took from another sample
             (``SamplingParams.n > 1``: pages shared, not prefilled) in this step.
+        graph_forwards: the actor's decode-only forwards of this step that ran through a captured graph
+            (``EngineConfig.graph``).
+        graph_recompiles: graphs compiled (CPU) or captured (CUDA, re-captures included) in this step; a
+            run settles into 0 after its first steps.
+        graph_fallback: ``None``, or why a decode-only forward of this step ran eager with graphs on.
     """
 
     wall_s: float
@@ -63,6 +68,9 @@ class StepMetrics:
     reused_tokens: dict[str, int] = field(default_factory=dict)
     swapped_tokens: dict[str, int] = field(default_factory=dict)
     shared_tokens: dict[str, int] = field(default_factory=dict)
+    graph_forwards: int = 0
+    graph_recompiles: int = 0
+    graph_fallback: str | None = None
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

@@ -1,0 +1,313 @@
+"""Captured decode: the actor's decode-only forwards (one new token per sequence) through a graph.
+
+CPU: one ``torch.compile`` (inductor) graph per model, with the batch and block-table dimensions dynamic, so
+every batch size from 2 up replays the same compiled code (a batch of one is padded to two). CUDA: a CUDA
+graph per batch-size bucket (vLLM's capture sizes 1, 2, 4, 8, 16, 24, ...), captured on first use and
+replayed on the caller's (the actor lane's) stream, over static input and metadata buffers filled in place.
+
+Padding rows (up to the bucket) have slot ``-1``, which every cache op skips: they write no page at all,
+and read one token of page 0 (a context of 1), whose result is dropped. Weights are read, never baked in:
+inductor runs without freezing and reads the parameters at every call, and a CUDA graph reads them at the
+addresses it captured, so in-place optimizer steps replay the same graphs; a parameter or buffer replaced by
+a new tensor, or an arena rebuilt at a new address (``resume()``), drops the CUDA graphs and re-captures
+them, counted in ``recompiles`` like an inductor recompilation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.fx.experimental._config as _fx_config
+
+from oppo_engine import ops
+from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_enabled
+
+GRAPH_SETTINGS = ("auto", True, False)
+# Dynamo keys its cache on the code object of `_decode_logits`, which every engine of the process shares:
+# each model (and each family in a test run) adds entries. Hitting the limit must raise, never run eager
+# silently (that is reported as a fallback instead).
+_RECOMPILE_LIMIT = 64
+
+_compiles = threading.local()  # graphs compiled by inductor on this thread (the backend runs in the caller's)
+
+
+def graph_enabled(setting: bool | str, device: torch.device) -> bool:
+    """``EngineConfig.graph`` resolved for ``device``. ``"auto"`` is fixed per device type, never measured:
+    CUDA graphs on CUDA; eager on the CPU, where a model's first compile costs tens of seconds against a
+    decode speed-up that pays back only over long runs (README, "Captured decode")."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """CUDA-graph buckets: 1, 2, 4, then every multiple of 8, up to the first that holds ``max_num_seqs``."""
+    sizes = [1, 2, 4]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(8 * (sizes[-1] // 8 + 1))
+    return [s for s in sizes if s < max_num_seqs] + [next(s for s in sizes if s >= max_num_seqs)]
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """Inductor, counting each graph it compiles on the calling thread."""
+    from torch._inductor.compile_fx import compile_fx
+
+    _compiles.n = getattr(_compiles, "n", 0) + 1
+    return compile_fx(gm, example_inputs)
+
+
+def _decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, keep: bool):
+    """Logits ``[N, V]`` float32 of a decode forward ``[1, N]``; the metadata is bound by the caller."""
+    kwargs = {"logits_to_keep": 0} if keep else {}
+    return model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs).logits[0].float()
+
+
+_compiled_decode = torch.compile(_decode_logits, backend=_inductor, dynamic=False)
+
+
+class CapturedDecode:
+    """The decode-only forwards of one ``ModelRunner`` (the actor's) through captured graphs.
+
+    ``logits_last(chunks)`` equals the runner's eager ``logits_last`` (tokens exactly under greedy, logits
+    to float rounding); a forward it cannot capture (more sequences than the largest CUDA bucket, a failed
+    compile) runs eager and says why in ``fallback``. Counters, cumulative: ``forwards`` (decode forwards
+    that ran captured), ``recompiles`` (graphs compiled or captured, re-captures included), ``compile_s``
+    (seconds spent in them).
+    """
+
+    def __init__(self, runner, *, max_num_seqs: int, max_model_len: int) -> None:
+        self.runner = runner
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.forwards = 0
+        self.recompiles = 0
+        self.compile_s = 0.0
+        self.fallback: str | None = None
+        self._step_start = (0, 0)
+        self._broken: str | None = None  # why this model can never run captured (a failed compile)
+        self._cuda = _CudaGraphs(self) if runner.device.type == "cuda" else None
+
+    def start_step(self) -> None:
+        """Mark the start of an engine step: ``step_metrics()`` counts from here."""
+        self.fallback = None
+        self._step_start = (self.forwards, self.recompiles)
+
+    def step_metrics(self) -> dict[str, object]:
+        """``StepMetrics``' graph fields since ``start_step()``."""
+        forwards, recompiles = self._step_start
+        return {
+            "graph_forwards": self.forwards - forwards,
+            "graph_recompiles": self.recompiles - recompiles,
+            "graph_fallback": self.fallback,
+        }
+
+    @staticmethod
+    def accepts(chunks: Sequence) -> bool:
+        """Whether ``chunks`` is a decode-only forward (one new token per sequence)."""
+        return all(len(c.token_ids) == 1 for c in chunks)
+
+    def logits_last(self, chunks: Sequence) -> torch.Tensor:
+        """Next-token logits ``[N, V]`` float32 of the decode-only forward over ``chunks``."""
+        reason = self._broken
+        if reason is None and len(chunks) > self.max_num_seqs:
+            reason = f"{len(chunks)} sequences decode at once, more than the {self.max_num_seqs} captured"
+        if reason is not None:
+            self.fallback = reason
+            return self.runner.eager_logits_last(chunks)
+        try:
+            with paged_attention_enabled(self.runner.model):
+                logits = self._cuda.logits(chunks) if self._cuda is not None else self._compiled_logits(chunks)
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+            self._broken = f"the decode graph cannot be compiled ({type(e).__name__}: {str(e)[:200]})"
+            self.fallback = self._broken
+            return self.runner.eager_logits_last(chunks)
+        self.forwards += 1
+        return logits
+
+    # -- CPU: inductor ---------------------------------------------------------------------------------
+
+    def _compiled_logits(self, chunks: Sequence) -> torch.Tensor:
+        n = len(chunks)
+        rows = max(n, 2)  # sizes 0 and 1 are specialised by dynamo: pad one sequence to two
+        # Each input its own contiguous tensor: a view's storage offset would be guarded on.
+        ids, positions, slots, context_lens, tables = map(torch.from_numpy, self.decode_inputs(chunks, rows))
+        meta = AttentionMetadata(
+            kv_cache=self.runner.cache.kv_cache,
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=context_lens,
+            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
+            max_q_len=1,
+            max_context_len=self.max_model_len,  # a constant: the C++ op ignores it, and a graph guards on it
+            backend=self.runner.backend,
+        )
+        # Only the batch and table dimensions vary: every other size stays static (faster code), and no
+        # size is unified with another that happens to be equal today (duck shapes would recompile later).
+        for t, dims in ((ids, (1,)), (positions, (1,)), (slots, (0,)), (tables, (0, 1)), (context_lens, (0,)),
+                        (meta.cu_seqlens_q, (0,))):  # fmt: skip
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        before = getattr(_compiles, "n", 0)
+        t0 = time.perf_counter()
+        with _compile_settings(), bound_metadata(meta):
+            logits = _compiled_decode(self.runner.model, ids, positions, self.runner.keeps_logits)
+        compiled = getattr(_compiles, "n", 0) - before
+        if compiled:
+            self.recompiles += compiled
+            self.compile_s += time.perf_counter() - t0
+        return logits[:n]
+
+    def decode_inputs(self, chunks: Sequence, rows: int, width: int | None = None) -> list[np.ndarray]:
+        """Host arrays of a decode forward over ``chunks`` padded to ``rows``: ids ``[1, rows]``, positions
+        ``[1, rows]``, slots ``[rows]`` (padding ``-1``), context lengths ``[rows]`` int32 (padding 1),
+        block tables ``[rows, width]`` int32 (``width`` None: the fewest pages that hold the longest
+        context, at least 2). Checked as the eager path checks them."""
+        cache = self.runner.cache
+        seq_ids = [c.seq_id for c in chunks]
+        if len(set(seq_ids)) != len(chunks):
+            raise ValueError("chunks: a sequence may appear only once per forward")
+        context = cache.token_counts(seq_ids)
+        if not all(len(c.slots) == 1 for c in chunks) or min(context) < 1:
+            raise ValueError("chunks: a decode chunk needs one token with one slot, appended to the cache")
+        pad = rows - len(chunks)
+        if width is None:
+            width = max(2, -(-max(context) // cache.page_size))
+        tables = np.zeros((rows, width), dtype=np.int32)
+        tables[: len(chunks)] = cache.block_table_rows(seq_ids, width)
+        return [
+            np.array([[c.token_ids[0] for c in chunks] + [0] * pad], dtype=np.int64),
+            np.array([[x - 1 for x in context] + [0] * pad], dtype=np.int64),
+            np.array([c.slots[0] for c in chunks] + [-1] * pad, dtype=np.int64),
+            np.array(context + [1] * pad, dtype=np.int32),
+            tables,
+        ]
+
+
+class _CudaBucket:
+    """Static device buffers of one CUDA-graph bucket of ``rows`` sequences, and their pinned staging.
+
+    Two device buffers, each filled by one non-blocking copy per replay: int64 ``ids | positions | slots``
+    and int32 ``cu_seqlens_q | context_lens | block_tables``; the graph's tensors are views of them.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.rows, self.width = rows, width
+        self.i64 = torch.empty(3 * rows, dtype=torch.int64, device=device)
+        self.i32 = torch.empty(2 * rows + 1 + rows * width, dtype=torch.int32, device=device)
+        self.host64 = torch.empty(self.i64.shape, dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.empty(self.i32.shape, dtype=torch.int32, pin_memory=True)
+        self.host32.numpy()[: rows + 1] = np.arange(rows + 1)  # one token per row, always
+        self.ids, self.positions = self.i64[:rows].view(1, rows), self.i64[rows : 2 * rows].view(1, rows)
+        self.slots = self.i64[2 * rows :]
+        self.cu_seqlens_q = self.i32[: rows + 1]
+        self.context_lens = self.i32[rows + 1 : 2 * rows + 1]
+        self.block_tables = self.i32[2 * rows + 1 :].view(rows, width)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # [rows, V] float32, written by every replay
+
+    def fill(self, arrays: list[np.ndarray]) -> None:
+        """Copy a forward's host arrays (``CapturedDecode.decode_inputs``) into the static buffers, on the
+        current stream. NOTE: the staging is reused by the next fill; the caller reads the logits back (a
+        sync) between two fills, so the previous copy has completed by then."""
+        ids, positions, slots, context_lens, tables = arrays
+        h64, h32, r = self.host64.numpy(), self.host32.numpy(), self.rows
+        h64[:r], h64[r : 2 * r], h64[2 * r :] = ids[0], positions[0], slots
+        h32[r + 1 : 2 * r + 1], h32[2 * r + 1 :] = context_lens, tables.ravel()
+        self.i64.copy_(self.host64, non_blocking=True)
+        self.i32.copy_(self.host32, non_blocking=True)
+
+
+class _CudaGraphs:
+    """A CUDA graph per bucket of ``capture_sizes(max_num_seqs)``, captured on first use.
+
+    The graph reads the arena and the weights at the addresses it captured: both are checked before every
+    replay (``data_ptr`` of the KV view and of every parameter and buffer), and a change drops every bucket
+    (re-captured on next use, counted). The attention plan is built once per bucket over the static
+    tensors, for a fixed grid: ``max_context_len`` is the bucket's table width in tokens.
+    """
+
+    def __init__(self, owner: CapturedDecode) -> None:
+        self.owner = owner
+        runner = owner.runner
+        self.sizes = capture_sizes(owner.max_num_seqs)
+        self.width = -(-owner.max_model_len // runner.cache.page_size)
+        self.buckets: dict[int, _CudaBucket] = {}
+        self.pool = None  # one memory pool shared by every bucket's graph
+        self.addresses: tuple[int, ...] | None = None
+
+    def logits(self, chunks: Sequence) -> torch.Tensor:
+        runner = self.owner.runner
+        addresses = (runner.cache.kv_cache.data_ptr(), *(t.data_ptr() for t in _weights(runner.model)))
+        if addresses != self.addresses:
+            self.buckets.clear()
+            self.addresses = addresses
+        rows = next(s for s in self.sizes if s >= len(chunks))
+        bucket = self.buckets.get(rows) or self._capture(rows)
+        bucket.fill(self.owner.decode_inputs(chunks, rows, self.width))
+        bucket.graph.replay()  # on the current stream: the actor lane's
+        return bucket.logits[: len(chunks)]
+
+    def _capture(self, rows: int) -> _CudaBucket:
+        t0 = time.perf_counter()
+        runner = self.owner.runner
+        cache = runner.cache
+        bucket = _CudaBucket(rows, self.width, runner.device)
+        # Capture over padding rows only (slot -1, a context of one token): neither the warm-up nor the
+        # capture writes a page.
+        bucket.fill([np.zeros((1, rows), np.int64), np.zeros((1, rows), np.int64), np.full(rows, -1, np.int64),
+                     np.ones(rows, np.int32), np.zeros((rows, self.width), np.int32)])  # fmt: skip
+        max_context_len = self.width * cache.page_size
+        meta = AttentionMetadata(
+            kv_cache=cache.kv_cache,
+            slot_mapping=bucket.slots,
+            block_tables=bucket.block_tables,
+            context_lens=bucket.context_lens,
+            cu_seqlens_q=bucket.cu_seqlens_q,
+            max_q_len=1,
+            max_context_len=max_context_len,
+            backend=runner.backend,
+            plan=ops.plan_forward(
+                cache.kv_cache, bucket.block_tables, bucket.context_lens, bucket.cu_seqlens_q,
+                runner.num_q_heads, max_q_len=1, max_context_len=max_context_len,
+            ),  # fmt: skip
+        )
+        args = (runner.model, bucket.ids, bucket.positions, runner.keeps_logits)
+        stream = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=runner.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side), bound_metadata(meta):
+            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture
+                _decode_logits(*args)
+        graph = torch.cuda.CUDAGraph()
+        with bound_metadata(meta), torch.cuda.graph(graph, pool=self.pool, stream=side):
+            bucket.logits = _decode_logits(*args)
+        stream.wait_stream(side)
+        self.pool = graph.pool()
+        bucket.graph = graph
+        self.buckets[rows] = bucket
+        self.owner.recompiles += 1
+        self.owner.compile_s += time.perf_counter() - t0
+        return bucket
+
+
+def _weights(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+@contextlib.contextmanager
+def _compile_settings() -> Iterator[None]:
+    with (
+        torch._dynamo.config.patch(
+            recompile_limit=_RECOMPILE_LIMIT,
+            accumulated_recompile_limit=16 * _RECOMPILE_LIMIT,
+            fail_on_recompile_limit_hit=True,
+        ),
+        _fx_config.patch(use_duck_shape=False),
+    ):
+        yield
