@@ -270,8 +270,9 @@ class RolloutEngine:
             actor_cache.free_event = actor_lane.free_event
         actor_runner = ModelRunner(self.actor, actor_cache, backend=backend)
         if graph_enabled(cfg.graph, self.device):  # captured decode (model/graph.py)
+            max_num_seqs = cfg.batch_size + self._max_overcommit
             actor_runner.captured = CapturedDecode(
-                actor_runner, max_num_seqs=cfg.batch_size + self._max_overcommit, max_model_len=cfg.max_model_len
+                actor_runner, max_num_seqs=max_num_seqs, max_model_len=cfg.max_model_len
             )
         self._loop = StepLoop(
             actor_sched=actor_sched,

@@ -81,7 +81,7 @@ def run_both(actor, batch, **kw) -> tuple[list, list, list]:
 
 
 def assert_same_rollouts(eager, captured) -> None:
-    key = lambda r: (r.group_id, r.sample_index)  # noqa: E731
+    key = lambda r: (r.prompt_ids, r.sample_index)  # noqa: E731
     eager, captured = sorted(eager, key=key), sorted(captured, key=key)
     assert [key(r) for r in captured] == [key(r) for r in eager]
     for e, c in zip(eager, captured, strict=True):

@@ -121,7 +121,9 @@ class CapturedDecode:
             return self.runner.eager_logits_last(chunks)
         try:
             with paged_attention_enabled(self.runner.model):
-                logits = self._cuda.logits(chunks) if self._cuda is not None else self._compiled_logits(chunks)
+                logits = (
+                    self._cuda.logits(chunks) if self._cuda is not None else self._compiled_logits(chunks)
+                )
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             self._broken = f"the decode graph cannot be compiled ({type(e).__name__}: {str(e)[:200]})"
             self.fallback = self._broken
@@ -259,8 +261,9 @@ class _CudaGraphs:
         bucket = _CudaBucket(rows, self.width, runner.device)
         # Capture over padding rows only (slot -1, a context of one token): neither the warm-up nor the
         # capture writes a page.
-        bucket.fill([np.zeros((1, rows), np.int64), np.zeros((1, rows), np.int64), np.full(rows, -1, np.int64),
-                     np.ones(rows, np.int32), np.zeros((rows, self.width), np.int32)])  # fmt: skip
+        zeros = np.zeros((1, rows), np.int64)
+        padding = [zeros, zeros, np.full(rows, -1, np.int64), np.ones(rows, np.int32)]
+        bucket.fill([*padding, np.zeros((rows, self.width), np.int32)])
         max_context_len = self.width * cache.page_size
         meta = AttentionMetadata(
             kv_cache=cache.kv_cache,
@@ -272,9 +275,14 @@ class _CudaGraphs:
             max_context_len=max_context_len,
             backend=runner.backend,
             plan=ops.plan_forward(
-                cache.kv_cache, bucket.block_tables, bucket.context_lens, bucket.cu_seqlens_q,
-                runner.num_q_heads, max_q_len=1, max_context_len=max_context_len,
-            ),  # fmt: skip
+                cache.kv_cache,
+                bucket.block_tables,
+                bucket.context_lens,
+                bucket.cu_seqlens_q,
+                runner.num_q_heads,
+                max_q_len=1,
+                max_context_len=max_context_len,
+            ),
         )
         args = (runner.model, bucket.ids, bucket.positions, runner.keeps_logits)
         stream = torch.cuda.current_stream()
