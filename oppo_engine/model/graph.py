@@ -148,8 +148,10 @@ class CapturedDecode:
             max_context_len=self.max_model_len,  # a constant: the C++ op ignores it, and a graph guards on it
             backend=self.runner.backend,
         )
-        # Only the batch and table dimensions vary: every other size stays static (faster code), and no
-        # size is unified with another that happens to be equal today (duck shapes would recompile later).
+        # Only the batch, table and arena (pages) dimensions vary: every other size stays static (faster
+        # code), and no size is unified with another that happens to be equal today (duck shapes would
+        # recompile later). The pages vary between engines, so the engines of a process share one graph.
+        torch._dynamo.maybe_mark_dynamic(meta.kv_cache, 0)
         for t, dims in ((ids, (1,)), (positions, (1,)), (slots, (0,)), (tables, (0, 1)), (context_lens, (0,)),
                         (meta.cu_seqlens_q, (0,))):  # fmt: skip
             for d in dims:
