@@ -36,6 +36,10 @@ _RECOMPILE_LIMIT = 64
 _compiles = threading.local()  # graphs compiled by inductor on this thread (the backend runs in the caller's)
 
 
+class CaptureFailed(RuntimeError):
+    """A decode forward that cannot be captured as a CUDA graph (the model then decodes eager)."""
+
+
 def graph_enabled(setting: bool | str, device: torch.device) -> bool:
     """``EngineConfig.graph`` resolved for ``device``. ``"auto"`` is fixed per device type, never measured:
     CUDA graphs on CUDA; eager on the CPU, where a model's first compile costs tens of seconds against a
@@ -124,6 +128,10 @@ class CapturedDecode:
                 logits = (
                     self._cuda.logits(chunks) if self._cuda is not None else self._compiled_logits(chunks)
                 )
+        except CaptureFailed as e:
+            self._broken = str(e)
+            self.fallback = self._broken
+            return self.runner.eager_logits_last(chunks)
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             self._broken = f"the decode graph cannot be compiled ({type(e).__name__}: {str(e)[:200]})"
             self.fallback = self._broken
@@ -294,8 +302,11 @@ class _CudaGraphs:
             for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture
                 _decode_logits(*args)
         graph = torch.cuda.CUDAGraph()
-        with bound_metadata(meta), torch.cuda.graph(graph, pool=self.pool, stream=side):
-            bucket.logits = _decode_logits(*args)
+        try:
+            with bound_metadata(meta), torch.cuda.graph(graph, pool=self.pool, stream=side):
+                bucket.logits = _decode_logits(*args)
+        except RuntimeError as e:  # an op that syncs with the host, or another that cannot be captured
+            raise CaptureFailed(f"the decode forward cannot be captured as a CUDA graph ({e})"[:300]) from e
         stream.wait_stream(side)
         self.pool = graph.pool()
         bucket.graph = graph
