@@ -23,6 +23,9 @@ CONTRACT_FIELDS = [
     "reused_tokens",
     "swapped_tokens",
     "shared_tokens",
+    "graph_forwards",
+    "graph_recompiles",
+    "graph_fallback",
 ]
 
 
