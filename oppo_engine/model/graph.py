@@ -78,10 +78,10 @@ class CapturedDecode:
     """The decode-only forwards of one ``ModelRunner`` (the actor's) through captured graphs.
 
     ``logits_last(chunks)`` equals the runner's eager ``logits_last`` (tokens exactly under greedy, logits
-    to float rounding); a forward it cannot capture (more sequences than the largest CUDA bucket, a failed
-    compile) runs eager and says why in ``fallback``. Counters, cumulative: ``forwards`` (decode forwards
-    that ran captured), ``recompiles`` (graphs compiled or captured, re-captures included), ``compile_s``
-    (seconds spent in them).
+    to float rounding); a forward it cannot capture (on CUDA more sequences than the largest bucket, a model
+    that cannot be compiled or captured) runs eager and says why in ``fallback``. Counters, cumulative:
+    ``forwards`` (decode forwards that ran captured), ``recompiles`` (graphs compiled or captured,
+    re-captures included), ``compile_s`` (seconds spent in them).
     """
 
     def __init__(self, runner, *, max_num_seqs: int, max_model_len: int) -> None:
@@ -118,8 +118,8 @@ class CapturedDecode:
     def logits_last(self, chunks: Sequence) -> torch.Tensor:
         """Next-token logits ``[N, V]`` float32 of the decode-only forward over ``chunks``."""
         reason = self._broken
-        if reason is None and len(chunks) > self.max_num_seqs:
-            reason = f"{len(chunks)} sequences decode at once, more than the {self.max_num_seqs} captured"
+        if reason is None and self._cuda is not None and len(chunks) > self._cuda.sizes[-1]:
+            reason = f"{len(chunks)} sequences decode at once, more than the largest CUDA graph's rows"
         if reason is not None:
             self.fallback = reason
             return self.runner.eager_logits_last(chunks)
