@@ -169,6 +169,19 @@ def test_ppo_run_releasing_memory_every_step_is_exact_and_settles_into_zero_reco
     assert [m.graph_recompiles for m in metrics[1:]] == [0] * (len(metrics) - 1)
 
 
+def test_engines_of_one_process_share_the_compiled_graph():
+    """Engines of other batch sizes (other arena sizes) on a model compiled before compile nothing."""
+    actor = actor_of("llama")
+    for batch_size in (8, 2, 16):
+        engine = make_engine(actor, graph=True, batch_size=batch_size)
+        engine.add_prompts(prompts(LENGTHS))
+        _, metrics = drain(engine)
+        engine.close()
+        assert_ran_captured(metrics)
+        if batch_size != 8:  # the first may be the process's first llama engine
+            assert [m.graph_recompiles for m in metrics] == [0] * len(metrics)
+
+
 def test_replaced_parameter_is_read_not_baked():
     """A parameter replaced by a new tensor object (not updated in place) is what the next step reads."""
     actor = build_actor("llama")  # its own copy: the weights change
