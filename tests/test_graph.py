@@ -26,11 +26,16 @@ LENGTHS = (2, 5, 8, 11, 13, 16, 3, 9)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def two_intra_op_threads():
-    """Graphs compile under torch's two threads here, so the streamed (one thread per lane) test below
-    replays graphs compiled under another thread count."""
+def one_intra_op_thread():
+    """The llama graph every test below shares is compiled first, under two intra-op threads (so the
+    streamed test replays it under another thread count); the tests then run on one thread, which these
+    tiny matrices prefer on a busy machine (tests/test_model_families.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    engine = make_engine(actor_of("llama"), graph=True, batch_size=2, max_new=2)
+    engine.add_prompts(prompts([3, 4]))
+    drain(engine)
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
@@ -118,8 +123,9 @@ def test_captured_decode_equals_eager_with_groups_and_preemption():
     actor = actor_of("llama")
     page_bytes = make_engine(actor, graph=False).cache_stats().page_bytes
     eager, captured, metrics = run_both(
-        actor, prompts(LENGTHS[:4]), n=2, max_new=24, temperature=0.0, kv_cache_bytes=40 * page_bytes
-    )
+        actor, prompts(LENGTHS[:4]), n=2, max_new=24, temperature=0.0, kv_cache_bytes=24 * page_bytes,
+        max_model_len=64,
+    )  # fmt: skip
     assert PREEMPTIONS[True] > 0  # the scenario really preempted, with graphs on
     assert_same_rollouts(eager, captured)
     assert_ran_captured(metrics)
@@ -127,9 +133,13 @@ def test_captured_decode_equals_eager_with_groups_and_preemption():
 
 def test_graph_compiled_under_two_threads_stays_exact_in_a_streamed_step():
     """The llama graph was compiled under two intra-op threads (module fixture); a streamed step runs each
-    lane on one thread."""
+    lane on one thread, from the engine's own two."""
     actor = actor_of("llama")
-    eager, captured, metrics = run_both(actor, prompts(LENGTHS), mode="intra", chunk_size=4)
+    torch.set_num_threads(2)
+    try:
+        eager, captured, metrics = run_both(actor, prompts(LENGTHS), mode="intra", chunk_size=4)
+    finally:
+        torch.set_num_threads(1)
     assert_same_rollouts(eager, captured)
     assert_ran_captured(metrics)
 
