@@ -17,7 +17,8 @@ from families import EOS, FAMILIES, build_actor, prompts
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
-from oppo_engine.model.graph import CapturedDecode, capture_sizes, graph_enabled
+from oppo_engine.model.cuda_graphs import capture_sizes
+from oppo_engine.model.graph import CapturedDecode, graph_enabled
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 
 CI_FAMILIES = ("llama", "qwen2", "gemma2", "stablelm", "gpt2", "mixtral")
