@@ -4,6 +4,13 @@ Same models, same prompts, same response lengths (``ignore_eos``), greedy; the t
 ``--repeats`` rounds and the median of each is reported. Generation only: scoring is left out on both sides
 (the engine's reward is a constant rule), so the ratio is about decode.
 
+``--table`` prints the captured-decode table instead: the engine eager, the engine with ``graph=True`` and
+HF ``generate`` at B = 1, 16, 64 and 256 on the ``tiny`` preset and on a GQA Llama with head_dim 80, the
+three alternating within each batch size; the graph's compile time is reported apart (it is cached across
+the engines of the process, so it is paid once per model):
+
+    python -m bench.bench_decode --table
+
 ``--sampler`` adds the CPU sampler at B=16, V=151,936 against ``torch.multinomial`` (bench/bench_sampler.py);
 ``--metadata`` adds the host side of one decode forward at B=256 with 4,096 tokens of context: the
 runner's per-forward metadata (persistent block tables) against the rebuild it replaced, side by side.
@@ -18,6 +25,7 @@ import statistics
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bench import bench_sampler
 from bench.baselines import hf_generate
@@ -32,12 +40,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_engine(actor, new_tokens: int, batch_size: int) -> RolloutEngine:
+def make_engine(actor, new_tokens: int, batch_size: int, graph: bool | str = "auto") -> RolloutEngine:
     """The engine as a PPO loop holds it: built once, then stepped (its construction is not timed)."""
     return RolloutEngine(
         actor=actor,
         reward=lambda prompt, response: 0.0,
-        config=EngineConfig(batch_size=batch_size, mode="sequential", max_model_len=1024),
+        config=EngineConfig(batch_size=batch_size, mode="sequential", max_model_len=1024, graph=graph),
         sampling=SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True),
     )
 
@@ -114,6 +122,81 @@ def bench_metadata(actor, batch: int = 256, context: int = 4096, repeats: int = 
     return {"metadata_ms": ms["persistent"], "rebuild_ms": ms["rebuild"], "metadata_speedup": ratio}
 
 
+def gqa_llama80(dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A GQA Llama with head_dim 80 (4 query heads, 2 KV heads, 2 layers), random weights."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=320,
+        intermediate_size=864,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=80,
+        max_position_embeddings=4096,
+        pad_token_id=PAD_TOKEN_ID,
+    )
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+TABLE_BATCHES = (1, 16, 64, 256)
+
+
+def decode_table(
+    device: torch.device, *, prompt_len: int, new_tokens: int, repeats: int, batches=TABLE_BATCHES
+) -> dict[str, dict[int, dict[str, float]]]:
+    """tok/s of eager engine, graph engine and HF at each batch size, per model; compile seconds apart."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    models = {
+        "tiny": build_models("tiny", dtype, device, seed=0)[0],
+        "llama-gqa-hd80": gqa_llama80(dtype, device),
+    }
+    table: dict[str, dict[int, dict[str, float]]] = {}
+    for model_name, actor in models.items():
+        g = torch.Generator().manual_seed(0)
+        vocab = actor.config.vocab_size
+        compile_s = 0.0
+        table[model_name] = {}
+        for batch in batches:
+            prompts = [torch.randint(16, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+            engines = {
+                "eager": make_engine(actor, new_tokens, batch, graph=False),
+                "graph": make_engine(actor, new_tokens, batch, graph=True),
+            }
+            for engine in engines.values():
+                run_engine(engine, prompts)  # warm-up; the graph's first step compiles
+            captured = engines["graph"]._loop.actor.runner.captured
+            compile_s += captured.compile_s
+            run_hf(actor, prompts[:2], 4)
+            times: dict[str, list[float]] = {"eager": [], "graph": [], "hf": []}
+            for _ in range(repeats):
+                for name in times:
+                    if name == "hf":
+                        elapsed, tokens = run_hf(actor, prompts, new_tokens)
+                    else:
+                        elapsed, tokens = run_engine(engines[name], prompts)
+                    assert tokens == batch * new_tokens, (name, tokens)
+                    times[name].append(elapsed)
+            rates = {name: batch * new_tokens / statistics.median(ts) for name, ts in times.items()}
+            assert captured.forwards > 0 and captured.fallback is None, captured.fallback
+            table[model_name][batch] = rates
+            for engine in engines.values():
+                engine.close()
+        print(f"\n{model_name}: compile {compile_s:.1f} s (first graph step; cached for later engines)")
+        print(
+            f"{'B':>5} {'eager tok/s':>12} {'graph tok/s':>12} {'HF tok/s':>10} {'graph/eager':>12} "
+            f"{'graph/HF':>9} {'eager/HF':>9}"
+        )
+        for batch, r in table[model_name].items():
+            print(
+                f"{batch:>5} {r['eager']:12.1f} {r['graph']:12.1f} {r['hf']:10.1f} "
+                f"{r['graph'] / r['eager']:12.2f} {r['graph'] / r['hf']:9.2f} {r['eager'] / r['hf']:9.2f}"
+            )
+        table[model_name]["compile_s"] = compile_s  # type: ignore[index]
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
@@ -125,10 +208,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--metadata", action="store_true", help="also time the host metadata at B=256, ctx 4096")
     p.add_argument("--sampler", action="store_true", help="also time the sampler at B=16, V=151,936")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads, both sides")
+    p.add_argument(
+        "--table", action="store_true", help="eager / graph / HF at B = 1, 16, 64, 256, two models"
+    )
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=list(TABLE_BATCHES), help="--table's batch sizes"
+    )
     args = p.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.table:
+        decode_table(
+            device,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            repeats=args.repeats,
+            batches=tuple(args.batches),
+        )
+        return {}
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     actor, _ = build_models(args.preset, dtype, device, seed=0)
     g = torch.Generator().manual_seed(0)

@@ -92,7 +92,9 @@ class EngineConfig:
     ``max_model_len`` bounds prompt + response tokens; ``None`` (the default) resolves at build to the
     smallest of 4096 and every model's position limit, read back as ``RolloutEngine.max_model_len``.
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
-    ``"triton"`` or ``"flash_attn"`` (CUDA only).
+    ``"triton"`` or ``"flash_attn"`` (CUDA only). ``graph`` runs the actor's decode-only forwards through
+    captured graphs (CUDA graphs per batch-size bucket on CUDA, ``torch.compile`` on the CPU): ``True``,
+    ``False``, or ``"auto"`` (fixed per device type: on for CUDA, off for the CPU).
     """
 
     batch_size: int = 64
@@ -109,6 +111,7 @@ class EngineConfig:
     delta: DeltaControl = field(default_factory=DeltaControl)
     max_deferrals: int = 4
     max_policy_lag: int | None = 2
+    graph: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -148,6 +151,8 @@ class EngineConfig:
         if self.max_deferrals < 1:
             raise ValueError(f"EngineConfig.max_deferrals must be >= 1, got {self.max_deferrals}")
         self._check_policy_lag()
+        if self.graph not in ("auto", True, False):
+            raise ValueError(f"EngineConfig.graph must be 'auto', True or False, got {self.graph!r}")
         if self.chunk != ChunkControl() and self.chunk_size != "auto":
             raise ValueError(
                 f"EngineConfig.chunk is ignored with chunk_size={self.chunk_size!r}: the search runs only "

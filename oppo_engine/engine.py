@@ -22,6 +22,7 @@ from oppo_engine.control import ChunkSizeController, DeltaController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.eos import resolve_eos_token_ids
+from oppo_engine.model.graph import CapturedDecode, graph_enabled
 from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD, collect_models, device_of, dtype_of
 from oppo_engine.model.runner import ModelRunner, unwrap_model
 from oppo_engine.model.scorer import (
@@ -289,9 +290,15 @@ class RolloutEngine:
                 scorers.append(scorer_class(ModelRunner(self._models[name], cache, backend=backend)))
         actor_lane = DeviceLane(self.device, ACTOR_PRIORITY)
         actor_lane.attach(actor_cache)
+        actor_runner = ModelRunner(self.actor, actor_cache, backend=backend)
+        if graph_enabled(cfg.graph, self.device):  # captured decode (model/graph.py)
+            max_num_seqs = cfg.batch_size + self._max_overcommit
+            actor_runner.captured = CapturedDecode(
+                actor_runner, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len
+            )
         self._loop = StepLoop(
             actor_sched=actor_sched,
-            actor=ActorWorker(ModelRunner(self.actor, actor_cache, backend=backend)),
+            actor=ActorWorker(actor_runner),
             scorer_lane=ScorerLane(
                 scorers,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -376,6 +383,9 @@ class RolloutEngine:
         shared_before = {name: cache.shared_tokens for name, cache in self._caches.items()}
         recomputed_before, swapped_before = self._kv_counts()
         chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
+        captured = self._loop.actor.runner.captured
+        if captured is not None:
+            captured.start_step()
         t0 = time.perf_counter()
         self._timeline.clear()
         if self._gpu is not None:
@@ -460,6 +470,7 @@ class RolloutEngine:
         # NOTE: not out.end_s: in oppo the actor's forward in flight at the cut (and the lane's pause) end
         # after the batch's last score, and the caller waits for them too.
         t_end = time.perf_counter()
+        captured = self._loop.actor.runner.captured
         batch = out.finished
         feed_delta = self._delta_control is not None and bool(batch) and not self._trainer_reward
         mean_reward = sum(float(s.reward) for s in batch) / len(batch) if batch else 0.0
@@ -501,6 +512,7 @@ class RolloutEngine:
             swapped_tokens=self._swapped_tokens,
             shared_tokens={n: c.shared_tokens - shared_before[n] for n, c in self._caches.items()},
             retries=run.retries,
+            **(captured.step_metrics() if captured is not None else {}),
         )
         log_step(self._step_index + 1, metrics)
         self._stale_warning.check(metrics.stale_tokens, sum(len(s.response_ids) for s in batch))

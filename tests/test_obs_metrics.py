@@ -24,6 +24,9 @@ CONTRACT_FIELDS = [
     "swapped_tokens",
     "shared_tokens",
     "retries",
+    "graph_forwards",
+    "graph_recompiles",
+    "graph_fallback",
 ]
 
 

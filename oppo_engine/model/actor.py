@@ -51,4 +51,7 @@ class ActorWorker:
             seeds=[s.seed for s in specs],
             positions=[s.position for s in specs],
         )
+        if tokens.is_cuda:  # one device-to-host copy (and sync), not one per tensor
+            packed = torch.stack((tokens.double(), logprobs.double())).tolist()
+            return [int(t) for t in packed[0]], packed[1]
         return tokens.tolist(), logprobs.tolist()

@@ -16,6 +16,7 @@ from oppo_engine import ops
 from oppo_engine.cache.arena import KVSpec
 from oppo_engine.cache.manager import KVCacheManager
 from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_enabled
+from oppo_engine.model.graph import CapturedDecode
 from oppo_engine.model.support import text_config
 
 
@@ -60,9 +61,11 @@ class ModelRunner:
         if self.lm_head is None:
             self.score_head = _score_head(model, cache.name)
         # Causal LMs without `logits_to_keep` compute logits for every row, then the wanted rows are kept.
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = model.device
         self.num_q_heads = text_config(model).num_attention_heads
+        # Decode-only forwards through captured graphs (the actor's, when EngineConfig.graph is on).
+        self.captured: CapturedDecode | None = None
         _check_cache(model, cache)
         with paged_attention_enabled(model):  # validates the switch now rather than at the first forward
             pass
@@ -83,7 +86,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits_last(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Next-token logits ``[N, V]`` float32 after each chunk's last token."""
+        """Next-token logits ``[N, V]`` float32 after each chunk's last token; a decode-only forward runs
+        through ``captured`` where it is set."""
+        if self.captured is not None and self.captured.accepts(chunks):
+            return self.captured.logits_last(chunks)
+        return self.eager_logits_last(chunks)
+
+    @torch.inference_mode()
+    def eager_logits_last(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """``logits_last`` through the eager module tree."""
         batch = self._prepare(chunks)
         return self._logits(batch, batch.last)
 
@@ -136,14 +147,14 @@ class ModelRunner:
         """Logits ``[len(rows), V]`` (every row when ``rows`` is None) through the model's own forward."""
         if self.lm_head is None:
             raise ValueError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
-        keep = rows if rows is not None and self._keeps_logits else 0
-        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        keep = rows if rows is not None and self.keeps_logits else 0
+        kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         with paged_attention_enabled(self.model), bound_metadata(batch.meta):
             out = self.model(
                 input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs
             )
         logits = out.logits[0]
-        if rows is not None and not self._keeps_logits:
+        if rows is not None and not self.keeps_logits:
             logits = logits.index_select(0, rows)
         return logits.float() if float32 else logits
 

@@ -44,6 +44,11 @@ class StepMetrics:
             (``SamplingParams.n > 1``: pages shared, not prefilled) in this step.
         retries: runs of the step loop after the first within this step: the retry of a failed forward or
             reward, the halving probes that isolate a culprit group, the runs without a quarantined group.
+        graph_forwards: the actor's decode-only forwards of this step that ran through a captured graph
+            (``EngineConfig.graph``).
+        graph_recompiles: graphs compiled (CPU) or captured (CUDA, re-captures included) in this step; a
+            run settles into 0 after its first steps.
+        graph_fallback: ``None``, or why a decode-only forward of this step ran eager with graphs on.
     """
 
     wall_s: float
@@ -66,6 +71,9 @@ class StepMetrics:
     swapped_tokens: dict[str, int] = field(default_factory=dict)
     shared_tokens: dict[str, int] = field(default_factory=dict)
     retries: int = 0
+    graph_forwards: int = 0
+    graph_recompiles: int = 0
+    graph_fallback: str | None = None
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

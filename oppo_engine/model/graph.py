@@ -1,0 +1,200 @@
+"""Captured decode: the actor's decode-only forwards (one new token per sequence) through a graph.
+
+CPU: one ``torch.compile`` (inductor) graph per model, with the batch and block-table dimensions dynamic, so
+every batch size from 2 up replays the same compiled code (a batch of one is padded to two). CUDA: a CUDA
+graph per batch-size bucket (vLLM's capture sizes 1, 2, 4, 8, 16, 24, ...), captured on first use and
+replayed on the caller's (the actor lane's) stream, over static input and metadata buffers filled in place.
+
+Padding rows (up to the bucket) have slot ``-1``, which every cache op skips: they write no page at all,
+and read one token of page 0 (a context of 1), whose result is dropped. Weights are read, never baked in:
+inductor runs without freezing and reads the parameters at every call, and a CUDA graph reads them at the
+addresses it captured, so in-place optimizer steps replay the same graphs; a parameter or buffer replaced by
+a new tensor, or an arena rebuilt at a new address (``resume()``), drops the CUDA graphs and re-captures
+them, counted in ``recompiles`` like an inductor recompilation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.fx.experimental._config as _fx_config
+
+from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_enabled
+from oppo_engine.model.cuda_graphs import CaptureFailed, CudaGraphs
+
+# Dynamo keys its cache on the code object of `_decode_logits`, which every engine of the process shares:
+# each model (and each family in a test run) adds entries. Hitting the limit must raise, never run eager
+# silently (that is reported as a fallback instead).
+_RECOMPILE_LIMIT = 64
+
+_compiles = threading.local()  # graphs compiled by inductor on this thread (the backend runs in the caller's)
+
+
+def graph_enabled(setting: bool | str, device: torch.device) -> bool:
+    """``EngineConfig.graph`` resolved for ``device``. ``"auto"`` is fixed per device type, never measured:
+    CUDA graphs on CUDA; eager on the CPU, where a model's first compile costs tens of seconds against a
+    decode speed-up that pays back only over long runs (README, "Captured decode")."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """Inductor, counting each graph it compiles on the calling thread."""
+    from torch._inductor.compile_fx import compile_fx
+
+    _compiles.n = getattr(_compiles, "n", 0) + 1
+    return compile_fx(gm, example_inputs)
+
+
+def _decode_logits(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, keep: bool):
+    """Logits ``[N, V]`` float32 of a decode forward ``[1, N]``; the metadata is bound by the caller."""
+    kwargs = {"logits_to_keep": 0} if keep else {}
+    return model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs).logits[0].float()
+
+
+_compiled_decode = torch.compile(_decode_logits, backend=_inductor, dynamic=False)
+
+
+class CapturedDecode:
+    """The decode-only forwards of one ``ModelRunner`` (the actor's) through captured graphs.
+
+    ``logits_last(chunks)`` equals the runner's eager ``logits_last`` (tokens exactly under greedy, logits
+    to float rounding); a forward it cannot capture (on CUDA more sequences than the largest bucket, a model
+    that cannot be compiled or captured) runs eager and says why in ``fallback``. Counters, cumulative:
+    ``forwards`` (decode forwards that ran captured), ``recompiles`` (graphs compiled or captured,
+    re-captures included), ``compile_s`` (seconds spent in them).
+    """
+
+    def __init__(self, runner, *, max_num_seqs: int, max_model_len: int) -> None:
+        self.runner = runner
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.forwards = 0
+        self.recompiles = 0
+        self.compile_s = 0.0
+        self.fallback: str | None = None
+        self._step_start = (0, 0)
+        self._broken: str | None = None  # why this model can never run captured (a failed compile)
+        self._cuda = CudaGraphs(self, _decode_logits) if runner.device.type == "cuda" else None
+
+    def start_step(self) -> None:
+        """Mark the start of an engine step: ``step_metrics()`` counts from here."""
+        self.fallback = None
+        self._step_start = (self.forwards, self.recompiles)
+
+    def step_metrics(self) -> dict[str, object]:
+        """``StepMetrics``' graph fields since ``start_step()``."""
+        forwards, recompiles = self._step_start
+        return {
+            "graph_forwards": self.forwards - forwards,
+            "graph_recompiles": self.recompiles - recompiles,
+            "graph_fallback": self.fallback,
+        }
+
+    @staticmethod
+    def accepts(chunks: Sequence) -> bool:
+        """Whether ``chunks`` is a decode-only forward (one new token per sequence)."""
+        return all(len(c.token_ids) == 1 for c in chunks)
+
+    def logits_last(self, chunks: Sequence) -> torch.Tensor:
+        """Next-token logits ``[N, V]`` float32 of the decode-only forward over ``chunks``."""
+        reason = self._broken
+        if reason is None and self._cuda is not None and len(chunks) > self._cuda.sizes[-1]:
+            reason = f"{len(chunks)} sequences decode at once, more than the largest CUDA graph's rows"
+        if reason is not None:
+            self.fallback = reason
+            return self.runner.eager_logits_last(chunks)
+        try:
+            with paged_attention_enabled(self.runner.model):
+                logits = (
+                    self._cuda.logits(chunks) if self._cuda is not None else self._compiled_logits(chunks)
+                )
+        except CaptureFailed as e:
+            self._broken = str(e)
+            self.fallback = self._broken
+            return self.runner.eager_logits_last(chunks)
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
+            self._broken = f"the decode graph cannot be compiled ({type(e).__name__}: {str(e)[:200]})"
+            self.fallback = self._broken
+            return self.runner.eager_logits_last(chunks)
+        self.forwards += 1
+        return logits
+
+    # -- CPU: inductor ---------------------------------------------------------------------------------
+
+    def _compiled_logits(self, chunks: Sequence) -> torch.Tensor:
+        n = len(chunks)
+        rows = max(n, 2)  # sizes 0 and 1 are specialised by dynamo: pad one sequence to two
+        # Each input its own contiguous tensor: a view's storage offset would be guarded on.
+        ids, positions, slots, context_lens, tables = map(torch.from_numpy, self.decode_inputs(chunks, rows))
+        meta = AttentionMetadata(
+            kv_cache=self.runner.cache.kv_cache,
+            slot_mapping=slots,
+            block_tables=tables,
+            context_lens=context_lens,
+            cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32),
+            max_q_len=1,
+            max_context_len=self.max_model_len,  # a constant: the C++ op ignores it, and a graph guards on it
+            backend=self.runner.backend,
+        )
+        # Only the batch, table and arena (pages) dimensions vary: every other size stays static (faster
+        # code), and no size is unified with another that happens to be equal today (duck shapes would
+        # recompile later). The pages vary between engines, so the engines of a process share one graph.
+        torch._dynamo.maybe_mark_dynamic(meta.kv_cache, 0)
+        for t, dims in ((ids, (1,)), (positions, (1,)), (slots, (0,)), (tables, (0, 1)), (context_lens, (0,)),
+                        (meta.cu_seqlens_q, (0,))):  # fmt: skip
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        before = getattr(_compiles, "n", 0)
+        t0 = time.perf_counter()
+        with _compile_settings(), bound_metadata(meta):
+            logits = _compiled_decode(self.runner.model, ids, positions, self.runner.keeps_logits)
+        compiled = getattr(_compiles, "n", 0) - before
+        if compiled:
+            self.recompiles += compiled
+            self.compile_s += time.perf_counter() - t0
+        return logits[:n]
+
+    def decode_inputs(self, chunks: Sequence, rows: int, width: int | None = None) -> list[np.ndarray]:
+        """Host arrays of a decode forward over ``chunks`` padded to ``rows``: ids ``[1, rows]``, positions
+        ``[1, rows]``, slots ``[rows]`` (padding ``-1``), context lengths ``[rows]`` int32 (padding 1),
+        block tables ``[rows, width]`` int32 (``width`` None: the fewest pages that hold the longest
+        context, at least 2). Checked as the eager path checks them."""
+        cache = self.runner.cache
+        seq_ids = [c.seq_id for c in chunks]
+        if len(set(seq_ids)) != len(chunks):
+            raise ValueError("chunks: a sequence may appear only once per forward")
+        context = cache.token_counts(seq_ids)
+        if not all(len(c.slots) == 1 for c in chunks) or min(context) < 1:
+            raise ValueError("chunks: a decode chunk needs one token with one slot, appended to the cache")
+        pad = rows - len(chunks)
+        if width is None:
+            width = max(2, -(-max(context) // cache.page_size))
+        tables = np.zeros((rows, width), dtype=np.int32)
+        tables[: len(chunks)] = cache.block_table_rows(seq_ids, width)
+        return [
+            np.array([[c.token_ids[0] for c in chunks] + [0] * pad], dtype=np.int64),
+            np.array([[x - 1 for x in context] + [0] * pad], dtype=np.int64),
+            np.array([c.slots[0] for c in chunks] + [-1] * pad, dtype=np.int64),
+            np.array(context + [1] * pad, dtype=np.int32),
+            tables,
+        ]
+
+
+@contextlib.contextmanager
+def _compile_settings() -> Iterator[None]:
+    with (
+        torch._dynamo.config.patch(
+            recompile_limit=_RECOMPILE_LIMIT,
+            accumulated_recompile_limit=16 * _RECOMPILE_LIMIT,
+            fail_on_recompile_limit_hit=True,
+        ),
+        _fx_config.patch(use_duck_shape=False),
+    ):
+        yield

@@ -1,0 +1,269 @@
+"""Captured decode (EngineConfig.graph): with graphs on, rollouts equal the eager engine's -- tokens exactly,
+log-probs to 1e-5 in fp32 -- over the model families, with groups, preemption, policy updates, released
+memory and a change of thread count; padding rows write no page; a run settles into zero recompilations.
+
+Compiling is the cost here (~10-30 s per model on a busy 2-core machine), so every test reuses the models of
+one cache (``functools.cache``): dynamo keys its graphs on the model's structure, and each family compiles
+once per process. CI runs six families; every family of ``families.py`` runs under the ``slow`` mark.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from families import EOS, FAMILIES, build_actor, prompts
+
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
+from oppo_engine.model.cuda_graphs import capture_sizes
+from oppo_engine.model.graph import CapturedDecode, graph_enabled
+from oppo_engine.model.runner import ModelRunner, SeqChunk
+
+CI_FAMILIES = ("llama", "qwen2", "gemma2", "stablelm", "gpt2", "mixtral")
+LOGPROB_ATOL = 1e-5
+LENGTHS = (2, 5, 8, 11, 13, 16, 3, 9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """The llama graph every test below shares is compiled first, under two intra-op threads (so the
+    streamed test replays it under another thread count); the tests then run on one thread, which these
+    tiny matrices prefer on a busy machine (tests/test_model_families.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    engine = make_engine(actor_of("llama"), graph=True, batch_size=2, max_new=2)
+    engine.add_prompts(prompts([3, 4]))
+    drain(engine)
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def actor_of(name: str) -> torch.nn.Module:
+    return build_actor(name)
+
+
+def rule_reward(prompt, response) -> float:
+    return float(len(response))
+
+
+def make_engine(actor, *, graph, batch_size=8, mode="sequential", temperature=0.7, n=1, max_new=10, **cfg):
+    cfg.setdefault("max_model_len", 128)
+    cfg.setdefault("page_size", 8)
+    return RolloutEngine(
+        actor=actor,
+        reward=rule_reward,
+        config=EngineConfig(batch_size=batch_size, mode=mode, graph=graph, **cfg),
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=max_new, seed=7, n=n),
+        eos_token_id=EOS,
+    )
+
+
+def drain(engine: RolloutEngine) -> tuple[list, list]:
+    """Every rollout until the prompts run out, and every step's metrics."""
+    rollouts, metrics = [], []
+    while True:
+        result = engine.step()
+        if not result.rollouts:
+            return rollouts, metrics
+        rollouts += result.rollouts
+        metrics.append(result.metrics)
+
+
+PREEMPTIONS: dict[bool, int] = {}  # graph -> actor preemptions of the last run_both's engine
+
+
+def run_both(actor, batch, **kw) -> tuple[list, list, list]:
+    """The same prompts through an eager and a captured engine: (eager rollouts, graph rollouts, graph
+    metrics)."""
+    out = []
+    for graph in (False, True):
+        engine = make_engine(actor, graph=graph, **kw)
+        engine.add_prompts(batch)
+        out.append(drain(engine))
+        PREEMPTIONS[graph] = engine._loop.actor_sched.num_preemptions
+        engine.close()
+    (eager, _), (captured, metrics) = out
+    return eager, captured, metrics
+
+
+def assert_same_rollouts(eager, captured) -> None:
+    key = lambda r: (r.prompt_ids, r.sample_index)  # noqa: E731
+    eager, captured = sorted(eager, key=key), sorted(captured, key=key)
+    assert [key(r) for r in captured] == [key(r) for r in eager]
+    for e, c in zip(eager, captured, strict=True):
+        assert c.response_ids == e.response_ids
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=LOGPROB_ATOL, rtol=0
+        )
+
+
+def assert_ran_captured(metrics) -> None:
+    assert sum(m.graph_forwards for m in metrics) > 0
+    assert all(m.graph_fallback is None for m in metrics)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n in CI_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES],
+)
+def test_captured_decode_equals_eager(name):
+    """One mixed batch of prompts ending mid-page and on a page boundary, sampled (every token depends on
+    every logit through the Gumbel-max draw; greedy rollouts are compared in the tests below too)."""
+    eager, captured, metrics = run_both(actor_of(name), prompts(LENGTHS))
+    assert_same_rollouts(eager, captured)
+    assert_ran_captured(metrics)
+
+
+def test_captured_decode_equals_eager_with_groups_and_preemption():
+    """n=2 samples share their prompt's pages; a cache too small for the batch preempts sequences in the
+    middle of the decode batch, so the batch size changes from one forward to the next."""
+    actor = actor_of("llama")
+    page_bytes = make_engine(actor, graph=False).cache_stats().page_bytes
+    eager, captured, metrics = run_both(
+        actor, prompts(LENGTHS[:4]), n=2, max_new=24, temperature=0.0, kv_cache_bytes=24 * page_bytes,
+        max_model_len=64,
+    )  # fmt: skip
+    assert PREEMPTIONS[True] > 0  # the scenario really preempted, with graphs on
+    assert_same_rollouts(eager, captured)
+    assert_ran_captured(metrics)
+
+
+def test_graph_compiled_under_two_threads_stays_exact_in_a_streamed_step():
+    """The llama graph was compiled under two intra-op threads (module fixture); a streamed step runs each
+    lane on one thread, from the engine's own two."""
+    actor = actor_of("llama")
+    torch.set_num_threads(2)
+    try:
+        eager, captured, metrics = run_both(actor, prompts(LENGTHS), mode="intra", chunk_size=4)
+    finally:
+        torch.set_num_threads(1)
+    assert_same_rollouts(eager, captured)
+    assert_ran_captured(metrics)
+
+
+def _ppo_run(actor, *, graph: bool, steps: int, release: bool) -> tuple[list, list]:
+    """An inter-mode PPO loop: each step an in-place optimizer-like update of every weight, then
+    update_policy (deferred sequences recompute), optionally releasing the cache for the update."""
+    engine = make_engine(actor, graph=graph, mode="inter", overcommit=2, max_new=12, retained_kv="recompute")
+    engine.add_prompts(prompts([3, 5, 7, 9, 11, 13, 2, 4] * 3, seed=5))
+    saved = {k: v.clone() for k, v in actor.state_dict().items()}
+    rollouts, metrics = [], []
+    try:
+        for step in range(steps):
+            result = engine.step()
+            rollouts += result.rollouts
+            metrics.append(result.metrics)
+            if release:
+                engine.release_memory()
+            with torch.no_grad():
+                for i, p in enumerate(actor.parameters()):
+                    p.mul_(1.0 + 0.01 * ((step + i) % 3 - 1))
+            engine.update_policy()
+            if release:
+                engine.resume()
+    finally:
+        actor.load_state_dict(saved)
+        engine.close()
+    return rollouts, metrics
+
+
+def test_ppo_run_releasing_memory_every_step_is_exact_and_settles_into_zero_recompiles():
+    actor = actor_of("llama")
+    eager, _ = _ppo_run(actor, graph=False, steps=4, release=True)
+    captured, metrics = _ppo_run(actor, graph=True, steps=4, release=True)
+    assert_same_rollouts(eager, captured)
+    assert_ran_captured(metrics)
+    assert [m.graph_recompiles for m in metrics[1:]] == [0] * (len(metrics) - 1)
+
+
+def test_engines_of_one_process_share_the_compiled_graph():
+    """Engines of other batch sizes (other arena sizes) on a model compiled before compile nothing."""
+    actor = actor_of("llama")
+    for batch_size in (8, 2, 16):
+        engine = make_engine(actor, graph=True, batch_size=batch_size)
+        engine.add_prompts(prompts(LENGTHS))
+        _, metrics = drain(engine)
+        engine.close()
+        assert_ran_captured(metrics)
+        if batch_size != 8:  # the first may be the process's first llama engine
+            assert [m.graph_recompiles for m in metrics] == [0] * len(metrics)
+
+
+def test_replaced_parameter_is_read_not_baked():
+    """A parameter replaced by a new tensor object (not updated in place) is what the next step reads."""
+    actor = build_actor("llama")  # its own copy: the weights change
+    batch = prompts(LENGTHS[:4])
+    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
+    engine.add_prompts(batch)
+    engine.step()
+    with torch.no_grad():
+        actor.lm_head.weight = torch.nn.Parameter(torch.randn_like(actor.lm_head.weight))
+    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
+    for e in (engine, eager):
+        e.add_prompts(batch)
+    captured, metrics = drain(engine)
+    assert_same_rollouts(drain(eager)[0], captured)
+    assert_ran_captured(metrics)
+
+
+def test_padding_rows_write_no_page():
+    """One sequence decodes in a graph padded to two rows: the only bytes of the arena that change are the
+    new token's K/V, in every layer; the logits equal the eager forward's."""
+    actor = actor_of("llama")
+    spec = KVSpec.from_hf_config(actor.config, torch.float32)
+    arena = KVArena({"actor": spec}, page_size=8, num_pages=8, device="cpu")
+    arena.buffer.copy_(torch.randint(0, 256, arena.buffer.shape, dtype=torch.uint8))  # no zeros to hide in
+    cache = KVCacheManager(arena, "actor")
+    runner = ModelRunner(actor, cache)
+    runner.captured = CapturedDecode(runner, max_num_seqs=4, max_model_len=64)
+    prompt = prompts([5])[0]
+    runner.logits_last([SeqChunk(0, prompt, cache.append_slots(0, len(prompt)))])  # prefill: eager
+    (slot,) = cache.append_slots(0, 1)
+    chunk = SeqChunk(0, [11], [slot])
+    before = arena.buffer.clone()
+    logits = runner.logits_last([chunk])
+    assert runner.captured.forwards == 1
+    changed = (arena.buffer != before).nonzero().squeeze(1)
+    view = cache.kv_cache  # [pages, L, 2, page_size, H, D]
+    token = view[slot // 8, :, :, slot % 8]  # [L, 2, H, D]: the new token's K/V in every layer
+    offset = (token.storage_offset() - view.storage_offset()) * 4
+    allowed = set()
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in token.shape[:-1])).tolist():
+        start = offset + 4 * sum(i * s for i, s in zip(idx, token.stride()[:-1], strict=True))
+        allowed.update(range(start, start + 4 * token.shape[-1]))
+    assert set(changed.tolist()) <= allowed
+    assert len(changed) > 0
+    torch.testing.assert_close(logits, runner.eager_logits_last([chunk]), atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_graph_setting_is_checked_and_auto_is_fixed_per_device():
+    with pytest.raises(ValueError, match="graph"):
+        EngineConfig(graph="yes")
+    assert graph_enabled("auto", torch.device("cuda")) and not graph_enabled("auto", torch.device("cpu"))
+    assert graph_enabled(True, torch.device("cpu")) and not graph_enabled(False, torch.device("cuda"))
+    engine = make_engine(actor_of("llama"), graph="auto")
+    assert engine._loop.actor.runner.captured is None  # the CPU default: eager (README)
+    engine.close()
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_most_in_flight():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert capture_sizes(72) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_and_recapture_after_resume():
+    """CUDA graphs per bucket: exact against eager (fp32), the same graphs across an in-place update, one
+    re-capture per bucket after the arena comes back at a new address."""
+    actor = build_actor("llama").cuda()
+    eager, captured, metrics = run_both(actor, prompts(LENGTHS), temperature=0.7)
+    assert_same_rollouts(eager, captured)
+    assert_ran_captured(metrics)
+    rollouts, metrics = _ppo_run(actor, graph=True, steps=4, release=True)
+    assert all(m.graph_forwards > 0 for m in metrics)
