@@ -16,7 +16,7 @@ from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.cache.swap import HostPages, swap_in, swap_out
 from oppo_engine.config import EngineConfig, SamplingParams
-from oppo_engine.control import ChunkSizeController, DeltaController
+from oppo_engine.control import OFF, ChunkSizeController, DeltaController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD, collect_models, device_of, dtype_of
@@ -345,7 +345,9 @@ class RolloutEngine:
             with contextlib.ExitStack() as models:
                 for model in self._models.values():
                     models.enter_context(paged_attention_enabled(unwrap_model(model)))
-                out = self._loop.run(seqs, self._policy_version, cut, chunk_size=chunk_size)
+                # The chunk controller's "off" arm: this step does not stream (the non-streamed loop).
+                streamed = None if chunk_size == OFF else chunk_size
+                out = self._loop.run(seqs, self._policy_version, cut, chunk_size=streamed)
         except BaseException:
             # Nothing is lost: the step's pages go back, and its sequences (with their seeds) go first in
             # line as the step found them.
@@ -442,7 +444,7 @@ class RolloutEngine:
         """``DeltaRecord(step, reward, slope, delta)`` of every reward fed to the Δ controller."""
         return list(self._delta_control.history) if self._delta_control is not None else []
 
-    def _observe_chunk(self, chunk_size: int, out: StepOutcome, wall_s: float) -> None:
+    def _observe_chunk(self, chunk_size: int | str, out: StepOutcome, wall_s: float) -> None:
         """Feed the chunk-size controller this step's time per token and the lanes' switch-cost profile."""
         self._chunk_control.observe(chunk_size, wall_s, out.tokens_generated)
         finish_times = [s.finish_time for s in out.finished if s.finish_time is not None]
@@ -453,7 +455,8 @@ class RolloutEngine:
 
     @property
     def chunk_history(self) -> list:
-        """``(step, chunk_size, seconds per generated token)`` of every streamed step (empty otherwise)."""
+        """``(step, chunk_size, seconds per generated token)`` of every step of a streaming mode
+        (``chunk_size="off"`` for a step the controller did not stream); empty in the other modes."""
         return list(self._chunk_control.history) if self._chunk_control is not None else []
 
     # ------------------------------------------------------------------ between steps

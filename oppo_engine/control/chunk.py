@@ -78,10 +78,13 @@ class ChunkControl:
         object.__setattr__(self, "candidates", candidates)
         if not _is_int(self.explore_period) or self.explore_period < 1:
             raise ValueError(f"ChunkControl.explore_period must be an int >= 1, got {self.explore_period!r}")
-        if not _is_int(self.explore_top) or not 1 <= self.explore_top <= len(candidates):
+        if not isinstance(self.off, bool):
+            raise ValueError(f"ChunkControl.off must be a bool, got {self.off!r}")
+        arms = len(candidates) + self.off
+        if not _is_int(self.explore_top) or not 1 <= self.explore_top <= arms:
             raise ValueError(
-                f"ChunkControl.explore_top must be an int in [1, {len(candidates)}] (the number of "
-                f"candidates), got {self.explore_top!r}"
+                f"ChunkControl.explore_top must be an int in [1, {arms}] (the number of candidates, and "
+                f"'off' if allowed), got {self.explore_top!r}"
             )
         if not _is_int(self.min_samples) or self.min_samples < 2:
             raise ValueError(f"ChunkControl.min_samples must be an int >= 2, got {self.min_samples!r}")
@@ -96,8 +99,6 @@ class ChunkControl:
                 f"ChunkControl.noise_window must be an int >= 2 * min_samples ({2 * self.min_samples}), "
                 f"got {self.noise_window!r}"
             )
-        if not isinstance(self.off, bool):
-            raise ValueError(f"ChunkControl.off must be a bool, got {self.off!r}")
         if not _is_real(self.hopeless_margin) or self.hopeless_margin < 0:
             raise ValueError(
                 f"ChunkControl.hopeless_margin must be a finite number >= 0, got {self.hopeless_margin!r}"
