@@ -219,8 +219,15 @@ def build_task(
     cache.mkdir(parents=True, exist_ok=True)
     texts = [f"{p} {r}" for p, r in corpus(4000, seed)] + [POLITE] + [str(n) for n in range(1, MAX_ITEMS + 1)]
     tokenizer = train_tokenizer(texts)
-    actor = warm_up_actor(tokenizer, actor_steps, seed, log)
-    reward = train_reward_model(tokenizer, reward_steps, seed, log)
+    # NOTE: one intra-op thread: these models are too small to gain from more, and on a shared CPU two
+    # threads collapse (50x slower measured) as soon as another process takes a core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        actor = warm_up_actor(tokenizer, actor_steps, seed, log)
+        reward = train_reward_model(tokenizer, reward_steps, seed, log)
+    finally:
+        torch.set_num_threads(threads)
     for name, model in (("actor", actor), ("reward", reward)):
         model.save_pretrained(cache / name)
         tokenizer.save_pretrained(cache / name)
