@@ -39,6 +39,8 @@ def demo(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        overcommit=args.overcommit,
+        max_deferrals=args.max_deferrals,
     )
     runs = run_demo(opts)
     print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all")
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=DemoOptions().max_new_tokens)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--overcommit", type=int, default=None, help="Δ of inter, oppo (default: B / 2)")
+    d.add_argument("--max-deferrals", type=int, default=DemoOptions().max_deferrals)
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     args = parser.parse_args(argv)

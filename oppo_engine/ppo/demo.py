@@ -42,6 +42,7 @@ class DemoOptions:
     max_new_tokens: int = MAX_NEW_TOKENS
     seed: int = 0
     overcommit: int | None = None  # None: batch_size // 2
+    max_deferrals: int = MAX_DEFERRALS
     max_model_len: int = 512
     # torch intra-op threads for the run: the tiny models gain nothing from more, and on a shared CPU two
     # threads collapse when a core is taken (a mode would be slowed by the load, not by its pipeline)
@@ -74,7 +75,7 @@ def engine_overrides(mode: str, opts: DemoOptions) -> dict:
     overrides: dict = {"mode": mode, "max_model_len": opts.max_model_len}
     if mode in ("inter", "oppo"):
         delta = opts.overcommit if opts.overcommit is not None else opts.batch_size // 2
-        overrides.update(overcommit=delta, max_deferrals=MAX_DEFERRALS)
+        overrides.update(overcommit=delta, max_deferrals=opts.max_deferrals)
     return overrides
 
 
