@@ -39,6 +39,8 @@ def demo(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        overcommit=args.overcommit,
+        max_deferrals=args.max_deferrals,
     )
     runs = run_demo(opts)
     print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all")
@@ -58,17 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("bench", "trace"):
         rest = argv[1:] + (["--trace"] if argv[0] == "trace" and "--trace" not in argv else [])
         return bench(rest, prog=f"oppo-engine {argv[0]}")
+    from oppo_engine.ppo.demo import DEMO_MODES, DemoOptions
+
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
     sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace}")
     d = sub.add_parser(
         "demo",
-        help="PPO on the embedded task in sequential and oppo mode, side by side",
+        help="PPO on the embedded task in every mode, side by side (the ablation)",
         description=demo.__doc__,
         formatter_class=defaults,
     )
-    d.add_argument("--steps", type=int, default=60, help="PPO steps per mode")
-    d.add_argument("--modes", default="sequential,oppo", help="comma-separated engine modes")
+    d.add_argument("--steps", type=int, default=DemoOptions().steps, help="PPO steps per mode")
+    d.add_argument("--modes", default=",".join(DEMO_MODES), help="comma-separated engine modes")
     d.add_argument("--out", default="demo_out", help="folder for table.txt, plots and traces")
     d.add_argument("--cache", default=".cache/demo_task", help="where the embedded task's models are built")
     d.add_argument(
@@ -77,8 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--actor", help="local HF causal LM (with its tokenizer) instead of the embedded task")
     d.add_argument("--reward", help="local one-label HF reward model (with --actor)")
     d.add_argument("--batch-size", type=int, default=32, help="rollouts per PPO step (B)")
-    d.add_argument("--max-new-tokens", type=int, default=48, help="response length cap")
+    d.add_argument(
+        "--max-new-tokens", type=int, default=DemoOptions().max_new_tokens, help="response length cap"
+    )
     d.add_argument("--seed", type=int, default=0, help="seed of the task, the models and the sampling")
+    d.add_argument("--overcommit", type=int, default=None, help="Δ of inter, oppo (default: B / 2)")
+    d.add_argument(
+        "--max-deferrals", type=int, default=DemoOptions().max_deferrals, help="deferral bound of inter, oppo"
+    )
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.cache.swap import HostPages, swap_in, swap_out
 from oppo_engine.config import EngineConfig, SamplingParams
-from oppo_engine.control import ChunkSizeController, DeltaController
+from oppo_engine.control import OFF, ChunkSizeController, DeltaController
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.eos import resolve_eos_token_ids
@@ -395,10 +395,12 @@ class RolloutEngine:
             with contextlib.ExitStack() as models:
                 for model in self._models.values():
                     models.enter_context(paged_attention_enabled(unwrap_model(model)))
+                # The chunk controller's "off" arm: this step does not stream (the non-streamed loop).
+                streamed = None if chunk_size == OFF else chunk_size
                 run = run_quarantined(
                     _groups(seqs),
-                    lambda groups: self._attempt(seqs, snapshots, groups, chunk_size),
-                    lambda groups: self._probe(seqs, snapshots, groups, chunk_size),
+                    lambda groups: self._attempt(seqs, snapshots, groups, streamed),
+                    lambda groups: self._probe(seqs, snapshots, groups, streamed),
                 )
             # NOTE: the seam for collectives of a process group: quarantine ran every retry above, so what
             # the ranks would exchange from here on is final.
@@ -556,7 +558,7 @@ class RolloutEngine:
         """``DeltaRecord(step, reward, slope, delta)`` of every reward fed to the Δ controller."""
         return list(self._delta_control.history) if self._delta_control is not None else []
 
-    def _observe_chunk(self, chunk_size: int, out: StepOutcome, wall_s: float) -> None:
+    def _observe_chunk(self, chunk_size: int | str, out: StepOutcome, wall_s: float) -> None:
         """Feed the chunk-size controller this step's time per token and the lanes' switch-cost profile."""
         self._chunk_control.observe(chunk_size, wall_s, out.tokens_generated)
         finish_times = [s.finish_time for s in out.finished if s.finish_time is not None]
@@ -567,7 +569,8 @@ class RolloutEngine:
 
     @property
     def chunk_history(self) -> list:
-        """``(step, chunk_size, seconds per generated token)`` of every streamed step (empty otherwise)."""
+        """``(step, chunk_size, seconds per generated token)`` of every step of a streaming mode
+        (``chunk_size="off"`` for a step the controller did not stream); empty in the other modes."""
         return list(self._chunk_control.history) if self._chunk_control is not None else []
 
     # ------------------------------------------------------------------ between steps

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oppo_engine.control import ChunkControl, ChunkSizeController, SwitchProfile, predicted_seconds_per_token
+from oppo_engine.control import (
+    OFF,
+    ChunkControl,
+    ChunkSizeController,
+    SwitchProfile,
+    predicted_seconds_per_token,
+)
 
 TOKENS = 1000  # tokens generated per synthetic step
 
@@ -103,7 +109,7 @@ def test_converges_to_the_best_candidate_ranked_by_the_profile():
     profile = u_shaped_profile()
     candidates = (4, 8, 16, 32, 64)
     assert min(candidates, key=lambda c: predicted_seconds_per_token(profile, c)) == 32
-    ctrl = ChunkSizeController(ChunkControl(candidates=candidates))
+    ctrl = ChunkSizeController(ChunkControl(candidates=candidates, off=False))
     ctrl.set_profile(profile)
 
     # the machine is 1.3x slower than the model says, uniformly: the ranking holds, the level does not
@@ -116,7 +122,7 @@ def test_converges_to_the_best_candidate_ranked_by_the_profile():
 
 def test_a_profile_set_before_the_first_step_plans_the_first_exploration():
     profile = u_shaped_profile()
-    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_top=3))
+    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_top=3, off=False))
     ctrl.set_profile(profile)
     sizes = run(ctrl, lambda c: predicted_seconds_per_token(profile, c), 3, random.Random(6))
     assert sizes == ctrl.ranking()[:3] == [32, 16, 64]
@@ -130,14 +136,14 @@ def test_measured_step_times_overrule_the_cost_model():
         return predicted_seconds_per_token(profile, c) * (1.4 if c >= 32 else 1.0)
 
     for seed in range(3):
-        ctrl = ChunkSizeController(ChunkControl(candidates=candidates))
+        ctrl = ChunkSizeController(ChunkControl(candidates=candidates, off=False))
         ctrl.set_profile(profile)
         run(ctrl, landscape, 100, random.Random(seed), noise=0.03)
         assert ctrl.incumbent == 16
 
 
 def test_local_search_without_a_profile_walks_to_a_best_candidate_at_the_edge():
-    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=5))
+    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=5, off=False))
     landscape = {4: 5.0, 8: 3.0, 16: 2.0, 32: 1.5, 64: 1.2}
     sizes = run(ctrl, lambda c: landscape[c] * 1e-4, 120, random.Random(1), noise=0.02)
     assert ctrl.incumbent == 64
@@ -145,7 +151,7 @@ def test_local_search_without_a_profile_walks_to_a_best_candidate_at_the_edge():
 
 
 def test_reexplores_early_when_the_landscape_shifts():
-    control = ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=50)
+    control = ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=50, off=False)
     ctrl = ChunkSizeController(control)
     rng = random.Random(2)
     before = {4: 3.0, 8: 2.0, 16: 1.0, 32: 2.0, 64: 3.0}
@@ -183,9 +189,9 @@ def test_noisy_equal_candidates_do_not_flip_flop():
                 incumbents.append(ctrl.incumbent)
         return switches(incumbents)
 
-    with_rule = [count_switches(ChunkControl(), seed) for seed in range(5)]
+    with_rule = [count_switches(ChunkControl(off=False), seed) for seed in range(5)]
     without_rule = [
-        count_switches(ChunkControl(noise_sigmas=0.0, noise_floor=0.0), seed) for seed in range(5)
+        count_switches(ChunkControl(noise_sigmas=0.0, noise_floor=0.0, off=False), seed) for seed in range(5)
     ]
     assert sum(with_rule) <= 2, with_rule
     assert sum(without_rule) >= 20, without_rule
@@ -193,14 +199,16 @@ def test_noisy_equal_candidates_do_not_flip_flop():
 
 def test_a_difference_beyond_the_noise_switches():
     landscape = {4: 1.0, 8: 0.85, 16: 1.0, 32: 1.0, 64: 1.0}  # 15% better, 3% noise
-    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=10))
+    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=10, off=False))
     run(ctrl, lambda c: landscape[c] * 1e-4, 80, random.Random(3), noise=0.03)
     assert ctrl.incumbent == 8
 
 
 def test_explores_the_top_candidates_once_every_period():
     # noise-free, equal candidates: the schedule alone is visible
-    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=10, explore_top=3))
+    ctrl = ChunkSizeController(
+        ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=10, explore_top=3, off=False)
+    )
     sizes = run(ctrl, lambda c: 1e-4, 3 + 10 + 2 + 10 + 2, random.Random(4))
     # the first exploration is around the middle and keeps the smallest of the equals; each period then
     # tries the incumbent's two neighbours, one step each
@@ -220,21 +228,25 @@ def test_explores_the_top_candidates_once_every_period():
     period=st.integers(1, 8),
     top=st.integers(1, 6),
     seed=st.integers(0, 2**16),
+    off=st.booleans(),
 )
-def test_only_measured_sizes_run_outside_exploration(times, noise, use_profile, period, top, seed):
+def test_only_measured_sizes_run_outside_exploration(times, noise, use_profile, period, top, seed, off):
     candidates = tuple(2 ** (i + 2) for i in range(len(times)))
     ctrl = ChunkSizeController(
-        ChunkControl(candidates=candidates, explore_period=period, explore_top=min(top, len(candidates)))
+        ChunkControl(
+            candidates=candidates, explore_period=period, explore_top=min(top, len(candidates)), off=off
+        )
     )
     if use_profile:
         ctrl.set_profile(make_profile())
     landscape = dict(zip(candidates, times, strict=True))
+    landscape[OFF] = times[len(times) // 2]
     rng = random.Random(seed)
     measured = set()
     shift = 40
     for step in range(80):
         c = ctrl.chunk_size()
-        assert c in candidates
+        assert c in candidates or (off and c == OFF)
         if not ctrl.exploring:
             assert c in measured, (step, c, measured)
         if ctrl.incumbent is not None:
@@ -277,13 +289,18 @@ def test_history_holds_step_size_and_time_per_generated_token():
         dict(candidates=(4.0, 8)),
         dict(explore_period=0),
         dict(explore_top=0),
-        dict(explore_top=6),
+        dict(explore_top=7),
+        dict(explore_top=6, off=False),
         dict(min_samples=1),
         dict(noise_sigmas=-1.0),
         dict(noise_sigmas=float("nan")),
         dict(noise_floor=1.0),
         dict(noise_floor=-0.1),
         dict(noise_window=5),  # < 2 * min_samples
+        dict(off=1),
+        dict(hopeless_margin=-0.1),
+        dict(hopeless_margin=float("inf")),
+        dict(hopeless_every=0),
     ],
 )
 def test_bad_chunk_control_raises_value_error(kwargs):
@@ -300,6 +317,7 @@ def test_bad_chunk_control_raises_value_error(kwargs):
         dict(tokens_per_step=0.0),
         dict(slowdown={0: 0.1}),
         dict(slowdown={8: -0.2}),
+        dict(scored_tokens_per_step=-1.0),
     ],
 )
 def test_bad_switch_profile_raises_value_error(kwargs):
@@ -307,7 +325,10 @@ def test_bad_switch_profile_raises_value_error(kwargs):
         make_profile(**kwargs)
 
 
-@pytest.mark.parametrize("args", [(0, 1.0, 10), (8, -1.0, 10), (8, float("nan"), 10), (8, 1.0, -1)])
+@pytest.mark.parametrize(
+    "args",
+    [(0, 1.0, 10), (8, -1.0, 10), (8, float("nan"), 10), (8, 1.0, -1), ("on", 1.0, 10), (None, 1.0, 10)],
+)
 def test_bad_observation_raises_value_error(args):
     with pytest.raises(ValueError):
         ChunkSizeController(ChunkControl()).observe(*args)

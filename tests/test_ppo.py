@@ -2,6 +2,8 @@
 numbers, off-policy handling, rising reward on the embedded task, bad input, and the demo end to end."""
 
 import json
+import math
+import statistics
 
 import pytest
 import torch
@@ -180,22 +182,26 @@ def test_demo_writes_table_plots_and_traces(task_dir, tmp_path, capsys):
     )
     assert rc == 0
     table = (out / "table.txt").read_text()
-    header = table.splitlines()[0]
+    header = next(line for line in table.splitlines() if "|" in line)
     assert all(mode in header for mode in ("sequential", "intra", "oppo"))
-    for row in ("rollouts/s", "tokens/s", "exposed scoring", "length bias", "speed-up vs sequential"):
+    rows = ("time to reward", "s/step (PPO step)", "s/step (rollout)", "rollout share", "exposed scoring",
+            "mean overcommit", "chunk size chosen", "stale tokens/step", "length bias",
+            "speed-up vs sequential")  # fmt: skip
+    for row in rows:
         assert row in table
     assert "building the demo task" not in capsys.readouterr().out  # the cache was used
     for png in ("reward.png", "control.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = json.loads((out / "records.json").read_text())
-    for mode in ("sequential", "intra"):
-        assert len(records[mode]["records"]) == 2
+    assert set(records) == {"sequential", "intra", "oppo"}
+    keys = {"time_to_reward_s", "threshold", "s_per_step", "rollout_s_per_step", "final_reward", "records"}
+    for mode, rec in records.items():
+        assert set(rec) == keys
+        assert len(rec["records"]) == 2
+        assert rec["threshold"] == records["sequential"]["threshold"]  # one threshold for every mode
+        assert rec["s_per_step"] == pytest.approx(sum(r["step_s"] for r in rec["records"]) / 2)
         trace = json.loads((out / f"trace_{mode}.json").read_text())
         assert {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"}  # lanes with spans
-    if records["oppo"]["unavailable"]:
-        assert "oppo: unavailable" in table
-    else:
-        assert (out / "trace_oppo.json").exists()
 
 
 def test_demo_runs_on_models_given_by_path(task_dir, tmp_path):
@@ -251,3 +257,32 @@ def test_the_trainer_logs_quarantined_rollouts_and_trains_without_them(task_dir,
     assert all(math.isfinite(v) for v in (stats.reward, stats.kl, stats.policy_loss, stats.value_loss))
     assert trainer.engine.policy_version == 1  # the update ran
     trainer.close()
+def test_oppo_reward_curve_matches_sequential_on_the_same_seeds(task_dir):
+    """Convergence parity (the paper's claim: the step-to-reward curves coincide). The same seeds, 8 PPO
+    steps of B=8: the mean reward of the last K=4 steps of ``oppo`` (Δ=4, at most 2 deferrals) and of
+    ``sequential`` differ by less than the margin.
+
+    How the margin is chosen: three standard errors of the difference of two independent last-K means,
+    ``3 · sd · sqrt(2 / (K · B))``, with ``sd`` the spread of sequential's per-rollout rewards in this very
+    run (about 1.5 on this reward model: 3.2 between polite and other answers). The runs share seeds, so
+    they are not independent and the bound is conservative; a systematic bias of the overcommitted batches
+    (rewards of carried sequences mixed up, a length bias that moves the reward) beyond the sampling noise
+    fails it. ``sequential``'s own last-K means over seeds 0-2 spread by about the same amount.
+    """
+    steps, k, b = 8, 4, 8
+    curves, spread = {}, None
+    for mode, extra in (("sequential", {}), ("oppo", {"overcommit": 4, "max_deferrals": 2})):
+        torch.manual_seed(0)
+        m = load_models(task_dir / "actor", task_dir / "reward")
+        cfg = PPOConfig(batch_size=b, minibatch_size=4, lr=2e-4, critic_lr=2e-4, max_new_tokens=48)
+        engine_cfg = engine_config_for(cfg, mode=mode, max_model_len=128, **extra)
+        prompts = _prompts(m.tokenizer)
+        trainer = PPOTrainer(m.actor, m.critic, m.reference, m.reward, m.tokenizer, prompts, cfg, engine_cfg)
+        stats = trainer.train(steps)
+        trainer.close()
+        curves[mode] = [s.reward for s in stats]
+        if mode == "sequential":
+            spread = statistics.stdev(r.reward for s in stats for r in s.rollout.rollouts)
+    margin = 3 * spread * math.sqrt(2 / (k * b))
+    seq, oppo = statistics.fmean(curves["sequential"][-k:]), statistics.fmean(curves["oppo"][-k:])
+    assert abs(oppo - seq) < margin, (curves, margin)

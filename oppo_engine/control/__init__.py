@@ -5,6 +5,8 @@ clocks and synthetic reward curves.
 """
 
 from oppo_engine.control.chunk import (
+    OFF,
+    Arm,
     ChunkControl,
     ChunkRecord,
     ChunkSizeController,
@@ -14,6 +16,8 @@ from oppo_engine.control.chunk import (
 from oppo_engine.control.delta import DeltaControl, DeltaController, DeltaRecord, fit_slope
 
 __all__ = [
+    "OFF",
+    "Arm",
     "ChunkControl",
     "ChunkRecord",
     "ChunkSizeController",

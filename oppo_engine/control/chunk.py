@@ -8,6 +8,11 @@ exposed after the last token. The paper observes that this trade-off is monotone
 PPO runs for hundreds of steps, so it tries a few candidates every so often and keeps the fastest; here a
 cost model built from a measured :class:`SwitchProfile` chooses which candidates are worth a step.
 
+Streaming is itself a choice: the arm :data:`OFF` runs no scorer work while the actor decodes (the step is
+then exactly the non-streamed one: ``intra`` is ``sequential``, ``oppo`` is ``inter``). Where the actor's
+slowdown beside a prefill costs more than the scoring streaming hides (a CPU, where the two lanes share
+the cores), "off" wins and is kept; streaming has to beat it by more than the noise band.
+
 Pure Python: no torch, no numpy. The scheduler measures; this module decides.
 """
 
@@ -19,6 +24,9 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
+
+OFF = "off"  # the arm that does not stream: the scorers run after the actor's last token
+Arm = int | str  # a chunk size, or OFF
 
 
 def _is_int(value: object) -> bool:
@@ -40,6 +48,12 @@ class ChunkControl:
     them), and the length of the recent window in the drift test. ``noise_sigmas`` and ``noise_floor``
     set the noise band (see :class:`ChunkSizeController`); ``noise_window`` is how many recent steps of
     the incumbent the band is estimated from.
+
+    ``off``: also consider the arm "do not stream" (:data:`OFF`); it wins ties within the noise band.
+    ``hopeless_margin`` and ``hopeless_every``: an arm the cost model predicts slower than the best arm by
+    more than ``hopeless_margin`` (relative) is hopeless; an exploration skips hopeless arms, except every
+    ``hopeless_every``-th exploration, which also tries the most promising hopeless one (measurements can
+    overrule the model). When the profile changes, the prediction does too, and the arm comes back.
     """
 
     candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
@@ -49,6 +63,9 @@ class ChunkControl:
     noise_sigmas: float = 2.0
     noise_floor: float = 0.02
     noise_window: int = 20
+    off: bool = True
+    hopeless_margin: float = 0.25
+    hopeless_every: int = 4
 
     def __post_init__(self) -> None:
         candidates = tuple(self.candidates)
@@ -61,10 +78,13 @@ class ChunkControl:
         object.__setattr__(self, "candidates", candidates)
         if not _is_int(self.explore_period) or self.explore_period < 1:
             raise ValueError(f"ChunkControl.explore_period must be an int >= 1, got {self.explore_period!r}")
-        if not _is_int(self.explore_top) or not 1 <= self.explore_top <= len(candidates):
+        if not isinstance(self.off, bool):
+            raise ValueError(f"ChunkControl.off must be a bool, got {self.off!r}")
+        arms = len(candidates) + self.off
+        if not _is_int(self.explore_top) or not 1 <= self.explore_top <= arms:
             raise ValueError(
-                f"ChunkControl.explore_top must be an int in [1, {len(candidates)}] (the number of "
-                f"candidates), got {self.explore_top!r}"
+                f"ChunkControl.explore_top must be an int in [1, {arms}] (the number of candidates, and "
+                f"'off' if allowed), got {self.explore_top!r}"
             )
         if not _is_int(self.min_samples) or self.min_samples < 2:
             raise ValueError(f"ChunkControl.min_samples must be an int >= 2, got {self.min_samples!r}")
@@ -79,6 +99,12 @@ class ChunkControl:
                 f"ChunkControl.noise_window must be an int >= 2 * min_samples ({2 * self.min_samples}), "
                 f"got {self.noise_window!r}"
             )
+        if not _is_real(self.hopeless_margin) or self.hopeless_margin < 0:
+            raise ValueError(
+                f"ChunkControl.hopeless_margin must be a finite number >= 0, got {self.hopeless_margin!r}"
+            )
+        if not _is_int(self.hopeless_every) or self.hopeless_every < 1:
+            raise ValueError(f"ChunkControl.hopeless_every must be an int >= 1, got {self.hopeless_every!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +119,8 @@ class SwitchProfile:
     slower; sizes not measured are interpolated linearly in log2 of the size, held flat outside).
     Workload, from recent steps: ``running_seqs``, mean sequences per decode iteration; ``tail_seqs``,
     sequences whose last chunk is still unscored when the step's last token is produced;
-    ``tokens_per_step``, tokens generated per step.
+    ``tokens_per_step``, tokens generated per step; ``scored_tokens_per_step``, tokens each scorer prefills
+    per step (prompts and responses: the scoring that streaming can hide behind the actor's decode).
     """
 
     handoff_s: float
@@ -103,9 +130,17 @@ class SwitchProfile:
     running_seqs: float
     tail_seqs: float
     tokens_per_step: float
+    scored_tokens_per_step: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("handoff_s", "prefill_s_per_token", "decode_iter_s", "tail_seqs"):
+        nonnegative = (
+            "handoff_s",
+            "prefill_s_per_token",
+            "decode_iter_s",
+            "tail_seqs",
+            "scored_tokens_per_step",
+        )
+        for name in nonnegative:
             value = getattr(self, name)
             if not _is_real(value) or value < 0:
                 raise ValueError(f"SwitchProfile.{name} must be a finite number >= 0, got {value!r}")
@@ -137,26 +172,33 @@ class SwitchProfile:
         return self.slowdown[a] + w * (self.slowdown[b] - self.slowdown[a])
 
 
-def predicted_seconds_per_token(profile: SwitchProfile, chunk_size: int) -> float:
-    """The cost model: predicted step time per generated token with chunk size ``C``.
+def predicted_seconds_per_token(profile: SwitchProfile, chunk_size: Arm) -> float:
+    """The cost model: predicted step time per generated token with chunk size ``C`` (or :data:`OFF`).
 
     With ``N = tokens_per_step / running_seqs`` decode iterations per step, per-iteration decode time
-    ``d``, slowdown ``σ(C)``, hand-off cost ``h``, ``k`` tail sequences and prefill time per token ``p``::
+    ``d``, slowdown ``σ(C)``, hand-off cost ``h``, ``k`` tail sequences, prefill time per token ``p`` and
+    ``S`` tokens scored per step::
 
         step(C) = N·d·(1 + σ(C))     actor decode, slowed by the scorers' prefill beside it
                 + (N / C)·h          one hand-off every C iterations
                 + C·k·p              exposed tail: after the last token, the last chunk (up to C tokens
                                      of each of the k tail sequences) is prefilled with nothing to hide
                                      behind
+        step(off) = N·d + S·p        decode alone, then all the scoring exposed
         per_token(C) = step(C) / tokens_per_step
 
     The hand-off term falls as ``1/C`` and the tail grows as ``C`` (the paper's "too small: context
     switches and contention; too large: little overlap"), so without interference the optimum is
     ``C* = sqrt(N·h / (k·p))``; ``σ(C)`` moves it (on a GPU a larger prefill steals more of the SMs; on a
-    CPU any concurrent prefill oversubscribes the cores). The model only ranks candidates: measured step
-    times decide, so what it leaves out (scorer backlog, scheduling) costs at most a wasted exploration.
+    CPU any concurrent prefill oversubscribes the cores). Streaming pays only where the scoring it hides,
+    ``S·p - C·k·p``, exceeds what it costs the actor, ``N·d·σ(C) + (N / C)·h``: otherwise "off" wins. The
+    model only ranks arms: measured step times decide, so what it leaves out (scorer backlog, scheduling)
+    costs at most a wasted exploration.
     """
     iterations = profile.tokens_per_step / profile.running_seqs
+    if chunk_size == OFF:
+        scoring = profile.scored_tokens_per_step * profile.prefill_s_per_token
+        return (iterations * profile.decode_iter_s + scoring) / profile.tokens_per_step
     actor = iterations * profile.decode_iter_s * (1.0 + profile.slowdown_at(chunk_size))
     handoffs = iterations / chunk_size * profile.handoff_s
     tail = chunk_size * profile.tail_seqs * profile.prefill_s_per_token
@@ -164,22 +206,26 @@ def predicted_seconds_per_token(profile: SwitchProfile, chunk_size: int) -> floa
 
 
 class ChunkRecord(NamedTuple):
-    """One observed step: its index, the chunk size it ran, and its wall time per generated token."""
+    """One observed step: its index, the chunk size it ran (or :data:`OFF`), and its wall time per generated
+    token."""
 
     step: int
-    chunk_size: int
+    chunk_size: Arm
     seconds_per_token: float
 
 
 class ChunkSizeController:
-    """Chooses the chunk size ``C`` of each step from measured step times.
+    """Chooses the chunk size ``C`` of each step -- or :data:`OFF`, no streaming -- from measured step times.
 
-    Cycle: an *exploration* runs each of the ``explore_top`` best-ranked candidates for one step (the
-    incumbent, if among them, is skipped: its recent steps are its measurement); then the incumbent runs
-    for ``explore_period`` steps; repeat. The first exploration has no incumbent and adopts the fastest
-    candidate it measured. Ranking: the cost model (:func:`predicted_seconds_per_token`) once a profile is
-    set; without one, closeness in the candidate list to the incumbent (to the middle candidate at first),
-    which makes the search a local descent that moves to a better neighbour one exploration at a time.
+    The arms are ``control.candidates`` and, with ``control.off``, :data:`OFF`. Cycle: an *exploration*
+    runs each of the ``explore_top`` best-ranked arms for one step (the incumbent, if among them, is
+    skipped: its recent steps are its measurement); then the incumbent runs for ``explore_period`` steps;
+    repeat. The first exploration has no incumbent and adopts the fastest arm it measured. Ranking: the
+    cost model (:func:`predicted_seconds_per_token`) once a profile is set; without one, "off" first, then
+    closeness in the candidate list to the incumbent (to the middle candidate at first), which makes the
+    search a local descent that moves to a better neighbour one exploration at a time. With a profile,
+    arms the model predicts hopeless (see :class:`ChunkControl`) are left out of all but every
+    ``hopeless_every``-th exploration.
 
     Noise rule (a band in seconds per token, estimated from the incumbent's own repeated steps): with
     ``m`` and ``s`` the mean and sample standard deviation of the incumbent's recent per-token times (up to
@@ -191,7 +237,9 @@ class ChunkSizeController:
     exploration step, then confirming steps, each re-checking the mean so far (the first that lifts it
     above the band ends the challenge). One lucky step never switches; a false switch needs
     ``min_samples`` lucky steps in a row. The relative floor keeps a deterministic or lucky-quiet
-    incumbent from switching on rounding-level differences.
+    incumbent from switching on rounding-level differences. "Off" is favoured by the band: a streaming
+    arm must beat it by more than the band, and "off" replaces a streaming incumbent when it is not slower
+    by more than the band (confirmed the same way).
 
     Drift: on every step of the incumbent with at least ``2 · min_samples`` recent steps, the mean of its
     last ``min_samples`` is compared with the mean of the earlier ones; a difference beyond the band of the
@@ -199,8 +247,8 @@ class ChunkSizeController:
     incumbent's steps are then dropped (those that revealed the drift were selected for being extreme),
     and an exploration starts as soon as ``min_samples`` fresh steps measure the new level.
 
-    Only sizes it has measured become the incumbent, so :meth:`chunk_size` returns an unmeasured size
-    only in an exploration step. ``fixed=int`` always returns that size; :meth:`observe` still records.
+    Only arms it has measured become the incumbent, so :meth:`chunk_size` returns an unmeasured arm only
+    in an exploration step. ``fixed=int`` always returns that size; :meth:`observe` still records.
     """
 
     def __init__(self, control: ChunkControl | None = None, *, fixed: int | None = None) -> None:
@@ -210,21 +258,27 @@ class ChunkSizeController:
         self.fixed = fixed
         self.history: list[ChunkRecord] = []
         self._profile: SwitchProfile | None = None
-        self._incumbent: int | None = None
+        self._incumbent: Arm | None = None
         # NOTE: recent per-token times of the incumbent only; challengers are measured afresh in each
         # exploration (_trial), so stale numbers never decide.
         self._recent: deque[float] = deque(maxlen=self.control.noise_window)
         self._relative_noise: float | None = None
-        self._plan: deque[int] = deque()
-        self._trial: dict[int, list[float]] = {}
+        self._plan: deque[Arm] = deque()
+        self._trial: dict[Arm, list[float]] = {}
         self._since_exploration = 0
         self._exploration_due = False
+        self._explorations = 0
         if fixed is None:
             self._start_exploration()
 
     @property
-    def incumbent(self) -> int | None:
-        """The chunk size in use between explorations (``None`` until the first exploration ends)."""
+    def arms(self) -> tuple[Arm, ...]:
+        """Every arm: the candidate chunk sizes, then :data:`OFF` if the control allows it."""
+        return (*self.control.candidates, OFF) if self.control.off else self.control.candidates
+
+    @property
+    def incumbent(self) -> Arm | None:
+        """The arm in use between explorations (``None`` until the first exploration ends)."""
         return self.fixed if self.fixed is not None else self._incumbent
 
     @property
@@ -233,24 +287,36 @@ class ChunkSizeController:
         return bool(self._plan)
 
     def set_profile(self, profile: SwitchProfile | None) -> None:
-        """Rank candidates with the cost model on ``profile`` from the next exploration on (from the first,
-        if no step has been measured yet)."""
+        """Rank arms with the cost model on ``profile`` from the next exploration on (from the first, if no
+        step has been measured yet)."""
         self._profile = profile
         if self.fixed is None and self._incumbent is None and not self._trial:
+            self._explorations -= 1  # NOTE: the first exploration is planned again, not a new one
             self._start_exploration()
 
-    def ranking(self) -> list[int]:
-        """The candidates, most promising first (see the class docstring)."""
-        candidates = self.control.candidates
+    def ranking(self) -> list[Arm]:
+        """The arms, most promising first (see the class docstring)."""
         if self._profile is not None:
             profile = self._profile
-            return sorted(candidates, key=lambda c: (predicted_seconds_per_token(profile, c), c))
+            return sorted(self.arms, key=lambda a: (predicted_seconds_per_token(profile, a), _order(a)))
+        candidates = self.control.candidates
         middle = candidates[(len(candidates) - 1) // 2]
-        anchor = candidates.index(self._incumbent if self._incumbent is not None else middle)
-        return sorted(candidates, key=lambda c: (abs(candidates.index(c) - anchor), c))
+        anchor = candidates.index(self._incumbent if _is_int(self._incumbent) else middle)
+        sizes = sorted(candidates, key=lambda c: (abs(candidates.index(c) - anchor), c))
+        return [OFF, *sizes] if self.control.off else sizes
 
-    def chunk_size(self) -> int:
-        """The chunk size for the next step."""
+    def hopeless(self) -> list[Arm]:
+        """The arms the cost model predicts slower than the best arm by more than ``hopeless_margin``, most
+        promising first (none without a profile)."""
+        if self._profile is None:
+            return []
+        profile = self._profile
+        costs = {a: predicted_seconds_per_token(profile, a) for a in self.arms}
+        limit = min(costs.values()) * (1.0 + self.control.hopeless_margin)
+        return [a for a in self.ranking() if costs[a] > limit]
+
+    def chunk_size(self) -> Arm:
+        """The arm for the next step: a chunk size, or :data:`OFF` (do not stream)."""
         if self.fixed is not None:
             return self.fixed
         if self._plan:
@@ -258,14 +324,16 @@ class ChunkSizeController:
         assert self._incumbent is not None  # NOTE: the plan is non-empty until the first decision
         return self._incumbent
 
-    def observe(self, chunk_size: int, step_seconds: float, tokens_generated: int) -> None:
-        """Record a finished step that ran ``chunk_size`` for ``step_seconds`` and generated tokens.
+    def observe(self, chunk_size: Arm, step_seconds: float, tokens_generated: int) -> None:
+        """Record a finished step that ran ``chunk_size`` (or :data:`OFF`) for ``step_seconds`` and generated
+        tokens.
 
-        A step that generated no tokens carries no per-token information and is ignored. A size other
-        than the one planned (the scheduler clipped it, say) is recorded in ``history`` only.
+        A step that generated no tokens carries no per-token information and is ignored. An arm other than
+        the one planned (the scheduler clipped it, say) is recorded in ``history`` only: it measures
+        neither the planned arm nor the one it ran.
         """
-        if not _is_int(chunk_size) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        if chunk_size != OFF and (not _is_int(chunk_size) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be an int >= 1 or {OFF!r}, got {chunk_size!r}")
         if not _is_real(step_seconds) or step_seconds < 0:
             raise ValueError(f"step_seconds must be a finite number >= 0, got {step_seconds!r}")
         if not _is_int(tokens_generated) or tokens_generated < 0:
@@ -317,8 +385,13 @@ class ChunkSizeController:
         return abs(statistics.fmean(recent) - statistics.fmean(earlier)) > self._band(earlier)
 
     def _start_exploration(self) -> None:
-        top = self.ranking()[: self.control.explore_top]
-        self._plan = deque(c for c in top if c != self._incumbent)
+        self._explorations += 1
+        hopeless = self.hopeless()
+        hopeful = [a for a in self.ranking() if a not in hopeless]
+        top = hopeful[: self.control.explore_top]
+        if self._explorations % self.control.hopeless_every == 0:
+            top += [a for a in hopeless if a != self._incumbent][:1]
+        self._plan = deque(a for a in top if a != self._incumbent)
         self._trial = {}
         self._since_exploration = 0
         self._exploration_due = False
@@ -326,15 +399,34 @@ class ChunkSizeController:
     def _decide(self) -> None:
         # NOTE: a winner's trial steps were selected for being fast, so they are biased low; an incumbent's
         # noise and drift are estimated from its own later steps only.
-        means = {c: statistics.fmean(xs) for c, xs in self._trial.items()}
-        best = min(means, key=lambda c: (means[c], c))
+        means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
         if self._incumbent is None:
-            self._incumbent = best
+            band = self._band(self._trial[OFF]) if OFF in means else 0.0
+            self._incumbent = self._preferred(means, band)
             return
         samples = list(self._recent)
-        if means[best] < statistics.fmean(samples) - self._band(samples):
-            if len(self._trial[best]) < self.control.min_samples:
-                self._plan.append(best)  # NOTE: a confirming step; at most min_samples per challenger
+        band = self._band(samples)
+        target = self._preferred({**means, self._incumbent: statistics.fmean(samples)}, band)
+        if target != self._incumbent:
+            if len(self._trial[target]) < self.control.min_samples:
+                self._plan.append(target)  # NOTE: a confirming step; at most min_samples per challenger
                 return
-            self._incumbent = best
+            self._incumbent = target
             self._recent.clear()
+
+    def _preferred(self, means: dict[Arm, float], band: float) -> Arm:
+        """The arm to run given mean per-token times: a streaming arm replaces a streaming incumbent only
+        if faster by more than ``band``, and streaming is chosen over "off" only if faster by more than it."""
+        streamed = {a: v for a, v in means.items() if a != OFF}
+        best = min(streamed, key=lambda a: (streamed[a], a)) if streamed else None
+        inc = self._incumbent
+        if best is not None and inc in streamed and inc != best and streamed[best] >= streamed[inc] - band:
+            best = inc
+        if OFF in means and (best is None or streamed[best] >= means[OFF] - band):
+            return OFF
+        return best
+
+
+def _order(arm: Arm) -> int:
+    """Tie-break among arms of equal predicted cost: "off" first, then the smaller chunk."""
+    return 0 if arm == OFF else arm

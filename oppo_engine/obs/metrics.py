@@ -21,8 +21,9 @@ class StepMetrics:
         tokens_generated: tokens the actor sampled in this step, including those of sequences that are
             deferred to the next step.
         rollouts: finished and scored rollouts returned by the step (B, or fewer once prompts run out).
-        chunk_size: tokens per sequence decoded between hand-offs to the scorers (C); `None` when the
-            mode does not stream (sequential, inter).
+        chunk_size: tokens per sequence decoded between hand-offs to the scorers (C); `"off"` when the
+            chunk controller chose not to stream this step (intra then runs as sequential, oppo as inter);
+            `None` when the mode never streams (sequential, inter).
         overcommit: extra sequences kept in flight beyond the batch size this step (Δ).
         deferred: unfinished sequences carried over to the next step.
         pages_used: peak number of KV pages in use during the step, all models together.
@@ -56,7 +57,7 @@ class StepMetrics:
     exposed_scoring_s: float
     tokens_generated: int
     rollouts: int
-    chunk_size: int | None
+    chunk_size: int | str | None
     overcommit: int
     deferred: int
     pages_used: int

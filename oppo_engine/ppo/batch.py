@@ -33,6 +33,15 @@ class RolloutBatch:
         """The rows ``idx`` (a minibatch)."""
         return RolloutBatch(*(getattr(self, f).index_select(0, idx) for f in self.__slots__))
 
+    def trim(self, width: int) -> RolloutBatch:
+        """The first ``width`` columns (``width - 1`` per token): right padding beyond the longest row is
+        dropped, which changes nothing a causal model computes for the other columns."""
+        return RolloutBatch(
+            *(getattr(self, f)[:, : width if f in ("input_ids", "attention_mask") else width - 1]
+              for f in self.__slots__[:-1]),
+            self.scores,
+        )  # fmt: skip
+
 
 def canonical_order(rollouts: Sequence[Rollout]) -> list[Rollout]:
     """The rollouts sorted by their tokens: an update must not depend on the order sequences finished in

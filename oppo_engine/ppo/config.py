@@ -23,6 +23,8 @@ class PPOConfig:
     starts at 1 as in on-policy PPO; ``"truncated_is"`` keeps the behaviour log-probs and truncates the
     importance ratio ``pi_theta / pi_behaviour`` at ``is_truncation`` (no extra forward; a stale token
     cannot dominate the update). ``release_memory`` frees the engine's KV arena during the update.
+    ``group_by_length`` puts rows of similar length in one minibatch (the minibatches in random order):
+    each is padded only to its own longest row, which saves most of the update under long-tailed lengths.
     """
 
     batch_size: int = 16
@@ -44,6 +46,7 @@ class PPOConfig:
     is_truncation: float = 2.0
     release_memory: bool = False
     seed: int = 0
+    group_by_length: bool = False
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "minibatch_size", "epochs", "max_new_tokens")

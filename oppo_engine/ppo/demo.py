@@ -1,11 +1,18 @@
 """``oppo-engine demo``: the same PPO run on the embedded task (or given models) in several engine modes,
-side by side: a table, reward curves, the controllers' choices and one step's lane trace."""
+side by side -- the paper's ablation: time to reward, s/step, the controllers' choices, reward curves and
+one step's lane trace per mode.
+
+The engine settings are explicit (not the engine's defaults, which other work may move): overcommit
+``Δ = batch_size / 2`` sequences, chunk size chosen online (``"auto"``, the "off" arm included), and a
+sequence deferred at most ``max_deferrals = 2`` times, so it spans at most 3 steps (the bound a policy lag
+of 2 gives with one update per step).
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,31 +21,43 @@ from tqdm import tqdm
 from oppo_engine.config import MODES
 from oppo_engine.ppo.config import PPOConfig
 from oppo_engine.ppo.models import load_models
-from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot
-from oppo_engine.ppo.task import build_task, is_polite, prompts
+from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot, records_json
+from oppo_engine.ppo.task import MAX_NEW_TOKENS, build_task, is_polite, prompts
 from oppo_engine.ppo.trainer import PPOTrainer, engine_config_for
+
+DEMO_MODES = ("sequential", "intra", "inter", "oppo")
+MAX_DEFERRALS = 2  # a sequence spans at most 3 steps
 
 
 @dataclass(slots=True)
 class DemoOptions:
-    steps: int = 60
-    modes: tuple[str, ...] = ("sequential", "oppo")
+    steps: int = 30
+    modes: tuple[str, ...] = DEMO_MODES
     out: Path = Path("demo_out")
     cache: Path = Path(".cache/demo_task")
     device: str = "cpu"
     actor: Path | None = None
     reward: Path | None = None
     batch_size: int = 32
-    max_new_tokens: int = 48
+    max_new_tokens: int = MAX_NEW_TOKENS
     seed: int = 0
+    overcommit: int | None = None  # None: batch_size // 2
+    max_deferrals: int = MAX_DEFERRALS
+    max_model_len: int = 512
+    # torch intra-op threads for the run: the tiny models gain nothing from more, and on a shared CPU two
+    # threads collapse when a core is taken (a mode would be slowed by the load, not by its pipeline)
+    threads: int = 1
     trace_step: int | None = None  # the step whose lanes are traced (default: the middle one)
 
 
 def ppo_config(opts: DemoOptions) -> PPOConfig:
     return PPOConfig(
         batch_size=opts.batch_size,
-        minibatch_size=max(1, opts.batch_size // 2),
-        epochs=2,
+        # Four optimizer steps per PPO step, on minibatches of similar lengths: under the long tail a random
+        # minibatch is mostly padding, and the update would dwarf the rollout the engine speeds up.
+        minibatch_size=max(1, opts.batch_size // 4),
+        epochs=1,
+        group_by_length=True,
         lr=2e-4,
         critic_lr=2e-4,
         kl_coef=0.05,
@@ -49,6 +68,15 @@ def ppo_config(opts: DemoOptions) -> PPOConfig:
 
 def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in prompts()]
+
+
+def engine_overrides(mode: str, opts: DemoOptions) -> dict:
+    """The demo's engine settings for ``mode`` (explicit, see the module docstring)."""
+    overrides: dict = {"mode": mode, "max_model_len": opts.max_model_len}
+    if mode in ("inter", "oppo"):
+        delta = opts.overcommit if opts.overcommit is not None else opts.batch_size // 2
+        overrides.update(overcommit=delta, max_deferrals=opts.max_deferrals)
+    return overrides
 
 
 def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Path) -> PPOTrainer:
@@ -65,7 +93,7 @@ def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Pa
         models.tokenizer,
         _prompts(models.tokenizer),
         cfg,
-        engine_config_for(cfg, mode=mode, max_model_len=256),
+        engine_config_for(cfg, **engine_overrides(mode, opts)),
     )
 
 
@@ -119,6 +147,7 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             chunk_size=m.chunk_size,
             overcommit=m.overcommit,
             stale_tokens=stats.stale_tokens,
+            response_len=stats.response_len,
         )
     )
     if stats.step == trace_step:
@@ -153,15 +182,15 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     else:
         actor_path, reward_path = opts.actor, opts.reward
     t0 = time.perf_counter()
-    runs = run_modes(opts, actor_path, reward_path, log)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(opts.threads)
+    try:
+        runs = run_modes(opts, actor_path, reward_path, log)
+    finally:
+        torch.set_num_threads(saved)
     table = format_table(runs)
     (opts.out / "table.txt").write_text(table + "\n")
-    (opts.out / "records.json").write_text(
-        json.dumps(
-            {r.mode: {"unavailable": r.unavailable, "records": [asdict(x) for x in r.records]} for r in runs},
-            indent=1,
-        )
-    )
+    (opts.out / "records.json").write_text(json.dumps(records_json(runs), indent=1))
     paths = plot(opts.out, runs) if any(r.records for r in runs) else []
     log("\n" + table)
     log(

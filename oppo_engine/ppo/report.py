@@ -1,10 +1,21 @@
-"""The demo's side-by-side table and plots, from per-step records of each mode."""
+"""The demo's figures from per-step records of each mode: time to reward (the paper's headline), the
+ablation table, ``records.json`` and the reward curves.
+
+Time to reward: one threshold for every mode, ``seq_first + 0.9 * (seq_final - seq_first)``, where first and
+final are the base mode's (``sequential``'s) trailing :data:`TRAILING`-step mean rewards at the start and
+the end of its run. A mode's time to reward is its own summed PPO step time (set-up excluded) at the first
+step where its trailing mean reaches the threshold (``None`` if it never does).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
+
+TRAILING = 5  # steps in the trailing mean of the reward
+THRESHOLD_FRACTION = 0.9
 
 
 @dataclass(slots=True)
@@ -19,9 +30,10 @@ class StepRecord:
     tokens: int
     exposed_scoring_s: float
     length_bias: float | None
-    chunk_size: int | None
+    chunk_size: int | str | None  # "off": the chunk controller did not stream the step
     overcommit: int
     stale_tokens: int
+    response_len: float = 0.0
 
 
 @dataclass(slots=True)
@@ -30,44 +42,119 @@ class ModeRun:
     records: list[StepRecord] = field(default_factory=list)
     unavailable: str | None = None  # why the mode could not run
 
-    def final_reward(self, last: int = 3) -> float:
+    def final_reward(self, last: int = TRAILING) -> float:
+        """Mean reward of the last ``last`` steps."""
         return mean(r.reward for r in self.records[-last:])
 
+    def trailing(self) -> list[float]:
+        """The trailing mean reward at each step from the TRAILING-th on (over all steps if fewer)."""
+        rewards = [r.reward for r in self.records]
+        if len(rewards) < TRAILING:
+            return [mean(rewards)] if rewards else []
+        return [mean(rewards[i - TRAILING : i]) for i in range(TRAILING, len(rewards) + 1)]
 
-def _rows(run: ModeRun, base: ModeRun | None) -> dict[str, str]:
-    recs = run.records
-    rollout_s = sum(r.rollout_s for r in recs)
-    step_s = mean(r.step_s for r in recs)
-    bias = [r.length_bias for r in recs if r.length_bias is not None]
-    speedup = "-"
-    if base is not None and base.records and base is not run:
-        rollout_x = sum(r.rollout_s for r in base.records) / rollout_s
-        step_x = mean(r.step_s for r in base.records) / step_s
-        speedup = f"{rollout_x:.2f}x rollout, {step_x:.2f}x step"
+    def s_per_step(self) -> float:
+        return mean(r.step_s for r in self.records)
+
+    def rollout_s_per_step(self) -> float:
+        return mean(r.rollout_s for r in self.records)
+
+
+def reward_threshold(base: ModeRun) -> float:
+    """``first + 0.9 * (final - first)`` of the base mode's trailing mean rewards."""
+    trailing = base.trailing()
+    return trailing[0] + THRESHOLD_FRACTION * (trailing[-1] - trailing[0])
+
+
+def time_to_reward(run: ModeRun, threshold: float) -> float | None:
+    """The mode's summed step time at the first step whose trailing mean reaches ``threshold``."""
+    offset = min(TRAILING, len(run.records)) - 1
+    for i, value in enumerate(run.trailing()):
+        if value >= threshold:
+            return run.records[i + offset].elapsed_s
+    return None
+
+
+def chunk_choice(run: ModeRun) -> str:
+    """The chunk size the controller chose most often over the second half of the run (or "off"), with
+    its share of those steps; "-" for a mode that never streams."""
+    sizes = [r.chunk_size for r in run.records[len(run.records) // 2 :] if r.chunk_size is not None]
+    if not sizes:
+        return "-"
+    arm, count = Counter(sizes).most_common(1)[0]
+    return f"{arm} ({count}/{len(sizes)})"
+
+
+def base_run(runs: list[ModeRun]) -> ModeRun | None:
+    """The mode every ratio is taken against: ``sequential`` if it ran, else the first that ran."""
+    ran = [r for r in runs if r.records]
+    return next((r for r in ran if r.mode == "sequential"), ran[0] if ran else None)
+
+
+def records_json(runs: list[ModeRun]) -> dict:
+    """``{mode: {time_to_reward_s, threshold, s_per_step, rollout_s_per_step, final_reward, records}}``."""
+    base = base_run(runs)
+    if base is None:
+        return {}
+    threshold = reward_threshold(base)
     return {
-        "s/step (PPO step)": f"{step_s:.3f}",
-        "s/step (rollout)": f"{rollout_s / len(recs):.3f}",
-        "rollouts/s": f"{sum(r.rollouts for r in recs) / rollout_s:.1f}",
-        "tokens/s": f"{sum(r.tokens for r in recs) / rollout_s:.0f}",
+        r.mode: {
+            "time_to_reward_s": time_to_reward(r, threshold),
+            "threshold": threshold,
+            "s_per_step": r.s_per_step(),
+            "rollout_s_per_step": r.rollout_s_per_step(),
+            "final_reward": r.final_reward(),
+            "records": [asdict(x) for x in r.records],
+        }
+        for r in runs
+        if r.records
+    }
+
+
+def _ratio(base: float | None, value: float | None) -> str:
+    return f"{base / value:.2f}x" if base is not None and value else "-"
+
+
+def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
+    recs = run.records
+    ttr, base_ttr = time_to_reward(run, threshold), time_to_reward(base, threshold)
+    bias = [r.length_bias for r in recs if r.length_bias is not None]
+    rollout_s = sum(r.rollout_s for r in recs)
+    return {
+        "time to reward (s)": f"{ttr:.1f}" if ttr is not None else "not reached",
+        f"  speed-up vs {base.mode}": _ratio(base_ttr, ttr),
+        "s/step (PPO step)": f"{run.s_per_step():.3f}",
+        f"  speed-up vs {base.mode} ": _ratio(base.s_per_step(), run.s_per_step()),
+        "s/step (rollout)": f"{run.rollout_s_per_step():.3f}",
+        f"  speed-up vs {base.mode}  ": _ratio(base.rollout_s_per_step(), run.rollout_s_per_step()),
+        "rollout share of the step": f"{rollout_s / sum(r.step_s for r in recs):.0%}",
         "exposed scoring s/step": f"{mean(r.exposed_scoring_s for r in recs):.3f}",
-        "length bias": f"{mean(bias):.3f}" if bias else "1 (no cut)",
+        "mean overcommit (Δ)": f"{mean(r.overcommit for r in recs):.1f}",
+        "chunk size chosen": chunk_choice(run),
         "stale tokens/step": f"{mean(r.stale_tokens for r in recs):.1f}",
+        "length bias": f"{mean(bias):.3f}" if bias else "-",
+        "mean response length": f"{mean(r.response_len for r in recs):.1f}",
+        "rollouts/s": f"{sum(r.rollouts for r in recs) / rollout_s:.1f}",
         "reward: first -> final": f"{recs[0].reward:+.3f} -> {run.final_reward():+.3f}",
-        "speed-up vs " + (base.mode if base is not None else "-"): speedup,
     }
 
 
 def format_table(runs: list[ModeRun]) -> str:
-    """Metrics as rows, modes as columns; a mode that could not run says so."""
-    base = next((r for r in runs if r.records), None)
-    columns = {}
-    for run in runs:
-        columns[run.mode] = _rows(run, base) if run.records else None
-    names = next((list(c) for c in columns.values() if c is not None), [])
-    width = max(map(len, names), default=10)
+    """The ablation table: metrics as rows, modes as columns; a mode that could not run says so."""
+    base = base_run(runs)
+    if base is None:
+        return "\n".join(f"{r.mode}: unavailable ({r.unavailable})" for r in runs)
+    threshold = reward_threshold(base)
+    columns = {run.mode: _rows(run, base, threshold) if run.records else None for run in runs}
+    names = list(_rows(base, base, threshold))
+    width = max(map(len, names))
     col_w = max(14, *(len(m) for m in columns), *(len(v) for c in columns.values() if c for v in c.values()))
-    lines = ["".ljust(width) + " | " + " | ".join(m.ljust(col_w) for m in columns)]
-    lines.append("-" * len(lines[0]))
+    lines = [
+        f"time to reward: threshold {threshold:+.3f} = {base.mode}'s first trailing {TRAILING}-step mean "
+        f"reward + {THRESHOLD_FRACTION} x (its final - its first)",
+        "".ljust(width) + " | " + " | ".join(m.ljust(col_w) for m in columns),
+    ]
+    lines.append("-" * len(lines[-1]))
     for name in names:
         cells = [(c[name] if c is not None else "unavailable").ljust(col_w) for c in columns.values()]
         lines.append(name.ljust(width) + " | " + " | ".join(cells))
@@ -78,7 +165,8 @@ def format_table(runs: list[ModeRun]) -> str:
 
 
 def plot(out: Path, runs: list[ModeRun]) -> list[Path]:
-    """reward.png (reward vs step and vs wall time) and control.png (chunk size and Δ per step)."""
+    """reward.png (reward vs step and vs wall time, every mode overlaid, the time-to-reward threshold
+    dashed) and control.png (chunk size, 0 for "off", and Δ per step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,8 +179,10 @@ def plot(out: Path, runs: list[ModeRun]) -> list[Path]:
         ax1.plot([r.step for r in run.records], [r.reward for r in run.records], label=run.mode)
         ax2.plot([r.elapsed_s for r in run.records], [r.reward for r in run.records], label=run.mode)
     ax1.set(xlabel="PPO step", ylabel="mean reward", title="reward vs step")
-    ax2.set(xlabel="wall time (s)", ylabel="mean reward", title="reward vs wall time")
+    ax2.set(xlabel="the mode's own PPO step time (s)", ylabel="mean reward", title="reward vs wall time")
+    base = base_run(runs)
     for ax in (ax1, ax2):
+        ax.axhline(reward_threshold(base), color="grey", linestyle="--", linewidth=1, label="threshold")
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -103,9 +193,10 @@ def plot(out: Path, runs: list[ModeRun]) -> list[Path]:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
         steps = [r.step for r in run.records]
-        ax1.step(steps, [r.chunk_size or 0 for r in run.records], where="post", label=run.mode)
+        sizes = [r.chunk_size if isinstance(r.chunk_size, int) else 0 for r in run.records]
+        ax1.step(steps, sizes, where="post", label=run.mode)
         ax2.step(steps, [r.overcommit for r in run.records], where="post", label=run.mode)
-    ax1.set(xlabel="PPO step", ylabel="chunk size C (0: not streamed)", title="chunk size over time")
+    ax1.set(xlabel="PPO step", ylabel='chunk size C (0: not streamed, "off")', title="chunk size over time")
     ax2.set(xlabel="PPO step", ylabel="overcommit Δ", title="Δ over time")
     for ax in (ax1, ax2):
         ax.legend()

@@ -1,11 +1,13 @@
-"""The embedded demo task: polite answers.
+"""The embedded demo task: polite and complete answers, with long-tailed lengths.
 
-A synthetic corpus a person can read -- prompts such as ``tell me about the cat .`` answered by one to
-several short sentences about the topic (long-tailed lengths), ending in ``<eos>``. Now and then an answer
-also says ``thank you for asking .``. The reward model is trained on pairs ranked by one rule: **a polite
-answer beats the others** -- polite meaning it says "thank you" *and* still answers (at least one sentence
-about the topic; a bare "thank you for asking ." is ranked below a polite answer). PPO should make the
-actor say thank you more often, which raises the reward.
+A synthetic corpus a person can read. Most prompts ask for a short answer (``tell me about the cat .``:
+one or two sentences); the others ask for a numbered list whose requested length follows a Pareto-like
+law (``list 12 things about the cat .`` answered ``1 the cat is big . 2 i like the cat . ... 12 ...``),
+capped at :data:`MAX_ITEMS`, so most answers are short and a few are 5-10x the median, as RLHF responses
+are. Now and then an answer also says ``thank you for asking .``. The reward model is trained on pairs
+ranked by one rule: **a polite and complete answer beats the others** -- polite meaning it says "thank you"
+*and* still answers (a bare "thank you for asking ." ranks below), complete meaning it ends (``<eos>``)
+rather than being cut off. PPO should make the actor say thank you more often, which raises the reward.
 
 Everything is built locally (no hub): a word-level tokenizer trained with the ``tokenizers`` library,
 a tiny Qwen2 actor warmed up on the corpus (random weights emit noise), and a tiny Qwen2 reward model,
@@ -27,26 +29,44 @@ from transformers import (
     Qwen2Config,
 )
 
-TASK_VERSION = 2
+TASK_VERSION = 3
 TOPICS = ("cat", "dog", "sea", "sun", "tree", "city", "rain", "book", "bird", "moon")
 ADJECTIVES = ("big", "small", "warm", "cold", "quiet", "bright", "old", "new", "green", "blue")
 VERBS = ("run", "sing", "shine", "grow", "sleep", "move", "wait", "fly")
-PROMPT_TEMPLATES = ("tell me about the {t} .", "what do you think of the {t} ?", "describe the {t} .")
+SHORT_TEMPLATES = ("tell me about the {t} .", "what do you think of the {t} ?", "describe the {t} .")
+LIST_TEMPLATE = "list {n} things about the {t} ."
 POLITE = "thank you for asking ."
 TARGET_WORD = "thank"
+MAX_ITEMS = 24  # the longest list asked for: about 6 tokens an item, so ~150 tokens
+PARETO_ALPHA = 1.1  # tail index of the requested length: P(items >= n) = n^-alpha
+MAX_NEW_TOKENS = 192  # room for the longest list, a thank-you and some slack: the tail is not cut off
 MODEL_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=256,
+    max_position_embeddings=512,
 )
 SPECIALS = ("<pad>", "<eos>", "<unk>")
 
 
-def prompts() -> list[str]:
-    return [p.format(t=t) for t in TOPICS for p in PROMPT_TEMPLATES]
+def requested_items(rng: random.Random) -> int:
+    """A requested length from the Pareto-like law: ``floor(U^(-1/alpha))`` capped at ``MAX_ITEMS``; 1 means
+    a short answer (about half of the prompts)."""
+    return min(MAX_ITEMS, int((1.0 - rng.random()) ** (-1.0 / PARETO_ALPHA)))
+
+
+def make_prompt(rng: random.Random, topic: str, items: int) -> str:
+    if items == 1:
+        return rng.choice(SHORT_TEMPLATES).format(t=topic)
+    return LIST_TEMPLATE.format(n=items, t=topic)
+
+
+def prompts(n: int = 64, seed: int = 1234) -> list[str]:
+    """The demo's prompts: ``n`` drawn from the task's law (fixed by ``seed``); they are cycled."""
+    rng = random.Random(seed)
+    return [make_prompt(rng, rng.choice(TOPICS), requested_items(rng)) for _ in range(n)]
 
 
 def _sentence(rng: random.Random, topic: str) -> str:
@@ -62,15 +82,18 @@ def _sentence(rng: random.Random, topic: str) -> str:
     )
 
 
-def response(rng: random.Random, topic: str, polite: bool | None = None, p_polite: float = 0.15) -> str:
-    """One to eight sentences (geometric: long-tailed lengths); polite with probability ``p_polite``."""
-    n = 1
-    while n < 8 and rng.random() < 0.45:
-        n += 1
-    sentences = [_sentence(rng, topic) for _ in range(n)]
+def response(
+    rng: random.Random, topic: str, items: int = 1, polite: bool | None = None, p_polite: float = 0.15
+) -> str:
+    """The answer to a prompt asking for ``items`` things: one or two sentences for a short prompt (1), else
+    the numbered list; polite (a thank-you first or last) with probability ``p_polite``."""
+    if items == 1:
+        parts = [_sentence(rng, topic) for _ in range(1 + (rng.random() < 0.4))]
+    else:
+        parts = [f"{i} {_sentence(rng, topic)}" for i in range(1, items + 1)]
     if polite if polite is not None else rng.random() < p_polite:
-        sentences.insert(rng.randrange(n + 1), POLITE)
-    return " ".join(sentences)
+        parts.insert(len(parts) if rng.random() < 0.5 else 0, POLITE)
+    return " ".join(parts)
 
 
 def corpus(n: int, seed: int) -> list[tuple[str, str]]:
@@ -78,9 +101,8 @@ def corpus(n: int, seed: int) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        topic = rng.choice(TOPICS)
-        prompt = rng.choice(PROMPT_TEMPLATES).format(t=topic)
-        out.append((prompt, response(rng, topic)))
+        topic, items = rng.choice(TOPICS), requested_items(rng)
+        out.append((make_prompt(rng, topic, items), response(rng, topic, items)))
     return out
 
 
@@ -124,14 +146,16 @@ def _pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def warm_up_actor(tokenizer, steps: int, seed: int, log=print) -> torch.nn.Module:
-    """A tiny Qwen2 LM trained (next token, every token) on the corpus."""
+    """A tiny Qwen2 LM trained (next token, every token) on the corpus, in batches of 32 answers of similar
+    length (the long tail would otherwise make every batch mostly padding)."""
     torch.manual_seed(seed)
     actor = AutoModelForCausalLM.from_config(model_config(tokenizer))
-    data = [_encode(tokenizer, p, r) for p, r in corpus(4000, seed)]
+    data = sorted((_encode(tokenizer, p, r) for p, r in corpus(4000, seed)), key=len)
+    batches = [data[i : i + 32] for i in range(0, len(data), 32)]
     optim = torch.optim.AdamW(actor.parameters(), lr=3e-3)
     rng = random.Random(seed)
     for i in range(steps):
-        ids, attn = _pad(rng.sample(data, 32), tokenizer.pad_token_id)
+        ids, attn = _pad(rng.choice(batches), tokenizer.pad_token_id)
         labels = ids.masked_fill(attn == 0, -100)
         loss = actor(input_ids=ids, attention_mask=attn, labels=labels).loss
         optim.zero_grad()
@@ -143,22 +167,29 @@ def warm_up_actor(tokenizer, steps: int, seed: int, log=print) -> torch.nn.Modul
 
 
 def train_reward_model(tokenizer, steps: int, seed: int, log=print) -> torch.nn.Module:
-    """A tiny one-label Qwen2 reward model trained on pairs (polite, not polite or a bare thank-you) of
-    answers to the same prompt: Bradley-Terry loss, plus a small pull of the scores towards 0 so they
-    stay centred."""
+    """A tiny one-label Qwen2 reward model trained on pairs of answers to the same prompt: the chosen one
+    polite and complete, the rejected one not polite, a bare thank-you, or polite but cut off (no
+    ``<eos>``). Bradley-Terry loss, plus a small pull of the scores towards 0 so they stay centred."""
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(model_config(tokenizer, num_labels=1))
     optim = torch.optim.AdamW(model.parameters(), lr=2e-3)
     rng = random.Random(seed + 1)
     for i in range(steps):
         rows = []
+        items = requested_items(rng)  # one length per batch: little padding
         for _ in range(16):
             topic = rng.choice(TOPICS)
-            prompt = rng.choice(PROMPT_TEMPLATES).format(t=topic)
-            rows.append(_encode(tokenizer, prompt, response(rng, topic, polite=True)))
-            # The rejected answer: not polite, or a bare thank-you that does not answer.
-            rejected = response(rng, topic, polite=False) if rng.random() < 0.7 else POLITE
-            rows.append(_encode(tokenizer, prompt, rejected))
+            prompt = make_prompt(rng, topic, items)
+            rows.append(_encode(tokenizer, prompt, response(rng, topic, items, polite=True)))
+            kind = rng.random()
+            if kind < 0.6:
+                rows.append(_encode(tokenizer, prompt, response(rng, topic, items, polite=False)))
+            elif kind < 0.8:
+                rows.append(_encode(tokenizer, prompt, POLITE))
+            else:  # cut off: no <eos>
+                full = _encode(tokenizer, prompt, response(rng, topic, items, polite=True))[:-1]
+                prompt_len = len(tokenizer(prompt)["input_ids"])
+                rows.append(full[: rng.randrange(prompt_len + 1, len(full))])
         ids, attn = _pad(rows, tokenizer.pad_token_id)
         scores = model(input_ids=ids, attention_mask=attn).logits[:, 0]
         chosen, rejected = scores[0::2], scores[1::2]
@@ -186,10 +217,17 @@ def build_task(
         return cache
     log(f"building the demo task into {cache} (tokenizer, actor warm-up, reward model)")
     cache.mkdir(parents=True, exist_ok=True)
-    texts = [f"{p} {r}" for p, r in corpus(4000, seed)] + [POLITE]
+    texts = [f"{p} {r}" for p, r in corpus(4000, seed)] + [POLITE] + [str(n) for n in range(1, MAX_ITEMS + 1)]
     tokenizer = train_tokenizer(texts)
-    actor = warm_up_actor(tokenizer, actor_steps, seed, log)
-    reward = train_reward_model(tokenizer, reward_steps, seed, log)
+    # NOTE: one intra-op thread: these models are too small to gain from more, and on a shared CPU two
+    # threads collapse (50x slower measured) as soon as another process takes a core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        actor = warm_up_actor(tokenizer, actor_steps, seed, log)
+        reward = train_reward_model(tokenizer, reward_steps, seed, log)
+    finally:
+        torch.set_num_threads(threads)
     for name, model in (("actor", actor), ("reward", reward)):
         model.save_pretrained(cache / name)
         tokenizer.save_pretrained(cache / name)

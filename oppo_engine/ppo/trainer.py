@@ -168,10 +168,17 @@ class PPOTrainer:
         stale = (batch.versions < self.engine.policy_version) & (batch.mask > 0)
         if self.config.off_policy != "recompute" or not stale.any():
             return batch.logprobs
+        # Only the rows with stale tokens, in chunks of similar length, each trimmed to its longest row
+        # (exact: right padding, causal model): under long-tailed lengths the padded batch is mostly padding.
+        current = batch.logprobs.clone()
+        rows = stale.any(1).nonzero().flatten()
+        lengths = batch.attention_mask.sum(1)
         with torch.no_grad():
-            current = core.token_logprobs(
-                self.actor, batch.input_ids, batch.attention_mask, self.config.temperature
-            )
+            for idx in rows[torch.argsort(lengths[rows], stable=True)].split(self.config.minibatch_size):
+                width = int(lengths[idx].max())
+                ids, mask = batch.input_ids[idx, :width], batch.attention_mask[idx, :width]
+                logprobs = core.token_logprobs(self.actor, ids, mask, self.config.temperature)
+                current[idx, : width - 1] = logprobs
         return torch.where(stale, current, batch.logprobs)
 
     def _update(self, batch: RolloutBatch) -> dict:
@@ -189,19 +196,22 @@ class PPOTrainer:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.steps)
         sums = dict(policy_loss=0.0, value_loss=0.0, clipfrac=0.0, approx_kl=0.0)
         n_minibatches = 0
+        lengths = batch.attention_mask.sum(1)
         for _ in range(cfg.epochs):
-            for idx in torch.randperm(len(batch), generator=g).split(cfg.minibatch_size):
+            for idx in self._minibatches(lengths, g):
                 idx = idx.to(self.device)
-                mb = batch.select(idx)
+                width = int(lengths[idx].max())  # NOTE: right-padded rows: trimming is exact (causal)
+                mb = batch.select(idx).trim(width)
+                old, adv, ret = (t[idx, : width - 1] for t in (old_logprobs, advantages, returns))
                 m = mb.mask
                 new_logprobs = core.token_logprobs(
                     self.actor, mb.input_ids, mb.attention_mask, cfg.temperature
                 )
                 pg_loss, clipfrac, approx_kl = core.policy_loss(
-                    new_logprobs, old_logprobs[idx], advantages[idx], m, cfg.clip_range, truncation
+                    new_logprobs, old, adv, m, cfg.clip_range, truncation
                 )
                 new_values = core.token_values(self.critic, mb.input_ids, mb.attention_mask)
-                vf_loss = core.value_loss(new_values, mb.values, returns[idx], m, cfg.clip_range_value)
+                vf_loss = core.value_loss(new_values, mb.values, ret, m, cfg.clip_range_value)
                 self.actor_optim.zero_grad(set_to_none=True)
                 self.critic_optim.zero_grad(set_to_none=True)
                 (pg_loss + cfg.value_coef * vf_loss).backward()
@@ -219,6 +229,15 @@ class PPOTrainer:
             stale_tokens=stale,
             **{k: v / n_minibatches for k, v in sums.items()},
         )
+
+    def _minibatches(self, lengths: torch.Tensor, g: torch.Generator) -> list[torch.Tensor]:
+        """One epoch's minibatches of row indices: random, or (``group_by_length``) rows of similar length
+        together, the minibatches in random order."""
+        size = self.config.minibatch_size
+        if not self.config.group_by_length:
+            return list(torch.randperm(len(lengths), generator=g).split(size))
+        order = torch.argsort(lengths.cpu(), stable=True).split(size)
+        return [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
 
     def train(self, steps: int, callback=None) -> list[PPOStepStats]:
         """``steps`` PPO steps; ``callback(stats)`` after each."""

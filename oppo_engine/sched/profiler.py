@@ -7,8 +7,12 @@ From one streamed step's timeline (each lane's forwards, with their token counts
   synchronisation), whatever the chunk size;
 - the actor's decode iteration alone (``decode_iter_s``: the median forward no scorer work overlapped),
   and how much slower it runs while a scorer prefill runs beside it, for this step's chunk size;
-- the workload: sequences per iteration, tokens per step, and the sequences whose last chunk was still
-  unscored when the step's last token came out.
+- the workload: sequences per iteration, tokens per step, tokens each scorer prefilled, and the sequences
+  whose last chunk was still unscored when the step's last token came out.
+
+A step that did not stream (the chunk controller's "off" arm: the scorers ran after the actor) measures
+everything but the slowdown and the tail, so the profile -- and with it the cost model's verdict on the
+streaming arms -- follows the workload while streaming is off.
 
 The spans are wall-clock times of the host: on the CPU that is the work itself; on CUDA each actor
 iteration ends in a host sync of its sampled tokens, so an actor span covers its kernels too. The numbers
@@ -21,7 +25,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from oppo_engine.control import SwitchProfile
+from oppo_engine.control import OFF, Arm, SwitchProfile
 from oppo_engine.obs.timeline import Span
 
 _EMA = 0.5  # weight of the newest step in the running estimates
@@ -37,7 +41,7 @@ class SwitchCostProfiler:
         self._fields: dict[str, float] = {}
 
     def observe(
-        self, spans: list[Span], chunk_size: int, tokens_generated: int, finish_times: list[float]
+        self, spans: list[Span], chunk_size: Arm, tokens_generated: int, finish_times: list[float]
     ) -> SwitchProfile | None:
         """Fold one step in; returns the profile so far, or None while a field cannot be measured yet."""
         actor = [s for s in spans if s.lane == self.actor_lane]
@@ -48,26 +52,31 @@ class SwitchCostProfiler:
         alone = [s.duration_s for s in actor if not _overlaps(s, busy)]
         beside = [s.duration_s for s in actor if _overlaps(s, busy)]
         decode_iter = statistics.median(alone or beside)
-        if alone and beside:
+        streamed = chunk_size != OFF
+        if streamed and alone and beside:
             self._slowdown[chunk_size] = self._blend(
                 self._slowdown.get(chunk_size), max(0.0, statistics.median(beside) / decode_iter - 1.0)
             )
         handoff, per_token = _fit_line(
             [(float(s.args["tokens"]), s.duration_s) for s in scorer], per_lane=len({s.lane for s in scorer})
         )
-        generation_end = max(s.end_s for s in actor)
-        window = chunk_size * decode_iter
+        scorers = len({s.lane for s in scorer})
         measured = {
             "handoff_s": handoff,
             "prefill_s_per_token": per_token,
             "decode_iter_s": decode_iter,
             "running_seqs": tokens_generated / len(actor),
-            "tail_seqs": float(sum(1 for t in finish_times if t >= generation_end - window)),
             "tokens_per_step": float(tokens_generated),
+            "scored_tokens_per_step": sum(float(s.args["tokens"]) for s in scorer) / scorers,
         }
+        if streamed:
+            generation_end = max(s.end_s for s in actor)
+            window = chunk_size * decode_iter
+            measured["tail_seqs"] = float(sum(1 for t in finish_times if t >= generation_end - window))
         for name, value in measured.items():
             self._fields[name] = self._blend(self._fields.get(name), value)
-        return SwitchProfile(slowdown=dict(self._slowdown), **self._fields)
+        # NOTE: no tail measured before the first streamed step: the tail term is then 0.
+        return SwitchProfile(slowdown=dict(self._slowdown), **{"tail_seqs": 0.0, **self._fields})
 
     @staticmethod
     def _blend(old: float | None, new: float) -> float:

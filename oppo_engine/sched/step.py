@@ -117,16 +117,13 @@ class StepLoop:
                 # its prefix; a group not finished is scored in a later step).
                 running = {s.group_id for s in seqs if s.status not in (SeqStatus.FINISHED, SeqStatus.SCORED)}
                 for seq in seqs:
-                    if (
-                        seq.status is SeqStatus.FINISHED
-                        and seq.group_id not in running
-                        and not lane.knows(seq)
-                    ):
-                        lane.add(seq)
-                        self._hand_off(seq, final=True, out=out)
-            if drained or not stream:
+                    if seq.status is SeqStatus.FINISHED and seq.group_id not in running:
+                        self._hand_off_rest(seq, out)
+            if drained or not (stream or any(lane.knows(s) for s in seqs if s not in cut.batch)):
                 lane.finish()
             else:
+                if not stream:
+                    self._score_batch(cut)
                 lane.pause()
         self.actor_sched.detach_all()  # the unfinished keep their pages; the overcommit buffer carries them
         for seq in out.finished_all if commit else ():  # the step stands: KV kept for a rollback can go
@@ -156,6 +153,25 @@ class StepLoop:
         seq.num_handed_off = seq.num_tokens
         self.scorer_lane.hand_off(seq, seq.num_tokens, final)
         out.handoffs += 1
+
+    def _hand_off_rest(self, seq: Sequence, out: StepOutcome) -> None:
+        """A finished sequence's tokens not yet handed off, as its final chunk. A sequence the scorers know
+        already was streamed in an earlier step (the chunk controller then switched streaming off)."""
+        if not self.scorer_lane.knows(seq):
+            self.scorer_lane.add(seq)
+        elif seq.num_handed_off == seq.num_tokens:
+            return  # finished in a streamed step: its final chunk is with the scorers already
+        self._hand_off(seq, final=True, out=out)
+
+    def _score_batch(self, cut: BatchCut) -> None:
+        """A step that did not stream, with streamed sequences carried beyond it: score the batch on the
+        lane's worker (the actor is done) and keep the carried ones' scorer state, as a streamed step's
+        cut does."""
+        lane = self.scorer_lane
+        lane.start(threaded=True)
+        while not cut.scored():
+            lane.check()
+            time.sleep(_POLL_S)
 
     def _generate(self, policy_version: int, chunk_size: int | None, cut: BatchCut, out: StepOutcome) -> bool:
         """Decode until the batch is complete (streamed: and scored); True if the actor ran out of work."""

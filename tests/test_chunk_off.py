@@ -1,0 +1,125 @@
+"""The chunk controller's "off" arm in the engine: a step it does not stream runs no scorer work while the
+actor decodes, so ``intra`` is then exactly ``sequential`` and ``oppo`` exactly ``inter``; switching
+between "off" and streaming from step to step (carried sequences the scorers streamed before an "off"
+step included) changes no number and leaks no page."""
+
+from __future__ import annotations
+
+import pytest
+from engine_models import make_actor, make_reward, random_prompts
+from test_intra import assert_same_rollouts, make_engine
+from test_ppo_scorers import make_critic, make_reference
+
+from oppo_engine import SamplingParams
+from oppo_engine.control import OFF, ChunkControl
+from oppo_engine.sched.sequence import SeqStatus
+
+
+@pytest.fixture(scope="module")
+def models():
+    return dict(actor=make_actor(), reward=make_reward(), reference=make_reference(), critic=make_critic())
+
+
+class ScriptedArms:
+    """Stands in for the chunk controller: the arms of successive steps, cycled (the loop is under test)."""
+
+    def __init__(self, arms):
+        self.arms, self.step, self.history = list(arms), 0, []
+
+    def chunk_size(self):
+        return self.arms[self.step % len(self.arms)]
+
+    def observe(self, arm, seconds, tokens):
+        assert arm == self.chunk_size()
+        self.history.append(arm)
+        self.step += 1
+
+    def set_profile(self, profile):
+        pass
+
+
+def _overlaps(a, b) -> bool:
+    return a.start_s < b.end_s and b.start_s < a.end_s
+
+
+def long_tailed(n: int, seed: int):
+    """Prompts with requested lengths from 3 to 40 tokens (the test actor never says EOS): under overcommit
+    the long ones are carried unfinished, their prefix streamed."""
+    prompts = random_prompts(n, seed=seed)
+    lengths = [3 + (7 * i) % 11 if i % 4 else 40 for i in range(n)]
+    return prompts, [SamplingParams(temperature=1.0, max_new_tokens=n) for n in lengths]
+
+
+def run_recording(engine, prompts, sampling):
+    """Every step to exhaustion; per step its arm, the unfinished sequences it carried that the scorers know
+    (streamed), and whether a scorer forward overlapped an actor forward."""
+    engine.add_prompts(prompts, sampling)
+    rollouts, steps = [], []
+    while True:
+        result = engine.step()
+        if not result.rollouts:
+            break
+        rollouts.extend(result.rollouts)
+        spans = engine.timeline.spans()
+        actor = [s for s in spans if s.lane == "actor"]
+        scorer = [s for s in spans if s.lane != "actor" and s.name == "prefill"]
+        overlap = any(_overlaps(a, s) for a in actor for s in scorer)
+        lane = engine._loop.scorer_lane
+        streamed_unfinished = sum(
+            lane.knows(s) and s.status not in (SeqStatus.FINISHED, SeqStatus.SCORED)
+            for s in engine._buffer.carried
+        )
+        steps.append((result.metrics.chunk_size, streamed_unfinished, overlap))
+    return sorted(rollouts, key=lambda r: prompts.index(r.prompt_ids)), steps
+
+
+@pytest.mark.parametrize(
+    ("mode", "base", "cfg"),
+    [
+        ("intra", "sequential", {}),
+        ("oppo", "inter", {"overcommit": 4}),
+        ("oppo", "sequential", {"overcommit": 6}),
+    ],
+)
+def test_off_steps_run_no_scorer_work_beside_the_actor_and_change_no_number(models, mode, base, cfg):
+    prompts, sampling = long_tailed(22, seed=5)
+    want, _ = run_recording(
+        make_engine(models, base, **({} if base == "sequential" else cfg)), prompts, sampling
+    )
+    engine = make_engine(models, mode, **cfg)
+    # off after a streamed step: sequences streamed in one step and carried into an "off" one
+    engine._chunk_control = ScriptedArms([4, OFF, OFF, 2, OFF])
+    got, steps = run_recording(engine, prompts, sampling)
+    assert_same_rollouts(got, want)
+    arms = [arm for arm, _, _ in steps]
+    assert OFF in arms and 4 in arms
+    assert not any(overlap for arm, _, overlap in steps if arm == OFF)
+    if mode == "oppo":
+        # some "off" step took over unfinished sequences streamed (and carried) by the step before
+        assert any(
+            arm == OFF and prev_arm != OFF and carried
+            for (prev_arm, carried, _), (arm, _, _) in zip(steps, steps[1:], strict=False)
+        ), steps
+    stats = engine.cache_stats()
+    assert stats.free_pages == stats.total_pages  # everything scored and returned: no page leaked
+    engine.close()
+
+
+def test_chunk_size_metric_is_off_for_a_step_the_controller_did_not_stream(models):
+    engine = make_engine(models, "intra", chunk=ChunkControl(candidates=(4, 8)))
+    engine.add_prompts(random_prompts(12, seed=1))
+    # without a profile, the first exploration measures "off" first, then the chunk sizes
+    metrics = [engine.step().metrics for _ in range(2)]
+    assert metrics[0].chunk_size == OFF and metrics[1].chunk_size in (4, 8)
+    assert metrics[0].handoffs == metrics[0].rollouts  # one final hand-off per sequence, after the actor
+    assert metrics[1].handoffs > metrics[1].rollouts  # prompt, chunks and the final one
+    assert [r.chunk_size for r in engine.chunk_history] == [OFF, metrics[1].chunk_size]
+    engine.close()
+
+
+def test_sequential_and_inter_report_no_chunk_size(models):
+    for mode in ("sequential", "inter"):
+        engine = make_engine(models, mode)
+        engine.add_prompts(random_prompts(6, seed=2))
+        assert engine.step().metrics.chunk_size is None
+        engine.close()

@@ -1,0 +1,97 @@
+"""The demo's figures from synthetic per-step records: the time-to-reward threshold and crossing, the
+records.json layout, the chunk size chosen and the ablation table."""
+
+import pytest
+
+from oppo_engine.ppo.report import (
+    ModeRun,
+    StepRecord,
+    chunk_choice,
+    format_table,
+    records_json,
+    reward_threshold,
+    time_to_reward,
+)
+
+
+def mode_run(mode, rewards, step_s, chunk=None, rollout_share=0.8):
+    run = ModeRun(mode)
+    elapsed = 0.0
+    for i, reward in enumerate(rewards):
+        s = step_s[i] if isinstance(step_s, list) else step_s
+        elapsed += s
+        c = chunk[i] if isinstance(chunk, list) else chunk
+        run.records.append(
+            StepRecord(
+                step=i + 1,
+                reward=reward,
+                kl=0.0,
+                step_s=s,
+                rollout_s=rollout_share * s,
+                elapsed_s=elapsed,
+                rollouts=8,
+                tokens=100,
+                exposed_scoring_s=0.01,
+                length_bias=1.0,
+                chunk_size=c,
+                overcommit=2,
+                stale_tokens=0,
+            )  # fmt: skip
+        )
+    return run
+
+
+def test_threshold_is_ninety_percent_of_the_way_between_the_first_and_final_trailing_means():
+    base = mode_run("sequential", [0.0] * 5 + [1.0] * 5 + [2.0] * 5, 1.0)
+    # first trailing mean (steps 1-5) 0.0, final (steps 11-15) 2.0
+    assert reward_threshold(base) == pytest.approx(1.8)
+
+
+def test_time_to_reward_is_the_summed_step_time_at_the_first_crossing_of_the_trailing_mean():
+    run = mode_run("oppo", [0.0] * 5 + [2.0] * 10, [1.0] * 5 + [0.5] * 10)
+    # trailing means: step 5: 0.0, step 9: 1.6, step 10: 2.0 >= 1.8 -> summed time of steps 1-10
+    assert time_to_reward(run, 1.8) == pytest.approx(5 * 1.0 + 5 * 0.5)
+    assert time_to_reward(run, 2.5) is None
+    # one lucky step does not cross: the trailing mean does
+    spike = mode_run("intra", [0.0] * 5 + [5.0] + [0.0] * 5, 1.0)  # its trailing mean peaks at 1.0
+    assert time_to_reward(spike, 1.8) is None
+
+
+def test_records_json_has_exactly_the_documented_keys_and_one_threshold():
+    seq = mode_run("sequential", [0.0] * 5 + [2.0] * 10, 2.0)
+    oppo = mode_run("oppo", [0.0] * 5 + [2.0] * 10, 1.0, chunk="off")
+    missing = ModeRun("inter", unavailable="not built")
+    out = records_json([seq, oppo, missing])
+    assert set(out) == {"sequential", "oppo"}
+    for rec in out.values():
+        keys = {
+            "time_to_reward_s",
+            "threshold",
+            "s_per_step",
+            "rollout_s_per_step",
+            "final_reward",
+            "records",
+        }
+        assert set(rec) == keys
+        assert rec["threshold"] == pytest.approx(1.8)
+    assert out["sequential"]["time_to_reward_s"] == pytest.approx(2 * out["oppo"]["time_to_reward_s"])
+    assert out["oppo"]["s_per_step"] == pytest.approx(1.0)
+    assert out["oppo"]["rollout_s_per_step"] == pytest.approx(0.8)
+    assert out["oppo"]["final_reward"] == pytest.approx(2.0)
+    assert len(out["oppo"]["records"]) == 15 and out["oppo"]["records"][0]["chunk_size"] == "off"
+
+
+def test_chunk_choice_is_the_most_frequent_arm_of_the_second_half():
+    run = mode_run("intra", [0.0] * 10, 1.0, chunk=[8, 8, 8, 8, 8, "off", "off", "off", 16, "off"])
+    assert chunk_choice(run) == "off (4/5)"
+    assert chunk_choice(mode_run("sequential", [0.0] * 4, 1.0)) == "-"
+
+
+def test_table_reports_speed_ups_against_sequential():
+    seq = mode_run("sequential", [0.0] * 5 + [2.0] * 10, 2.0)
+    oppo = mode_run("oppo", [0.0] * 5 + [2.0] * 10, 1.0, chunk="off")
+    table = format_table([seq, oppo])
+    row = next(line for line in table.splitlines() if line.startswith("time to reward (s)"))
+    assert "20.0" in row and "10.0" in row
+    assert table.count("2.00x") == 3  # time to reward, PPO step, rollout
+    assert "off (8/8)" in table
