@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-new-tokens", type=int, default=DemoOptions().max_new_tokens, help="response length cap"
     )
     d.add_argument("--seed", type=int, default=0, help="seed of the task, the models and the sampling")
-    d.add_argument("--overcommit", type=int, default=None, help="Δ of inter, oppo (default: B / 2)")
+    d.add_argument("--overcommit", type=int, default=None, help="Δ of inter, oppo (None: B / 2)")
     d.add_argument(
         "--max-deferrals", type=int, default=DemoOptions().max_deferrals, help="deferral bound of inter, oppo"
     )

@@ -82,8 +82,9 @@ class EngineConfig:
     online chunk-size search of ``chunk_size="auto"``; ``delta`` (``DeltaControl``) the online Δ of
     ``overcommit="auto"``; ``max_deferrals`` bounds how many steps a sequence may be deferred.
     ``max_policy_lag`` (default 2) bounds staleness: no returned token was sampled more than this many
-    policy versions (``update_policy`` calls) before the step that returns it; a carried sequence about
-    to exceed it is due and taken by the next batch. ``None`` leaves only ``max_deferrals``. While it is
+    policy versions (``update_policy`` calls) before the step that returns it, when ``update_policy`` is
+    called at most once between two steps; a carried sequence about to exceed it is due and taken by the
+    next batch. ``None`` leaves only ``max_deferrals``. While it is
     set, a fixed ``overcommit`` (or ``delta.max``) above ``batch_size`` is refused: more sequences could
     fall due than one batch holds.
     ``kv_cache_bytes=None`` sizes the arena for B (+ Δ_max under overcommit: ``overcommit`` when fixed,

@@ -37,7 +37,7 @@ def test_bare_command_prints_help_not_an_argparse_error(capsys):
     ("args", "prog", "defaults"),
     [
         (["--help"], "usage: oppo-engine", []),
-        (["demo", "--help"], "usage: oppo-engine demo", ["(default: 60)", "(default: 32)", "torch device"]),
+        (["demo", "--help"], "usage: oppo-engine demo", ["(default: 30)", "(default: 32)", "torch device"]),
         (["bench", "--help"], "usage: oppo-engine bench", ["(default: tiny)", "(default: 3)"]),
         (["trace", "--help"], "usage: oppo-engine trace", ["(default: longtail)"]),
     ],

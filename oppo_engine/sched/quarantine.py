@@ -5,7 +5,8 @@ A forward packs many sequences, so a failure has no single culprit at first. The
 
 1. An ``Exception`` raised by a model forward or a reward call (marked by ``model_call``) rolls the step
    back and retries it once: a failure that does not reproduce is absorbed.
-2. If the retry fails the same way (the same exception type, raised by the same role), the culprit is
+2. If the retry fails the same way (the same exception type, whichever model raised it: a poison prompt
+   fails in the first model that meets it, and under streaming that depends on the schedule), the culprit is
    isolated by probing halves of the step's groups (each probe runs its groups to the end, then is rolled
    back) until one group fails alone, twice (a single failure is never trusted: that is what the retry
    is for). That group leaves the step (quarantined, with its error) and the rest runs again; a further
@@ -123,11 +124,11 @@ def run_quarantined(
         live = [g for g in live if g is not culprit]
 
 
-_Kind = tuple[type, str | None]  # (exception type, role): what "fails the same way" compares
+_Kind = type  # the exception type: what "fails the same way" compares
 
 
 def _kind(error: BaseException) -> _Kind:
-    return type(error), failed_in(error)
+    return type(error)
 
 
 def _isolate(
