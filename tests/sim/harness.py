@@ -91,6 +91,7 @@ class Workload:
     late_prompts: int  # prompts added after the first step
     poison: bool  # one prompt's every forward fails (only where steps quarantine: QUARANTINE)
     poison_role: str  # the one model whose forwards the poison prompt fails (the quarantine's contract)
+    max_policy_lag: int | None  # inter, oppo; None elsewhere (the knob is refused there)
 
     @classmethod
     def draw(cls, seed: int) -> Workload:
@@ -138,9 +139,15 @@ class Workload:
             late_prompts=late,
             poison=r.random() < 0.15,  # drawn last: the draws above stay those of the seeds on record
             poison_role="actor",
+            max_policy_lag=None,
         )
         # Drawn after the fields above, so that those stay the draws of the seeds on record.
         w.poison_role = r.choice(w.roles())
+        if over:
+            # While a lag is set the engine refuses a fixed Δ above B (an "auto" Δ stays within B/4).
+            fits = not isinstance(overcommit, int) or overcommit <= batch_size
+            lag = r.choice((None, 1, 2, 3))
+            w.max_policy_lag = lag if fits else None
         return w
 
     def roles(self) -> list[str]:
@@ -163,6 +170,7 @@ class Workload:
                 overcommit=self.overcommit,
                 max_deferrals=self.max_deferrals,
                 retained_kv=self.retained_kv,
+                max_policy_lag=self.max_policy_lag,
             )
         if self.mode in ("intra", "oppo"):
             kwargs.update(chunk_size=self.chunk_size)
