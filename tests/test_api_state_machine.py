@@ -6,9 +6,8 @@ only what README's "Exceptions" table says it raises then (``EXPECTED``); the en
 refused call; no page is held but by a carried sequence; every accepted prompt comes back exactly once over
 the run (or is quarantined with its reason), which ``teardown`` checks by draining the engine.
 
-Loads into another mode: a state that carries sequences is loaded into the same mode, until the engine
-records the settings its sequences depend on (issue 19: today such a load loses prompts); a state that
-carries none, into any mode.
+Loads into another mode: a state that records the settings its carried sequences depend on (``settings``,
+issue 19) loads into any mode; one that carries sequences without them (version 2) into the same mode.
 """
 
 from __future__ import annotations
@@ -32,8 +31,10 @@ EXPECTED = {
     ("add_prompts", "closed"): RuntimeError,
     ("add_prompts", "released"): RuntimeError,
     ("add_prompts", "bad input"): ValueError,
+    ("add_prompts", "bad type"): TypeError,
     ("step", "closed"): RuntimeError,
     ("step", "released"): RuntimeError,
+    ("step", "bad source"): (TypeError, ValueError),  # a bad prompt from the prompt source
     ("update_policy", "closed"): RuntimeError,
     ("report_reward", "closed"): RuntimeError,
     ("resume", "closed"): RuntimeError,
@@ -67,7 +68,10 @@ def _build(mode: str, n: int) -> RolloutEngine:
 
 
 prompt = st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=8)
-BAD_INPUTS = ("empty", "out_of_vocab", "too_long", "sampling_length", "sampling_n", "not_params")
+BAD_INPUTS = ("empty", "out_of_vocab", "too_long", "sampling_length", "sampling_n")
+BAD_TYPES = ("not_params", "sampling_str", "text", "floats", "bools", "nested_mapping")
+# Items of a prompt source that step() refuses: (TypeError) and (ValueError) ones.
+BAD_ITEMS = {"text": "hello", "floats": [5.0, 6.0], "empty": [], "out_of_vocab": [VOCAB]}
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -97,7 +101,7 @@ class EngineMachine(RuleBasedStateMachine):
             RULE_COUNTS[f"{name} refused"] += 1
             return False, None
         if expected is not None and state != "open":
-            raise AssertionError(f"{name} in state {state!r} did not raise {expected.__name__}")
+            raise AssertionError(f"{name} in state {state!r} did not raise {expected}")
         return True, out
 
     def _record(self, result) -> None:
@@ -150,6 +154,38 @@ class EngineMachine(RuleBasedStateMachine):
         RULE_COUNTS[f"add_prompts bad: {kind}"] += 1
         assert not ok
 
+    @rule(kind=st.sampled_from(BAD_TYPES))
+    def add_prompts_of_a_bad_type(self, kind: str) -> None:
+        good = [5, 6, 7]
+        calls = {
+            "not_params": lambda: self.engine.add_prompts([good], [None]),
+            "sampling_str": lambda: self.engine.add_prompts([good], "greedy"),
+            "text": lambda: self.engine.add_prompts([good, "hello"]),
+            "floats": lambda: self.engine.add_prompts([good, [5.0, 6.0]]),
+            "bools": lambda: self.engine.add_prompts([good, [True, False]]),
+            "nested_mapping": lambda: self.engine.add_prompts([good, {"input_ids": {"a": [5]}}]),
+        }
+        state = "bad type" if self._state() == "open" else None
+        ok, _ = self._call("add_prompts", calls[kind], state=state)
+        RULE_COUNTS[f"add_prompts bad type: {kind}"] += 1
+        assert not ok
+
+    def _nothing_queued(self) -> bool:
+        prompts = self.engine._prompts
+        return not (prompts.requeued or prompts._pending or prompts._source)
+
+    @precondition(lambda self: self._state() == "open" and self._nothing_queued())
+    @rule(kind=st.sampled_from(sorted(BAD_ITEMS)))
+    def step_over_a_bad_prompt_source(self, kind: str) -> None:
+        """The source's good prompt is taken, its bad one refused by the step: the good one stays first."""
+        good = [5, 6, 7]
+        self._call("set_prompt_source", lambda: self.engine.set_prompt_source(iter([good, BAD_ITEMS[kind]])))
+        self.accepted[(self.epoch, self.next_index)] = good
+        self.next_index += 1
+        ok, _ = self._call("step", self.engine.step, state="bad source")
+        RULE_COUNTS[f"step bad source: {kind}"] += 1
+        assert not ok
+
     @rule(times=st.integers(1, 3))
     def step(self, times: int) -> None:
         for _ in range(times):
@@ -194,6 +230,8 @@ class EngineMachine(RuleBasedStateMachine):
         records_settings = "mode" in state or "settings" in state
         if state["carried"] and not records_settings:
             mode = self.mode
+        if state["carried"] and mode != self.mode:
+            RULE_COUNTS["load_state_dict: carried into another mode"] += 1
         fresh = _build(mode, self.n)
         self.engines.append(fresh)
         RULE_COUNTS["load_state_dict"] += 1

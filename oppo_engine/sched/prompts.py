@@ -89,10 +89,11 @@ class PromptQueue:
                     f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}"
                 )
             sampling = list(sampling)
-            if len(sampling) != len(prompts):
-                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
+            # NOTE: the type before the length: a str is iterable, and no list of SamplingParams.
             if not all(isinstance(s, SamplingParams) for s in sampling):
                 raise TypeError("sampling must be a SamplingParams or a list of them")
+            if len(sampling) != len(prompts):
+                raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
             for i, s in enumerate(sampling):
                 self.check_sampling(s, f"sampling[{i}]")
             other = next((i for i, s in enumerate(sampling) if s.n != self.sampling.n), None)

@@ -44,6 +44,7 @@ class Ledger:
         self.failed: set[tuple[int, int]] = set()
         self.returned = 0
         self.quarantined = 0
+        self.version = engine.policy_version  # at the last step that returned
 
     @property
     def engine(self) -> RolloutEngine:
@@ -76,6 +77,7 @@ class Ledger:
         over = w.mode in ("inter", "oppo")
         limit = deferral_bound(w.batch_size, w.max_deferrals, self.sim.engine._max_overcommit) if over else 0
         version = self.engine.policy_version
+        lag_limit = self._lag_limit(version) if over else None
         for r in result.rollouts:
             key = (r.group_id, r.sample_index)
             self.seen[key] += 1
@@ -100,6 +102,11 @@ class Ledger:
                 _fail(f"prompt {r.group_id}: policy versions go back: {r.policy_versions}")
             if r.deferred_steps > limit:
                 _fail(f"prompt {r.group_id}: deferred {r.deferred_steps} steps, the bound is {limit}")
+            if lag_limit is not None and version - r.policy_versions[0] > lag_limit:
+                _fail(
+                    f"prompt {r.group_id} sample {r.sample_index}: a token of policy {r.policy_versions[0]} "
+                    f"returned at {version}, the lag bound is {lag_limit}"
+                )
         for r in failed:
             key = (r.group_id, r.sample_index)
             if key in self.seen or key in self.failed:
@@ -109,7 +116,17 @@ class Ledger:
             self.failed.add(key)
         self.returned += len(result.rollouts)
         self.quarantined += len(failed)
+        self.version = version
         return self.returned + self.quarantined == self.total
+
+    def _lag_limit(self, version: int) -> int | None:
+        """The policy-lag bound of this step's rollouts: ``max_policy_lag`` (L) when at most one
+        ``update_policy`` came since the last step (README, "max_policy_lag"); each further update in that
+        gap adds one, as a sequence not yet due at that step (a lag below L) is only due at this one."""
+        lag = self.sim.w.max_policy_lag
+        if lag is None:
+            return None
+        return lag + max(0, version - self.version - 1)
 
     def snapshot(self) -> tuple:
         """The state a failed step must give back: carried sequences, the queue, the actor KV."""

@@ -13,6 +13,7 @@ model forwards (plus ``POLL_UNITS`` other units); a step past it is reported as 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -89,6 +90,8 @@ class Workload:
     p_report: float
     late_prompts: int  # prompts added after the first step
     poison: bool  # one prompt's every forward fails (only where steps quarantine: QUARANTINE)
+    poison_role: str  # the one model whose forwards the poison prompt fails (the quarantine's contract)
+    max_policy_lag: int | None  # inter, oppo; None elsewhere (the knob is refused there)
 
     @classmethod
     def draw(cls, seed: int) -> Workload:
@@ -105,7 +108,7 @@ class Workload:
             length = min(max_model_len - 1, 1 + int(r.expovariate(1 / r.choice((2, 4, 8)))))
             prompts.append([r.randrange(4, VOCAB) for _ in range(length)])
         late = r.randint(0, len(prompts) // 2) if r.random() < 0.3 else 0
-        return cls(
+        w = cls(
             seed=seed,
             mode=mode,
             n=n,
@@ -135,7 +138,22 @@ class Workload:
             p_report=r.choice((0.0, 0.2)),
             late_prompts=late,
             poison=r.random() < 0.15,  # drawn last: the draws above stay those of the seeds on record
+            poison_role="actor",
+            max_policy_lag=None,
         )
+        # Drawn after the fields above, so that those stay the draws of the seeds on record.
+        w.poison_role = r.choice(w.roles())
+        if over:
+            # While a lag is set the engine refuses a fixed Δ above B (an "auto" Δ stays within B/4).
+            fits = not isinstance(overcommit, int) or overcommit <= batch_size
+            lag = r.choice((None, 1, 2, 3))
+            w.max_policy_lag = lag if fits else None
+        return w
+
+    def roles(self) -> list[str]:
+        """The models whose forwards can fail: the actor and the scorers (a rule reward runs none)."""
+        scorers = {"reward": self.reward == "model", "ref_logprobs": self.reference, "values": self.critic}
+        return ["actor"] + [name for name, on in scorers.items() if on]
 
     def config(self, kv_cache_bytes: int) -> EngineConfig:
         over = self.mode in ("inter", "oppo")
@@ -149,7 +167,10 @@ class Workload:
         )
         if over:
             kwargs.update(
-                overcommit=self.overcommit, max_deferrals=self.max_deferrals, retained_kv=self.retained_kv
+                overcommit=self.overcommit,
+                max_deferrals=self.max_deferrals,
+                retained_kv=self.retained_kv,
+                max_policy_lag=self.max_policy_lag,
             )
         if self.mode in ("intra", "oppo"):
             kwargs.update(chunk_size=self.chunk_size)
@@ -184,6 +205,7 @@ class Sim:
         self.faults.fail_at = w.fail_forward_at
         if QUARANTINE and w.poison:
             self.faults.poison_prompt = w.seed % len(w.prompts)
+            self.faults.poison_role = w.poison_role
         self.oracle = Oracle(
             vocab=VOCAB, eos=EOS, mean_len=w.mean_len, long_len=w.max_model_len, p_long=w.p_long
         )
@@ -312,9 +334,10 @@ def check_pages(engine: RolloutEngine) -> None:
         )
 
 
-def run_schedule(seed: int) -> Report:
-    """Run the workload of ``seed``; raise ``SimFailure`` on any broken invariant."""
-    w = Workload.draw(seed)
+def run_schedule(seed: int, **changes) -> Report:
+    """Run the workload of ``seed`` (with ``changes`` to its fields); raise ``SimFailure`` on any broken
+    invariant."""
+    w = dataclasses.replace(Workload.draw(seed), **changes)
     sim = Sim(w)
     try:
         return _run(sim)

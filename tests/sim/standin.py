@@ -154,12 +154,17 @@ class Costs:
 
 class Faults:
     """Failures injected into model forwards: a one-shot ``InjectedFault`` at forward ``fail_at`` (counted
-    over all models), and a poison prompt whose every forward fails."""
+    over all models), and a poison prompt whose every forward in one model (``poison_role``) fails.
+
+    NOTE: one model, as the quarantine's contract needs (README, "Exceptions"): a failure that reproduces
+    in another role propagates, and with streamed scoring which model meets a poison prompt first depends
+    on the schedule."""
 
     def __init__(self) -> None:
         self.forwards = 0
         self.fail_at: int | None = None
         self.poison_prompt: int | None = None
+        self.poison_role = "actor"
         self.injected = 0
 
     def forward(self, who: str, seqs: Sequence[Seq]) -> None:
@@ -168,7 +173,8 @@ class Faults:
             self.fail_at = None
             self.injected += 1
             raise InjectedFault(f"injected into {who} forward {self.forwards}")
-        if self.poison_prompt is not None and any(s.prompt_index == self.poison_prompt for s in seqs):
+        poisoned = self.poison_prompt is not None and who == self.poison_role
+        if poisoned and any(s.prompt_index == self.poison_prompt for s in seqs):
             raise InjectedFault(f"poison prompt {self.poison_prompt} in {who}")
 
 

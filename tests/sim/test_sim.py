@@ -36,11 +36,15 @@ def test_every_invariant_holds_over_the_ci_seed_set():
     assert sum(r.failed_steps for r in reports) > 100
     assert {Workload.draw(r.seed).mode for r in reports} == {"sequential", "intra", "inter", "oppo"}
     assert sum(r.rollouts for r in reports) > 10_000
+    assert {Workload.draw(r.seed).max_policy_lag for r in reports} == {None, 1, 2, 3}
+    assert sum(r.quarantined for r in reports) > 100
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND_BUGS))
 def test_the_seeds_that_found_bugs_pass(seed):
     run_schedule(seed)
+    # As they were found: before max_policy_lag, whose draw changes their schedules.
+    run_schedule(seed, max_policy_lag=None)
 
 
 def test_a_schedule_replays_unit_for_unit_from_its_seed():
@@ -156,3 +160,16 @@ def test_a_failure_names_its_seed_and_replays():
     with pytest.raises(SimFailure) as info:
         raise SimFailure(7, Workload.draw(7), RuntimeError("x"), [(1, 0.0, "actor", "forward")])
     assert "seed 7:" in str(info.value) and "python -m tests.sim --seed 7" in str(info.value)
+
+
+def test_the_simulator_reports_a_token_past_the_policy_lag_bound(monkeypatch):
+    """Without the lag-due rule (a carried sequence whose oldest token is max_policy_lag versions old must
+    be in the next batch) a search returns tokens staler than the bound."""
+    from oppo_engine import engine as engine_module  # noqa: PLC0415
+
+    monkeypatch.setattr(engine_module, "lag_due", lambda version, lag: None)
+    seeds = [s for s in CI_SEEDS if Workload.draw(s).max_policy_lag is not None]
+    result = search(seeds, stop_at_first=True)
+    assert result.failures, "a lag past the bound went unnoticed"
+    assert isinstance(result.failures[0].error, InvariantViolation), result.failures[0]
+    assert "the lag bound is" in str(result.failures[0].error)
