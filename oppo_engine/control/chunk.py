@@ -399,11 +399,16 @@ class ChunkSizeController:
     def _decide(self) -> None:
         # NOTE: a winner's trial steps were selected for being fast, so they are biased low; an incumbent's
         # noise and drift are estimated from its own later steps only.
-        means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
         if self._incumbent is None:
-            band = self._band(self._trial[OFF]) if OFF in means else 0.0
-            self._incumbent = self._preferred(means, band)
-            return
+            if OFF not in self._trial:
+                means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
+                self._incumbent = self._preferred(means, 0.0)
+                return
+            # "Off" is the first incumbent: a streaming arm must beat it over min_samples steps, as any
+            # challenger (one step each is no comparison: the steps' workloads differ).
+            self._incumbent = OFF
+            self._recent.extend(self._trial.pop(OFF))
+        means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
         samples = list(self._recent)
         band = self._band(samples)
         target = self._preferred({**means, self._incumbent: statistics.fmean(samples)}, band)
