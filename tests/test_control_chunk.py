@@ -122,7 +122,9 @@ def test_converges_to_the_best_candidate_ranked_by_the_profile():
 
 def test_a_profile_set_before_the_first_step_plans_the_first_exploration():
     profile = u_shaped_profile()
-    ctrl = ChunkSizeController(ChunkControl(candidates=(4, 8, 16, 32, 64), explore_top=3, off=False))
+    ctrl = ChunkSizeController(
+        ChunkControl(candidates=(4, 8, 16, 32, 64), explore_top=3, off=False, warmup_steps=0)
+    )
     ctrl.set_profile(profile)
     sizes = run(ctrl, lambda c: predicted_seconds_per_token(profile, c), 3, random.Random(6))
     assert sizes == ctrl.ranking()[:3] == [32, 16, 64]
@@ -207,7 +209,9 @@ def test_a_difference_beyond_the_noise_switches():
 def test_explores_the_top_candidates_once_every_period():
     # noise-free, equal candidates: the schedule alone is visible
     ctrl = ChunkSizeController(
-        ChunkControl(candidates=(4, 8, 16, 32, 64), explore_period=10, explore_top=3, off=False)
+        ChunkControl(
+            candidates=(4, 8, 16, 32, 64), explore_period=10, explore_top=3, off=False, warmup_steps=0
+        )
     )
     sizes = run(ctrl, lambda c: 1e-4, 3 + 10 + 2 + 10 + 2, random.Random(4))
     # the first exploration is around the middle and keeps the smallest of the equals; each period then
@@ -301,6 +305,7 @@ def test_history_holds_step_size_and_time_per_generated_token():
         dict(hopeless_margin=-0.1),
         dict(hopeless_margin=float("inf")),
         dict(hopeless_every=0),
+        dict(warmup_steps=-1),
     ],
 )
 def test_bad_chunk_control_raises_value_error(kwargs):

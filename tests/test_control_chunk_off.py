@@ -97,6 +97,30 @@ def test_settles_on_a_chunk_size_when_streaming_pays(with_profile):
         assert arms[-100:].count(16) >= 75, arms[-100:]
 
 
+def test_a_lucky_first_step_does_not_make_streaming_the_incumbent():
+    """The first exploration gives each arm one step; "off" is the first incumbent and a faster-looking
+    streaming arm must confirm over min_samples steps (the heavy tail makes single steps incomparable)."""
+    ctrl = ChunkSizeController(ChunkControl(candidates=(8, 16), warmup_steps=0))
+    times = iter([1.0, 1.5, 0.3, 1.8])  # off, 8, 16 (a batch of short answers), 16 again: slow
+    arms = []
+    for _ in range(4):
+        arms.append(ctrl.chunk_size())
+        ctrl.observe(arms[-1], next(times) * 1e-4 * TOKENS, TOKENS)
+    assert arms == [OFF, 8, 16, 16]
+    assert ctrl.incumbent == OFF and not ctrl.exploring
+
+
+def test_the_warmup_step_measures_no_arm():
+    """The run's first step is slow for reasons of its own (first forwards): it is recorded, and the arm
+    it ran is planned again, so "off" is not judged by it."""
+    ctrl = ChunkSizeController(ChunkControl(candidates=(8, 16)))
+    first = ctrl.chunk_size()
+    ctrl.observe(first, 50.0 * 1e-4 * TOKENS, TOKENS)  # 50x slower than any arm
+    assert ctrl.chunk_size() == first == OFF and len(ctrl.history) == 1
+    run(ctrl, {OFF: 1.0, 8: 1.3, 16: 1.3}, 40, random.Random(1))
+    assert ctrl.incumbent == OFF
+
+
 def test_off_is_kept_unless_streaming_beats_it_by_more_than_the_noise_band():
     """Streaming 1% faster, 3% noise: within the band, so "off" stays; 10% faster: beyond it, so it wins."""
     for seed in range(5):
@@ -191,8 +215,9 @@ def test_a_step_that_ran_another_arm_than_planned_measures_neither():
     assert planned == OFF  # without a profile, the first exploration measures "off" first
     ctrl.observe(16, 1e9, TOKENS)  # streamed instead, absurdly slow
     assert ctrl.chunk_size() == OFF and ctrl.history[-1].chunk_size == 16
-    run(ctrl, {OFF: 1.0, **{c: 0.5 for c in SIZES}}, 3, random.Random(0), noise=0.0)
-    assert ctrl.incumbent in SIZES  # the absurd step did not count against the chunk sizes
+    # the first exploration (off, 16, 8), then confirming steps of the challenger
+    run(ctrl, {OFF: 1.0, **{c: 0.5 for c in SIZES}}, 5, random.Random(0), noise=0.0)
+    assert ctrl.incumbent in SIZES and not ctrl.exploring  # the absurd step did not count against them
     inc = ctrl.incumbent
     while not ctrl.exploring:
         ctrl.observe(inc, 0.5e-4 * TOKENS, TOKENS)

@@ -54,6 +54,8 @@ class ChunkControl:
     more than ``hopeless_margin`` (relative) is hopeless; an exploration skips hopeless arms, except every
     ``hopeless_every``-th exploration, which also tries the most promising hopeless one (measurements can
     overrule the model). When the profile changes, the prediction does too, and the arm comes back.
+    ``warmup_steps``: the first steps of a run carry one-time costs (first forwards, allocations); they are
+    recorded but measure no arm (the planned arm runs again).
     """
 
     candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
@@ -66,6 +68,7 @@ class ChunkControl:
     off: bool = True
     hopeless_margin: float = 0.25
     hopeless_every: int = 4
+    warmup_steps: int = 1
 
     def __post_init__(self) -> None:
         candidates = tuple(self.candidates)
@@ -103,6 +106,8 @@ class ChunkControl:
             raise ValueError(
                 f"ChunkControl.hopeless_margin must be a finite number >= 0, got {self.hopeless_margin!r}"
             )
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(f"ChunkControl.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         if not _is_int(self.hopeless_every) or self.hopeless_every < 1:
             raise ValueError(f"ChunkControl.hopeless_every must be an int >= 1, got {self.hopeless_every!r}")
 
@@ -342,7 +347,11 @@ class ChunkSizeController:
             return
         per_token = step_seconds / tokens_generated
         self.history.append(ChunkRecord(len(self.history), chunk_size, per_token))
-        if self.fixed is not None or chunk_size != self.chunk_size():
+        if (
+            self.fixed is not None
+            or chunk_size != self.chunk_size()
+            or len(self.history) <= self.control.warmup_steps
+        ):
             return
         if self._plan:
             self._plan.popleft()
@@ -399,11 +408,16 @@ class ChunkSizeController:
     def _decide(self) -> None:
         # NOTE: a winner's trial steps were selected for being fast, so they are biased low; an incumbent's
         # noise and drift are estimated from its own later steps only.
-        means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
         if self._incumbent is None:
-            band = self._band(self._trial[OFF]) if OFF in means else 0.0
-            self._incumbent = self._preferred(means, band)
-            return
+            if OFF not in self._trial:
+                means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
+                self._incumbent = self._preferred(means, 0.0)
+                return
+            # "Off" is the first incumbent: a streaming arm must beat it over min_samples steps, as any
+            # challenger (one step each is no comparison: the steps' workloads differ).
+            self._incumbent = OFF
+            self._recent.extend(self._trial.pop(OFF))
+        means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
         samples = list(self._recent)
         band = self._band(samples)
         target = self._preferred({**means, self._incumbent: statistics.fmean(samples)}, band)
