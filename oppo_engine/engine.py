@@ -291,9 +291,10 @@ class RolloutEngine:
         actor_lane = DeviceLane(self.device, ACTOR_PRIORITY)
         actor_lane.attach(actor_cache)
         actor_runner = ModelRunner(self.actor, actor_cache, backend=backend)
+        self._captured: CapturedDecode | None = None
         if graph_enabled(cfg.graph, self.device):  # captured decode (model/graph.py)
             max_num_seqs = cfg.batch_size + self._max_overcommit
-            actor_runner.captured = CapturedDecode(
+            actor_runner.captured = self._captured = CapturedDecode(
                 actor_runner, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len
             )
         self._loop = StepLoop(
@@ -383,9 +384,8 @@ class RolloutEngine:
         shared_before = {name: cache.shared_tokens for name, cache in self._caches.items()}
         recomputed_before, swapped_before = self._kv_counts()
         chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
-        captured = self._loop.actor.runner.captured
-        if captured is not None:
-            captured.start_step()
+        if self._captured is not None:
+            self._captured.start_step()
         t0 = time.perf_counter()
         self._timeline.clear()
         if self._gpu is not None:
@@ -472,7 +472,7 @@ class RolloutEngine:
         # NOTE: not out.end_s: in oppo the actor's forward in flight at the cut (and the lane's pause) end
         # after the batch's last score, and the caller waits for them too.
         t_end = time.perf_counter()
-        captured = self._loop.actor.runner.captured
+        captured = self._captured
         batch = out.finished
         feed_delta = self._delta_control is not None and bool(batch) and not self._trainer_reward
         mean_reward = sum(float(s.reward) for s in batch) / len(batch) if batch else 0.0

@@ -171,7 +171,7 @@ class StepLoop:
         lane.start(threaded=True)
         while not cut.scored():
             lane.check()
-            time.sleep(_POLL_S)
+            self.executor.sleep(_POLL_S)
 
     def _generate(self, policy_version: int, chunk_size: int | None, cut: BatchCut, out: StepOutcome) -> bool:
         """Decode until the batch is complete (streamed: and scored); True if the actor ran out of work."""

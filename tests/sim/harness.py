@@ -90,7 +90,7 @@ class Workload:
     p_report: float
     late_prompts: int  # prompts added after the first step
     poison: bool  # one prompt's every forward fails (only where steps quarantine: QUARANTINE)
-    poison_role: str  # the one model whose forwards the poison prompt fails (the quarantine's contract)
+    poison_role: str  # the model whose forwards the poison prompt fails, or "every" model
     max_policy_lag: int | None  # inter, oppo; None elsewhere (the knob is refused there)
 
     @classmethod
@@ -142,7 +142,7 @@ class Workload:
             max_policy_lag=None,
         )
         # Drawn after the fields above, so that those stay the draws of the seeds on record.
-        w.poison_role = r.choice(w.roles())
+        w.poison_role = r.choice([*w.roles(), "every"])
         if over:
             # While a lag is set the engine refuses a fixed Δ above B (an "auto" Δ stays within B/4).
             fits = not isinstance(overcommit, int) or overcommit <= batch_size

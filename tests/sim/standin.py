@@ -154,11 +154,9 @@ class Costs:
 
 class Faults:
     """Failures injected into model forwards: a one-shot ``InjectedFault`` at forward ``fail_at`` (counted
-    over all models), and a poison prompt whose every forward in one model (``poison_role``) fails.
-
-    NOTE: one model, as the quarantine's contract needs (README, "Exceptions"): a failure that reproduces
-    in another role propagates, and with streamed scoring which model meets a poison prompt first depends
-    on the schedule."""
+    over all models), and a poison prompt whose every forward fails in one model (``poison_role``) or in
+    every model (``"every"``: with streamed scoring which model meets it first depends on the schedule; the
+    quarantine compares the exception type only, so it is pinned all the same)."""
 
     def __init__(self) -> None:
         self.forwards = 0
@@ -173,7 +171,7 @@ class Faults:
             self.fail_at = None
             self.injected += 1
             raise InjectedFault(f"injected into {who} forward {self.forwards}")
-        poisoned = self.poison_prompt is not None and who == self.poison_role
+        poisoned = self.poison_prompt is not None and self.poison_role in (who, "every")
         if poisoned and any(s.prompt_index == self.poison_prompt for s in seqs):
             raise InjectedFault(f"poison prompt {self.poison_prompt} in {who}")
 
