@@ -124,6 +124,23 @@ def test_a_retry_failing_with_another_type_propagates_the_second():
     assert len(runs.log) == 2
 
 
+def test_a_probe_that_fails_another_way_is_inconclusive_and_the_steps_error_propagates():
+    # A probe runs a subset while carried sequences outside it keep their pages: it may stall for pages
+    # (the engine's own RuntimeError) where the whole step would not. That pins nothing on its groups.
+    class Stalls(Runs):
+        def _run(self, kind, groups):
+            self.log.append((kind, list(groups)))
+            if kind == "probe":
+                raise RuntimeError("actor scheduler made no progress")
+            with model_call("actor"):
+                raise Poison("failed")
+
+    runs = Stalls()
+    with pytest.raises(Poison):
+        run_quarantined(list(range(4)), runs.attempt, runs.probe)
+    assert [kind for kind, _ in runs.log] == ["attempt", "attempt", "probe", "probe"]
+
+
 @pytest.mark.parametrize(
     "error", [KeyboardInterrupt, MemoryError, lambda msg: RuntimeError("CUDA out of memory. " + msg)]
 )

@@ -155,11 +155,17 @@ def _isolate(
 
 
 def _probe_error(probe: Callable[[list[G]], None], groups: list[G], failing: _Kind) -> BaseException | None:
-    """The error of ``probe(groups)`` if it fails the ``failing`` way; another failure propagates."""
+    """The error of ``probe(groups)`` if it fails the ``failing`` way; None if it passes or fails another
+    way (out of memory and interrupts propagate).
+
+    NOTE: another failure says nothing about these groups: a probe runs a subset while carried sequences
+    outside it keep their pages, so it may stall for pages (an error the engine raises itself) where the
+    whole step would not. If no probe pins the failure, the step's own error propagates."""
     try:
         probe(groups)
     except Exception as e:
         if is_retryable(e) and _kind(e) == failing:
             return e
-        raise
+        if is_out_of_memory(e):
+            raise
     return None
