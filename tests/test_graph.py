@@ -210,6 +210,27 @@ def test_replaced_parameter_is_read_not_baked():
     assert_ran_captured(metrics)
 
 
+def test_broken_weight_tie_recompiles_the_graph():
+    """GPT-2's LM head is its token embedding: the graph compiled over the tie takes them as one input. A
+    head replaced by its own tensor changes the layout the graph assumes (dynamo's guards on the module
+    tree are dropped: the engine's per-step check stands in), so the next step compiles a new graph."""
+    actor = build_actor("gpt2")  # its own copy: the weights change
+    assert actor.lm_head.weight is actor.get_input_embeddings().weight
+    batch = prompts(LENGTHS[:4])
+    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
+    engine.add_prompts(batch)
+    engine.step()
+    with torch.no_grad():
+        actor.lm_head.weight = torch.nn.Parameter(torch.randn_like(actor.lm_head.weight))
+    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
+    for e in (engine, eager):
+        e.add_prompts(batch)
+    captured, metrics = drain(engine)
+    assert_same_rollouts(drain(eager)[0], captured)
+    assert_ran_captured(metrics)
+    assert metrics[0].graph_recompiles > 0
+
+
 def test_padding_rows_write_no_page():
     """One sequence decodes in a graph padded to two rows: the only bytes of the arena that change are the
     new token's K/V, in every layer; the logits equal the eager forward's."""
