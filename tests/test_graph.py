@@ -195,7 +195,12 @@ def test_engines_of_one_process_share_the_compiled_graph():
 
 def test_replaced_parameter_is_read_not_baked():
     """A parameter replaced by a new tensor object (not updated in place) is what the next step reads."""
-    actor = build_actor("llama")  # its own copy: the weights change
+    _replace_the_head_between_steps(build_actor("llama"))  # its own copy: the weights change
+
+
+def _replace_the_head_between_steps(actor) -> list:
+    """One captured step, then ``lm_head.weight`` replaced by a new Parameter: the next steps equal an eager
+    engine's over the new weights. Returns the captured engine's metrics of those steps."""
     batch = prompts(LENGTHS[:4])
     engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
     engine.add_prompts(batch)
@@ -208,6 +213,7 @@ def test_replaced_parameter_is_read_not_baked():
     captured, metrics = drain(engine)
     assert_same_rollouts(drain(eager)[0], captured)
     assert_ran_captured(metrics)
+    return metrics
 
 
 def test_broken_weight_tie_recompiles_the_graph():
@@ -216,18 +222,7 @@ def test_broken_weight_tie_recompiles_the_graph():
     tree are dropped: the engine's per-step check stands in), so the next step compiles a new graph."""
     actor = build_actor("gpt2")  # its own copy: the weights change
     assert actor.lm_head.weight is actor.get_input_embeddings().weight
-    batch = prompts(LENGTHS[:4])
-    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
-    engine.add_prompts(batch)
-    engine.step()
-    with torch.no_grad():
-        actor.lm_head.weight = torch.nn.Parameter(torch.randn_like(actor.lm_head.weight))
-    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
-    for e in (engine, eager):
-        e.add_prompts(batch)
-    captured, metrics = drain(engine)
-    assert_same_rollouts(drain(eager)[0], captured)
-    assert_ran_captured(metrics)
+    metrics = _replace_the_head_between_steps(actor)
     assert metrics[0].graph_recompiles > 0
 
 
