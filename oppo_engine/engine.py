@@ -651,7 +651,7 @@ class RolloutEngine:
     def release_memory(self) -> None:
         """Free the KV arena (for training); ``resume()`` rebuilds it. Queued prompts are kept, and the
         retained pages of carried-over sequences (every model's) are copied to host memory."""
-        if self._group is not None:  # after a failed collective, only state_dict() and close() work
+        if self._group is not None and not self._closed:  # after a failed collective: state_dict, close
             self._group.check()
         if self._closed or self._host is not None:
             return
