@@ -389,6 +389,10 @@ class RolloutEngine:
         ``BaseException``, out of memory, a failure no single group explains -- rolls every sequence back
         to its state at the start of the step (tokens, log-probs, the KV pages allocated during the step),
         puts them first in line and propagates; the step is all-or-nothing, and the retry is exact.
+
+        Under a process group the call is collective. A rank whose step fails as above tells its peers,
+        which roll their step back too and raise ``PeerCallFailed``; a failed collective raises
+        ``GroupFailed`` (``oppo_engine.dist``) after the same rollback.
         """
         self._check_open()
         cfg = self.config
