@@ -7,6 +7,7 @@ copies anything; ``release_memory(weights=True)`` frees the replicas and ``resum
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from test_ppo_scorers import make_critic
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine.model import replica as replica_module
 
 WORLD = 2
 
@@ -96,7 +98,15 @@ def _equal_to(engine, role: str, full: dict[str, torch.Tensor], dtype=None) -> l
 
 
 def _fsdp_scenario(rank: int, world_size: int) -> dict:
-    out: dict = {}
+    out: dict = {"direct_gathers": Counter()}
+    direct = replica_module._gather_into
+
+    def counted(dst, src):  # which parameters went straight into the replica, which through full_tensor()
+        done = direct(dst, src)
+        out["direct_gathers"][done] += 1
+        return done
+
+    replica_module._gather_into = counted
     actor, critic, reward = make_llama(), make_critic(), make_reward()
     plain_actor, plain_critic = copy.deepcopy(actor), copy.deepcopy(critic)
     _shard(actor)
@@ -210,6 +220,8 @@ def test_fsdp2_models_are_really_sharded_across_the_ranks(fsdp_run):
 def test_fsdp2_replica_is_filled_at_construction_bit_for_bit(fsdp_run):
     for out in fsdp_run:
         assert out["at_build"] == []
+        # Both gathers ran: straight into the replica (even Shard(0)) and DTensor's (the critic's 1-row head).
+        assert out["direct_gathers"][True] > 0 and out["direct_gathers"][False] > 0
 
 
 def test_fsdp2_rollouts_equal_the_same_weights_unsharded_before_an_optimizer_step(fsdp_run):
