@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -52,9 +53,10 @@ def _init_group(device: torch.device) -> None:
     """The torchrun group, or a group of one on a free local port."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" not in os.environ:
-        from tests.distributed import free_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
 
 

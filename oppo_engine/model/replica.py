@@ -119,17 +119,24 @@ def _gather_into(dst: torch.Tensor, src) -> bool:
         or local.shape[0] * mesh.size() != dst.shape[0]
     ):
         return False
-    torch.distributed.all_gather_into_tensor(dst, local.to(dst.dtype).contiguous(), group=mesh.get_group())
+    if mesh.size() == 1:  # the shard is the whole tensor: cast in the copy
+        dst.copy_(local)
+    else:
+        torch.distributed.all_gather_into_tensor(dst, local.to(dst.dtype).contiguous(), group=mesh.get_group())
     return True
 
 
 @contextlib.contextmanager
 def _no_init() -> Iterable[None]:
-    """Skip HF's weight initialisation: the replica's weights are all overwritten by the first sync."""
+    """Skip HF's weight initialisation where transformers offers it: the replica's weights are all
+    overwritten by the first sync (initialising them is only time lost)."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:
-        from transformers.modeling_utils import no_init_weights
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            no_init_weights = contextlib.nullcontext
     with no_init_weights():
         yield
 
