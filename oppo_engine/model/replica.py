@@ -122,7 +122,8 @@ def _gather_into(dst: torch.Tensor, src) -> bool:
     if mesh.size() == 1:  # the shard is the whole tensor: cast in the copy
         dst.copy_(local)
     else:
-        torch.distributed.all_gather_into_tensor(dst, local.to(dst.dtype).contiguous(), group=mesh.get_group())
+        shard = local.to(dst.dtype).contiguous()
+        torch.distributed.all_gather_into_tensor(dst, shard, group=mesh.get_group())
     return True
 
 
