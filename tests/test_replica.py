@@ -301,6 +301,27 @@ def test_meta_actor_fed_by_weights_rolls_out_as_the_same_weights_shared(meta_pai
     assert [r[3] for r in got] == [r[3] for r in want]
 
 
+def test_meta_critic_fed_by_critic_weights_gives_the_shared_critics_values(meta_pair):
+    meta, real = meta_pair
+    critic = make_critic()
+    with torch.device("meta"):
+        meta_critic = type(critic)(critic.config)
+    reward = make_reward()
+    fed = make_engine(meta, reward, meta_critic, mode="sequential")
+    actor_weights = dict(real.named_parameters())
+    with pytest.raises(ValueError, match=r"critic was given on the meta device.*critic_weights=\.\.\."):
+        fed.update_policy(weights=actor_weights)
+    assert fed.policy_version == 0
+    fed.update_policy(weights=actor_weights, critic_weights=dict(critic.named_parameters()))
+    shared = make_engine(real, reward, critic, mode="sequential")
+    prompts = random_prompts(4, seed=4)
+    for engine in (fed, shared):
+        engine.add_prompts(prompts)
+    got, want = summary(fed.step()), summary(shared.step())
+    assert [r[2] for r in got] == [r[2] for r in want]
+    assert [r[5] for r in got] == [r[5] for r in want]  # the critic's values
+
+
 def test_weights_are_cast_to_the_rollout_dtype(meta_pair):
     meta, real = meta_pair
     engine = make_engine(meta, make_reward(), mode="sequential", rollout_dtype=torch.bfloat16)
