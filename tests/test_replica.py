@@ -171,6 +171,38 @@ def _fsdp_scenario(rank: int, world_size: int) -> dict:
         engine.add_prompts(prompts)
     out["bf16_step"] = [summary(half.step()), summary(want.step())]
     out["peft"] = _peft_refusal()
+    out["failed_sync"] = _failed_sync(sharded, actor, critic, opt, rank)
+    return out
+
+
+def _failed_sync(engine, actor, critic, opt, rank: int) -> dict:
+    """A gather that fails half-way (on every rank alike): no version bump, and no step on the half-synced
+    replica until a sync succeeds."""
+    out = {}
+    _train(rank, actor, critic, opt)
+    direct, calls = replica_module._gather_into, [0]
+
+    def failing(dst, src):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("peer gone")
+        return direct(dst, src)
+
+    replica_module._gather_into = failing
+    version = engine.policy_version
+    try:
+        engine.update_policy()
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    finally:
+        replica_module._gather_into = direct
+    out["version_kept"] = engine.policy_version == version
+    try:
+        engine.step()
+    except RuntimeError as e:
+        out["step"] = str(e)
+    engine.update_policy()
+    out["after_retry"] = _equal_to(engine, "actor", _full(actor))
     return out
 
 
@@ -264,6 +296,14 @@ def test_bf16_replicas_of_fp32_weights_equal_a_bf16_copy_of_the_model(fsdp_run):
         assert out["bf16_exact"] == []
         got, want = out["bf16_step"]
         assert_same(got, want)
+
+
+def test_a_sync_failing_half_way_bumps_no_version_and_blocks_steps_until_a_sync_succeeds(fsdp_run):
+    for out in fsdp_run:
+        failed = out["failed_sync"]
+        assert failed["raised"] == "peer gone" and failed["version_kept"]
+        assert "not synced" in failed["step"]
+        assert failed["after_retry"] == []
 
 
 def test_peft_wrapped_fsdp2_actor_is_refused_naming_peft(fsdp_run):
