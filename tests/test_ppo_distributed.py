@@ -123,7 +123,9 @@ def test_ppo_on_two_ranks_equals_one_rank_over_the_global_batch():
     for got, want in ((actor0, one_actor), (actor1, one_actor), (critic0, one_critic), (critic1, one_critic)):
         assert got.keys() == want.keys()
         for name in want:
-            torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor(got[name]), torch.tensor(want[name]), rtol=1e-4, atol=1e-4, msg=name
+            )
     # The run is not vacuous: the policy moved, and the losses are not zero.
     initial = _full_weights(make_actor(0))
     moved = max(float((torch.tensor(one_actor[n]) - torch.tensor(initial[n])).abs().max()) for n in initial)
