@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 
+import torch
+
 from oppo_engine.control import ChunkControl, DeltaControl
 
 MODES = ("sequential", "intra", "inter", "oppo")
@@ -95,7 +97,10 @@ class EngineConfig:
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only). ``graph`` runs the actor's decode-only forwards through
     captured graphs (CUDA graphs per batch-size bucket on CUDA, ``torch.compile`` on the CPU): ``True``,
-    ``False``, or ``"auto"`` (fixed per device type: on for CUDA, off for the CPU).
+    ``False``, or ``"auto"`` (fixed per device type: on for CUDA, off for the CPU). ``rollout_dtype`` is
+    the dtype of the rollout replicas of a sharded (FSDP2) or meta-device actor/critic (``None``: the
+    dtype their weights are stored in; bf16 replicas of fp32 trainer weights are common); with no such
+    model it must stay ``None``.
     """
 
     batch_size: int = 64
@@ -113,6 +118,7 @@ class EngineConfig:
     max_deferrals: int = 4
     max_policy_lag: int | None = 2
     graph: bool | str = "auto"
+    rollout_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -152,6 +158,13 @@ class EngineConfig:
         if self.max_deferrals < 1:
             raise ValueError(f"EngineConfig.max_deferrals must be >= 1, got {self.max_deferrals}")
         self._check_policy_lag()
+        if self.rollout_dtype is not None and not (
+            isinstance(self.rollout_dtype, torch.dtype) and self.rollout_dtype.is_floating_point
+        ):
+            raise ValueError(
+                "EngineConfig.rollout_dtype must be a floating torch.dtype or None, got "
+                f"{self.rollout_dtype!r}"
+            )
         if self.graph not in ("auto", True, False):
             raise ValueError(f"EngineConfig.graph must be 'auto', True or False, got {self.graph!r}")
         if self.chunk != ChunkControl() and self.chunk_size != "auto":

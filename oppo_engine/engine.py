@@ -23,6 +23,7 @@ from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.eos import resolve_eos_token_ids
 from oppo_engine.model.graph import CapturedDecode, graph_enabled
+from oppo_engine.model.replica import RolloutReplicas
 from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD, collect_models, device_of, dtype_of
 from oppo_engine.model.runner import ModelRunner, unwrap_model
 from oppo_engine.model.scorer import (
@@ -176,6 +177,11 @@ class RolloutEngine:
             delta = cfg.delta.resolve(cfg.batch_size, group)  # None defaults: B/8 and B/4, whole groups
             self._delta_control = DeltaController(delta, fixed=fixed)
             self._max_overcommit = _whole_groups(fixed if fixed is not None else delta.max, group)
+        # A sharded (FSDP2) or meta-device actor/critic runs as a full rollout replica (model/replica.py).
+        self._replicas = RolloutReplicas(
+            {ACTOR: actor, CRITIC: critic}, (reward, reference), cfg.rollout_dtype
+        )
+        actor, critic = self._replicas.runs(ACTOR, actor), self._replicas.runs(CRITIC, critic)
         self.actor = actor
         self.tokenizer = tokenizer
         # The longest sequence, resolved from the config against every model's position limit.
@@ -247,6 +253,8 @@ class RolloutEngine:
                 budget = int(
                     os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_HOST_MEMORY_FRACTION
                 )
+                # NOTE: on CUDA the replicas are already allocated, so the free memory above excludes them.
+                budget = max(0, budget - self._replicas.nbytes)
             num_pages = min(num_pages, budget // page_bytes)
         one_sequence = sum(pages_per_seq.values())
         if num_pages < one_sequence:
@@ -371,6 +379,7 @@ class RolloutEngine:
         puts them first in line and propagates; the step is all-or-nothing, and the retry is exact.
         """
         self._check_open()
+        self._replicas.check_ready()
         cfg = self.config
         num_carried = len(self._buffer)
         if self._delta_control is not None:
@@ -575,15 +584,26 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ between steps
 
-    def update_policy(self) -> None:
+    def update_policy(self, weights=None, critic_weights=None) -> None:
         """Call after ``optimizer.step()``: tokens sampled from now on carry the next policy version.
 
         Carried-over sequences: with ``retained_kv="recompute"`` their actor KV is dropped and prefilled
         again with the new weights next step (tokens kept); with ``"reuse"`` it is kept. The critic's KV and
         values are always recomputed (it was trained too); the reward's and reference's are kept (frozen).
         Allowed while the memory is released.
+
+        Rollout replicas (README, "Sharded trainer models"): an FSDP2 actor's or critic's replica is
+        gathered from the trainer's shards, one parameter at a time (collective: every rank of the model's
+        mesh calls this in the same order); while the replicas are released the gather waits for
+        ``resume()``. ``weights`` (``critic_weights``) feed the replica of a meta-device (or FSDP2) actor
+        (critic): a mapping or an iterable of ``(name, full tensor)`` named as the replica's
+        ``named_parameters()`` (tied weights once), cast to ``EngineConfig.rollout_dtype``; every parameter
+        exactly once with its shape, else ``ValueError`` naming it, with nothing copied and the version
+        not bumped (an iterable is staged on the host first: one copy of the model in host memory). For a
+        model shared with the trainer (unsharded), ``weights=`` raises ``ValueError``.
         """
         self._check_not_closed()
+        self._replicas.update({ACTOR: weights, CRITIC: critic_weights})
         self._policy_version += 1
         for seq in self._buffer.carried:
             finished = seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED)
@@ -608,20 +628,28 @@ class RolloutEngine:
         """Version tagged on tokens sampled now; ``update_policy()`` bumps it."""
         return self._policy_version
 
-    def release_memory(self) -> None:
+    def release_memory(self, weights: bool = False) -> None:
         """Free the KV arena (for training); ``resume()`` rebuilds it. Queued prompts are kept, and the
-        retained pages of carried-over sequences (every model's) are copied to host memory."""
-        if self._closed or self._host is not None:
+        retained pages of carried-over sequences (every model's) are copied to host memory. ``weights=True``
+        also frees the rollout replicas of sharded / meta-device models (vLLM's sleep level 2; models shared
+        with the trainer are the trainer's and stay): ``resume()`` gathers the FSDP2 ones again, and a
+        ``weights=``-fed one needs ``update_policy(weights=...)`` before the next ``step()``."""
+        if self._closed:
             return
-        self._host = swap_out(self._arena, self._caches)
-        self._arena.release()
+        if weights:
+            self._replicas.release()
+        if self._host is None:
+            self._host = swap_out(self._arena, self._caches)
+            self._arena.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume(self) -> None:
         """Rebuild the KV arena after ``release_memory()`` and bring the retained pages back (new page ids,
-        the same bytes)."""
+        the same bytes); released replicas get their memory back, and the FSDP2 ones are gathered from the
+        trainer's shards (collective)."""
         self._check_not_closed()
+        self._replicas.restore()
         if self._host is None:
             return
         self._arena.rebuild()
@@ -757,6 +785,7 @@ class RolloutEngine:
         """Free the arena and refuse further use. Idempotent."""
         if not self._closed:
             self._drop_cache()
+            self._replicas.release()
             self._closed = True
 
     def __enter__(self) -> RolloutEngine:

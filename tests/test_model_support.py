@@ -126,25 +126,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_fsdp2_sharded_actor_is_refused_at_construction():
+def test_fsdp2_sharded_reward_is_refused_at_construction():
+    # The actor and critic get rollout replicas (tests/test_replica.py); the frozen scorers do not.
     dist = pytest.importorskip("torch.distributed")
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        actor = make_actor()
-        fsdp.fully_shard(actor)
-        with pytest.raises(ValueError, match="actor: sharded weights"):
-            make_engine(actor, make_reward())
+        reward = make_reward()
+        fsdp.fully_shard(reward)
+        with pytest.raises(ValueError, match="reward: sharded weights .FSDP2. are supported for the actor"):
+            make_engine(make_actor(), reward)
     finally:
         dist.destroy_process_group()
 
 
-def test_zero3_partitioned_parameters_are_refused_at_construction():
+def test_zero3_partitioned_parameters_are_refused_pointing_at_update_policy_weights():
     actor = make_actor()
     for i, p in enumerate(actor.parameters()):
         p.ds_id = i  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
-    with pytest.raises(ValueError, match="actor: sharded weights"):
+    with pytest.raises(ValueError, match=r"actor: sharded weights .*update_policy\(weights=\.\.\.\)"):
         make_engine(actor, make_reward())
 
 

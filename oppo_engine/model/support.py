@@ -55,20 +55,30 @@ def _check_attention_layers(model: nn.Module, role: str) -> None:
 
 
 def _check_not_sharded(model: nn.Module, role: str) -> None:
-    """Sharded weights (FSDP, FSDP2, DeepSpeed ZeRO-3) hold a slice of each tensor per rank."""
+    """Sharded weights hold a slice of each tensor per rank. An FSDP2 actor or critic never gets here (the
+    engine runs a replica of it, ``model/replica.py``); FSDP1 and DeepSpeed ZeRO-3 parameters cannot be
+    gathered by the engine, so their trainers send full weights instead."""
+    explicit = (
+        "build the engine on a copy of the model on the meta device and send full weights with "
+        "update_policy(weights=...) (README, 'Sharded trainer models')"
+    )
     for m in model.modules():
-        if type(m).__name__ == "FullyShardedDataParallel" or any(
-            c.__name__ == "FSDPModule" for c in type(m).__mro__
-        ):
+        if type(m).__name__ == "FullyShardedDataParallel":
+            raise ValueError(f"{role}: sharded weights (FSDP1) cannot be read by the engine; {explicit}")
+        if any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
             raise ValueError(
-                f"{role}: sharded weights (FSDP) are not supported yet; pass the unsharded module "
-                "(e.g. gather the full state dict into a replica for rollouts)"
+                f"{role}: sharded weights (FSDP2) are supported for the actor and the critic only (they run "
+                f"as rollout replicas); pass an unsharded {role}"
             )
     for p in model.parameters():
-        if type(p).__name__ == "DTensor" or hasattr(p, "ds_id"):
+        if hasattr(p, "ds_id"):
             raise ValueError(
-                f"{role}: sharded weights (FSDP2 DTensor / DeepSpeed ZeRO-3 parameters) are not supported "
-                "yet; pass an unsharded replica of the model"
+                f"{role}: sharded weights (DeepSpeed ZeRO-3 parameters) cannot be read by the engine; "
+                f"{explicit}"
+            )
+        if type(p).__name__ == "DTensor":
+            raise ValueError(
+                f"{role}: sharded weights (DTensor parameters outside FSDP2) are not supported; {explicit}"
             )
 
 
