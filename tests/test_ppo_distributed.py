@@ -4,6 +4,12 @@ batch; the prompt stream is dealt rank-major with world-invariant seeds; bad set
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -17,12 +23,14 @@ BATCH, MINIBATCH = 4, 2  # per rank; the one-rank run has world_size times both
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+        tokenizer_object=tokenizer,
         eos_token=f"t{EOS}",
         pad_token="t0",
     )
@@ -67,21 +75,30 @@ def _record(stats) -> list[list[float]]:
     return [[float(getattr(s, f)) for f in fields] for s in stats]
 
 
-def _ppo_rank(rank: int, world_size: int, mode: str):
+def _ppo_rank(rank: int, world_size: int, modes: tuple[str, ...]):
+    """Each mode's PPO run on this rank, on fresh models sharded over the world."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    models = _models()
     with pytest.raises(ValueError, match="FSDP2-sharded"):  # data parallelism without FSDP is refused
-        _trainer(world_size, group, models, mode)
-    distributed.shard_model(models[0], group)
-    distributed.shard_model(models[1], group)
-    trainer = _trainer(world_size, group, models, mode)
-    stats = trainer.train(STEPS)
-    local = [sorted((r.prompt_ids, r.response_ids) for r in s.rollout.rollouts) for s in stats]
-    actor, critic = _full_weights(trainer.actor), _full_weights(trainer.critic)
-    trainer.close()
-    return _record(stats), local, actor, critic
+        _trainer(world_size, group, _models())
+    out = {}
+    for mode in modes:
+        models = _models()
+        distributed.shard_model(models[0], group)
+        distributed.shard_model(models[1], group)
+        trainer = _trainer(world_size, group, models, mode)
+        stats = trainer.train(STEPS)
+        local = [sorted((r.prompt_ids, r.response_ids) for r in s.rollout.rollouts) for s in stats]
+        out[mode] = _record(stats), local, _full_weights(trainer.actor), _full_weights(trainer.critic)
+        trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-rank job for every test here (spawning ranks costs more than their PPO steps)."""
+    return run_ranks(_ppo_rank, 2, ("sequential", "oppo"), timeout_s=400, pg_timeout_s=120)
 
 
 def _one_rank(mode: str):
@@ -108,10 +125,10 @@ def test_prompt_stream_is_dealt_rank_major_with_world_invariant_seeds():
     assert distributed.prompt_seed(5, 11) == derive_seed(5, 11)
 
 
-def test_ppo_on_two_ranks_equals_one_rank_over_the_global_batch():
-    two = run_ranks(_ppo_rank, 2, "sequential", timeout_s=300, pg_timeout_s=120)
+def test_ppo_on_two_ranks_equals_one_rank_over_the_global_batch(two_ranks):
     one_stats, one_batches, one_actor, one_critic = _one_rank("sequential")
-    (stats0, local0, actor0, critic0), (stats1, local1, actor1, critic1) = two
+    rank0, rank1 = (r["sequential"] for r in two_ranks)
+    (stats0, local0, actor0, critic0), (stats1, local1, actor1, critic1) = rank0, rank1
     # Each rank rolled out its own half of every global batch; together, the one-rank batch.
     for step in range(STEPS):
         assert len(local0[step]) == len(local1[step]) == BATCH
@@ -133,10 +150,38 @@ def test_ppo_on_two_ranks_equals_one_rank_over_the_global_batch():
     assert all(abs(s[2]) > 0 and s[6] > 0 for s in one_stats)
 
 
-def test_ppo_on_two_ranks_runs_under_overcommit_with_stale_tokens():
+def test_ppo_on_two_ranks_runs_under_overcommit_with_stale_tokens(two_ranks):
     """In ``oppo`` mode each rank returns its first B finished and carries the rest, so old log-probs of
     stale tokens are recomputed by sharded forwards split over the ranks: every rank runs as many (no
     hang), and both report the same global numbers."""
-    (stats0, *_), (stats1, *_) = run_ranks(_ppo_rank, 2, "oppo", timeout_s=300, pg_timeout_s=120)
+    (stats0, *_), (stats1, *_) = (r["oppo"] for r in two_ranks)
     torch.testing.assert_close(torch.tensor(stats0), torch.tensor(stats1), rtol=0, atol=1e-6)
     assert sum(s[7] for s in stats0) > 0  # the recompute ran
+
+
+def test_demo_on_two_ranks_trains_and_only_rank_0_prints_and_writes(tmp_path):
+    """``oppo-engine demo --nproc 2`` launches ``torchrun ... demo --fsdp``: both ranks train (gloo, FSDP2),
+    one table is printed and one set of files written."""
+    for name, model in (("actor", make_actor(0)), ("reward", make_reward(1))):
+        model.save_pretrained(tmp_path / name)
+        _tokenizer().save_pretrained(tmp_path / name)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "oppo_engine.cli", "demo", "--nproc", "2", "--steps", "2", "--modes",
+           "sequential,oppo", "--batch-size", "2", "--max-new-tokens", "8", "--device", "cpu", "--actor",
+           str(tmp_path / "actor"), "--reward", str(tmp_path / "reward"), "--out", str(out)]  # fmt: skip
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:  # nothing may outlive the test: the launcher and its ranks share one session
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-4000:]
+    assert stdout.count("time to reward: threshold") == 1  # the table, from rank 0 alone
+    assert "in all on 2 ranks" in stdout
+    records = json.loads((out / "records.json").read_text())
+    assert [len(records[m]["records"]) for m in ("sequential", "oppo")] == [2, 2]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["table.txt", "records.json", "reward.png", "control.png", "trace_sequential.json", "trace_oppo.json"]
+    )

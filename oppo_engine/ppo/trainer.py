@@ -155,6 +155,7 @@ class PPOTrainer:
         )
         self._queued = 0  # prompts handed to the engine and not yet returned by a step
         self._queue_target = cfg.batch_size + _overcommit_bound(engine_config)
+        self._feed_engine()
         self.device = next(actor.parameters()).device
         self.actor_optim = torch.optim.AdamW(actor.parameters(), lr=cfg.lr)
         self.critic_optim = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
