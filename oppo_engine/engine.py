@@ -19,6 +19,7 @@ from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.cache.swap import HostPages, swap_in, swap_out
 from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.control import OFF, ChunkSizeController, DeltaController
+from oppo_engine.dist.group import StepReport, collective, join_group
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.eos import resolve_eos_token_ids
@@ -140,6 +141,16 @@ class RolloutEngine:
 
     ``max_model_len`` is the resolved ``EngineConfig.max_model_len`` (``None`` there: the smallest of 4096
     and every model's position limit): the most prompt + response tokens of any sequence.
+
+    ``process_group`` (a ``torch.distributed`` group; ``None``: single process) makes this engine one of a
+    data-parallel group (``oppo_engine.dist.group``): one engine per rank over that rank's prompts,
+    ``batch_size`` per rank. The constructor, ``step()`` and ``report_reward()`` are then collective (called
+    in the same order on every rank; a rank with no prompts left still calls ``step()``); the constructor
+    raises ``ValueError`` on every rank if the ranks' mode, batch size, ``n``, overcommit, chunk size,
+    ``delta``, ``chunk``, ``max_deferrals`` or ``retained_kv`` differ. The online controllers are fed the
+    group's numbers (identical ``delta_history`` and ``chunk_history`` everywhere), and default seeds derive
+    from the rank too. A failed collective raises ``GroupFailed`` naming it; only ``state_dict()`` and
+    ``close()`` work after it.
     """
 
     def __init__(
@@ -153,10 +164,13 @@ class RolloutEngine:
         reward_tokenizer=None,
         reference: torch.nn.Module | None = None,
         critic: torch.nn.Module | None = None,
+        process_group=None,
     ) -> None:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
         cfg = self.config
+        # Data parallel: one collective checks that the ranks share the settings (dist/group.py).
+        self._group = join_group(process_group, cfg, self.sampling, device_of(actor))
         # Groups: every prompt yields n rollouts, cut and carried whole.
         group = self.sampling.n
         if cfg.batch_size % group:
@@ -217,8 +231,9 @@ class RolloutEngine:
             self._profiler = SwitchCostProfiler(ACTOR, [REWARD, *(n for n in self._models if n != ACTOR)])
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
         self._prompts = PromptQueue(
-            self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size
-        )
+            self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            rank=None if self._group is None else self._group.rank,
+        )  # fmt: skip
         self._buffer = OvercommitBuffer()
         self._policy_version = 0
         self._step_index = 0
@@ -255,6 +270,8 @@ class RolloutEngine:
                 )
                 # NOTE: on CUDA the replicas are already allocated, so the free memory above excludes them.
                 budget = max(0, budget - self._replicas.nbytes)
+            if self._group is not None:  # ranks on one host (one GPU) share its memory
+                budget //= self._group.ranks_sharing_memory
             num_pages = min(num_pages, budget // page_bytes)
         one_sequence = sum(pages_per_seq.values())
         if num_pages < one_sequence:
@@ -327,9 +344,11 @@ class RolloutEngine:
         if self._host is not None:
             raise RuntimeError("RolloutEngine memory is released: call resume() first")
 
-    def _check_not_closed(self) -> None:
+    def _check_not_closed(self, *, group: bool = True) -> None:
         if self._closed:
             raise RuntimeError("RolloutEngine is closed")
+        if group and self._group is not None:
+            self._group.check()  # after a failed collective, only state_dict() and close() work
 
     # ------------------------------------------------------------------ prompts
 
@@ -363,6 +382,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ the step
 
+    @collective("step()")
     def step(self) -> StepResult:
         """Generate and score the next ``batch_size`` rollouts; blocks until they are done.
 
@@ -381,6 +401,7 @@ class RolloutEngine:
         self._check_open()
         self._replicas.check_ready()
         cfg = self.config
+        chunk_size = self._next_chunk_size()
         num_carried = len(self._buffer)
         if self._delta_control is not None:
             delta = _whole_groups(self._delta_control.delta(), self.sampling.n)
@@ -392,7 +413,6 @@ class RolloutEngine:
         reused = {name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in self._caches.items()}
         shared_before = {name: cache.shared_tokens for name, cache in self._caches.items()}
         recomputed_before, swapped_before = self._kv_counts()
-        chunk_size = self._chunk_control.chunk_size() if self._chunk_control is not None else None
         if self._captured is not None:
             self._captured.start_step()
         t0 = time.perf_counter()
@@ -529,10 +549,7 @@ class RolloutEngine:
         self._stale_warning.check(metrics.stale_tokens, sum(len(s.response_ids) for s in batch))
         # NOTE: the controllers last: nothing after them can fail but an asynchronous interrupt, and one
         # extra timing sample changes no rollout.
-        if chunk_size is not None:
-            self._observe_chunk(chunk_size, out, metrics.wall_s)
-        if feed_delta:
-            self._delta_control.observe_reward(mean_reward)
+        self._feed_controllers(chunk_size, out, metrics.wall_s, batch)
         self._swapped_tokens = {}
         self._step_index += 1
         return StepResult(rollouts, metrics, failed)
@@ -560,6 +577,8 @@ class RolloutEngine:
         self._check_not_closed()
         self._trainer_reward = True
         if self._delta_control is not None:
+            if self._group is not None:  # collective: the group's mean, reduced here
+                reward = self._group.mean_reward(reward)
             self._delta_control.observe_reward(reward)
 
     @property
@@ -567,14 +586,35 @@ class RolloutEngine:
         """``DeltaRecord(step, reward, slope, delta)`` of every reward fed to the Δ controller."""
         return list(self._delta_control.history) if self._delta_control is not None else []
 
-    def _observe_chunk(self, chunk_size: int | str, out: StepOutcome, wall_s: float) -> None:
-        """Feed the chunk-size controller this step's time per token and the lanes' switch-cost profile."""
-        self._chunk_control.observe(chunk_size, wall_s, out.tokens_generated)
-        finish_times = [s.finish_time for s in out.finished if s.finish_time is not None]
-        spans = self._timeline.spans()
-        profile = self._profiler.observe(spans, chunk_size, out.tokens_generated, finish_times)
-        if profile is not None:
-            self._chunk_control.set_profile(profile)
+    def _next_chunk_size(self) -> int | str | None:
+        """The chunk size (or "off") of the next step; ``None`` outside the streaming modes. Under a process
+        group, rank 0's online decision (collective)."""
+        if self._chunk_control is None:
+            return None
+        chunk_size = self._chunk_control.chunk_size()
+        if self._group is not None and self._chunk_control.fixed is None:
+            chunk_size = self._group.agree_chunk_size(chunk_size)
+        return chunk_size
+
+    def _feed_controllers(self, chunk_size: int | str | None, out: StepOutcome, wall_s: float, batch) -> None:
+        """Feed the chunk-size controller this step's time per token and the lanes' switch-cost profile, and
+        the Δ controller the batch's mean reward (unless the trainer reports its own). Under a process group
+        both are fed the group's numbers (collective: the step's last exchange)."""
+        profile = None
+        if chunk_size is not None:
+            finish_times = [s.finish_time for s in out.finished if s.finish_time is not None]
+            spans = self._timeline.spans()
+            profile = self._profiler.observe(spans, chunk_size, out.tokens_generated, finish_times)
+        reward_sum = sum(float(s.reward) for s in batch)
+        report = StepReport(out.tokens_generated, wall_s, reward_sum, len(batch), profile)
+        if self._group is not None:
+            report = self._group.end_step(report)
+        if chunk_size is not None:
+            self._chunk_control.observe(chunk_size, report.wall_s, report.tokens)
+            if report.profile is not None:
+                self._chunk_control.set_profile(report.profile)
+        if self._delta_control is not None and report.rewards and not self._trainer_reward:
+            self._delta_control.observe_reward(report.reward_sum / report.rewards)
 
     @property
     def chunk_history(self) -> list:
@@ -634,6 +674,8 @@ class RolloutEngine:
         also frees the rollout replicas of sharded / meta-device models (vLLM's sleep level 2; models shared
         with the trainer are the trainer's and stay): ``resume()`` gathers the FSDP2 ones again, and a
         ``weights=``-fed one needs ``update_policy(weights=...)`` before the next ``step()``."""
+        if self._group is not None:  # after a failed collective, only state_dict() and close() work
+            self._group.check()
         if self._closed:
             return
         if weights:
@@ -697,8 +739,9 @@ class RolloutEngine:
         """The prompts in flight and queued -- tokens, log-probs, policy versions, seeds, deferral counts,
         results already read -- and the counters that make a restored engine continue exactly. KV is not
         saved: it is rebuilt (prefilled again) after ``load_state_dict``. A prompt source set with
-        ``set_prompt_source`` is not saved: set it again after loading."""
-        self._check_not_closed()
+        ``set_prompt_source`` is not saved: set it again after loading. Works after a failed collective of a
+        process group, to restart the job from every rank's state."""
+        self._check_not_closed(group=False)
         delta = self._delta_control
         return {
             "version": _STATE_VERSION,

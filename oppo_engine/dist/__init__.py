@@ -3,4 +3,6 @@
 A lane and a service, not branches in the step loop (DESIGN.md, "Scale-out"): gloo on the CPU, NCCL on GPUs.
 """
 
-__all__: list[str] = []
+from oppo_engine.dist.group import GroupFailed, PeerCallFailed
+
+__all__: list[str] = ["GroupFailed", "PeerCallFailed"]

@@ -21,6 +21,13 @@ def derive_seed(base_seed: int, prompt_index: int) -> int:
 
 # Mixed into a prompt's seed for its samples 1..n-1, so that they do not replay the seeds of other prompts.
 _SAMPLE_SALT = 0x5DEECE66D
+# Mixed into the engine seed for a data-parallel rank's own base seed.
+_RANK_SALT = 0x2545F4914F6CDD1D
+
+
+def rank_seed(base_seed: int, rank: int) -> int:
+    """A data-parallel rank's base seed: ranks that share the engine seed never draw the same noise."""
+    return derive_seed(base_seed ^ _RANK_SALT, rank)
 
 
 def sample_seed(prompt_seed: int, sample_index: int) -> int:
@@ -33,14 +40,18 @@ def sample_seed(prompt_seed: int, sample_index: int) -> int:
 class PromptQueue:
     """Prompts waiting for a step, in order: sequences a failed step gave back first, then the queued
     prompts, then a lazy source. Every prompt is checked against ``max_model_len`` and the vocabulary
-    before it is queued; a sequence's seed derives from ``sampling.seed`` and its prompt's index unless its
-    own ``SamplingParams`` give one, so rollouts do not depend on batch composition.
+    before it is queued; a sequence's seed derives from ``sampling.seed`` and its prompt's index (and
+    ``rank``, a data-parallel rank's index, unless ``None``) unless its own ``SamplingParams`` give one, so
+    rollouts do not depend on batch composition.
 
     A prompt becomes ``sampling.n`` sequences (a group), taken together: ``take`` hands out whole groups.
     """
 
-    def __init__(self, sampling: SamplingParams, *, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, sampling: SamplingParams, *, max_model_len: int, vocab_size: int, rank: int | None = None
+    ) -> None:
         self.sampling = sampling
+        self.rank = rank
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.requeued: deque[Seq] = deque()  # new sequences of a failed step, rolled back, taken first
@@ -147,7 +158,10 @@ class PromptQueue:
         if params is not None and params.seed is not None:
             seed = params.seed
         else:
-            seed = derive_seed(self.sampling.seed or 0, index)
+            base = self.sampling.seed or 0
+            if self.rank is not None:  # (seed, rank, local index): group_id stays the local index
+                base = rank_seed(base, self.rank)
+            seed = derive_seed(base, index)
         params = params or self.sampling
         group = []
         for j in range(params.n):
