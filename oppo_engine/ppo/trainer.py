@@ -131,7 +131,6 @@ class PPOTrainer:
         self._sampling = SamplingParams(
             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
         )
-        group_kwargs = {} if process_group is None else {"process_group": process_group}
         self.engine = RolloutEngine(
             actor=actor,
             reward=reward,
@@ -140,7 +139,7 @@ class PPOTrainer:
             config=engine_config,
             sampling=self._sampling,
             eos_token_id=tokenizer.eos_token_id,
-            **group_kwargs,
+            process_group=process_group,
         )
         # The engine resolves max_model_len (None: the models' limit), so the check reads its value.
         longest = max(len(p) for p in prompts)
