@@ -44,14 +44,14 @@ def _models():
     return actor, critic, reference, reward
 
 
-def _trainer(world_size: int, group, models, mode: str = "sequential"):
+def _trainer(world_size: int, group, models, mode: str = "sequential", lr: float = 1e-3):
     from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
 
     cfg = PPOConfig(
         batch_size=BATCH * world_size if group is None else BATCH,
         minibatch_size=MINIBATCH * world_size if group is None else MINIBATCH,
         epochs=2,
-        lr=1e-3,
+        lr=lr,
         critic_lr=1e-3,
         max_new_tokens=8,
         seed=5,
@@ -87,6 +87,8 @@ def _ppo_rank(rank: int, world_size: int, modes: tuple[str, ...]):
         models = _models()
         distributed.shard_model(models[0], group)
         distributed.shard_model(models[1], group)
+        with pytest.raises(ValueError, match="ranks differ in config"):  # raised on every rank, no hang
+            _trainer(world_size, group, models, mode, lr=1e-3 * (1 + rank))
         trainer = _trainer(world_size, group, models, mode)
         stats = trainer.train(STEPS)
         local = [sorted((r.prompt_ids, r.response_ids) for r in s.rollout.rollouts) for s in stats]

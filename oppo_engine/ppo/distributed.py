@@ -67,6 +67,21 @@ def gather_rollouts(rollouts: Sequence[Rollout], group) -> list[Rollout]:
     return [r for part in parts for r in part]
 
 
+def check_same_on_ranks(settings: dict, group) -> None:
+    """ValueError on every rank, naming the keys, unless every rank of ``group`` passes equal
+    ``settings`` (one all-gather). Nothing is checked without a group."""
+    if group is None:
+        return
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, settings, group=group)
+    differ = sorted(k for k in settings if any(other.get(k) != settings[k] for other in everyone))
+    if differ:
+        raise ValueError(
+            f"data-parallel PPOTrainer: the ranks differ in {', '.join(differ)} (every rank must pass the "
+            "same config and prompts)"
+        )
+
+
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     """``t`` summed over ``group`` (in place; ``t`` itself without a group)."""
     if group is not None:

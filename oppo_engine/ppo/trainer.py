@@ -115,7 +115,7 @@ class PPOTrainer:
         _check_one_label(reward, "reward")
         _check_one_label(critic, "critic")
         _check_sharding(actor, critic, reference, reward, self.world_size)
-        prompts = [list(p) for p in prompts]
+        prompts = [[int(t) for t in p] for p in prompts]
         if not prompts:
             raise ValueError("prompts is empty")
         # NOTE: checked here, as the engine would: prompts are handed to it a step at a time.
@@ -124,6 +124,8 @@ class PPOTrainer:
             raise ValueError(
                 f"prompts[{bad}] is empty or holds a token id outside the actor's vocabulary [0, {vocab})"
             )
+        settings = dict(config=dataclasses.asdict(cfg), prompts=hash(tuple(map(tuple, prompts))))
+        distributed.check_same_on_ranks(settings, process_group)
         for model in (reference, reward):
             model.requires_grad_(False)
         self.actor, self.critic, self.reference, self.reward = actor, critic, reference, reward
