@@ -126,9 +126,9 @@ def init_from_env(device_type: str = "cuda", timeout_s: float | None = None) -> 
     """Under ``torchrun``: join the process group its environment describes and return ``(group,
     device)``: ``cuda:LOCAL_RANK`` with NCCL when ``device_type`` is ``"cuda"`` and CUDA is there, else the
     CPU with gloo. ``timeout_s`` is every collective's timeout (``None``: torch's default, 30 minutes for
-    gloo): a rank that fails makes its peers raise within it."""
+    gloo): a rank that fails makes its peers raise within it. ``ValueError`` outside ``torchrun``."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError(
+        raise ValueError(
             "--fsdp runs under torchrun (RANK and WORLD_SIZE are unset): launch it with `torchrun "
             "--nproc-per-node N -m oppo_engine.cli demo --fsdp ...` or `oppo-engine demo --nproc N`"
         )
