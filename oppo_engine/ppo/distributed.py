@@ -83,9 +83,14 @@ def check_same_on_ranks(settings: dict, group) -> None:
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
-    """``t`` summed over ``group`` (in place; ``t`` itself without a group)."""
-    if group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    """``t`` summed over ``group``, in place (``t`` itself without a group); through host memory on a gloo
+    group (the exchange group of GPU ranks)."""
+    if group is None:
+        return t
+    host = t.cpu() if t.is_cuda and dist.get_backend(group) == "gloo" else t
+    dist.all_reduce(host, op=dist.ReduceOp.SUM, group=group)
+    if host is not t:
+        t.copy_(host)
     return t
 
 
@@ -144,13 +149,28 @@ def init_from_env(device_type: str = "cuda", timeout_s: float | None = None) -> 
     return dist.group.WORLD, device
 
 
-def shard_trainer_models(models, group=None):
-    """Shard a ``PPOModels``' actor and critic over ``group`` (default: the world) with ``shard_model``;
-    the frozen reference and reward stay whole on every rank. Returns the group the trainer runs on."""
-    group = group if group is not None else dist.group.WORLD
-    shard_model(models.actor, group)
-    shard_model(models.critic, group)
-    return group
+_EXCHANGE_GROUP = None
+
+
+def exchange_group():
+    """The group for the trainer's and the engine's exchanges (small Python objects and sums): the world
+    itself when it runs gloo, else one gloo group over the same ranks, made once (collective the first
+    time): its timeouts raise, where NCCL's are left to its watchdog."""
+    global _EXCHANGE_GROUP
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if _EXCHANGE_GROUP is None:
+        _EXCHANGE_GROUP = dist.new_group(backend="gloo")
+    return _EXCHANGE_GROUP
+
+
+def shard_trainer_models(models):
+    """Shard a ``PPOModels``' actor and critic over the world with ``shard_model`` (NCCL on GPUs); the
+    frozen reference and reward stay whole on every rank. Returns the trainer's ``process_group``
+    (``exchange_group()``: gloo over the same ranks)."""
+    shard_model(models.actor)
+    shard_model(models.critic)
+    return exchange_group()
 
 
 def run_demo_on_ranks(opts) -> list:

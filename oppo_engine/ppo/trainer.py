@@ -78,7 +78,9 @@ class PPOTrainer:
 
     ``process_group`` (a torch.distributed group; ``None``: a single process) makes it data-parallel: every
     rank builds its trainer with the same models and prompts; ``actor`` and ``critic`` must be FSDP2-sharded
-    over the group (``distributed.shard_model``); ``batch_size`` and ``minibatch_size`` count this rank's
+    over the group's ranks (``distributed.shard_model``; on GPUs the FSDP mesh runs NCCL and
+    ``process_group`` is best a gloo group over the same ranks, ``distributed.exchange_group()``: it carries
+    small objects and sums, and its timeouts raise); ``batch_size`` and ``minibatch_size`` count this rank's
     rows. ``__init__``, ``step()``, ``train()`` and ``close()`` are collective. Prompt ``i`` of the cycled
     list is sampled with the seed ``distributed.prompt_seed(config.seed, i)`` however many ranks there are.
     """
@@ -334,6 +336,11 @@ def _check_sharding(actor, critic, reference, reward, world_size: int) -> None:
             raise ValueError(
                 f"{role}: data-parallel PPO on {world_size} ranks trains FSDP2-sharded models (gradients "
                 "are reduced by FSDP): shard it with oppo_engine.ppo.distributed.shard_model"
+            )
+        if world_size > 1 and distributed.shard_count(model) != world_size:
+            raise ValueError(
+                f"{role} is sharded over {distributed.shard_count(model)} ranks, process_group has "
+                f"{world_size}: FSDP averages gradients over its mesh, which must be the group's ranks"
             )
         if world_size == 1 and sharded and distributed.shard_count(model) > 1:
             raise ValueError(
