@@ -41,10 +41,51 @@ def demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         overcommit=args.overcommit,
         max_deferrals=args.max_deferrals,
+        fsdp=args.fsdp,
     )
+    if args.fsdp:
+        return demo_on_ranks(opts, t0)
     runs = run_demo(opts)
     print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all")
     return 0 if any(r.records for r in runs) else 1
+
+
+def demo_on_ranks(opts, t0: float) -> int:
+    """``demo --fsdp``: this process's rank of the demo under ``torchrun`` (rank 0 prints and writes)."""
+    import torch.distributed as dist
+
+    from oppo_engine.ppo.distributed import run_demo_on_ranks
+
+    try:
+        runs = run_demo_on_ranks(opts)
+        if dist.get_rank() == 0:
+            ranks = dist.get_world_size()
+            print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all on {ranks} ranks")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0 if any(r.records for r in runs) else 1
+
+
+def launch_demo(nproc: int, argv: list[str]) -> int:
+    """``demo --nproc N``: the demo on N data-parallel ranks of this host, started by torch's elastic
+    launcher as ``torchrun --standalone --nproc-per-node N -m oppo_engine.cli demo --fsdp ...``."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    rest, skip = [], False
+    for a in argv:  # the same arguments, less --nproc, plus --fsdp
+        if skip or a == "--nproc" or a.startswith("--nproc="):
+            skip = a == "--nproc"
+            continue
+        rest.append(a)
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "oppo_engine.cli", *rest, "--fsdp"])
+    except ChildFailedError:  # torchrun has printed which rank failed and its traceback
+        return 1
+    return 0
 
 
 def bench(argv: list[str], prog: str = "oppo-engine bench") -> int:
@@ -89,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--max-deferrals", type=int, default=DemoOptions().max_deferrals, help="deferral bound of inter, oppo"
     )
+    d.add_argument("--fsdp", action="store_true", help="as one rank of a torchrun job: FSDP2 actor, critic")
+    d.add_argument("--nproc", type=int, default=None, help="launch the demo on N local ranks (--fsdp)")
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     args = parser.parse_args(argv)
@@ -96,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if args.nproc is not None:
+            return launch_demo(args.nproc, argv)
         return demo(args)
     except (ValueError, NotImplementedError) as e:  # bad options: a message, not a traceback
         parser.exit(2, f"oppo-engine demo: {e}\n")

@@ -15,6 +15,8 @@ from oppo_engine.cli import main
         (["--modes", "sequential,turbo"], "turbo"),
         (["--steps", "0"], "--steps"),
         (["--actor", "/nonexistent"], "--actor and --reward go together"),
+        (["--nproc", "0"], "--nproc must be >= 1"),
+        (["--fsdp"], "--fsdp runs under torchrun"),
     ],
 )
 def test_demo_bad_option_exits_2_with_a_message(tmp_path, capsys, args, match):

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean of ``x`` over the masked entries; with ``count``, their sum over ``count`` instead (one
+    data-parallel rank's share of a minibatch whose rows are split over ranks: ``count`` is the whole
+    minibatch's token count, and the ranks' shares sum to its mean)."""
+    return (x * mask).sum() / (mask.sum() if count is None else count).clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -30,7 +34,19 @@ def token_logprobs(
 
 def token_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """``[N, L-1]`` the critic's score head on every position's hidden state: column ``p`` is the value of
-    the state before token ``p + 1`` (the convention of the engine's streamed ``values``)."""
+    the state before token ``p + 1`` (the convention of the engine's streamed ``values``).
+
+    An FSDP2 root gathers its own weights (embeddings, the head) only in its own forward, so a sharded
+    critic runs whole, and the head's output at every position is read by a hook (HF's sequence
+    classifiers apply ``score`` to every position, then pool)."""
+    if isinstance(critic, FSDPModule):
+        scores: list[torch.Tensor] = []
+        handle = critic.score.register_forward_hook(lambda _m, _i, out: scores.append(out))
+        try:
+            critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            handle.remove()
+        return scores[0][:, :-1].float()[..., 0]
     hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     return critic.score(hidden.last_hidden_state[:, :-1]).float()[..., 0]
 
@@ -77,6 +93,7 @@ def policy_loss(
     mask: torch.Tensor,
     clip_range: float,
     truncation: float | None = None,
+    count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate ``max(-A r, -A clip(r, 1-e, 1+e))`` with ``r = exp(logprobs - old)``.
 
@@ -87,9 +104,9 @@ def policy_loss(
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio if truncation is None else ratio.clamp(max=truncation)
     losses = torch.maximum(-advantages * unclipped, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
-    clipfrac = masked_mean(((ratio - 1).abs() > clip_range).float(), mask)
-    approx_kl = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
-    return masked_mean(losses, mask), clipfrac.detach(), approx_kl.detach()
+    clipfrac = masked_mean(((ratio - 1).abs() > clip_range).float(), mask, count)
+    approx_kl = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask, count)
+    return masked_mean(losses, mask, count), clipfrac.detach(), approx_kl.detach()
 
 
 def value_loss(
@@ -98,7 +115,10 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip_range: float,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- e) - R)^2)``."""
+    """The clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- e) - R)^2)`` (``count``: see
+    ``masked_mean``)."""
     clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
-    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(squared, mask, count)

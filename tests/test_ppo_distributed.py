@@ -1,0 +1,189 @@
+"""The PPO trainer on N data-parallel ranks (gloo, spawned processes): K PPO steps on 2 ranks with an FSDP2
+actor and critic give the per-step losses, gradient norms and final weights of 1 rank over the same global
+batch; the prompt stream is dealt rank-major with world-invariant seeds; bad set-ups are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oppo_engine.ppo import distributed
+from oppo_engine.sched.prompts import derive_seed
+from tests.distributed import run_ranks
+from tests.engine_models import EOS, VOCAB, make_actor, make_reward, random_prompts
+
+STEPS = 3
+BATCH, MINIBATCH = 4, 2  # per rank; the one-rank run has world_size times both
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=f"t{EOS}",
+        pad_token="t0",
+    )
+
+
+def _models():
+    actor = make_actor(0).train()
+    reference = make_actor(0).requires_grad_(False)
+    reward = make_reward(1).requires_grad_(False)
+    critic = make_reward(2).train()
+    return actor, critic, reference, reward
+
+
+def _trainer(world_size: int, group, models, mode: str = "sequential", lr: float = 1e-3):
+    from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
+
+    cfg = PPOConfig(
+        batch_size=BATCH * world_size if group is None else BATCH,
+        minibatch_size=MINIBATCH * world_size if group is None else MINIBATCH,
+        epochs=2,
+        lr=lr,
+        critic_lr=1e-3,
+        max_new_tokens=8,
+        seed=5,
+    )
+    engine_cfg = engine_config_for(cfg, mode=mode, max_model_len=64)
+    return PPOTrainer(*models, _tokenizer(), random_prompts(13, seed=3), cfg, engine_cfg, process_group=group)
+
+
+def _full_weights(model) -> dict[str, list]:
+    """Every parameter in full (collective for a sharded model), as nested lists: a tensor's storage would
+    not outlive the rank that sends it."""
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist()
+        for name, p in model.named_parameters()
+    }
+
+
+def _record(stats) -> list[list[float]]:
+    fields = ("reward", "kl", "policy_loss", "value_loss", "clipfrac", "approx_kl", "grad_norm")
+    fields += ("stale_tokens",)
+    return [[float(getattr(s, f)) for f in fields] for s in stats]
+
+
+def _ppo_rank(rank: int, world_size: int, modes: tuple[str, ...]):
+    """Each mode's PPO run on this rank, on fresh models sharded over the world."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    with pytest.raises(ValueError, match="FSDP2-sharded"):  # data parallelism without FSDP is refused
+        _trainer(world_size, group, _models())
+    out = {}
+    for mode in modes:
+        models = _models()
+        distributed.shard_model(models[0], group)
+        distributed.shard_model(models[1], group)
+        with pytest.raises(ValueError, match="ranks differ in config"):  # raised on every rank, no hang
+            _trainer(world_size, group, models, mode, lr=1e-3 * (1 + rank))
+        trainer = _trainer(world_size, group, models, mode)
+        stats = trainer.train(STEPS)
+        local = [sorted((r.prompt_ids, r.response_ids) for r in s.rollout.rollouts) for s in stats]
+        out[mode] = _record(stats), local, _full_weights(trainer.actor), _full_weights(trainer.critic)
+        trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-rank job for every test here (spawning ranks costs more than their PPO steps)."""
+    return run_ranks(_ppo_rank, 2, ("sequential", "oppo"), timeout_s=400, pg_timeout_s=120)
+
+
+def _one_rank(mode: str):
+    models = _models()
+    trainer = _trainer(2, None, models, mode)
+    stats = trainer.train(STEPS)
+    batches = [sorted((r.prompt_ids, r.response_ids) for r in s.rollout.rollouts) for s in stats]
+    out = _record(stats), batches, _full_weights(trainer.actor), _full_weights(trainer.critic)
+    trainer.close()
+    return out
+
+
+def test_prompt_stream_is_dealt_rank_major_with_world_invariant_seeds():
+    prompts = [[i + 4] for i in range(7)]
+    block = 3
+    ranks = [distributed.rank_prompts(prompts, rank=r, world_size=2, block=block) for r in range(2)]
+    one = distributed.rank_prompts(prompts, rank=0, world_size=1, block=2 * block)
+    for _ in range(5):  # each step: rank 0's block, then rank 1's, is the one-rank step's block
+        dealt = [next(it) for it in ranks for _ in range(block)]
+        assert dealt == [next(one) for _ in range(2 * block)]
+    # One rank: the global index is the engine's own prompt index, so its derived seeds are unchanged.
+    alone = distributed.rank_prompts(prompts, rank=0, world_size=1, block=4)
+    assert [next(alone)[0] for _ in range(9)] == list(range(9))
+    assert distributed.prompt_seed(5, 11) == derive_seed(5, 11)
+
+
+def test_ppo_on_two_ranks_equals_one_rank_over_the_global_batch(two_ranks):
+    one_stats, one_batches, one_actor, one_critic = _one_rank("sequential")
+    rank0, rank1 = (r["sequential"] for r in two_ranks)
+    (stats0, local0, actor0, critic0), (stats1, local1, actor1, critic1) = rank0, rank1
+    # Each rank rolled out its own half of every global batch; together, the one-rank batch.
+    for step in range(STEPS):
+        assert len(local0[step]) == len(local1[step]) == BATCH
+        assert sorted(local0[step] + local1[step]) == one_batches[step]
+        assert not set(map(str, local0[step])) & set(map(str, local1[step]))
+    # Every rank reports the global numbers: the one rank's, to 1e-4.
+    torch.testing.assert_close(torch.tensor(stats0), torch.tensor(stats1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(stats0), torch.tensor(one_stats), rtol=1e-4, atol=1e-4)
+    for got, want in ((actor0, one_actor), (actor1, one_actor), (critic0, one_critic), (critic1, one_critic)):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(
+                torch.tensor(got[name]), torch.tensor(want[name]), rtol=1e-4, atol=1e-4, msg=name
+            )
+    # The run is not vacuous: the policy moved, and the losses are not zero.
+    initial = _full_weights(make_actor(0))
+    moved = max(float((torch.tensor(one_actor[n]) - torch.tensor(initial[n])).abs().max()) for n in initial)
+    assert moved > 1e-3
+    assert all(abs(s[2]) > 0 and s[6] > 0 for s in one_stats)
+
+
+def test_ppo_on_two_ranks_runs_under_overcommit_with_stale_tokens(two_ranks):
+    """In ``oppo`` mode each rank returns its first B finished and carries the rest, so old log-probs of
+    stale tokens are recomputed by sharded forwards split over the ranks: every rank runs as many (no
+    hang), and both report the same global numbers."""
+    (stats0, *_), (stats1, *_) = (r["oppo"] for r in two_ranks)
+    torch.testing.assert_close(torch.tensor(stats0), torch.tensor(stats1), rtol=0, atol=1e-6)
+    assert sum(s[7] for s in stats0) > 0  # the recompute ran
+
+
+def test_demo_on_two_ranks_trains_and_only_rank_0_prints_and_writes(tmp_path):
+    """``oppo-engine demo --nproc 2`` launches ``torchrun ... demo --fsdp``: both ranks train (gloo, FSDP2),
+    one table is printed and one set of files written."""
+    for name, model in (("actor", make_actor(0)), ("reward", make_reward(1))):
+        model.save_pretrained(tmp_path / name)
+        _tokenizer().save_pretrained(tmp_path / name)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "oppo_engine.cli", "demo", "--nproc", "2", "--steps", "2", "--modes",
+           "sequential,oppo", "--batch-size", "2", "--max-new-tokens", "8", "--device", "cpu", "--actor",
+           str(tmp_path / "actor"), "--reward", str(tmp_path / "reward"), "--out", str(out)]  # fmt: skip
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:  # nothing may outlive the test: the launcher and its ranks share one session
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-4000:]
+    assert stdout.count("time to reward: threshold") == 1  # the table, from rank 0 alone
+    assert "in all on 2 ranks" in stdout
+    records = json.loads((out / "records.json").read_text())
+    assert [len(records[m]["records"]) for m in ("sequential", "oppo")] == [2, 2]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["table.txt", "records.json", "reward.png", "control.png", "trace_sequential.json", "trace_oppo.json"]
+    )
