@@ -1,6 +1,11 @@
 """Scale-out under torch.distributed: data-parallel engine groups and remote scorers.
 
 A lane and a service, not branches in the step loop (DESIGN.md, "Scale-out"): gloo on the CPU, NCCL on GPUs.
+``ScorerService`` runs frozen scorers on a rank of their own; ``RemoteScorers`` is an actor rank's ``reward=``
+for it (``dist/service.py``, ``dist/remote.py``, over ``dist/transport.py``).
 """
 
-__all__: list[str] = []
+from oppo_engine.dist.remote import RemoteScorers
+from oppo_engine.dist.service import ScorerService
+
+__all__: list[str] = ["RemoteScorers", "ScorerService"]
