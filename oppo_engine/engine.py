@@ -186,8 +186,8 @@ class RolloutEngine:
         # The models the engine runs through its paged cache, by role (the name of their cache and lane).
         remote = reward if isinstance(reward, RemoteScorers) else None  # scored on another rank
         self._models, rule = collect_models(
-            actor, None if remote is not None else reward, reference, critic, max_model_len=self.max_model_len, tokenizer=tokenizer,
-            reward_tokenizer=reward_tokenizer,
+            actor, None if remote is not None else reward, reference, critic,
+            max_model_len=self.max_model_len, tokenizer=tokenizer, reward_tokenizer=reward_tokenizer,
         )  # fmt: skip
         self.reward = reward if rule is None else rule
         self.reward_is_model = rule is None
@@ -195,9 +195,8 @@ class RolloutEngine:
         self.vocab_size = int(text_config(actor).vocab_size)
         self.eos_token_ids = resolve_eos_token_ids(actor, eos_token_id)
         if remote is not None:  # the handshake: refuses another vocabulary, a longer max_model_len
-            remote.connect(
-                vocab_size=self.vocab_size, max_model_len=self.max_model_len, local_reference=reference is not None
-            )
+            remote.connect(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                           local_reference=reference is not None)  # fmt: skip
 
         self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m)) for name, m in self._models.items()}
         self._num_pages = self._plan_pages()

@@ -55,10 +55,9 @@ def _drain(engine: RolloutEngine) -> list[dict]:
 
 
 def _as_dict(r) -> dict:
-    return dict(
-        group_id=r.group_id, sample_index=r.sample_index, prompt_ids=r.prompt_ids, response_ids=r.response_ids,
-        logprobs=r.logprobs, policy_versions=r.policy_versions, reward=r.reward, ref_logprobs=r.ref_logprobs,
-    )  # fmt: skip
+    keys = ("group_id", "sample_index", "prompt_ids", "response_ids", "logprobs", "policy_versions", "reward",
+            "ref_logprobs")  # fmt: skip
+    return {k: getattr(r, k) for k in keys}
 
 
 def _service(pg, kv_cache_bytes=TIGHT_SERVICE_BYTES, **kw):
@@ -177,7 +176,9 @@ def _assert_equals_hf(r: dict, reward, reference) -> None:
 
 def _in_flight_keys(state: dict, n: int) -> set[tuple[int, int]]:
     """(group, sample) of every prompt ``state`` holds: carried, given back, and still queued."""
-    keys = {(d["prompt_index"], d["sample_index"]) for d in [*state["carried"], *state["prompts"]["requeued"]]}
+    keys = {
+        (d["prompt_index"], d["sample_index"]) for d in [*state["carried"], *state["prompts"]["requeued"]]
+    }
     first = state["prompts"]["next_prompt_index"]
     for i in range(len(state["prompts"]["pending"])):
         keys |= {(first + i, j) for j in range(n)}
@@ -272,7 +273,9 @@ def test_a_killed_client_is_dropped_and_the_other_served_to_the_end_with_every_p
     assert stats.closed == [0] and list(stats.lost) == [1] and "rank 1" in stats.lost[1]
     assert stats.free_pages == stats.total_pages
     rollouts = outcomes[0].value
-    assert [(r["group_id"], r["sample_index"]) for r in rollouts] == [(g, j) for g in range(6) for j in range(2)]
+    assert [(r["group_id"], r["sample_index"]) for r in rollouts] == [
+        (g, j) for g in range(6) for j in range(2)
+    ]
     reward, reference = make_reward(), make_reference()
     for r in rollouts:
         _assert_equals_hf(r, reward, reference)
@@ -311,8 +314,8 @@ def _bad_input_rank(rank: int, world_size: int):
     local_reference = None
     if rank == 0:
         with pytest.raises(ValueError) as e:
-            RolloutEngine(actor=make_actor(), reward=remote, reference=make_reference(), config=_config("intra"),
-                          sampling=_sampling(), eos_token_id=EOS)  # fmt: skip
+            RolloutEngine(actor=make_actor(), reward=remote, reference=make_reference(),
+                          config=_config("intra"), sampling=_sampling(), eos_token_id=EOS)  # fmt: skip
         local_reference = str(e.value)
     else:
         RolloutEngine(actor=make_actor(), reward=remote, config=_config("intra"), sampling=_sampling(),

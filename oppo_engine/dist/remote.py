@@ -85,9 +85,15 @@ class RemoteScorers:
         liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
     ) -> None:
         if group is None:
-            raise ValueError("RemoteScorers: group= is required (the process group of the service and clients)")
+            raise ValueError(
+                "RemoteScorers: group= is required (the process group of the service and clients)"
+            )
         size, rank = group.size(), group.rank()
-        if isinstance(service_rank, bool) or not isinstance(service_rank, int) or not 0 <= service_rank < size:
+        if (
+            isinstance(service_rank, bool)
+            or not isinstance(service_rank, int)
+            or not 0 <= service_rank < size
+        ):
             raise ValueError(
                 f"RemoteScorers: service_rank={service_rank!r} is not a rank of the group (ranks 0..{size - 1})"
             )
@@ -118,12 +124,16 @@ class RemoteScorers:
     def connect(self, *, vocab_size: int, max_model_len: int, local_reference: bool) -> None:
         """Handshake with the service (the engine calls it once); ``ValueError`` naming what it refuses."""
         if self._state != "new":
-            raise RuntimeError(f"RemoteScorers: already {'used by an engine' if self._state == 'open' else 'closed'}")
+            raise RuntimeError(
+                f"RemoteScorers: already {'used by an engine' if self._state == 'open' else 'closed'}"
+            )
         self._send(Message(HELLO, [protocol.PROTOCOL, vocab_size, max_model_len]))
         reply = self._wait_reply()
         if reply.kind == REFUSE:
             self.close()
-            raise ValueError(f"scorer service rank {self.service_rank} refused this engine: {decode_text(reply.ints)}")
+            raise ValueError(
+                f"scorer service rank {self.service_rank} refused this engine: {decode_text(reply.ints)}"
+            )
         _, self.max_model_len, has_reference = reply.ints
         self.has_reference = bool(has_reference)
         self._state = "open"
@@ -277,7 +287,9 @@ class RemoteScorerLane(ScorerLane):
             sent = self._sent[seq.seq_id]
             if h.upto > sent or h.final:
                 tokens = seq.token_slice(sent, h.upto) if h.upto > sent else []
-                protocol.encode_tokens(ints, protocol.TokensItem(seq.seq_id, max(sent, h.upto), h.final, tokens))
+                protocol.encode_tokens(
+                    ints, protocol.TokensItem(seq.seq_id, max(sent, h.upto), h.final, tokens)
+                )
                 self._sent[seq.seq_id] = max(sent, h.upto)
         super()._take(inbox)  # the local scorers (a critic): every sequence is registered above
         if len(ints) > 1:

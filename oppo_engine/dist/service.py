@@ -117,11 +117,17 @@ class ScorerService:
         liveness_timeout_s: float = DEFAULT_LIVENESS_TIMEOUT_S,
     ) -> None:
         if group is None:
-            raise ValueError("ScorerService: group= is required (the process group of the service and clients)")
+            raise ValueError(
+                "ScorerService: group= is required (the process group of the service and clients)"
+            )
         if group.size() < 2:
-            raise ValueError(f"ScorerService: group has {group.size()} rank; it needs the service and a client")
+            raise ValueError(
+                f"ScorerService: group has {group.size()} rank; it needs the service and a client"
+            )
         if not isinstance(reward, nn.Module):
-            raise ValueError(f"reward must be an HF sequence-classification model, got {type(reward).__name__}")
+            raise ValueError(
+                f"reward must be an HF sequence-classification model, got {type(reward).__name__}"
+            )
         self.device = torch.device(device) if device is not None else device_of(reward)
         models = {REWARD: reward, **({REFERENCE: reference} if reference is not None else {})}
         self.vocab_size = int(text_config(reward).vocab_size)
@@ -150,7 +156,9 @@ class ScorerService:
         if kv_cache_bytes is not None:
             num_pages = kv_cache_bytes // page_bytes
         else:
-            num_pages = min(DEFAULT_SEQUENCES * sum(per_seq.values()), _memory_budget(self.device) // page_bytes)
+            num_pages = min(
+                DEFAULT_SEQUENCES * sum(per_seq.values()), _memory_budget(self.device) // page_bytes
+            )
         if num_pages < sum(per_seq.values()):
             raise ValueError(
                 f"kv_cache_bytes={kv_cache_bytes} gives {num_pages} pages of {page_bytes} bytes, but one "
@@ -238,9 +246,13 @@ class ScorerService:
                 sched.scorer.prefill([SeqChunk(c.seq.seq_id, c.token_ids, c.slots) for c in chunks])
             except Exception as e:  # noqa: BLE001 - the clients in this forward are told; the others served on
                 logger.exception("scorer service: %s forward failed", sched.scorer.name)
-                for client in {id(o[0]): o[0] for c in chunks if (o := self._owner.get(c.seq.seq_id))}.values():
-                    self._fail(client, f"{sched.scorer.name} forward on the scorer service failed: "
-                                       f"{type(e).__name__}: {e}")
+                for client in {
+                    id(o[0]): o[0] for c in chunks if (o := self._owner.get(c.seq.seq_id))
+                }.values():
+                    self._fail(
+                        client,
+                        f"{sched.scorer.name} forward on the scorer service failed: {type(e).__name__}: {e}",
+                    )
                 continue
             self.stats.forwards += 1
             for c in chunks:

@@ -180,8 +180,11 @@ class GlooTransport(Transport):
         header = torch.tensor([message.kind, len(message.ints), len(message.floats)], dtype=torch.int64)
         payload = None
         if message.ints or message.floats:
-            bits = list(struct.unpack(f"<{len(message.floats)}q", struct.pack(f"<{len(message.floats)}d",
-                                                                               *message.floats)))
+            bits = list(
+                struct.unpack(
+                    f"<{len(message.floats)}q", struct.pack(f"<{len(message.floats)}d", *message.floats)
+                )
+            )
             payload = torch.tensor([*message.ints, *bits], dtype=torch.int64)
         try:
             with self._send_locks[peer]:  # a message's two tensors are never interleaved with another's

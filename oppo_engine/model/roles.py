@@ -36,7 +36,8 @@ def collect_models(
 ) -> tuple[dict[str, nn.Module], RuleReward | None]:
     """``(models, rule)``: the models the engine runs through its cache by role, actor first, and the
     reward as a callable when it is not streamed (a rule, or a reward model of another vocabulary, then
-    wrapped to re-tokenize); ``reward=None``: the reward is scored on another rank (no model, no rule). Raises ``ValueError`` naming the role and the feature for anything the
+    wrapped to re-tokenize); ``reward=None``: the reward is scored on another rank (no model, no rule).
+    Raises ``ValueError`` naming the role and the feature for anything the
     engine cannot run exactly (``support.check_model``), models on another device than the actor's, and a
     scorer that would read the actor's token ids in another vocabulary.
     """
