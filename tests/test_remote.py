@@ -338,3 +338,50 @@ def test_bad_input_is_refused_at_once_or_at_connection_naming_the_mismatch():
     assert sorted(first.refused) == list(CLIENTS) and not first.closed and not first.lost
     assert sorted(second.closed) == list(CLIENTS) and not second.lost
     assert first.free_pages == first.total_pages and second.free_pages == second.total_pages
+
+
+def _cli_rank(rank: int, world_size: int, init: str, folder: str):
+    from oppo_engine.cli import main
+    from oppo_engine.dist import RemoteScorers, stateless_group
+
+    if rank == 1:  # the service: a process of its own, hosting the group's TCPStore
+        return main(
+            [
+                "serve-scorers",
+                "--reward",
+                f"{folder}/reward",
+                "--reference",
+                f"{folder}/reference",
+                "--init",
+                init,
+                "--world",
+                "2",
+                "--max-model-len",
+                str(MAX_LEN),
+                "--page-size",
+                str(PAGE),
+            ]
+        )
+    group = stateless_group(init, rank=0, world_size=2)  # beside no default group at all
+    engine = RolloutEngine(actor=make_actor(), reward=RemoteScorers(service_rank=1, group=group),
+                           config=_config("oppo"), sampling=_sampling(), eos_token_id=EOS)  # fmt: skip
+    engine.add_prompts(_prompts(0))
+    rollouts = _drain(engine)
+    engine.close()
+    return rollouts
+
+
+def test_serve_scorers_cli_serves_actor_ranks_that_join_through_a_tcp_store(tmp_path):
+    make_reward().save_pretrained(tmp_path / "reward")
+    make_reference().save_pretrained(tmp_path / "reference")
+    from distributed import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    rollouts, code = run_ranks(_cli_rank, 2, init, str(tmp_path), backend=None, timeout_s=180)
+    assert code == 0
+    assert [(r["group_id"], r["sample_index"]) for r in rollouts] == [
+        (g, j) for g in range(6) for j in range(2)
+    ]
+    reward, reference = make_reward(), make_reference()
+    for r in rollouts:
+        _assert_equals_hf(r, reward, reference)

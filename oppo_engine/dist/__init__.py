@@ -7,5 +7,6 @@ for it (``dist/service.py``, ``dist/remote.py``, over ``dist/transport.py``).
 
 from oppo_engine.dist.remote import RemoteScorers
 from oppo_engine.dist.service import ScorerService
+from oppo_engine.dist.stateless import stateless_group
 
-__all__: list[str] = ["RemoteScorers", "ScorerService"]
+__all__: list[str] = ["RemoteScorers", "ScorerService", "stateless_group"]

@@ -21,7 +21,6 @@ import re
 import struct
 import threading
 import time
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -108,17 +107,18 @@ class Transport(ABC):
 
 # Stateless groups (formed through a TCPStore beside torchrun's default group) and their stores, so a
 # transport can form a gloo group of its own from the same store.
-_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# NOTE: keyed by id() with the group held: process groups are pybind objects, which take no weak references.
+_STORES: dict[int, tuple[dist.ProcessGroup, dist.Store]] = {}
 
 
 def register_store(group: dist.ProcessGroup, store: dist.Store) -> None:
     """Remember that ``group`` (not registered with torch.distributed) was formed on ``store``."""
-    _STORES[group] = store
+    _STORES[id(group)] = (group, store)
 
 
 def _own_gloo_group(group: dist.ProcessGroup, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A gloo group of the same ranks as ``group``, created collectively on every rank of ``group``."""
-    store = _STORES.get(group)
+    _, store = _STORES.get(id(group), (None, None))
     if store is not None:
         prefixed = dist.PrefixStore("oppo-transport/", store)
         return dist.ProcessGroupGloo(prefixed, group.rank(), group.size(), timeout)
