@@ -23,12 +23,13 @@
 #   | 5     | decode        |      25 |             28 | bench_decode 0.5b B=32 (eager vs graph)       |
 #   | 6     | kernel-tests  |      45 |             48 | pytest tests/kernels -m "not cuda" (-n 8)     |
 #   | 7     | groups        |      15 |             18 | bench_groups 0.5b n=8, 1 round                |
+#   | 8     | remote        |      25 |             28 | bench_remote: actor + service processes       |
 #   |       | summary, pack |       5 |              5 |                                               |
-#   |       | total         |         |        **301** |                                               |
-#   |       | scale-out     |         |         **55** | reserved: SCALEOUT_STEPS below, not yet used  |
+#   |       | total         |         |        **329** |                                               |
+#   |       | scale-out     |         |         **27** | reserved: SCALEOUT_STEPS below, not yet used  |
 #   |       | budget        |         |        **356** | BUDGET_S, under 6 minutes                     |
 #
-# NOTE: steps the scale-out issues add go in SCALEOUT_STEPS (after groups) and must fit its 55 s,
+# NOTE: steps the scale-out issues add go in SCALEOUT_STEPS (after groups) and must fit its 27 s,
 # grace included; the script refuses to start if the table's arithmetic exceeds BUDGET_S.
 set -u
 
@@ -36,10 +37,11 @@ PYTHON=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-356}
 GRACE_S=3
 SUMMARY_S=5
-SCALEOUT_S=55
+SCALEOUT_S=27
 # step -> cap, in run order (the table above).
-STEPS=(machine build cuda-tests e2e decode kernel-tests groups)
-declare -A CAP=([machine]=15 [build]=100 [cuda-tests]=40 [e2e]=35 [decode]=25 [kernel-tests]=45 [groups]=15)
+STEPS=(machine build cuda-tests e2e decode kernel-tests groups remote)
+declare -A CAP=([machine]=15 [build]=100 [cuda-tests]=40 [e2e]=35 [decode]=25 [kernel-tests]=45 [groups]=15
+  [remote]=25)
 
 worst=$((SUMMARY_S + SCALEOUT_S))
 for step in "${STEPS[@]}"; do worst=$((worst + CAP[$step] + GRACE_S)); done
@@ -65,7 +67,8 @@ FAILED=0
 BUILD_OK=0
 HAVE_CUDA=0
 
-RESERVE_S=$((SCALEOUT_S + SUMMARY_S))  # kept back from the steps before the scale-out section
+# Kept back from the steps before the scale-out section: its reserve and the remote step's cap.
+RESERVE_S=$((SCALEOUT_S + CAP[remote] + GRACE_S + SUMMARY_S))
 remaining() { echo $((BUDGET_S - RESERVE_S - SECONDS)); }
 
 record() {  # record STEP STATUS SECONDS FIGURE
@@ -217,10 +220,15 @@ gpu_step groups "$LOG_DIR/groups.log" 'speedup_shared_vs_unshared=' \
   "$PYTHON" -m bench.bench_groups --preset 0.5b --n 8 --groups 4 --prompt-len 512 --response-len 32 --rounds 1 \
   --mode intra
 
-# --- 8. scale-out (SCALEOUT_S = 55 s reserved, grace included; nothing yet) ---------------------------------
+# --- 8. scale-out (SCALEOUT_S = 27 s reserved, grace included, beside the remote step's own cap) ----------
 # SCALEOUT_STEPS: add each step to STEPS and CAP above (the arithmetic check counts it) and a gpu_step
-# line here; their caps plus GRACE_S each must fit SCALEOUT_S (55 s left today).
+# line here; their caps plus GRACE_S each must fit SCALEOUT_S (27 s left today).
 RESERVE_S=$SUMMARY_S
+
+# Remote scorers: an actor process and a ScorerService process sharing the one GPU (messages on gloo),
+# beside the same work colocated in one process.
+gpu_step remote "$LOG_DIR/remote.log" 'remote_intra_vs_sequential=' \
+  "$PYTHON" -m bench.bench_remote --device cuda --actor small --scorer small --rounds 1 --steps 2
 
 # --- 9. summary and one archive ----------------------------------------------------------------------------
 {

@@ -188,7 +188,8 @@ class ScorerService:
 
     def serve(self) -> ServiceStats:
         """Serve every other rank of the group until each has closed its engine, died, or been refused;
-        returns what was done. Collective: every rank of the group forms the transport's gloo group with
+        returns what was done. It may be called again, for a new round of clients (a new ``RemoteScorers``
+        on each). Collective: every rank of the group forms the transport's gloo group with
         this call (the clients in ``RemoteScorers``)."""
         group = self.group
         peers = [r for r in range(group.size()) if r != group.rank()]
@@ -196,6 +197,7 @@ class ScorerService:
             group, peers, heartbeat_s=self.heartbeat_s, liveness_timeout_s=self.liveness_timeout_s
         )
         self._clients = {r: _Client(r) for r in peers}
+        self.stats = ServiceStats()
         transport.start(self._on_message)
         try:
             with contextlib.ExitStack() as stack:

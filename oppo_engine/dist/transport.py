@@ -109,6 +109,7 @@ class Transport(ABC):
 # transport can form a gloo group of its own from the same store.
 # NOTE: keyed by id() with the group held: process groups are pybind objects, which take no weak references.
 _STORES: dict[int, tuple[dist.ProcessGroup, dist.Store]] = {}
+_FORMED: dict[int, int] = {}  # transports formed so far on a stateless group: each gets its own store prefix
 
 
 def register_store(group: dist.ProcessGroup, store: dist.Store) -> None:
@@ -117,10 +118,12 @@ def register_store(group: dist.ProcessGroup, store: dist.Store) -> None:
 
 
 def _own_gloo_group(group: dist.ProcessGroup, timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """A gloo group of the same ranks as ``group``, created collectively on every rank of ``group``."""
+    """A gloo group of the same ranks as ``group``, created collectively on every rank of ``group`` (every
+    rank forms its transports in the same order, so the n-th one's store keys agree)."""
     _, store = _STORES.get(id(group), (None, None))
     if store is not None:
-        prefixed = dist.PrefixStore("oppo-transport/", store)
+        n = _FORMED[id(group)] = _FORMED.get(id(group), 0) + 1
+        prefixed = dist.PrefixStore(f"oppo-transport/{n}/", store)
         return dist.ProcessGroupGloo(prefixed, group.rank(), group.size(), timeout)
     ranks = dist.get_process_group_ranks(group)
     return dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
