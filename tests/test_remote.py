@@ -18,7 +18,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from engine_models import EOS, actor_config, make_actor, make_reward, random_prompts
-from test_ppo_scorers import hf_ref_logprobs, make_reference
+from test_ppo_scorers import hf_ref_logprobs, hf_values, make_critic, make_reference
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
@@ -32,7 +32,9 @@ LIVENESS_S = 30.0
 
 
 def _config(mode: str, **overrides) -> EngineConfig:
-    cfg = dict(batch_size=4, mode=mode, chunk_size=4, page_size=PAGE, max_model_len=MAX_LEN)
+    cfg = dict(batch_size=4, mode=mode, page_size=PAGE, max_model_len=MAX_LEN)
+    if mode in ("intra", "oppo"):
+        cfg["chunk_size"] = 4
     if mode in ("inter", "oppo"):
         cfg["overcommit"] = 2
     cfg.update(overrides)
@@ -69,13 +71,12 @@ def _service(pg, kv_cache_bytes=TIGHT_SERVICE_BYTES, **kw):
     )  # fmt: skip
 
 
-def _client_engine(pg, mode: str, **cfg) -> RolloutEngine:
+def _client_engine(pg, mode: str, critic=None, **cfg) -> RolloutEngine:
     from oppo_engine.dist import RemoteScorers
 
     remote = RemoteScorers(service_rank=SERVICE, group=pg, liveness_timeout_s=LIVENESS_S)
-    return RolloutEngine(
-        actor=make_actor(), reward=remote, config=_config(mode, **cfg), sampling=_sampling(), eos_token_id=EOS
-    )
+    return RolloutEngine(actor=make_actor(), reward=remote, critic=critic, config=_config(mode, **cfg),
+                         sampling=_sampling(), eos_token_id=EOS)  # fmt: skip
 
 
 class Boom(RuntimeError):
@@ -123,6 +124,16 @@ def _exact_rank(rank: int, world_size: int, modes: tuple[str, ...]):
 
 
 def _colocated(rank: int, mode: str) -> list[dict]:
+    """The same engine as rank ``rank``'s, with the scorers in it, on one thread as the ranks run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _colocated_run(rank, mode)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _colocated_run(rank: int, mode: str) -> list[dict]:
     engine = RolloutEngine(
         actor=make_actor(), reward=make_reward(), reference=make_reference(), config=_config(mode),
         sampling=_sampling(), eos_token_id=EOS,
@@ -134,16 +145,18 @@ def _colocated(rank: int, mode: str) -> list[dict]:
 
 
 def test_remote_scorers_equal_colocated_and_hf_through_a_tight_service_arena():
-    """intra and oppo (n=2, overcommit 2) on two actor ranks: tokens, log-probs and versions equal colocated
-    scorers; rewards and ref_logprobs equal HF; the service preempted, and every page is free at the end.
+    """sequential, intra and oppo (n=2, overcommit 2) on two actor ranks: tokens, log-probs and versions equal
+    colocated scorers; rewards and ref_logprobs equal HF; streamed, the service preempted (sequential scores
+    whole sequences oldest first, which never needs to); every page is free at the end.
     In oppo, rank 0's step fails once (an actor forward) and is retried: the service dropped that client's
     sequences and scored them again, and rank 1 was untouched."""
-    modes = ("intra", "oppo")
+    modes = ("sequential", "intra", "oppo")
     values = run_ranks(_exact_rank, 3, modes, timeout_s=300)
     reward, reference = make_reward(), make_reference()
     for m, mode in enumerate(modes):
         stats = values[SERVICE][m]
-        assert stats.preemptions > 0, "the tight service arena should have preempted (swapped) sequences"
+        if mode != "sequential":
+            assert stats.preemptions > 0 and stats.swapped_tokens > 0, "the tight arena should have swapped"
         assert stats.free_pages == stats.total_pages, stats
         assert sorted(stats.closed) == list(CLIENTS) and not stats.lost
         for rank in CLIENTS:
@@ -245,7 +258,7 @@ def _kill_client_rank(rank: int, world_size: int):
     pg = dist.group.WORLD
     if rank == SERVICE:
         return _service(pg).serve()
-    engine = _client_engine(pg, "oppo")
+    engine = _client_engine(pg, "oppo", critic=make_critic() if rank == 0 else None)
     engine.add_prompts(_prompts(rank))
     if rank == 1:
         engine.step()  # the service now holds this client's carried sequences
@@ -259,9 +272,12 @@ def _kill_client_rank(rank: int, world_size: int):
         lane.remote.send = die
         engine.step()
         raise AssertionError("rank 1 should have died in its second step")
-    rollouts = _drain(engine)
+    rollouts = []
+    while result := engine.step().rollouts:  # the service keeps reward and reference KV across updates
+        rollouts += [{**_as_dict(r), "values": r.values} for r in result]
+        engine.update_policy()
     engine.close()
-    return rollouts
+    return sorted(rollouts, key=lambda r: (r["group_id"], r["sample_index"]))
 
 
 def test_a_killed_client_is_dropped_and_the_other_served_to_the_end_with_every_page_freed():
@@ -276,9 +292,14 @@ def test_a_killed_client_is_dropped_and_the_other_served_to_the_end_with_every_p
     assert [(r["group_id"], r["sample_index"]) for r in rollouts] == [
         (g, j) for g in range(6) for j in range(2)
     ]
-    reward, reference = make_reward(), make_reference()
+    # Carried sequences kept their reward and reference KV across update_policy(): nothing recomputed.
+    assert stats.recomputed_tokens == 0 and stats.swapped_tokens > 0
+    reward, reference, critic = make_reward(), make_reference(), make_critic()
     for r in rollouts:
         _assert_equals_hf(r, reward, reference)
+        want = hf_values(critic, r["prompt_ids"], r["response_ids"])  # the critic stayed local
+        torch.testing.assert_close(torch.tensor(r["values"]), want, atol=1e-5, rtol=0)
+    assert any(v > 0 for r in rollouts for v in r["policy_versions"])
 
 
 def _bad_input_rank(rank: int, world_size: int):

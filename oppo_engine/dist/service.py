@@ -71,6 +71,8 @@ class ServiceStats:
     forwards: int = 0
     sequences_scored: int = 0
     preemptions: int = 0
+    recomputed_tokens: int = 0  # prefilled again below a sequence's high-water mark (a client's abort)
+    swapped_tokens: int = 0  # brought back from host after a preemption
     messages_received: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
@@ -198,6 +200,9 @@ class ScorerService:
         )
         self._clients = {r: _Client(r) for r in peers}
         self.stats = ServiceStats()
+        scheds = self.scheds.values()
+        self._counted = [sum(s.num_preemptions for s in scheds), sum(s.recomputed_tokens for s in scheds),
+                         sum(s.swapped_tokens for s in scheds)]  # fmt: skip
         transport.start(self._on_message)
         try:
             with contextlib.ExitStack() as stack:
@@ -223,7 +228,11 @@ class ScorerService:
         self.arena.reclaim(wait=True)
         self.stats.total_pages = self.arena.num_pages
         self.stats.free_pages = self.arena.num_free_pages()
-        self.stats.preemptions = sum(s.num_preemptions for s in self.scheds.values())
+        self.stats.preemptions = sum(s.num_preemptions for s in self.scheds.values()) - self._counted[0]
+        self.stats.recomputed_tokens = (
+            sum(s.recomputed_tokens for s in self.scheds.values()) - self._counted[1]
+        )
+        self.stats.swapped_tokens = sum(s.swapped_tokens for s in self.scheds.values()) - self._counted[2]
         self.stats.messages_sent, self.stats.bytes_sent = transport.messages_sent, transport.bytes_sent
         return self.stats
 
