@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--actor", default="small", help=f"actor preset, one of {sorted(PRESETS)}")
     p.add_argument("--scorer", default="small", help="preset of the reward and the reference models")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=96)
     p.add_argument("--max-new-tokens", type=int, default=48, help="the long tail's cap")
     p.add_argument("--chunk-size", type=int, default=8)
     p.add_argument("--overcommit", type=int, default=4, help="Δ of oppo")
