@@ -90,7 +90,7 @@ def serve_scorers(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench`` and ``trace``."""
+    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench``, ``trace`` and ``serve-scorers``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if argv and argv[0] == "serve-scorers":
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
-    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace,serve-scorers}")
     d = sub.add_parser(
         "demo",
         help="PPO on the embedded task in every mode, side by side (the ablation)",
