@@ -24,12 +24,14 @@
 #   | 6     | kernel-tests  |      45 |             48 | pytest tests/kernels -m "not cuda" (-n 8)     |
 #   | 7     | groups        |      15 |             18 | bench_groups 0.5b n=8, 1 round                |
 #   | 8     | fsdp-replica  |      22 |             25 | bench_replica 0.5b: FSDP2 on 1 rank, bf16 sync|
+#   | 9     | remote        |      25 |             28 | bench_remote: actor + service processes       |
 #   |       | summary, pack |       5 |              5 |                                               |
-#   |       | total         |         |        **326** |                                               |
-#   |       | scale-out     |         |         **30** | reserved: SCALEOUT_STEPS below, not yet used  |
+#   |       | total         |         |        **354** |                                               |
+#   |       | scale-out     |         |          **2** | reserved: SCALEOUT_STEPS below, not yet used  |
 #   |       | budget        |         |        **356** | BUDGET_S, under 6 minutes                     |
 #
-# NOTE: steps the scale-out issues add go in SCALEOUT_STEPS (after groups) and must fit its 30 s,
+# NOTE: further scale-out steps go in SCALEOUT_STEPS (after remote) and must fit its 2 s (none can: trim a
+# cap above first), grace included; the script refuses to start if the table's arithmetic exceeds BUDGET_S.
 # grace included; the script refuses to start if the table's arithmetic exceeds BUDGET_S.
 set -u
 
@@ -37,11 +39,11 @@ PYTHON=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-356}
 GRACE_S=3
 SUMMARY_S=5
-SCALEOUT_S=30
+SCALEOUT_S=2
 # step -> cap, in run order (the table above).
-STEPS=(machine build cuda-tests e2e decode kernel-tests groups fsdp-replica)
+STEPS=(machine build cuda-tests e2e decode kernel-tests groups fsdp-replica remote)
 declare -A CAP=([machine]=15 [build]=100 [cuda-tests]=40 [e2e]=35 [decode]=25 [kernel-tests]=45 [groups]=15
-  [fsdp-replica]=22)
+  [fsdp-replica]=22 [remote]=25)
 
 worst=$((SUMMARY_S + SCALEOUT_S))
 for step in "${STEPS[@]}"; do worst=$((worst + CAP[$step] + GRACE_S)); done
@@ -67,7 +69,8 @@ FAILED=0
 BUILD_OK=0
 HAVE_CUDA=0
 
-RESERVE_S=$((SCALEOUT_S + SUMMARY_S))  # kept back from the steps before the scale-out section
+# Kept back from the steps before the scale-out section: its reserve and the remote step's cap.
+RESERVE_S=$((SCALEOUT_S + CAP[fsdp-replica] + CAP[remote] + 2 * GRACE_S + SUMMARY_S))
 remaining() { echo $((BUDGET_S - RESERVE_S - SECONDS)); }
 
 record() {  # record STEP STATUS SECONDS FIGURE
@@ -219,15 +222,20 @@ gpu_step groups "$LOG_DIR/groups.log" 'speedup_shared_vs_unshared=' \
   "$PYTHON" -m bench.bench_groups --preset 0.5b --n 8 --groups 4 --prompt-len 512 --response-len 32 --rounds 1 \
   --mode intra
 
-# --- 8. scale-out (SCALEOUT_S = 30 s still reserved, grace included) ---------------------------------------
+# --- 8. scale-out: the FSDP2 replica sync, then remote scorers (SCALEOUT_S = 2 s left, grace included) -----
 # SCALEOUT_STEPS: add each step to STEPS and CAP above (the arithmetic check counts it) and a gpu_step
-# line here; their caps plus GRACE_S each must fit SCALEOUT_S (30 s left today).
-RESERVE_S=$((SCALEOUT_S + SUMMARY_S))
+# line here; their caps plus GRACE_S each must fit SCALEOUT_S.
+RESERVE_S=$((SCALEOUT_S + CAP[remote] + GRACE_S + SUMMARY_S))
 # FSDP2 actor on one rank (NCCL, shards nothing but runs the code): update_policy() gathers bf16 replicas,
 # checked bit for bit against the gathered weights, timed against a full state dict; then a 4-token step.
 gpu_step fsdp-replica "$LOG_DIR/fsdp_replica.log" 'replica_sync_s=' \
   "$PYTHON" -m bench.bench_replica --preset 0.5b --rollout-dtype bf16 --rounds 2
 RESERVE_S=$SUMMARY_S
+
+# Remote scorers: an actor process and a ScorerService process sharing the one GPU (messages on gloo),
+# beside the same work colocated in one process.
+gpu_step remote "$LOG_DIR/remote.log" 'remote_intra_vs_sequential=' \
+  "$PYTHON" -m bench.bench_remote --device cuda --actor small --scorer small --rounds 1 --steps 2
 
 # --- 9. summary and one archive ----------------------------------------------------------------------------
 {

@@ -94,10 +94,48 @@ def bench(argv: list[str], prog: str = "oppo-engine bench") -> int:
     return 0
 
 
+def serve_scorers(argv: list[str]) -> int:
+    """Serve frozen scorers to the actor ranks of a job: the paper's 7+1 placement, as a process of its own
+    (``oppo_engine.dist.ScorerService`` on the last rank of a group formed at ``--init``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from oppo_engine.dist import ScorerService, stateless_group
+
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="oppo-engine serve-scorers", description=serve_scorers.__doc__,
+                                formatter_class=defaults)  # fmt: skip
+    p.add_argument("--reward", required=True, help="local one-label HF reward model")
+    p.add_argument("--reference", help="local HF causal LM: fills the clients' ref_logprobs")
+    p.add_argument("--init", required=True, help="tcp://HOST:PORT where the group meets (hosted here)")
+    p.add_argument("--world", type=int, required=True, help="ranks in the group: the N actor ranks + 1")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="the service's arena (None: default)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (None: the models')")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page of the largest model")
+    args = p.parse_args(argv)
+    if args.world < 2:
+        p.exit(2, f"oppo-engine serve-scorers: --world {args.world}: needs at least one actor rank + 1\n")
+    reward = AutoModelForSequenceClassification.from_pretrained(args.reward, dtype="auto")
+    reward = reward.to(args.device).eval()
+    reference = None
+    if args.reference:
+        reference = AutoModelForCausalLM.from_pretrained(args.reference, dtype="auto").to(args.device).eval()
+    group = stateless_group(args.init, rank=args.world - 1, world_size=args.world, host_store=True)
+    service = ScorerService(reward=reward, reference=reference, group=group, device=args.device,
+                            kv_cache_bytes=args.kv_cache_bytes, max_model_len=args.max_model_len,
+                            page_size=args.page_size)  # fmt: skip
+    print(f"oppo-engine serve-scorers: rank {args.world - 1} of {args.world} at {args.init}", flush=True)
+    stats = service.serve()
+    print(f"oppo-engine serve-scorers: {stats}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench`` and ``trace``."""
+    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench``, ``trace`` and ``serve-scorers``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] == "serve-scorers":
+        return serve_scorers(argv[1:])
     if argv and argv[0] in ("bench", "trace"):
         rest = argv[1:] + (["--trace"] if argv[0] == "trace" and "--trace" not in argv else [])
         return bench(rest, prog=f"oppo-engine {argv[0]}")
@@ -105,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
-    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace,serve-scorers}")
     d = sub.add_parser(
         "demo",
         help="PPO on the embedded task in every mode, side by side (the ablation)",
@@ -134,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--nproc", type=int, default=None, help="launch the demo on N local ranks (--fsdp)")
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
+    sub.add_parser("serve-scorers", help="frozen scorers for the actor ranks of a job (--help for options)")
     args = parser.parse_args(argv)
     if args.command is None:  # bare `oppo-engine`: what it can do, not an argparse complaint
         parser.print_help()

@@ -20,6 +20,7 @@ from oppo_engine.cache.swap import HostPages, swap_in, swap_out
 from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.control import OFF, ChunkSizeController, DeltaController
 from oppo_engine.dist.group import StepReport, collective, join_group
+from oppo_engine.dist.remote import RemoteScorers
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.attention import paged_attention_enabled
 from oppo_engine.model.eos import resolve_eos_token_ids
@@ -209,15 +210,19 @@ class RolloutEngine:
             cfg.max_model_len, {ACTOR: actor, REWARD: reward, REFERENCE: reference, CRITIC: critic}
         )
         # The models the engine runs through its paged cache, by role (the name of their cache and lane).
+        remote = reward if isinstance(reward, RemoteScorers) else None  # scored on another rank
         self._models, rule = collect_models(
-            actor, reward, reference, critic, max_model_len=self.max_model_len, tokenizer=tokenizer,
-            reward_tokenizer=reward_tokenizer,
+            actor, None if remote is not None else reward, reference, critic,
+            max_model_len=self.max_model_len, tokenizer=tokenizer, reward_tokenizer=reward_tokenizer,
         )  # fmt: skip
         self.reward = reward if rule is None else rule
         self.reward_is_model = rule is None
         self.device = device_of(actor)
         self.vocab_size = int(text_config(actor).vocab_size)
         self.eos_token_ids = resolve_eos_token_ids(actor, eos_token_id)
+        if remote is not None:  # the handshake: refuses another vocabulary, a longer max_model_len
+            remote.connect(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+                           local_reference=reference is not None)  # fmt: skip
 
         self._specs = {name: KVSpec.from_hf_config(m.config, dtype_of(m)) for name, m in self._models.items()}
         self._num_pages = self._plan_pages()
@@ -328,10 +333,11 @@ class RolloutEngine:
             actor_runner.captured = self._captured = CapturedDecode(
                 actor_runner, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len
             )
+        make_lane = self.reward.lane if isinstance(self.reward, RemoteScorers) else ScorerLane
         self._loop = StepLoop(
             actor_sched=actor_sched,
             actor=ActorWorker(actor_runner),
-            scorer_lane=ScorerLane(
+            scorer_lane=make_lane(
                 scorers,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 timeline=self._timeline,
@@ -844,6 +850,8 @@ class RolloutEngine:
             self._drop_cache()
             self._replicas.release()
             self._closed = True
+            if isinstance(self.reward, RemoteScorers):
+                self.reward.close()
 
     def __enter__(self) -> RolloutEngine:
         return self

@@ -26,7 +26,7 @@ def dtype_of(model: nn.Module) -> torch.dtype:
 
 def collect_models(
     actor: nn.Module,
-    reward: nn.Module | RuleReward,
+    reward: nn.Module | RuleReward | None,
     reference: nn.Module | None,
     critic: nn.Module | None,
     *,
@@ -36,7 +36,8 @@ def collect_models(
 ) -> tuple[dict[str, nn.Module], RuleReward | None]:
     """``(models, rule)``: the models the engine runs through its cache by role, actor first, and the
     reward as a callable when it is not streamed (a rule, or a reward model of another vocabulary, then
-    wrapped to re-tokenize). Raises ``ValueError`` naming the role and the feature for anything the
+    wrapped to re-tokenize); ``reward=None``: the reward is scored on another rank (no model, no rule).
+    Raises ``ValueError`` naming the role and the feature for anything the
     engine cannot run exactly (``support.check_model``), models on another device than the actor's, and a
     scorer that would read the actor's token ids in another vocabulary.
     """
@@ -46,6 +47,8 @@ def collect_models(
     vocab_size = int(text_config(actor).vocab_size)
     if isinstance(reward, nn.Module):
         reward = _reward_for_vocab(reward, vocab_size, tokenizer, reward_tokenizer)
+    elif reward is None:
+        pass  # scored on another rank (dist.RemoteScorers): nothing to run here
     elif not callable(reward):
         raise ValueError("reward must be an HF sequence-classification model or a callable(prompt, response)")
     elif not isinstance(reward, BatchedReward):  # BatchedReward checked its fn when it was made

@@ -115,6 +115,7 @@ class ScorerLane:
     """
 
     _LANE = "scorer"
+    stall_s = _STALL_S  # idle this long after the actor is done, with sequences unscored: a failure
 
     def __init__(
         self,
@@ -287,9 +288,9 @@ class ScorerLane:
                         # The actor is done and holds no pages, so only deferred frees can still be on
                         # their way; a lane idle for long after that can never progress: fail, not hang.
                         idle_after_close += _POLL_S
-                        if idle_after_close > _STALL_S:
+                        if idle_after_close > self.stall_s:
                             raise RuntimeError(
-                                f"scorer lane made no progress for {_STALL_S:.0f} s with "
+                                f"scorer lane made no progress for {self.stall_s:.0f} s with "
                                 f"{len(self._pending)} sequences unscored: the cache cannot hold them"
                             )
                     with self._cond:

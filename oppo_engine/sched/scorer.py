@@ -154,6 +154,11 @@ class ScorerScheduler:
             self._drop(seq)
         return seqs
 
+    def drop(self, seq: Sequence) -> None:
+        """Release ``seq`` (pages, on host too, and state) if this scheduler holds it."""
+        if seq in self:
+            self._drop(seq)
+
     def swapped_pages(self, seq_ids: set[int]) -> int:
         """Pages of ``seq_ids`` swapped to host by this scheduler."""
         return sum(host.num_pages() for s, host in self._swapped.items() if s in seq_ids)
