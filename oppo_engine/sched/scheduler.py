@@ -126,6 +126,8 @@ class ActorScheduler:
             chunks.append(self._chunk(seq, n, slots))
             budget -= n
             i += 1
+        if not (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs):
+            return chunks  # nothing to admit (every decode forward once the batch is running)
         # Pages the running sequences still need for their pending tokens (a prompt prefilled in chunks):
         # admission leaves them, so that it never takes what an older sequence needs next forward.
         committed = sum(self.cache.pages_needed(s.seq_id, s.num_pending) for s in self.running)
