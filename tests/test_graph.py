@@ -276,15 +276,19 @@ def test_capture_sizes_cover_every_batch_up_to_the_most_in_flight():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_equal_eager_and_recapture_after_resume():
-    """CUDA graphs per bucket: exact against eager (fp32), the same graphs across an in-place update, one
-    re-capture per bucket after the arena comes back at a new address."""
+def test_cuda_graphs_equal_eager_and_replay_across_release_memory_every_step():
+    """CUDA graphs per bucket: exact against eager (fp32); over a PPO run that releases memory every step
+    the arena comes back at its address and in-place updates keep the weights' (``cache/vmm.py``), so after
+    the first step every bucket replays: no re-capture, and the rollouts equal eager's."""
     actor = build_actor("llama").cuda()
     eager, captured, metrics = run_both(actor, prompts(LENGTHS), temperature=0.7)
     assert_same_rollouts(eager, captured)
     assert_ran_captured(metrics)
-    rollouts, metrics = _ppo_run(actor, graph=True, steps=4, release=True)
+    eager, _ = _ppo_run(actor, graph=False, steps=4, release=True)
+    captured, metrics = _ppo_run(actor, graph=True, steps=4, release=True)
+    assert_same_rollouts(eager, captured)
     assert all(m.graph_forwards > 0 for m in metrics)
+    assert [m.graph_recompiles for m in metrics[1:]] == [0] * (len(metrics) - 1)
 
 
 def test_weights_refilled_in_place_of_a_released_replica_are_read_without_recompiling():
@@ -311,7 +315,7 @@ def test_weights_refilled_in_place_of_a_released_replica_are_read_without_recomp
     assert [m.graph_recompiles for m in metrics] == [0] * len(metrics)
 
 
-def test_cuda_graph_addresses_follow_a_refilled_weight_not_an_in_place_update():
+def test_graph_addresses_follow_a_refilled_weight_not_an_in_place_update():
     """What the CUDA-graph path compares once per step (``graph_addresses``): an in-place update keeps every
     address (the graphs replay), a parameter whose storage was freed and refilled elsewhere does not (its
     graphs are dropped and re-captured)."""
@@ -388,19 +392,6 @@ def test_cuda_arena_keeps_its_address_across_release_and_rebuild():
     arena.buffer.fill_(3)  # the remapped range is writable
     torch.cuda.synchronize()
     assert int(arena.buffer[-1]) == 3
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_ppo_run_releasing_memory_every_step_recaptures_nothing_after_warm_up():
-    """The arena comes back at its address, and in-place weight updates keep theirs: after the first step
-    every bucket replays; the rollouts equal eager's. Prints each re-capture's cost (device_check log)."""
-    actor = build_actor("llama").cuda()
-    eager, _ = _ppo_run(actor, graph=False, steps=4, release=True)
-    captured, metrics = _ppo_run(actor, graph=True, steps=4, release=True)
-    assert_same_rollouts(eager, captured)
-    assert_ran_captured(metrics)
-    assert [m.graph_recompiles for m in metrics[1:]] == [0] * (len(metrics) - 1)
 
 
 @pytest.mark.cuda
