@@ -138,9 +138,9 @@ class FixedAddressBuffer:
     @classmethod
     def create(cls, device: torch.device, nbytes: int) -> FixedAddressBuffer | None:
         """A buffer on CUDA ``device``, or None where the driver offers no virtual memory management."""
-        lib = _driver()
-        if lib is None or device.type != "cuda":
+        if device.type != "cuda" or (lib := _driver()) is None:
             return None
+        torch.cuda.init()  # the primary context the driver calls use (torch's own)
         device = torch.device(
             "cuda", device.index if device.index is not None else torch.cuda.current_device()
         )
