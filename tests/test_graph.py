@@ -17,9 +17,11 @@ from families import EOS, FAMILIES, build_actor, prompts
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
-from oppo_engine.model.cuda_graphs import capture_sizes
+from oppo_engine.cache.vmm import FixedAddressBuffer
+from oppo_engine.model.cuda_graphs import capture_sizes, graph_addresses
 from oppo_engine.model.graph import CapturedDecode, graph_enabled
 from oppo_engine.model.runner import ModelRunner, SeqChunk
+from oppo_engine.model.sampler import SampleBatch, Sampler, unpack
 
 CI_FAMILIES = ("llama", "qwen2", "gemma2", "stablelm", "gpt2", "mixtral")
 LOGPROB_ATOL = 1e-5
@@ -274,12 +276,144 @@ def test_capture_sizes_cover_every_batch_up_to_the_most_in_flight():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_equal_eager_and_recapture_after_resume():
-    """CUDA graphs per bucket: exact against eager (fp32), the same graphs across an in-place update, one
-    re-capture per bucket after the arena comes back at a new address."""
+def test_cuda_graphs_equal_eager_and_replay_across_release_memory_every_step():
+    """CUDA graphs per bucket: exact against eager (fp32); over a PPO run that releases memory every step
+    the arena comes back at its address and in-place updates keep the weights' (``cache/vmm.py``), so after
+    the first step every bucket replays: no re-capture, and the rollouts equal eager's."""
     actor = build_actor("llama").cuda()
     eager, captured, metrics = run_both(actor, prompts(LENGTHS), temperature=0.7)
     assert_same_rollouts(eager, captured)
     assert_ran_captured(metrics)
-    rollouts, metrics = _ppo_run(actor, graph=True, steps=4, release=True)
+    eager, _ = _ppo_run(actor, graph=False, steps=4, release=True)
+    captured, metrics = _ppo_run(actor, graph=True, steps=4, release=True)
+    assert_same_rollouts(eager, captured)
     assert all(m.graph_forwards > 0 for m in metrics)
+    assert [m.graph_recompiles for m in metrics[1:]] == [0] * (len(metrics) - 1)
+
+
+def test_weights_refilled_in_place_of_a_released_replica_are_read_without_recompiling():
+    """A rollout replica's ``release_memory(weights=True)`` frees every parameter's storage and refills the
+    same Parameter objects later (branch fsdp's replicas): the CPU graph reads them at call time, so the
+    next step equals an eager engine's over the refilled (changed) weights and compiles nothing."""
+    actor = build_actor("llama")  # its own copy: the weights change
+    batch = prompts(LENGTHS[:4])
+    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
+    engine.add_prompts(batch)
+    engine.step()
+    with torch.no_grad():
+        for p in actor.parameters():
+            refill = p.detach() * 1.01
+            p.untyped_storage().resize_(0)  # released: the replica holds no memory
+            p.untyped_storage().resize_(refill.numel() * refill.element_size())
+            p.copy_(refill)
+    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
+    for e in (engine, eager):
+        e.add_prompts(batch)
+    captured, metrics = drain(engine)
+    assert_same_rollouts(drain(eager)[0], captured)
+    assert_ran_captured(metrics)
+    assert [m.graph_recompiles for m in metrics] == [0] * len(metrics)
+
+
+def test_graph_addresses_follow_a_refilled_weight_not_an_in_place_update():
+    """What the CUDA-graph path compares once per step (``graph_addresses``): an in-place update keeps every
+    address (the graphs replay), a parameter whose storage was freed and refilled elsewhere does not (its
+    graphs are dropped and re-captured)."""
+    actor = build_actor("llama")
+    kv = torch.empty(16)
+    before = graph_addresses(kv, actor)
+    weight = actor.lm_head.weight
+    with torch.no_grad():
+        weight.mul_(1.5)
+        assert graph_addresses(kv, actor) == before
+        saved = weight.detach().clone()
+        nbytes = saved.numel() * saved.element_size()
+        weight.untyped_storage().resize_(0)
+        keep = torch.empty(nbytes, dtype=torch.uint8)  # takes the freed memory: the refill lands elsewhere
+        weight.untyped_storage().resize_(nbytes)
+        weight.copy_(saved)
+    del keep
+    after = graph_addresses(kv, actor)
+    assert len(after) == len(before)
+    assert [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b] == [
+        1 + [id(p) for p in actor.parameters()].index(id(weight))
+    ]  # only the refilled weight's entry (after the KV view's) moved
+
+
+def test_sample_batch_packs_every_parameter_exactly():
+    """The sampler's columns travel as one int64 array: each comes back bit for bit (seeds up to 2**63 - 1,
+    fp32 temperatures and top-p), and a row's draw equals the list API's."""
+    batch = SampleBatch(
+        rows=[0, 2, 3],
+        temperatures=[0.0, 0.7, 1.3],
+        top_ks=[0, 5, 0],
+        top_ps=[1.0, 0.9, 0.35],
+        seeds=[2**63 - 1, 7, 123456789012],
+        positions=[0, 17, 4095],
+    )
+    rows, seeds, positions, top_k, temperature, top_p = unpack(torch.from_numpy(batch.packed()), 3)
+    assert rows.tolist() == batch.rows and seeds.tolist() == batch.seeds
+    assert positions.tolist() == batch.positions and top_k.tolist() == batch.top_ks
+    assert torch.equal(temperature, torch.tensor(batch.temperatures, dtype=torch.float32))
+    assert torch.equal(top_p, torch.tensor(batch.top_ps, dtype=torch.float32))
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)) * 3
+    packed = torch.from_numpy(batch.packed())
+    got = Sampler().sample(logits, batch, packed)
+    want = Sampler()(
+        logits, temperatures=batch.temperatures, top_ks=batch.top_ks, top_ps=batch.top_ps, seeds=batch.seeds,
+        positions=batch.positions,
+    )  # fmt: skip
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_arena_on_the_cpu_is_plain_memory():
+    """Fixed addresses are a CUDA matter (cache/vmm.py): the CPU arena is a torch.empty buffer."""
+    assert FixedAddressBuffer.create(torch.device("cpu"), 1 << 20) is None
+    spec = KVSpec.from_hf_config(actor_of("llama").config, torch.float32)
+    arena = KVArena({"actor": spec}, page_size=8, num_pages=4, device="cpu")
+    arena.release()
+    arena.rebuild()
+    assert arena.buffer.numel() == 4 * arena.page_bytes
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_arena_keeps_its_address_across_release_and_rebuild():
+    spec = KVSpec.from_hf_config(actor_of("llama").config, torch.float32)
+    arena = KVArena({"actor": spec}, page_size=8, num_pages=64, device="cuda")
+    assert arena._fixed is not None, "the driver offers no VMM: every resume() re-captures the graphs"
+    before = arena.buffer.data_ptr()
+    arena.buffer.fill_(7)
+    free_mapped = torch.cuda.mem_get_info()[0]
+    arena.release()
+    assert torch.cuda.mem_get_info()[0] > free_mapped  # the memory went back to the device
+    arena.rebuild()
+    assert arena.buffer.data_ptr() == before
+    arena.buffer.fill_(3)  # the remapped range is writable
+    torch.cuda.synchronize()
+    assert int(arena.buffer[-1]) == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_recapture_after_a_weight_moves():
+    """A parameter refilled at another address (a replica after ``release_memory(weights=True)``): the next
+    step re-captures the buckets it uses (counted) and equals an eager engine over the same weights."""
+    actor = build_actor("llama").cuda()
+    batch = prompts(LENGTHS[:4])
+    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
+    engine.add_prompts(batch)
+    engine.step()
+    captured_decode = engine._loop.actor.runner.captured
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.data = p.data * 1.01  # same Parameter, new storage at a new address
+    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
+    for e in (engine, eager):
+        e.add_prompts(batch)
+    t0 = captured_decode.compile_s
+    captured, metrics = drain(engine)
+    assert_same_rollouts(drain(eager)[0], captured)
+    assert metrics[0].graph_recompiles > 0
+    print(f"re-capture after a weight moved: {metrics[0].graph_recompiles} buckets, "
+          f"{captured_decode.compile_s - t0:.3f} s")  # fmt: skip

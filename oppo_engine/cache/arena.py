@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from oppo_engine import ops
+from oppo_engine.cache.vmm import FixedAddressBuffer
 
 # Page sizes are byte counts rounded to this, so every dtype's view of a page starts on an element boundary
 # and pages stay aligned for vectorised loads.
@@ -124,11 +125,18 @@ class KVArena:
         self._lock = threading.Lock()
         self._reserve = dict.fromkeys(self.specs, 0)
         self._lane = {name: name for name in self.specs}  # model -> the lane (stream) its kernels run on
+        # On CUDA the buffer keeps its address across release/rebuild (CUDA graphs read it there): None
+        # where the driver has no virtual memory management (the buffer is then a new torch.empty).
+        self._fixed = FixedAddressBuffer.create(self.device, self.num_pages * self.page_bytes)
         self.rebuild()
 
     def rebuild(self) -> None:
-        """(Re)allocate the buffer with every page free: at construction, and after ``release``."""
-        self.buffer = torch.empty(self.num_pages * self.page_bytes, dtype=torch.uint8, device=self.device)
+        """(Re)allocate the buffer with every page free: at construction, and after ``release``; on CUDA at
+        the address it had before (``cache/vmm.py``), where the driver allows."""
+        if self._fixed is not None:
+            self.buffer = self._fixed.map()
+        else:
+            self.buffer = torch.empty(self.num_pages * self.page_bytes, dtype=torch.uint8, device=self.device)
         self.allocator = ops.PageAllocator(self.num_pages)
         self._views = {name: self._make_view(name) for name in self.specs}
         self._held = dict.fromkeys(self.specs, 0)
@@ -145,6 +153,8 @@ class KVArena:
         self.buffer = None
         self._views = {}
         self.allocator = None
+        if self._fixed is not None:
+            self._fixed.unmap()  # NOTE: after the sync; no tensor over the range may be used until rebuild
 
     @property
     def released(self) -> bool:

@@ -3,55 +3,46 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from oppo_engine.model.runner import ModelRunner, SeqChunk
-from oppo_engine.model.sampler import Sampler
-
-
-@dataclass(frozen=True, slots=True)
-class SampleSpec:
-    """How to draw the next token after chunk ``row`` of a forward."""
-
-    row: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    position: int  # absolute index of the token being drawn: keys the noise
+from oppo_engine.model.sampler import SampleBatch, Sampler
 
 
 class ActorWorker:
     """Runs the actor over packed chunks and samples; hands back Python ints and floats.
 
     This is where tensor contents become host values (one device sync per iteration), so the schedulers
-    above work on token ids alone.
+    above work on token ids alone. Per forward, the sampling parameters reach the device with the forward's
+    metadata (one host-to-device copy for both), and tokens and log-probs come back in one copy.
     """
 
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
+        self._host_out: torch.Tensor | None = None  # pinned [2, N] float64 staging of the results (CUDA)
 
-    def forward(
-        self, chunks: Sequence[SeqChunk], specs: Sequence[SampleSpec]
-    ) -> tuple[list[int], list[float]]:
-        """Prefill/decode ``chunks``; return the token and its log-prob for each of ``specs`` (in order)."""
-        logits = self.runner.logits_last(chunks)
-        if not specs:
+    def forward(self, chunks: Sequence[SeqChunk], batch: SampleBatch) -> tuple[list[int], list[float]]:
+        """Prefill/decode ``chunks``; the token and its log-prob for each row of ``batch``, in order."""
+        if not len(batch):
+            self.runner.logits_last(chunks)
             return [], []
-        if len(specs) != len(chunks):
-            logits = logits[torch.tensor([s.row for s in specs], device=logits.device)]
-        tokens, logprobs = self.sampler(
-            logits,
-            temperatures=[s.temperature for s in specs],
-            top_ks=[s.top_k for s in specs],
-            top_ps=[s.top_p for s in specs],
-            seeds=[s.seed for s in specs],
-            positions=[s.position for s in specs],
-        )
-        if tokens.is_cuda:  # one device-to-host copy (and sync), not one per tensor
-            packed = torch.stack((tokens.double(), logprobs.double())).tolist()
-            return [int(t) for t in packed[0]], packed[1]
-        return tokens.tolist(), logprobs.tolist()
+        logits, packed = self.runner.logits_last_with(chunks, batch.packed())
+        if len(batch) != len(chunks):
+            logits = logits.index_select(0, packed[: len(batch)])
+        tokens, logprobs = self.sampler.sample(logits, batch, packed)
+        if not tokens.is_cuda:
+            return tokens.tolist(), logprobs.tolist()
+        # One non-blocking device-to-host copy of both into pinned memory, then one wait for it.
+        out = torch.stack((tokens.double(), logprobs.double()))
+        host = self._host_out
+        if host is None or host.shape[1] < out.shape[1]:
+            host = self._host_out = torch.empty(
+                (2, max(out.shape[1], 64)), dtype=torch.float64, pin_memory=True
+            )
+        staged = host[:, : out.shape[1]]
+        staged.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        packed_host = staged.tolist()
+        return [int(t) for t in packed_host[0]], packed_host[1]

@@ -19,6 +19,8 @@ import torch
 from oppo_engine import ops
 from oppo_engine.model.attention import AttentionMetadata, bound_metadata
 
+EXTRA_PER_ROW = 5  # int64 values per row that ride with a bucket's inputs (SampleBatch.packed())
+
 
 class CaptureFailed(RuntimeError):
     """A decode forward that cannot be captured as a CUDA graph (the model then decodes eager)."""
@@ -35,44 +37,57 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class CudaBucket:
     """Static device buffers of one CUDA-graph bucket of ``rows`` sequences, and their pinned staging.
 
-    Two device buffers, each filled by one non-blocking copy per replay: int64 ``ids | positions | slots``
-    and int32 ``cu_seqlens_q | context_lens | block_tables``; the graph's tensors are views of them.
+    Two device buffers, each filled by one non-blocking copy per replay: int64 ``ids | positions | slots |
+    extra`` and int32 ``cu_seqlens_q | context_lens | block_tables``; the graph's tensors are views of them.
+    ``extra`` (up to ``EXTRA_PER_ROW`` values per row, not read by the graph) carries the sampler's
+    parameters in the same copy.
     """
 
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
         self.rows, self.width = rows, width
-        self.i64 = torch.empty(3 * rows, dtype=torch.int64, device=device)
+        self.i64 = torch.empty((3 + EXTRA_PER_ROW) * rows, dtype=torch.int64, device=device)
         self.i32 = torch.empty(2 * rows + 1 + rows * width, dtype=torch.int32, device=device)
         self.host64 = torch.empty(self.i64.shape, dtype=torch.int64, pin_memory=True)
         self.host32 = torch.empty(self.i32.shape, dtype=torch.int32, pin_memory=True)
         self.host32.numpy()[: rows + 1] = np.arange(rows + 1)  # one token per row, always
         self.ids, self.positions = self.i64[:rows].view(1, rows), self.i64[rows : 2 * rows].view(1, rows)
-        self.slots = self.i64[2 * rows :]
+        self.slots = self.i64[2 * rows : 3 * rows]
         self.cu_seqlens_q = self.i32[: rows + 1]
         self.context_lens = self.i32[rows + 1 : 2 * rows + 1]
         self.block_tables = self.i32[2 * rows + 1 :].view(rows, width)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [rows, V] float32, written by every replay
 
-    def fill(self, arrays: list[np.ndarray]) -> None:
-        """Copy a forward's host arrays (``CapturedDecode.decode_inputs``) into the static buffers, on the
-        current stream. NOTE: the staging is reused by the next fill; the caller reads the logits back (a
-        sync) between two fills, so the previous copy has completed by then."""
+    def fill(self, arrays: list[np.ndarray], extra: np.ndarray | None = None) -> torch.Tensor | None:
+        """Copy a forward's host arrays (``CapturedDecode.decode_inputs``) and ``extra`` into the static
+        buffers, on the current stream; returns ``extra``'s device view (valid until the next fill). NOTE:
+        the staging is reused by the next fill; the caller reads the results back (a sync) between two
+        fills, so the previous copy has completed by then."""
         ids, positions, slots, context_lens, tables = arrays
         h64, h32, r = self.host64.numpy(), self.host32.numpy(), self.rows
-        h64[:r], h64[r : 2 * r], h64[2 * r :] = ids[0], positions[0], slots
+        h64[:r], h64[r : 2 * r], h64[2 * r : 3 * r] = ids[0], positions[0], slots
         h32[r + 1 : 2 * r + 1], h32[2 * r + 1 :] = context_lens, tables.ravel()
-        self.i64.copy_(self.host64, non_blocking=True)
+        n = 0 if extra is None else len(extra)
+        if n > EXTRA_PER_ROW * r:
+            raise ValueError(f"extra: {n} values, a bucket of {r} rows carries at most {EXTRA_PER_ROW * r}")
+        h64[3 * r : 3 * r + n] = extra if extra is not None else ()
+        self.i64[: 3 * r + n].copy_(self.host64[: 3 * r + n], non_blocking=True)
         self.i32.copy_(self.host32, non_blocking=True)
+        return self.i64[3 * r : 3 * r + n] if extra is not None else None
 
 
 class CudaGraphs:
     """A CUDA graph per bucket of ``capture_sizes(max_num_seqs)``, captured on first use.
 
-    The graph reads the arena and the weights at the addresses it captured: both are checked before every
-    replay (``data_ptr`` of the KV view and of every parameter and buffer), and a change drops every bucket
-    (re-captured on next use, counted). The attention plan is built once per bucket over the static
-    tensors, for a fixed grid: ``max_context_len`` is the bucket's table width in tokens.
+    The graph reads the arena and the weights at the addresses it captured: both are checked at the first
+    forward of every step (``data_ptr`` of the KV view and of every parameter and buffer; they change only
+    between steps: ``resume()``, ``update_policy()``, a replica refilled after
+    ``release_memory(weights=True)``), and a change drops every bucket, each re-captured on its next use
+    (counted in ``recompiles``, its cost in ``compile_s``). The arena keeps its address across
+    ``release_memory()``/``resume()`` where the driver allows (``cache/vmm.py``), so a PPO run that releases
+    memory every step captures each bucket once. The attention plan is built once per bucket over the
+    static tensors, for a fixed grid: ``max_context_len``
+    is the bucket's table width in tokens.
     """
 
     def __init__(self, owner, forward: Callable) -> None:
@@ -84,18 +99,36 @@ class CudaGraphs:
         self.buckets: dict[int, CudaBucket] = {}
         self.pool = None  # one memory pool shared by every bucket's graph
         self.addresses: tuple[int, ...] | None = None
+        self.checked = False  # the addresses were compared in this step (``start_step`` clears it)
+        self.invalidations = 0  # times a moved arena or weight dropped the buckets
 
-    def logits(self, chunks: Sequence) -> torch.Tensor:
+    def start_step(self) -> None:
+        """Compare the addresses again at the step's first forward."""
+        self.checked = False
+
+    def check_addresses(self) -> None:
+        """Drop every bucket if the arena or a weight is no longer where the graphs read it."""
         runner = self.owner.runner
-        addresses = (runner.cache.kv_cache.data_ptr(), *(t.data_ptr() for t in _weights(runner.model)))
+        addresses = graph_addresses(runner.cache.kv_cache, runner.model)
         if addresses != self.addresses:
+            if self.addresses is not None:
+                self.invalidations += 1
             self.buckets.clear()
             self.addresses = addresses
+        self.checked = True
+
+    def logits(
+        self, chunks: Sequence, extra: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[N, V]`` of the decode forward over ``chunks`` (a view of the bucket's output, valid until
+        its next replay), and ``extra`` on the device."""
+        if not self.checked:
+            self.check_addresses()
         rows = next(s for s in self.sizes if s >= len(chunks))
         bucket = self.buckets.get(rows) or self._capture(rows)
-        bucket.fill(self.owner.decode_inputs(chunks, rows, self.width))
+        extra_t = bucket.fill(self.owner.decode_inputs(chunks, rows, self.width), extra)
         bucket.graph.replay()  # on the current stream: the actor lane's
-        return bucket.logits[: len(chunks)]
+        return bucket.logits[: len(chunks)], extra_t
 
     def _capture(self, rows: int) -> CudaBucket:
         t0 = time.perf_counter()
@@ -147,6 +180,11 @@ class CudaGraphs:
         self.owner.recompiles += 1
         self.owner.compile_s += time.perf_counter() - t0
         return bucket
+
+
+def graph_addresses(kv_cache: torch.Tensor, model: torch.nn.Module) -> tuple[int, ...]:
+    """Where a captured decode graph reads its memory: the KV view, then every parameter and buffer."""
+    return (kv_cache.data_ptr(), *(t.data_ptr() for t in _weights(model)))
 
 
 def _weights(model: torch.nn.Module) -> Iterator[torch.Tensor]:

@@ -177,6 +177,8 @@ class CapturedDecode:
         self._step_start = (self.forwards, self.recompiles)
         if self._graph is not None:
             self._graph.check()
+        if self._cuda is not None:
+            self._cuda.start_step()
 
     def step_metrics(self) -> dict[str, object]:
         """``StepMetrics``' graph fields since ``start_step()``."""
@@ -194,27 +196,41 @@ class CapturedDecode:
 
     def logits_last(self, chunks: Sequence) -> torch.Tensor:
         """Next-token logits ``[N, V]`` float32 of the decode-only forward over ``chunks``."""
+        return self._forward(chunks, None)[0]
+
+    def logits_last_with(self, chunks: Sequence, extra: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits_last``, and the host int64 array ``extra`` on the device (in the inputs' own copy)."""
+        return self._forward(chunks, extra)
+
+    def _forward(
+        self, chunks: Sequence, extra: np.ndarray | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         reason = self._broken
         if reason is None and self._cuda is not None and len(chunks) > self._cuda.sizes[-1]:
             reason = f"{len(chunks)} sequences decode at once, more than the largest CUDA graph's rows"
         if reason is not None:
-            self.fallback = reason
-            return self.runner.eager_logits_last(chunks)
+            return self._eager(chunks, extra, reason)
         try:
             with paged_attention_enabled(self.runner.model):
-                logits = (
-                    self._cuda.logits(chunks) if self._cuda is not None else self._compiled_logits(chunks)
-                )
+                if self._cuda is not None:
+                    out = self._cuda.logits(chunks, extra)
+                else:
+                    out = self._compiled_logits(chunks), None if extra is None else torch.from_numpy(extra)
         except CaptureFailed as e:
             self._broken = str(e)
-            self.fallback = self._broken
-            return self.runner.eager_logits_last(chunks)
+            return self._eager(chunks, extra, self._broken)
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
             self._broken = f"the decode graph cannot be compiled ({type(e).__name__}: {str(e)[:200]})"
-            self.fallback = self._broken
-            return self.runner.eager_logits_last(chunks)
+            return self._eager(chunks, extra, self._broken)
         self.forwards += 1
-        return logits
+        return out
+
+    def _eager(self, chunks: Sequence, extra: np.ndarray | None, reason: str) -> tuple:
+        """The forward through the eager module tree, ``reason`` reported as the step's fallback."""
+        self.fallback = reason
+        if extra is None:
+            return self.runner.eager_logits_last(chunks), None
+        return self.runner.eager_logits_last_with(chunks, extra)
 
     # -- CPU: inductor ---------------------------------------------------------------------------------
 

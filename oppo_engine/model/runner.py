@@ -93,10 +93,28 @@ class ModelRunner:
         return self.eager_logits_last(chunks)
 
     @torch.inference_mode()
+    def logits_last_with(
+        self, chunks: Sequence[SeqChunk], extra: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits_last``, and ``extra`` (a host int64 array: the sampler's parameters) on the device, where
+        it travels in the forward's own metadata copy rather than in one of its own."""
+        if self.captured is not None and self.captured.accepts(chunks):
+            return self.captured.logits_last_with(chunks, extra)
+        return self.eager_logits_last_with(chunks, extra)
+
+    @torch.inference_mode()
     def eager_logits_last(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """``logits_last`` through the eager module tree."""
         batch = self._prepare(chunks)
         return self._logits(batch, batch.last)
+
+    @torch.inference_mode()
+    def eager_logits_last_with(
+        self, chunks: Sequence[SeqChunk], extra: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits_last_with`` through the eager module tree."""
+        batch = self._prepare(chunks, extra)
+        return self._logits(batch, batch.last), batch.extra
 
     @torch.inference_mode()
     def logits_at(
@@ -158,8 +176,9 @@ class ModelRunner:
             logits = logits.index_select(0, rows)
         return logits.float() if float32 else logits
 
-    def _prepare(self, chunks: Sequence[SeqChunk]) -> _Batch:
-        """Index tensors of one forward, built on the host and moved in two copies (int64, int32), no sync.
+    def _prepare(self, chunks: Sequence[SeqChunk], extra: np.ndarray | None = None) -> _Batch:
+        """Index tensors of one forward, built on the host and moved in two copies (int64, int32), no sync;
+        ``extra`` (host int64) rides in the int64 copy and comes back as ``_Batch.extra``.
 
         Block tables are rows of the cache's persistent table, gathered in one indexing op.
         """
@@ -201,7 +220,10 @@ class ModelRunner:
         tables = self.cache.block_table_rows(seq_ids, width)
         last = [i - 1 for i in cu[1:]]
 
-        i64 = self._to_device(np.array(ids + positions + slots + last, dtype=np.int64))
+        i64 = np.array(ids + positions + slots + last, dtype=np.int64)
+        if extra is not None:
+            i64 = np.concatenate([i64, extra])
+        i64 = self._to_device(i64)
         i32 = self._to_device(np.concatenate([np.array(cu + context_lens, dtype=np.int32), tables.ravel()]))
         cu_seqlens_q, context_lens_t = i32[: N + 1], i32[N + 1 : 2 * N + 1]
         block_tables = i32[2 * N + 1 :].view(N, width)
@@ -226,7 +248,8 @@ class ModelRunner:
                 q_lens=q_lens,
             ),  # fmt: skip
         )
-        return _Batch(i64[:T].view(1, T), i64[T : 2 * T].view(1, T), i64[3 * T :], meta)
+        extra_t = i64[3 * T + N :] if extra is not None else None
+        return _Batch(i64[:T].view(1, T), i64[T : 2 * T].view(1, T), i64[3 * T : 3 * T + N], meta, extra_t)
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(values)
@@ -244,6 +267,7 @@ class _Batch:
     positions: torch.Tensor  # [1, T] int64, absolute position of each new token
     last: torch.Tensor  # [N] int64, packed row of each chunk's last token
     meta: AttentionMetadata
+    extra: torch.Tensor | None = None  # the caller's extra int64 values (the sampler's), on the device
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from oppo_engine import ops
@@ -75,6 +77,47 @@ def _truncate(
     return truncated
 
 
+@dataclass(slots=True)
+class SampleBatch:
+    """What to draw after the rows of one forward that sample: one column per parameter, one entry per
+    sampled row, as host values (built once per forward from the sequences, no object per row).
+
+    ``packed()`` lays the columns out in one int64 host array, so they reach the device in the forward's own
+    metadata copy (``ModelRunner.logits_last_with``) rather than in a copy each.
+    """
+
+    rows: list[int]  # the forward's chunk index of each sampled row
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    seeds: list[int]
+    positions: list[int]  # absolute index of the token being drawn: keys the noise
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def truncates(self) -> bool:
+        """Some row asks for top-k or top-p truncation."""
+        return any(k > 0 for k in self.top_ks) or any(p < 1.0 for p in self.top_ps)
+
+    def packed(self) -> np.ndarray:
+        """int64 ``[5N]``: rows | seeds | positions | top_k | temperature and top_p as float32 bits."""
+        n = len(self.rows)
+        out = np.empty(5 * n, dtype=np.int64)
+        out[: 4 * n] = self.rows + self.seeds + self.positions + self.top_ks
+        floats = out[4 * n :].view(np.float32)
+        floats[:n], floats[n:] = self.temperatures, self.top_ps
+        return out
+
+
+def unpack(packed: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """Views of :meth:`SampleBatch.packed` on the device: (rows, seeds, positions, top_k) int64 ``[n]``,
+    (temperature, top_p) float32 ``[n]``."""
+    floats = packed[4 * n : 5 * n].view(torch.float32)
+    return packed[:n], packed[n : 2 * n], packed[2 * n : 3 * n], packed[3 * n : 4 * n], floats[:n], floats[n:]
+
+
 class Sampler:
     """Samples one token per row of ``logits [N, V]`` and returns its behaviour log-prob.
 
@@ -93,17 +136,21 @@ class Sampler:
         seeds: Sequence[int],
         positions: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        device = logits.device
-        temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
-        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-            top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)
-            top_p = torch.tensor(top_ps, dtype=torch.float32, device=device)
+        """Tokens ``[N]`` int64 and their log-probs ``[N]`` float32 for the rows of ``logits``."""
+        batch = SampleBatch(
+            list(range(logits.shape[0])), list(temperatures), list(top_ks), list(top_ps), list(seeds),
+            list(positions),
+        )  # fmt: skip
+        return self.sample(logits, batch, torch.from_numpy(batch.packed()).to(logits.device))
+
+    def sample(
+        self, logits: torch.Tensor, batch: SampleBatch, packed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and log-probs for ``batch`` over the rows of ``logits [len(batch), V]``, its parameters read
+        from ``packed`` (``batch.packed()`` already on the device: no host-to-device copy here)."""
+        _, seeds, positions, top_k, temperature, top_p = unpack(packed, len(batch))
+        if batch.truncates:
             truncated = _truncate(logits.float(), temperature, top_k, top_p)
             # Greedy rows keep their unscaled logits: argmax and its log-prob are unaffected by truncation.
             logits = torch.where((temperature > 0).unsqueeze(1), truncated, logits.float())
-        return ops.sample(
-            logits,
-            temperature,
-            torch.tensor(seeds, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-        )
+        return ops.sample(logits, temperature, seeds, positions)

@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from oppo_engine.kernels.paged_attention import KV_PER_SPLIT
-from oppo_engine.model.actor import ActorWorker, SampleSpec
+from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.runner import ModelRunner, SeqChunk
+from oppo_engine.model.sampler import SampleBatch
 
 _SCRATCH = ("oppo-warm-up", 0), ("oppo-warm-up", 1)  # sequence ids no engine sequence uses
 _TOKEN = 0
@@ -48,11 +49,11 @@ def warm_up(runner: ModelRunner, max_model_len: int, actor: ActorWorker | None =
     if actor is not None:
 
         def run(chunks: list[SeqChunk]) -> object:
-            specs = [
-                SampleSpec(i, 1.0, 0, 1.0, seed=0, position=cache.num_tokens(c.seq_id))
-                for i, c in enumerate(chunks)
-            ]
-            return actor.forward(chunks, specs)
+            n = len(chunks)
+            positions = cache.token_counts([c.seq_id for c in chunks])
+            return actor.forward(
+                chunks, SampleBatch(list(range(n)), [1.0] * n, [0] * n, [1.0] * n, [0] * n, positions)
+            )
 
     shapes = [[(a, 2)], [(a, 1)], [(a, 1), (b, 2)]]  # prefill, decode-only, mixed: one split
     if b_len - 2 > KV_PER_SPLIT:

@@ -126,6 +126,8 @@ class ActorScheduler:
             chunks.append(self._chunk(seq, n, slots))
             budget -= n
             i += 1
+        if not (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs):
+            return chunks  # nothing to admit (every decode forward once the batch is running)
         # Pages the running sequences still need for their pending tokens (a prompt prefilled in chunks):
         # admission leaves them, so that it never takes what an older sequence needs next forward.
         committed = sum(self.cache.pages_needed(s.seq_id, s.num_pending) for s in self.running)
@@ -168,8 +170,9 @@ class ActorScheduler:
 
     def _chunk_len(self, seq: Sequence, budget: int, prefixing: set[int]) -> int:
         """Tokens of ``seq`` in the next forward; a chunk that writes a group's prefix stops at its end."""
-        n = min(seq.num_pending, budget)
-        if seq.num_computed < seq.prefix_len:
+        # NOTE: num_pending and prefix_len spelled out: this runs for every running sequence every forward.
+        n = min(len(seq.prompt_ids) + len(seq.response_ids) - seq.num_computed, budget)
+        if seq.sampling.n > 1 and seq.num_computed < seq.prefix_len:
             prefixing.add(seq.seq_id)
             n = min(n, seq.prefix_len - seq.num_computed)
         return n
@@ -232,10 +235,15 @@ class ActorScheduler:
 
     def _chunk(self, seq: Sequence, n: int, slots: list[int]) -> ScheduledChunk:
         start = seq.num_computed
-        self.recomputed_tokens += max(0, min(start + n, seq.computed_high) - start)
-        seq.computed_high = max(seq.computed_high, start + n)
-        seq.num_computed += n
-        return ScheduledChunk(seq, start, seq.token_slice(start, start + n), slots, seq.num_pending == 0)
+        end = start + n
+        high = seq.computed_high
+        if high > start:
+            self.recomputed_tokens += min(end, high) - start
+        if end > high:
+            seq.computed_high = end
+        seq.num_computed = end
+        samples = end == len(seq.prompt_ids) + len(seq.response_ids)
+        return ScheduledChunk(seq, start, seq.token_slice(start, end), slots, samples)
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s actor pages and put it first in line; its tokens are kept for recomputation."""
@@ -266,13 +274,15 @@ class ActorScheduler:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends with ``token`` (None: it goes on). EOS first: when EOS is also the last allowed
         token, the response ended on its own."""
-        if not seq.sampling.ignore_eos and token in self.eos_token_ids:
+        p = seq.sampling
+        if not p.ignore_eos and token in self.eos_token_ids:
             return "eos"
-        if token in seq.sampling.stop_token_ids:
+        if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
-        if len(seq.response_ids) >= seq.sampling.max_new_tokens:
+        num_response = len(seq.response_ids)
+        if num_response >= p.max_new_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if len(seq.prompt_ids) + num_response >= self.max_model_len:
             return "max_model_len"
         return None
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oppo_engine.model.actor import ActorWorker, SampleSpec
+from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.runner import SeqChunk
+from oppo_engine.model.sampler import SampleBatch
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
@@ -196,19 +197,19 @@ class StepLoop:
                 continue
             stalled_since = None
             out.peak_pages = max(out.peak_pages, self.pages_in_use())
-            specs = [_sample_spec(i, c.seq) for i, c in enumerate(chunks) if c.samples]
+            samples = _sample_batch(chunks)
             self._in_flight = chunks
             self.executor.unit(ACTOR_LANE, "forward")
             with (
                 self.timeline.span(ACTOR_LANE, "forward", tokens=sum(len(c.token_ids) for c in chunks)),
                 model_call(ACTOR_LANE),
             ):
-                tokens, logprobs = self.actor.forward(_seq_chunks(chunks), specs)
+                tokens, logprobs = self.actor.forward(_seq_chunks(chunks), samples)
             self._in_flight = []
             now = self.clock()
-            for spec, tok, lp in zip(specs, tokens, logprobs, strict=True):
-                seq = chunks[spec.row].seq
-                out.tokens_generated += 1
+            out.tokens_generated += len(tokens)
+            for row, tok, lp in zip(samples.rows, tokens, logprobs, strict=True):
+                seq = chunks[row].seq
                 if sched.append_token(seq, tok, lp, policy_version):
                     seq.finish_time = now
                     out.finished_all.append(seq)
@@ -239,9 +240,24 @@ def _lane_threads(threaded: bool, device: torch.device) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def _sample_spec(row: int, seq: Sequence) -> SampleSpec:
-    p = seq.sampling
-    return SampleSpec(row, p.temperature, p.top_k, p.top_p, seq.seed, position=seq.num_tokens)
+def _sample_batch(chunks: list[ScheduledChunk]) -> SampleBatch:
+    """What to draw after the chunks that reach their sequence's last token, column by column (no object
+    per row: this runs once per forward over every running sequence)."""
+    if all(c.samples for c in chunks):  # every decode forward
+        rows = list(range(len(chunks)))
+        seqs = [c.seq for c in chunks]
+    else:
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        seqs = [chunks[i].seq for i in rows]
+    params = [s.sampling for s in seqs]
+    return SampleBatch(
+        rows,
+        [p.temperature for p in params],
+        [p.top_k for p in params],
+        [p.top_p for p in params],
+        [s.seed for s in seqs],
+        [len(s.prompt_ids) + len(s.response_ids) for s in seqs],  # num_tokens: the position drawn
+    )
 
 
 def _seq_chunks(chunks: list[ScheduledChunk]) -> list[SeqChunk]:

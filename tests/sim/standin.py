@@ -201,7 +201,7 @@ class StandInActor:
         self.note: Callable[[str], None] | None = None
         self.clock, self.costs, self.faults = clock, costs, faults
 
-    def forward(self, chunks: Sequence[SeqChunk], specs) -> tuple[list[int], list[float]]:
+    def forward(self, chunks: Sequence[SeqChunk], samples) -> tuple[list[int], list[float]]:
         by_id = self.seqs()
         seqs = [by_id[c.seq_id] for c in chunks]
         if self.note is not None:
@@ -213,10 +213,10 @@ class StandInActor:
             self.io.write(c, start)
         self.clock.advance(self.costs(sum(len(c.token_ids) for c in chunks)))
         tokens, logprobs = [], []
-        for spec in specs:
-            c, seq = chunks[spec.row], seqs[spec.row]
-            tokens.append(self.oracle.token(spec.seed, spec.position, len(seq.prompt_ids), c.token_ids[-1]))
-            logprobs.append(self.oracle.logprob(spec.seed, spec.position))
+        for row, seed, position in zip(samples.rows, samples.seeds, samples.positions, strict=True):
+            c, seq = chunks[row], seqs[row]
+            tokens.append(self.oracle.token(seed, position, len(seq.prompt_ids), c.token_ids[-1]))
+            logprobs.append(self.oracle.logprob(seed, position))
         return tokens, logprobs
 
 
