@@ -41,6 +41,7 @@ def demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         overcommit=args.overcommit,
         max_deferrals=args.max_deferrals,
+        max_policy_lag=args.max_policy_lag,
     )
     runs = run_demo(opts)
     print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all")
@@ -88,6 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--overcommit", type=int, default=None, help="Δ of inter, oppo (None: B / 2)")
     d.add_argument(
         "--max-deferrals", type=int, default=DemoOptions().max_deferrals, help="deferral bound of inter, oppo"
+    )
+    d.add_argument(
+        "--max-policy-lag",
+        type=lambda v: None if v.lower() == "none" else int(v),
+        default=DemoOptions().max_policy_lag,
+        help="policy-lag bound of inter, oppo (none: max-deferrals only)",
     )
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")

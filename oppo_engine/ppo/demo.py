@@ -43,6 +43,7 @@ class DemoOptions:
     seed: int = 0
     overcommit: int | None = None  # None: batch_size // 2
     max_deferrals: int = MAX_DEFERRALS
+    max_policy_lag: int | None = 2  # the engine's default (the front-door issue); None: max_deferrals only
     max_model_len: int = 512
     # torch intra-op threads for the run: the tiny models gain nothing from more, and on a shared CPU two
     # threads collapse when a core is taken (a mode would be slowed by the load, not by its pipeline)
@@ -75,7 +76,9 @@ def engine_overrides(mode: str, opts: DemoOptions) -> dict:
     overrides: dict = {"mode": mode, "max_model_len": opts.max_model_len}
     if mode in ("inter", "oppo"):
         delta = opts.overcommit if opts.overcommit is not None else opts.batch_size // 2
-        overrides.update(overcommit=delta, max_deferrals=opts.max_deferrals)
+        overrides.update(
+            overcommit=delta, max_deferrals=opts.max_deferrals, max_policy_lag=opts.max_policy_lag
+        )
     return overrides
 
 
