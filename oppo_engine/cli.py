@@ -48,6 +48,16 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if any(r.records for r in runs) else 1
 
 
+def _policy_lag(text: str) -> int | None:
+    """``--max-policy-lag``: an int, or ``none`` (no lag bound)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an int >= 1 or 'none', got {text!r}") from None
+
+
 def bench(argv: list[str], prog: str = "oppo-engine bench") -> int:
     """Run the end-to-end benchmark (bench/bench_e2e.py) with ``argv``; ``--help`` names ``prog``."""
     _bench_module().main(argv, prog=prog)
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument(
         "--max-policy-lag",
-        type=lambda v: None if v.lower() == "none" else int(v),
+        type=_policy_lag,
         default=DemoOptions().max_policy_lag,
         help="policy-lag bound of inter, oppo (none: max-deferrals only)",
     )

@@ -15,6 +15,9 @@ from oppo_engine.cli import main
         (["--modes", "sequential,turbo"], "turbo"),
         (["--steps", "0"], "--steps"),
         (["--actor", "/nonexistent"], "--actor and --reward go together"),
+        (["--max-policy-lag", "0"], "max_policy_lag"),
+        (["--max-policy-lag", "two"], "an int >= 1 or 'none'"),
+        (["--overcommit", "64"], "overcommit"),  # Δ > B under a lag bound: refused by the engine's config
     ],
 )
 def test_demo_bad_option_exits_2_with_a_message(tmp_path, capsys, args, match):

@@ -102,7 +102,8 @@ def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Pa
 
 def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> list[ModeRun]:
     """``opts.steps`` PPO steps per mode, the modes interleaved step by step (whatever else loads the
-    machine then slows every mode alike); one step's lane trace per mode."""
+    machine then slows every mode alike), their order rotated each round (no mode always runs right after
+    another, which would bias the ratios by its position); one step's lane trace per mode."""
     runs, trainers = [], {}
     for mode in opts.modes:
         runs.append(ModeRun(mode))
@@ -115,8 +116,8 @@ def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print)
     bar = tqdm(total=opts.steps * len(trainers), desc="PPO steps", unit="step")
     last = {}
     try:
-        for _ in range(opts.steps):
-            for run in runs:
+        for i in range(opts.steps):
+            for run in runs[i % len(runs) :] + runs[: i % len(runs)]:
                 if run.mode in trainers:
                     last[run.mode] = _one_step(trainers[run.mode], run, opts.out, trace_step)
                     bar.update()
@@ -177,7 +178,8 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     unknown = [m for m in opts.modes if m not in MODES]
     if unknown or not opts.modes:
         raise ValueError(f"--modes: {unknown or 'none given'}; choose among {', '.join(MODES)}")
-    ppo_config(opts)  # bad sizes fail here, before anything is built
+    for mode in opts.modes:  # bad sizes and engine settings fail here, before anything is built
+        engine_config_for(ppo_config(opts), **engine_overrides(mode, opts))
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.actor is None:
         cache = build_task(opts.cache, log=log)
