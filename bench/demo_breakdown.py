@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import fields, replace
@@ -34,8 +33,7 @@ def _options(argv: list[str] | None) -> DemoOptions:
     parser.add_argument("--cache", default=".cache/demo_task")
     names = {f.name: f for f in fields(DemoOptions)}
     for name in ("batch_size", "overcommit", "max_deferrals", "max_policy_lag", "seed", "max_new_tokens"):
-        if name in names:
-            parser.add_argument(f"--{name.replace('_', '-')}", type=_int_or_none, default=names[name].default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=_int_or_none, default=names[name].default)
     args = parser.parse_args(argv)
     extra = {k: getattr(args, k) for k in vars(args) if k in names and k not in ("steps", "modes", "cache")}
     return replace(
@@ -59,32 +57,33 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     rows: dict[str, list[dict]] = defaultdict(list)
     for trainer in trainers.values():  # time the stale log-prob recompute inside the update
         _time_old_logprobs(trainer)
-    with tempfile.TemporaryDirectory():
-        for _ in range(opts.steps):
-            for mode, trainer in trainers.items():
-                trainer._old_logprobs_s = 0.0
-                t0 = time.perf_counter()
-                stats = trainer.step()
-                step_s = time.perf_counter() - t0
-                m = stats.rollout.metrics
-                spans = trainer.engine.timeline.spans()
-                actor = [s for s in spans if s.lane == "actor"]
-                scorer = [s for s in spans if s.lane != "actor"]
-                rows[mode].append(
-                    dict(
-                        step_s=step_s,
-                        rollout_s=stats.rollout_s,
-                        update_s=stats.update_s,
-                        recompute_s=trainer._old_logprobs_s,
-                        iterations=len(actor),
-                        actor_s=sum(s.duration_s for s in actor),
-                        scorer_s=sum(s.duration_s for s in scorer),
-                        exposed_s=m.exposed_scoring_s,
-                        tokens=m.tokens_generated,
-                        response_len=stats.response_len,
-                        arm=m.chunk_size,
-                    )
+    modes = list(trainers)
+    for i in range(opts.steps):
+        for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:  # interleaved, the order rotated
+            trainer = trainers[mode]
+            trainer._old_logprobs_s = 0.0
+            t0 = time.perf_counter()
+            stats = trainer.step()
+            step_s = time.perf_counter() - t0
+            m = stats.rollout.metrics
+            spans = trainer.engine.timeline.spans()
+            actor = [s for s in spans if s.lane == "actor"]
+            scorer = [s for s in spans if s.lane != "actor"]
+            rows[mode].append(
+                dict(
+                    step_s=step_s,
+                    rollout_s=stats.rollout_s,
+                    update_s=stats.update_s,
+                    recompute_s=trainer._old_logprobs_s,
+                    iterations=len(actor),
+                    actor_s=sum(s.duration_s for s in actor),
+                    scorer_s=sum(s.duration_s for s in scorer),
+                    exposed_s=m.exposed_scoring_s,
+                    tokens=m.tokens_generated,
+                    response_len=stats.response_len,
+                    arm=m.chunk_size,
                 )
+            )
     for trainer in trainers.values():
         trainer.close()
     return _report(rows, opts)
@@ -109,7 +108,7 @@ def _report(rows: dict[str, list[dict]], opts: DemoOptions) -> dict[str, dict[st
     base = None
     print(
         f"B={opts.batch_size} overcommit={opts.overcommit} max_deferrals={opts.max_deferrals} "
-        f"max_policy_lag={getattr(opts, 'max_policy_lag', 2)} steps={opts.steps} (first step left out)"
+        f"max_policy_lag={opts.max_policy_lag} steps={opts.steps} (first step left out)"
     )
     header = (
         "mode",
