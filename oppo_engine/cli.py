@@ -42,6 +42,7 @@ def demo(args: argparse.Namespace) -> int:
         overcommit=args.overcommit,
         max_deferrals=args.max_deferrals,
         fsdp=args.fsdp,
+        max_policy_lag=args.max_policy_lag,
     )
     if args.fsdp:
         return demo_on_ranks(opts, t0)
@@ -86,6 +87,14 @@ def launch_demo(nproc: int, argv: list[str]) -> int:
     except ChildFailedError:  # torchrun has printed which rank failed and its traceback
         return 1
     return 0
+def _policy_lag(text: str) -> int | None:
+    """``--max-policy-lag``: an int, or ``none`` (no lag bound)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an int >= 1 or 'none', got {text!r}") from None
 
 
 def bench(argv: list[str], prog: str = "oppo-engine bench") -> int:
@@ -170,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--fsdp", action="store_true", help="as one rank of a torchrun job: FSDP2 actor, critic")
     d.add_argument("--nproc", type=int, default=None, help="launch the demo on N local ranks (--fsdp)")
+    d.add_argument(
+        "--max-policy-lag",
+        type=_policy_lag,
+        default=DemoOptions().max_policy_lag,
+        help="policy-lag bound of inter, oppo (none: max-deferrals only)",
+    )
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     sub.add_parser("serve-scorers", help="frozen scorers for the actor ranks of a job (--help for options)")

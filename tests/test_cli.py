@@ -17,6 +17,9 @@ from oppo_engine.cli import main
         (["--actor", "/nonexistent"], "--actor and --reward go together"),
         (["--nproc", "0"], "--nproc must be >= 1"),
         (["--fsdp"], "--fsdp runs under torchrun"),
+        (["--max-policy-lag", "0"], "max_policy_lag"),
+        (["--max-policy-lag", "two"], "an int >= 1 or 'none'"),
+        (["--overcommit", "64"], "overcommit"),  # Δ > B under a lag bound: refused by the engine's config
     ],
 )
 def test_demo_bad_option_exits_2_with_a_message(tmp_path, capsys, args, match):

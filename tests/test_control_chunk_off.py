@@ -3,6 +3,7 @@ it settles on "off" when streaming costs and on a chunk size when it pays, keeps
 band, explores arms the cost model calls hopeless rarely, brings them back when the profile changes, and
 switches when the landscape changes halfway through a run."""
 
+import dataclasses
 import random
 
 import pytest
@@ -252,3 +253,25 @@ def test_never_explores_off_and_a_chunk_size_in_the_same_step(times, noise, prof
         assert len(ctrl.history) == n + 1 and ctrl.history[-1].chunk_size == arm
         measured.add(arm)
         assert ctrl.incumbent is None or ctrl.incumbent in measured
+
+
+def test_a_streamed_step_that_shows_streaming_hopeless_ends_the_exploration():
+    """The run's first profile has no slowdown measured (no step streamed yet), so the cost model ranks
+    the chunk sizes first and "off" below them. The first streamed step measures the slowdown (the CPU's
+    case): the exploration then spares the other chunk sizes (each a slow step) and measures "off"
+    instead, which becomes the incumbent; until the 4th exploration (``hopeless_every``) nothing else
+    streams."""
+    no_slowdown = dataclasses.replace(COSTLY, slowdown={})
+    ctrl = ChunkSizeController(ChunkControl(warmup_steps=0))
+    ctrl.set_profile(no_slowdown)
+    assert OFF not in ctrl.ranking()[:3] and OFF not in ctrl.hopeless()  # streaming looks free
+    rng = random.Random(0)
+    arms = []
+    for _ in range(31):  # the first exploration, then three of 10 steps on the incumbent
+        arm = ctrl.chunk_size()
+        ctrl.observe(arm, STREAMING_COSTS[arm] * 1e-4 * TOKENS * (1 + 0.03 * rng.gauss(0, 1)), TOKENS)
+        arms.append(arm)
+        ctrl.set_profile(COSTLY if streamed_steps(arms) else no_slowdown)  # as the profiler measures
+    assert arms[0] in SIZES and arms[1] == OFF, arms[:4]  # one chunk size measured, then "off"
+    assert ctrl.incumbent == OFF
+    assert streamed_steps(arms) == 1, arms  # hopeless arms come back on the 4th exploration only

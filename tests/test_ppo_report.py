@@ -10,6 +10,7 @@ from oppo_engine.ppo.report import (
     format_table,
     records_json,
     reward_threshold,
+    steps_to_reward,
     time_to_reward,
 )
 
@@ -51,6 +52,7 @@ def test_time_to_reward_is_the_summed_step_time_at_the_first_crossing_of_the_tra
     run = mode_run("oppo", [0.0] * 5 + [2.0] * 10, [1.0] * 5 + [0.5] * 10)
     # trailing means: step 5: 0.0, step 9: 1.6, step 10: 2.0 >= 1.8 -> summed time of steps 1-10
     assert time_to_reward(run, 1.8) == pytest.approx(5 * 1.0 + 5 * 0.5)
+    assert steps_to_reward(run, 1.8) == 10 and steps_to_reward(run, 2.5) is None
     assert time_to_reward(run, 2.5) is None
     # one lucky step does not cross: the trailing mean does
     spike = mode_run("intra", [0.0] * 5 + [5.0] + [0.0] * 5, 1.0)  # its trailing mean peaks at 1.0

@@ -295,9 +295,13 @@ class ChunkSizeController:
         """Rank arms with the cost model on ``profile`` from the next exploration on (from the first, if no
         step has been measured yet)."""
         self._profile = profile
-        if self.fixed is None and self._incumbent is None and not self._trial:
+        if self.fixed is not None:
+            return
+        if self._incumbent is None and not self._trial:
             self._explorations -= 1  # NOTE: the first exploration is planned again, not a new one
             self._start_exploration()
+        elif self._plan and not any(a in self._trial for a in self._plan):
+            self._replan()
 
     def ranking(self) -> list[Arm]:
         """The arms, most promising first (see the class docstring)."""
@@ -395,15 +399,31 @@ class ChunkSizeController:
 
     def _start_exploration(self) -> None:
         self._explorations += 1
+        self._plan = deque(a for a in self._exploration_arms() if a != self._incumbent)
+        self._trial = {}
+        self._since_exploration = 0
+        self._exploration_due = False
+
+    def _exploration_arms(self) -> list[Arm]:
+        """The arms this exploration covers: the best ``explore_top`` that are not hopeless, and on every
+        ``hopeless_every``-th exploration the most promising hopeless one."""
         hopeless = self.hopeless()
         hopeful = [a for a in self.ranking() if a not in hopeless]
         top = hopeful[: self.control.explore_top]
         if self._explorations % self.control.hopeless_every == 0:
             top += [a for a in hopeless if a != self._incumbent][:1]
-        self._plan = deque(a for a in top if a != self._incumbent)
-        self._trial = {}
-        self._since_exploration = 0
-        self._exploration_due = False
+        return top
+
+    def _replan(self) -> None:
+        """A profile came in during an exploration (its own steps measured it): the arms not tried yet are
+        ranked again, so a step measured to make streaming hopeless spares the exploration the other chunk
+        sizes (each a slow step), and brings in "off" if it is now among the best."""
+        # NOTE: called between exploration steps only (no confirming step pending), after observe().
+        self._plan = deque(
+            a for a in self._exploration_arms() if a != self._incumbent and a not in self._trial
+        )
+        if not self._plan and (self._trial or self._incumbent is not None):
+            self._decide()
 
     def _decide(self) -> None:
         # NOTE: a winner's trial steps were selected for being fast, so they are biased low; an incumbent's

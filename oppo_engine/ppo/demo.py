@@ -44,6 +44,7 @@ class DemoOptions:
     seed: int = 0
     overcommit: int | None = None  # None: batch_size // 2
     max_deferrals: int = MAX_DEFERRALS
+    max_policy_lag: int | None = 2  # the engine's default (the front-door issue); None: max_deferrals only
     max_model_len: int = 512
     # torch intra-op threads for the run: the tiny models gain nothing from more, and on a shared CPU two
     # threads collapse when a core is taken (a mode would be slowed by the load, not by its pipeline)
@@ -77,7 +78,9 @@ def engine_overrides(mode: str, opts: DemoOptions) -> dict:
     overrides: dict = {"mode": mode, "max_model_len": opts.max_model_len}
     if mode in ("inter", "oppo"):
         delta = opts.overcommit if opts.overcommit is not None else opts.batch_size // 2
-        overrides.update(overcommit=delta, max_deferrals=opts.max_deferrals)
+        overrides.update(
+            overcommit=delta, max_deferrals=opts.max_deferrals, max_policy_lag=opts.max_policy_lag
+        )
     return overrides
 
 
@@ -103,7 +106,8 @@ def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Pa
 
 def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> list[ModeRun]:
     """``opts.steps`` PPO steps per mode, the modes interleaved step by step (whatever else loads the
-    machine then slows every mode alike); one step's lane trace per mode."""
+    machine then slows every mode alike), their order rotated each round (no mode always runs right after
+    another, which would bias the ratios by its position); one step's lane trace per mode."""
     runs, trainers = [], {}
     for mode in opts.modes:
         runs.append(ModeRun(mode))
@@ -116,8 +120,8 @@ def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print)
     bar = tqdm(total=opts.steps * len(trainers), desc="PPO steps", unit="step")
     last = {}
     try:
-        for _ in range(opts.steps):
-            for run in runs:
+        for i in range(opts.steps):
+            for run in runs[i % len(runs) :] + runs[: i % len(runs)]:
                 if run.mode in trainers:
                     last[run.mode] = _one_step(trainers[run.mode], run, opts.out, trace_step)
                     bar.update()
@@ -178,7 +182,8 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     unknown = [m for m in opts.modes if m not in MODES]
     if unknown or not opts.modes:
         raise ValueError(f"--modes: {unknown or 'none given'}; choose among {', '.join(MODES)}")
-    ppo_config(opts)  # bad sizes fail here, before anything is built
+    for mode in opts.modes:  # bad sizes and engine settings fail here, before anything is built
+        engine_config_for(ppo_config(opts), **engine_overrides(mode, opts))
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.actor is None:
         cache = build_task(opts.cache, log=log)

@@ -68,10 +68,18 @@ def reward_threshold(base: ModeRun) -> float:
 
 def time_to_reward(run: ModeRun, threshold: float) -> float | None:
     """The mode's summed step time at the first step whose trailing mean reaches ``threshold``."""
+    step = steps_to_reward(run, threshold)
+    return run.records[step - 1].elapsed_s if step is not None else None
+
+
+def steps_to_reward(run: ModeRun, threshold: float) -> int | None:
+    """How many steps the mode took to reach ``threshold`` (its trailing mean's first crossing), or None:
+    time to reward is this many steps at the mode's own s/step, so the two ratios separate the pipeline's
+    speed from the reward curve's parity."""
     offset = min(TRAILING, len(run.records)) - 1
     for i, value in enumerate(run.trailing()):
         if value >= threshold:
-            return run.records[i + offset].elapsed_s
+            return i + offset + 1
     return None
 
 
@@ -120,13 +128,16 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
     ttr, base_ttr = time_to_reward(run, threshold), time_to_reward(base, threshold)
     bias = [r.length_bias for r in recs if r.length_bias is not None]
     rollout_s = sum(r.rollout_s for r in recs)
+    steps = steps_to_reward(run, threshold)
     return {
         "time to reward (s)": f"{ttr:.1f}" if ttr is not None else "not reached",
         f"  speed-up vs {base.mode}": _ratio(base_ttr, ttr),
+        "  steps to reward": str(steps) if steps is not None else "-",
         "s/step (PPO step)": f"{run.s_per_step():.3f}",
         f"  speed-up vs {base.mode} ": _ratio(base.s_per_step(), run.s_per_step()),
         "s/step (rollout)": f"{run.rollout_s_per_step():.3f}",
         f"  speed-up vs {base.mode}  ": _ratio(base.rollout_s_per_step(), run.rollout_s_per_step()),
+        "update s/step": f"{mean(r.step_s - r.rollout_s for r in recs):.3f}",
         "rollout share of the step": f"{rollout_s / sum(r.step_s for r in recs):.0%}",
         "exposed scoring s/step": f"{mean(r.exposed_scoring_s for r in recs):.3f}",
         "mean overcommit (Δ)": f"{mean(r.overcommit for r in recs):.1f}",
