@@ -397,6 +397,10 @@ class RolloutEngine:
         ``BaseException``, out of memory, a failure no single group explains -- rolls every sequence back
         to its state at the start of the step (tokens, log-probs, the KV pages allocated during the step),
         puts them first in line and propagates; the step is all-or-nothing, and the retry is exact.
+
+        Under a process group the call is collective. A rank whose step fails as above tells its peers,
+        which roll their step back too and raise ``PeerCallFailed``; a failed collective raises
+        ``GroupFailed`` (``oppo_engine.dist``) after the same rollback.
         """
         self._check_open()
         self._replicas.check_ready()
@@ -674,7 +678,7 @@ class RolloutEngine:
         also frees the rollout replicas of sharded / meta-device models (vLLM's sleep level 2; models shared
         with the trainer are the trainer's and stay): ``resume()`` gathers the FSDP2 ones again, and a
         ``weights=``-fed one needs ``update_policy(weights=...)`` before the next ``step()``."""
-        if self._group is not None:  # after a failed collective, only state_dict() and close() work
+        if self._group is not None and not self._closed:  # after a failed collective: state_dict, close
             self._group.check()
         if self._closed:
             return

@@ -2,8 +2,10 @@
 ranks: the ranks' rollouts equal one process's, their controllers agree, bad settings and failed peers are
 caught on every rank, and nothing is lost when a peer dies.
 
-Each multi-process test spawns its ranks once (tests/distributed.py) and runs several engines in them where
-that saves a start-up; every rank builds the same tiny models from the same seeds.
+A spawned rank spends most of a test's time importing torch and transformers, so the scenarios of a healthy
+group run in one spawn of 2 ranks (the module fixture ``group_runs``; each scenario builds its own engines
+and a failure in one is reported by its own test), and only the dead-peer test and its restart spawn ranks
+of their own. Every rank builds the same tiny models from the same seeds.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import os
 import pickle
 import time
+import traceback
 from collections import Counter
 
 import pytest
@@ -104,8 +107,8 @@ def _rank_equivalence(rank, world_size):
     return out
 
 
-def test_two_ranks_with_half_the_prompts_each_equal_one_process_with_all():
-    ranks = run_ranks(_rank_equivalence, WORLD)
+def test_two_ranks_with_half_the_prompts_each_equal_one_process_with_all(group_runs):
+    ranks = _outcomes(group_runs, "equivalence")
     models = _models()
     for mode, cfg in _MODES.items():
         engine = _engine(models, mode, batch_size=4, group=False, **cfg)
@@ -161,8 +164,8 @@ def _rank_agreement(rank, world_size):
     return engine.delta_history, engine.chunk_history, steps
 
 
-def test_delta_and_chunk_histories_agree_across_ranks_fed_different_rewards_at_different_speeds():
-    (d0, c0, s0), (d1, c1, s1) = run_ranks(_rank_agreement, WORLD)
+def test_delta_and_chunk_histories_agree_across_ranks_fed_different_rewards_at_different_speeds(group_runs):
+    (d0, c0, s0), (d1, c1, s1) = _outcomes(group_runs, "agreement")
     assert d0 == d1 and c0 == c1
     # Δ was fed the group's mean batch reward until the first report, then the mean of the ranks' reports.
     fed = []
@@ -200,8 +203,8 @@ def _rank_one_runs_dry(rank, world_size):
     return prompts, steps, tokens, engine.delta_history, engine.chunk_history
 
 
-def test_a_rank_with_no_prompts_left_gets_empty_results_while_its_peer_finishes():
-    (p0, s0, t0, d0, c0), (p1, s1, t1, d1, c1) = run_ranks(_rank_one_runs_dry, WORLD)
+def test_a_rank_with_no_prompts_left_gets_empty_results_while_its_peer_finishes(group_runs):
+    (p0, s0, t0, d0, c0), (p1, s1, t1, d1, c1) = _outcomes(group_runs, "runs_dry")
     assert len(s0) == len(s1) > 3
     for prompts, steps in ((p0, s0), (p1, s1)):  # every prompt exactly once
         assert Counter(tuple(r["prompt_ids"]) for s in steps for r in s) == Counter(map(tuple, prompts))
@@ -264,8 +267,8 @@ def _rank_mismatches(rank, world_size):
     return messages, sharing, len(refused), in_flight
 
 
-def test_mismatched_settings_raise_on_every_rank_naming_the_field():
-    ranks = run_ranks(_rank_mismatches, WORLD)
+def test_mismatched_settings_raise_on_every_rank_naming_the_field(group_runs):
+    ranks = _outcomes(group_runs, "mismatches")
     for messages, sharing, refused, in_flight in ranks:
         names = [name for name, _, _ in _MISMATCHES] + ["n"]
         for name, message in zip(names, messages, strict=False):
@@ -331,8 +334,8 @@ def _rank_peer_raises(rank, world_size):
     return out
 
 
-def test_a_rank_that_raises_in_step_makes_its_peers_raise_and_every_rank_roll_back():
-    ranks = run_ranks(_rank_peer_raises, WORLD, pg_timeout_s=60)
+def test_a_rank_that_raises_in_step_makes_its_peers_raise_and_every_rank_roll_back(group_runs):
+    ranks = _outcomes(group_runs, "peer_raises")
     (_, errors1, _) = ranks[1][True]
     (_, errors0, _) = ranks[0][True]
     assert len(errors1) == 1 and errors1[0].startswith("Interrupt")
@@ -345,6 +348,43 @@ def test_a_rank_that_raises_in_step_makes_its_peers_raise_and_every_rank_roll_ba
         # (streamed rewards are batched as the lanes' timing has it: equal to rounding)
         assert [d.delta for d in retried_delta] == [d.delta for d in clean_delta]
         assert [d.reward for d in retried_delta] == pytest.approx([d.reward for d in clean_delta], abs=1e-5)
+
+
+# ---------------------------------------------------------------- one spawn for the healthy group's scenarios
+
+_SCENARIOS = {
+    "equivalence": _rank_equivalence,
+    "agreement": _rank_agreement,
+    "runs_dry": _rank_one_runs_dry,
+    "peer_raises": _rank_peer_raises,
+    "mismatches": _rank_mismatches,  # last: it ends with a group failure of its engine (not of the pg)
+}
+
+
+def _rank_scenarios(rank, world_size):
+    out = {}
+    for name, scenario in _SCENARIOS.items():
+        try:
+            out[name] = (True, scenario(rank, world_size))
+        except BaseException:  # noqa: BLE001 - reported by the scenario's own test
+            out[name] = (False, traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def group_runs():
+    return run_ranks(_rank_scenarios, WORLD, timeout_s=600, pg_timeout_s=60)
+
+
+def _outcomes(runs, name: str) -> list:
+    """Each rank's value of scenario ``name``; the test fails with the traceback of a rank that raised."""
+    failed = [f"--- rank {rank} ---\n{r[name][1]}" for rank, r in enumerate(runs) if not r[name][0]]
+    if failed:
+        pytest.fail(f"scenario {name} failed:\n" + "\n".join(failed))
+    return [r[name][1] for r in runs]
+
+
+# ---------------------------------------------------------------- a dead peer
 
 
 def _die():
