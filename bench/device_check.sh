@@ -23,12 +23,13 @@
 #   | 5     | decode        |      25 |             28 | bench_decode 0.5b B=32 (eager vs graph)       |
 #   | 6     | kernel-tests  |      45 |             48 | pytest tests/kernels -m "not cuda" (-n 8)     |
 #   | 7     | groups        |      15 |             18 | bench_groups 0.5b n=8, 1 round                |
+#   | 8     | fsdp-replica  |      22 |             25 | bench_replica 0.5b: FSDP2 on 1 rank, bf16 sync|
 #   |       | summary, pack |       5 |              5 |                                               |
-#   |       | total         |         |        **301** |                                               |
-#   |       | scale-out     |         |         **55** | reserved: SCALEOUT_STEPS below, not yet used  |
+#   |       | total         |         |        **326** |                                               |
+#   |       | scale-out     |         |         **30** | reserved: SCALEOUT_STEPS below, not yet used  |
 #   |       | budget        |         |        **356** | BUDGET_S, under 6 minutes                     |
 #
-# NOTE: steps the scale-out issues add go in SCALEOUT_STEPS (after groups) and must fit its 55 s,
+# NOTE: steps the scale-out issues add go in SCALEOUT_STEPS (after groups) and must fit its 30 s,
 # grace included; the script refuses to start if the table's arithmetic exceeds BUDGET_S.
 set -u
 
@@ -36,10 +37,11 @@ PYTHON=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-356}
 GRACE_S=3
 SUMMARY_S=5
-SCALEOUT_S=55
+SCALEOUT_S=30
 # step -> cap, in run order (the table above).
-STEPS=(machine build cuda-tests e2e decode kernel-tests groups)
-declare -A CAP=([machine]=15 [build]=100 [cuda-tests]=40 [e2e]=35 [decode]=25 [kernel-tests]=45 [groups]=15)
+STEPS=(machine build cuda-tests e2e decode kernel-tests groups fsdp-replica)
+declare -A CAP=([machine]=15 [build]=100 [cuda-tests]=40 [e2e]=35 [decode]=25 [kernel-tests]=45 [groups]=15
+  [fsdp-replica]=22)
 
 worst=$((SUMMARY_S + SCALEOUT_S))
 for step in "${STEPS[@]}"; do worst=$((worst + CAP[$step] + GRACE_S)); done
@@ -217,9 +219,14 @@ gpu_step groups "$LOG_DIR/groups.log" 'speedup_shared_vs_unshared=' \
   "$PYTHON" -m bench.bench_groups --preset 0.5b --n 8 --groups 4 --prompt-len 512 --response-len 32 --rounds 1 \
   --mode intra
 
-# --- 8. scale-out (SCALEOUT_S = 55 s reserved, grace included; nothing yet) ---------------------------------
+# --- 8. scale-out (SCALEOUT_S = 30 s still reserved, grace included) ---------------------------------------
 # SCALEOUT_STEPS: add each step to STEPS and CAP above (the arithmetic check counts it) and a gpu_step
-# line here; their caps plus GRACE_S each must fit SCALEOUT_S (55 s left today).
+# line here; their caps plus GRACE_S each must fit SCALEOUT_S (30 s left today).
+RESERVE_S=$((SCALEOUT_S + SUMMARY_S))
+# FSDP2 actor on one rank (NCCL, shards nothing but runs the code): update_policy() gathers bf16 replicas,
+# checked bit for bit against the gathered weights, timed against a full state dict; then a 4-token step.
+gpu_step fsdp-replica "$LOG_DIR/fsdp_replica.log" 'replica_sync_s=' \
+  "$PYTHON" -m bench.bench_replica --preset 0.5b --rollout-dtype bf16 --rounds 2
 RESERVE_S=$SUMMARY_S
 
 # --- 9. summary and one archive ----------------------------------------------------------------------------

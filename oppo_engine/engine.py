@@ -8,7 +8,7 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +151,12 @@ class RolloutEngine:
     group's numbers (identical ``delta_history`` and ``chunk_history`` everywhere), and default seeds derive
     from the rank too. A failed collective raises ``GroupFailed`` naming it; only ``state_dict()`` and
     ``close()`` work after it.
+
+    An FSDP2 (``fully_shard``) actor or critic runs as a full rollout replica in
+    ``EngineConfig.rollout_dtype``, filled here from the trainer's shards (collective over its mesh) and
+    refreshed by ``update_policy()``; one on the ``meta`` device gets its weights from
+    ``update_policy(weights=...)`` (``critic_weights=``) before the first ``step()`` (README, "Sharded
+    trainer models"). ``self.actor`` is the model the engine runs (the replica, where there is one).
     """
 
     def __init__(
@@ -628,7 +634,11 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ between steps
 
-    def update_policy(self, weights=None, critic_weights=None) -> None:
+    def update_policy(
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
+        critic_weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
         """Call after ``optimizer.step()``: tokens sampled from now on carry the next policy version.
 
         Carried-over sequences: with ``retained_kv="recompute"`` their actor KV is dropped and prefilled

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "device_check.sh"
-GPU_STEPS = ("build", "cuda-tests", "e2e", "decode", "kernel-tests", "groups")
+GPU_STEPS = ("build", "cuda-tests", "e2e", "decode", "kernel-tests", "groups", "fsdp-replica")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
 

@@ -126,7 +126,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_fsdp2_sharded_reward_is_refused_at_construction():
+def test_fsdp2_reward_and_fsdp1_actor_are_refused_at_construction():
     # The actor and critic get rollout replicas (tests/test_replica.py); the frozen scorers do not.
     dist = pytest.importorskip("torch.distributed")
     fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -137,6 +137,10 @@ def test_fsdp2_sharded_reward_is_refused_at_construction():
         fsdp.fully_shard(reward)
         with pytest.raises(ValueError, match="reward: sharded weights .FSDP2. are supported for the actor"):
             make_engine(make_actor(), reward)
+        # FSDP1 flattens the parameters: the engine cannot gather them, the trainer sends full weights.
+        actor = fsdp.FullyShardedDataParallel(make_actor(), device_id=torch.device("cpu"))
+        with pytest.raises(ValueError, match=r"actor: sharded weights .FSDP1.*update_policy\(weights="):
+            make_engine(actor, make_reward())
     finally:
         dist.destroy_process_group()
 

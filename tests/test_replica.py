@@ -7,6 +7,7 @@ copies anything; ``release_memory(weights=True)`` frees the replicas and ``resum
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from test_ppo_scorers import make_critic
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine.model import replica as replica_module
 
 WORLD = 2
 
@@ -96,7 +98,15 @@ def _equal_to(engine, role: str, full: dict[str, torch.Tensor], dtype=None) -> l
 
 
 def _fsdp_scenario(rank: int, world_size: int) -> dict:
-    out: dict = {}
+    out: dict = {"direct_gathers": Counter()}
+    direct = replica_module._gather_into
+
+    def counted(dst, src):  # which parameters went straight into the replica, which through full_tensor()
+        done = direct(dst, src)
+        out["direct_gathers"][done] += 1
+        return done
+
+    replica_module._gather_into = counted
     actor, critic, reward = make_llama(), make_critic(), make_reward()
     plain_actor, plain_critic = copy.deepcopy(actor), copy.deepcopy(critic)
     _shard(actor)
@@ -161,6 +171,38 @@ def _fsdp_scenario(rank: int, world_size: int) -> dict:
         engine.add_prompts(prompts)
     out["bf16_step"] = [summary(half.step()), summary(want.step())]
     out["peft"] = _peft_refusal()
+    out["failed_sync"] = _failed_sync(sharded, actor, critic, opt, rank)
+    return out
+
+
+def _failed_sync(engine, actor, critic, opt, rank: int) -> dict:
+    """A gather that fails half-way (on every rank alike): no version bump, and no step on the half-synced
+    replica until a sync succeeds."""
+    out = {}
+    _train(rank, actor, critic, opt)
+    direct, calls = replica_module._gather_into, [0]
+
+    def failing(dst, src):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("peer gone")
+        return direct(dst, src)
+
+    replica_module._gather_into = failing
+    version = engine.policy_version
+    try:
+        engine.update_policy()
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    finally:
+        replica_module._gather_into = direct
+    out["version_kept"] = engine.policy_version == version
+    try:
+        engine.step()
+    except RuntimeError as e:
+        out["step"] = str(e)
+    engine.update_policy()
+    out["after_retry"] = _equal_to(engine, "actor", _full(actor))
     return out
 
 
@@ -210,6 +252,8 @@ def test_fsdp2_models_are_really_sharded_across_the_ranks(fsdp_run):
 def test_fsdp2_replica_is_filled_at_construction_bit_for_bit(fsdp_run):
     for out in fsdp_run:
         assert out["at_build"] == []
+        # Both gathers ran: straight into the replica (even Shard(0)) and DTensor's (the critic's 1-row head).
+        assert out["direct_gathers"][True] > 0 and out["direct_gathers"][False] > 0
 
 
 def test_fsdp2_rollouts_equal_the_same_weights_unsharded_before_an_optimizer_step(fsdp_run):
@@ -254,6 +298,14 @@ def test_bf16_replicas_of_fp32_weights_equal_a_bf16_copy_of_the_model(fsdp_run):
         assert_same(got, want)
 
 
+def test_a_sync_failing_half_way_bumps_no_version_and_blocks_steps_until_a_sync_succeeds(fsdp_run):
+    for out in fsdp_run:
+        failed = out["failed_sync"]
+        assert failed["raised"] == "peer gone" and failed["version_kept"]
+        assert "not synced" in failed["step"]
+        assert failed["after_retry"] == []
+
+
 def test_peft_wrapped_fsdp2_actor_is_refused_naming_peft(fsdp_run):
     if fsdp_run[0]["peft"] is None:
         pytest.skip("peft is not installed")
@@ -287,6 +339,27 @@ def test_meta_actor_fed_by_weights_rolls_out_as_the_same_weights_shared(meta_pai
     got, want = summary(fed.step()), summary(shared.step())
     assert [r[2] for r in got] == [r[2] for r in want]
     assert [r[3] for r in got] == [r[3] for r in want]
+
+
+def test_meta_critic_fed_by_critic_weights_gives_the_shared_critics_values(meta_pair):
+    meta, real = meta_pair
+    critic = make_critic()
+    with torch.device("meta"):
+        meta_critic = type(critic)(critic.config)
+    reward = make_reward()
+    fed = make_engine(meta, reward, meta_critic, mode="sequential")
+    actor_weights = dict(real.named_parameters())
+    with pytest.raises(ValueError, match=r"critic was given on the meta device.*critic_weights=\.\.\."):
+        fed.update_policy(weights=actor_weights)
+    assert fed.policy_version == 0
+    fed.update_policy(weights=actor_weights, critic_weights=dict(critic.named_parameters()))
+    shared = make_engine(real, reward, critic, mode="sequential")
+    prompts = random_prompts(4, seed=4)
+    for engine in (fed, shared):
+        engine.add_prompts(prompts)
+    got, want = summary(fed.step()), summary(shared.step())
+    assert [r[2] for r in got] == [r[2] for r in want]
+    assert [r[5] for r in got] == [r[5] for r in want]  # the critic's values
 
 
 def test_weights_are_cast_to_the_rollout_dtype(meta_pair):

@@ -6,9 +6,10 @@ A model needs a replica when the engine cannot read its full weights in place:
 
 - **FSDP2** (``fully_shard``): each rank holds a slice of every parameter (a ``DTensor``). The replica is
   filled by gathering the trainer's current weights, one FSDP module (a layer) at a time and one parameter
-  at a time within it: each parameter's local shard is cast to the replica's dtype, all-gathered over the
-  model's mesh (``DTensor.full_tensor()``, a collective: every rank of the mesh syncs in the same order)
-  and copied into the replica, so the extra memory is one full parameter in the replica's dtype.
+  at a time within it: each parameter's local shard is cast to the replica's dtype and all-gathered over
+  the model's mesh straight into the replica's parameter (a collective: every rank of the mesh syncs in the
+  same order), so the extra memory is one cast local shard; a layout other than FSDP2's even ``Shard(0)``
+  goes through ``DTensor.full_tensor()`` and a copy (one full parameter extra).
 - **the meta device** (``weights=`` trainers: DeepSpeed ZeRO-3 under ``GatheredParameters``, Megatron,
   another process): the engine builds the replica from the model's config and the trainer sends full
   tensors with ``RolloutEngine.update_policy(weights=...)``.
@@ -101,13 +102,42 @@ def _check_replicable(model: nn.Module, role: str) -> None:
         raise ValueError(f"{role}: its FSDP2 shards are on the meta device: initialise them first")
 
 
+def _gather_into(dst: torch.Tensor, src) -> bool:
+    """All-gather the DTensor ``src`` straight into the replica's ``dst`` (cast to its dtype first) when
+    ``src`` is FSDP2's usual layout: ``Shard(0)`` on a 1-D mesh, evenly (no padding), on ``dst``'s device.
+    No full-size temporary: the extra memory is the cast local shard. False for any other layout (HSDP,
+    uneven or other-dim shards, CPU offload), which takes ``DTensor.full_tensor()``."""
+    from torch.distributed.tensor import Shard
+
+    mesh = src.device_mesh
+    if mesh.ndim != 1 or tuple(src.placements) != (Shard(0),) or not dst.is_contiguous():
+        return False
+    local = src.to_local()
+    if (
+        src.shape[0] % mesh.size()
+        or local.device != dst.device
+        or local.shape[0] * mesh.size() != dst.shape[0]
+    ):
+        return False
+    if mesh.size() == 1:  # the shard is the whole tensor: cast in the copy
+        dst.copy_(local)
+    else:
+        shard = local.to(dst.dtype).contiguous()
+        torch.distributed.all_gather_into_tensor(dst, shard, group=mesh.get_group())
+    return True
+
+
 @contextlib.contextmanager
 def _no_init() -> Iterable[None]:
-    """Skip HF's weight initialisation: the replica's weights are all overwritten by the first sync."""
+    """Skip HF's weight initialisation where transformers offers it: the replica's weights are all
+    overwritten by the first sync (initialising them is only time lost)."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:
-        from transformers.modeling_utils import no_init_weights
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            no_init_weights = contextlib.nullcontext
     with no_init_weights():
         yield
 
@@ -182,13 +212,13 @@ class RolloutReplica:
         self.ready = False
         dtensor = _dtensor_class()
         for name in self._order:
-            src = theirs[name].detach()
-            if dtensor is not None and isinstance(src, dtensor):
+            src, dst = theirs[name].detach(), self.params[name]
+            if dtensor is None or not isinstance(src, dtensor):  # FSDP2 holds it unsharded right now
+                dst.copy_(src)
+            elif not _gather_into(dst, src):
                 # NOTE: cast before the gather: elementwise, so bit-equal to casting the gathered tensor,
                 # and half the bytes on the wire for bf16 replicas of fp32 weights.
-                src = src.to(self.dtype).full_tensor()
-            self.params[name].copy_(src)
-            del src
+                dst.copy_(src.to(self.dtype).full_tensor())
         self.ready = True
 
     def validate(self, weights) -> dict[str, torch.Tensor]:
