@@ -170,7 +170,7 @@ class RolloutEngine:
         reward_tokenizer=None,
         reference: torch.nn.Module | None = None,
         critic: torch.nn.Module | None = None,
-        process_group=None,
+        process_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
