@@ -23,7 +23,7 @@
 #   | 5     | decode        |      25 |             28 | bench_decode 0.5b B=32 (eager vs graph)       |
 #   | 6     | kernel-tests  |      45 |             48 | pytest tests/kernels -m "not cuda" (-n 8)     |
 #   | 7     | groups        |      15 |             18 | bench_groups 0.5b n=8, 1 round                |
-#   | 8     | fsdp-replica  |      22 |             25 | bench_replica 0.5b: FSDP2 on 1 rank, bf16 sync|
+#   | 8     | fsdp-replica  |      22 |             25 | bench_replica 0.5b, FSDP2 on 1 rank, bf16     |
 #   |       | summary, pack |       5 |              5 |                                               |
 #   |       | total         |         |        **326** |                                               |
 #   |       | scale-out     |         |         **30** | reserved: SCALEOUT_STEPS below, not yet used  |

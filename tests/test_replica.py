@@ -170,9 +170,28 @@ def _fsdp_scenario(rank: int, world_size: int) -> dict:
     for engine in (half, want):
         engine.add_prompts(prompts)
     out["bf16_step"] = [summary(half.step()), summary(want.step())]
+    out["oppo"] = _oppo_steps(rank, actor, critic, opt, plain_actor, plain_critic, reward, prompts)
     out["peft"] = _peft_refusal()
     out["failed_sync"] = _failed_sync(sharded, actor, critic, opt, rank)
     return out
+
+
+def _oppo_steps(rank, actor, critic, opt, plain_actor, plain_critic, reward, prompts) -> list:
+    """Streamed scoring and overcommit (``oppo``) across an optimizer step: the replicas' rollouts, then
+    the unsharded models'."""
+    engines = [make_engine(m, reward, c, mode="oppo", chunk_size=3) for m, c in
+               ((actor, critic), (plain_actor, plain_critic))]  # fmt: skip
+    for engine in engines:
+        engine.add_prompts(prompts)
+    steps = [[summary(e.step()) for e in engines]]
+    _train(rank, actor, critic, opt)
+    full_actor, full_critic = _full(actor), _full(critic)
+    plain_actor.load_state_dict(full_actor)
+    plain_critic.load_state_dict(full_critic)
+    for engine in engines:
+        engine.update_policy()
+    steps.append([summary(e.step()) for e in engines])
+    return steps
 
 
 def _failed_sync(engine, actor, critic, opt, rank: int) -> dict:
@@ -277,6 +296,13 @@ def test_fsdp2_rollouts_equal_unsharded_after_an_optimizer_step_and_retained_one
         assert any(r[7] > 0 for r in got)  # a carried sequence is in the batch
         assert_same(got, plain)
         assert_same(got, fresh)
+
+
+def test_fsdp2_rollouts_equal_unsharded_in_oppo_mode_across_an_update(fsdp_run):
+    for out in fsdp_run:
+        for got, want in out["oppo"]:
+            assert len(got) == 2
+            assert_same(got, want)
 
 
 def test_release_memory_weights_frees_the_replicas_and_resume_gathers_them_again(fsdp_run):
