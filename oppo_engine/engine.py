@@ -152,6 +152,7 @@ class RolloutEngine:
     group's numbers (identical ``delta_history`` and ``chunk_history`` everywhere), and default seeds derive
     from the rank too. A failed collective raises ``GroupFailed`` naming it; only ``state_dict()`` and
     ``close()`` work after it.
+
     An FSDP2 (``fully_shard``) actor or critic runs as a full rollout replica in
     ``EngineConfig.rollout_dtype``, filled here from the trainer's shards (collective over its mesh) and
     refreshed by ``update_policy()``; one on the ``meta`` device gets its weights from
@@ -279,10 +280,10 @@ class RolloutEngine:
                 budget = int(
                     os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_HOST_MEMORY_FRACTION
                 )
-                # NOTE: on CUDA the replicas are already allocated, so the free memory above excludes them.
-                budget = max(0, budget - self._replicas.nbytes)
             if self._group is not None:  # ranks on one host (one GPU) share its memory
                 budget //= self._group.ranks_sharing_memory
+            if self.device.type != "cuda":  # this rank's replicas come out of its share (on CUDA they are
+                budget = max(0, budget - self._replicas.nbytes)  # allocated: the free memory excludes them)
             num_pages = min(num_pages, budget // page_bytes)
         one_sequence = sum(pages_per_seq.values())
         if num_pages < one_sequence:

@@ -85,11 +85,14 @@ def _ppo_rank(rank: int, world_size: int, modes: tuple[str, ...]):
     out = {}
     for mode in modes:
         models = _models()
-        distributed.shard_model(models[0], group)
-        distributed.shard_model(models[1], group)
+        distributed.shard_model(models[0])  # over the world
+        distributed.shard_model(models[1])
         with pytest.raises(ValueError, match="ranks differ in config"):  # raised on every rank, no hang
             _trainer(world_size, group, models, mode, lr=1e-3 * (1 + rank))
-        trainer = _trainer(world_size, group, models, mode)
+        # In oppo mode the exchanges run on a group of their own over the same ranks, as GPU ranks do
+        # (FSDP on NCCL, the trainer and engines on gloo).
+        exchanges = group if mode == "sequential" else dist.new_group(backend="gloo")
+        trainer = _trainer(world_size, exchanges, models, mode)
         stats = trainer.train(STEPS)
         local = [sorted((r.prompt_ids, r.response_ids) for r in s.rollout.rollouts) for s in stats]
         out[mode] = _record(stats), local, _full_weights(trainer.actor), _full_weights(trainer.critic)
