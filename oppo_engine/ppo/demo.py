@@ -4,8 +4,8 @@ one step's lane trace per mode.
 
 The engine settings are explicit (not the engine's defaults, which other work may move): overcommit
 ``Δ = batch_size / 2`` sequences, chunk size chosen online (``"auto"``, the "off" arm included), and a
-sequence deferred at most ``max_deferrals = 2`` times, so it spans at most 3 steps (the bound a policy lag
-of 2 gives with one update per step).
+sequence deferred at most ``max_deferrals = 2`` times under ``max_policy_lag = 2`` (the engine's default),
+so it spans at most 3 steps; ``max_policy_lag=None`` with more deferrals shows what the bound costs.
 """
 
 from __future__ import annotations
