@@ -11,6 +11,11 @@ the engines of the process, so it is paid once per model):
 
     python -m bench.bench_decode --table
 
+``--host`` times only the step loop's host work per decode forward (scheduling, the sampler's columns,
+``append_token``) at B = 16, 64 and 256, without a model:
+
+    python -m bench.bench_decode --host
+
 ``--sampler`` adds the CPU sampler at B=16, V=151,936 against ``torch.multinomial`` (bench/bench_sampler.py);
 ``--metadata`` adds the host side of one decode forward at B=256 with 4,096 tokens of context: the
 runner's per-forward metadata (persistent block tables) against the rebuild it replaced, side by side.
@@ -122,6 +127,39 @@ def bench_metadata(actor, batch: int = 256, context: int = 4096, repeats: int = 
     return {"metadata_ms": ms["persistent"], "rebuild_ms": ms["rebuild"], "metadata_speedup": ratio}
 
 
+def bench_host(batch: int = 64, new_tokens: int = 64, repeats: int = 25) -> float:
+    """The step loop's host work per decode forward, without a model: ``schedule()``, the sampler's columns
+    and their packing, and ``append_token`` for ``batch`` sequences over ``new_tokens`` forwards; thread CPU
+    time (the machine's load changes it less than wall time), the fastest of ``repeats``. Returns us."""
+    from oppo_engine.config import SamplingParams as Params
+    from oppo_engine.sched.scheduler import ActorScheduler
+    from oppo_engine.sched.sequence import Sequence
+    from oppo_engine.sched.step import _sample_batch, _seq_chunks
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    params = Params(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+
+    def run() -> float:
+        arena = KVArena({"actor": spec}, page_size=16, num_pages=batch * 8, device="cpu")
+        cache = KVCacheManager(arena, "actor")
+        sched = ActorScheduler(cache, max_num_seqs=batch, max_num_batched_tokens=8192, max_model_len=1024)
+        for i in range(batch):
+            sched.add(Sequence(seq_id=i, prompt_index=i, prompt_ids=list(range(32)), sampling=params, seed=i))
+        t0 = time.thread_time()
+        while sched.has_work:
+            chunks = sched.schedule()
+            samples = _sample_batch(chunks)
+            _seq_chunks(chunks)
+            samples.packed()
+            for row in samples.rows:
+                sched.append_token(chunks[row].seq, 5, 0.0, 0)
+        return time.thread_time() - t0
+
+    us = 1e6 * min(run() for _ in range(repeats)) / new_tokens
+    print(f"host work per decode forward, B={batch}: {us:.0f} us")
+    return us
+
+
 def gqa_llama80(dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """A GQA Llama with head_dim 80 (4 query heads, 2 KV heads, 2 layers), random weights."""
     torch.manual_seed(0)
@@ -207,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--metadata", action="store_true", help="also time the host metadata at B=256, ctx 4096")
     p.add_argument("--sampler", action="store_true", help="also time the sampler at B=16, V=151,936")
+    p.add_argument("--host", action="store_true", help="only the step loop's host work per decode forward")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads, both sides")
     p.add_argument(
         "--table", action="store_true", help="eager / graph / HF at B = 1, 16, 64, 256, two models"
@@ -218,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.host:
+        return {f"host_us_b{b}": bench_host(b, args.new_tokens) for b in (16, 64, 256)}
     if args.table:
         decode_table(
             device,

@@ -107,7 +107,10 @@ class KVCacheManager:
         end = start + num_new_tokens
         pages = self._pages.get(seq_id)
         needed = -(-end // ps) - (len(pages) if pages else 0)
-        shared = self._shared_write(seq_id, pages, start) if pages and num_new_tokens else None
+        # NOTE: without a fork in the cache (``_shared_upto`` empty) no page is shared: no call per decode.
+        shared = None
+        if pages and num_new_tokens and self._shared_upto:
+            shared = self._shared_write(seq_id, pages, start)
         if needed > 0 or shared is not None:
             new = self.arena.alloc(self.name, max(0, needed) + (shared is not None))
             if new is None:

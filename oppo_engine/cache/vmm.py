@@ -92,9 +92,11 @@ def _check(result: int, what: str) -> None:
 
 
 class _CudaArrayInterface:
-    """What ``torch.as_tensor`` needs to view ``nbytes`` bytes at ``ptr`` as a uint8 tensor (no copy)."""
+    """What ``torch.as_tensor`` needs to view ``nbytes`` bytes at ``ptr`` as a uint8 tensor (no copy). The
+    tensor keeps this object alive, and it keeps ``owner``: the range outlives every tensor over it."""
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
+    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
+        self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -175,7 +177,7 @@ class FixedAddressBuffer:
                 raise
             self._handle = handle.value
         with torch.cuda.device(self.device):
-            return torch.as_tensor(_CudaArrayInterface(self.address, self.nbytes), device=self.device)
+            return torch.as_tensor(_CudaArrayInterface(self.address, self.nbytes, self), device=self.device)
 
     def unmap(self) -> None:
         """Give the physical memory back to the device; the address stays reserved."""
