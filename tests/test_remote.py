@@ -406,3 +406,57 @@ def test_serve_scorers_cli_serves_actor_ranks_that_join_through_a_tcp_store(tmp_
     reward, reference = make_reward(), make_reference()
     for r in rollouts:
         _assert_equals_hf(r, reward, reference)
+
+
+def _silent_service_rank(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    from oppo_engine.dist import RemoteScorers
+
+    pg = dist.group.WORLD
+    if rank == SERVICE:
+        service = _service(pg)
+
+        def fall_silent():  # mid-step: no more results nor heartbeats; exit long after the clients noticed
+            while service.stats.forwards < 12:
+                time.sleep(0.001)
+            service.transport._send = lambda peer, message: time.sleep(3600)
+            time.sleep(SILENT_LIVENESS_S * 3)
+            os._exit(19)
+
+        threading.Thread(target=fall_silent, daemon=True).start()
+        service.serve()
+        return None
+    remote = RemoteScorers(
+        service_rank=SERVICE, group=pg, heartbeat_s=0.5, liveness_timeout_s=SILENT_LIVENESS_S
+    )
+    engine = RolloutEngine(actor=make_actor(), reward=remote, config=_config("oppo"), sampling=_sampling(),
+                           eos_token_id=EOS)  # fmt: skip
+    engine.add_prompts(_prompts(rank))
+    returned = []
+    t0 = None
+    for _ in range(20):
+        t0 = time.monotonic()
+        try:
+            returned += [(r.group_id, r.sample_index) for r in engine.step().rollouts]
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            state = _in_flight_keys(engine.state_dict(), 2)
+            engine.close()
+            return dict(error=(type(e).__name__, str(e)), elapsed=time.monotonic() - t0, returned=returned,
+                        state=state)  # fmt: skip
+    return None
+
+
+SILENT_LIVENESS_S = 6.0
+
+
+@pytest.mark.slow
+def test_a_silent_service_fails_each_actor_step_after_the_liveness_timeout():
+    outcomes = run_ranks(_silent_service_rank, 3, timeout_s=240, check=False)
+    for rank in CLIENTS:
+        assert outcomes[rank].ok, outcomes[rank].error
+        got = outcomes[rank].value
+        kind, message = got["error"]
+        assert kind == "ScorerServiceLost" and f"rank {SERVICE} was silent" in message
+        assert got["elapsed"] < 3 * SILENT_LIVENESS_S  # the liveness timeout, not the gloo group's
+        assert set(got["returned"]) | got["state"] == {(g, j) for g in range(6) for j in range(2)}
