@@ -460,3 +460,20 @@ def test_a_silent_service_fails_each_actor_step_after_the_liveness_timeout():
         assert kind == "ScorerServiceLost" and f"rank {SERVICE} was silent" in message
         assert got["elapsed"] < 3 * SILENT_LIVENESS_S  # the liveness timeout, not the gloo group's
         assert set(got["returned"]) | got["state"] == {(g, j) for g in range(6) for j in range(2)}
+
+
+def test_protocol_round_trips_hand_offs_and_results_exactly():
+    from oppo_engine.dist import protocol
+
+    ints, floats = [5], []
+    protocol.encode_add(ints, floats, protocol.AddItem(7, 3, 2, [9, 8, 7], 0.7))
+    protocol.encode_tokens(ints, protocol.TokensItem(7, 5, False, [4, 4]))
+    protocol.encode_tokens(ints, protocol.TokensItem(7, 5, True, []))
+    items = list(protocol.decode_handoffs(ints, floats))
+    assert items == [protocol.AddItem(7, 3, 2, [9, 8, 7], 0.7), protocol.TokensItem(7, 5, False, [4, 4]),
+                     protocol.TokensItem(7, 5, True, [])]  # fmt: skip
+    results = [(7, -1.2345678901234567, [-0.1, -2.5e-30]), (8, 3.0, [])]
+    ints, floats = protocol.encode_results(5, [(7, results[0][1], results[0][2]), (8, 3.0, None)])
+    assert ints[0] == 5 and list(protocol.decode_results(ints, floats)) == results
+    with pytest.raises(ValueError, match="unknown item"):
+        list(protocol.decode_handoffs([0, 9, 1], []))
