@@ -198,6 +198,17 @@ def _in_flight_keys(state: dict, n: int) -> set[tuple[int, int]]:
     return keys
 
 
+def _wait_until_every_client_is_mid_run(service) -> None:
+    """Until some sequences are scored and every client has sequences in flight on the service: neither can
+    finish its run without it (however the two clients' speeds differ on a loaded machine)."""
+    while not (
+        service.stats.sequences_scored >= 4
+        and len(service._clients) == len(CLIENTS)
+        and all(client.seqs for client in list(service._clients.values()))
+    ):
+        time.sleep(0.001)
+
+
 def _kill_service_rank(rank: int, world_size: int):
     import torch.distributed as dist
 
@@ -205,9 +216,8 @@ def _kill_service_rank(rank: int, world_size: int):
     if rank == SERVICE:
         service = _service(pg)
 
-        def die_mid_step():  # after a few forwards: the clients are in their second step or so
-            while service.stats.forwards < 12:
-                time.sleep(0.001)
+        def die_mid_step():
+            _wait_until_every_client_is_mid_run(service)
             os._exit(17)
 
         threading.Thread(target=die_mid_step, daemon=True).start()
@@ -418,8 +428,7 @@ def _silent_service_rank(rank: int, world_size: int):
         service = _service(pg)
 
         def fall_silent():  # mid-step: no more results nor heartbeats; exit long after the clients noticed
-            while service.stats.forwards < 12:
-                time.sleep(0.001)
+            _wait_until_every_client_is_mid_run(service)
             service.transport._send = lambda peer, message: time.sleep(3600)
             time.sleep(SILENT_LIVENESS_S * 3)
             os._exit(19)
