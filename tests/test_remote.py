@@ -25,9 +25,10 @@ from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 CLIENTS, SERVICE = (0, 1), 2
 PAGE = 8
 MAX_LEN = 64
-# Pages of 4 KiB (the reference's 8 tokens): 20 pages hold about three of the two clients' sequences in
-# flight, so the service preempts (swaps) its younger sequences.
-TIGHT_SERVICE_BYTES = 20 * 4096
+# Pages of 4 KiB (the reference's 8 tokens): 14 pages hold one sequence of max_model_len in both models
+# (12 pages) and little more, against the two clients' 8-12 sequences in flight, so the service preempts
+# (swaps) its younger sequences.
+TIGHT_SERVICE_BYTES = 14 * 4096
 LIVENESS_S = 30.0
 
 
@@ -152,11 +153,12 @@ def test_remote_scorers_equal_colocated_and_hf_through_a_tight_service_arena():
     sequences and scored them again, and rank 1 was untouched."""
     modes = ("sequential", "intra", "oppo")
     values = run_ranks(_exact_rank, 3, modes, timeout_s=300)
+    # Whether a given step preempts depends on how the lanes interleave; over the streamed runs it does.
+    streamed = [values[SERVICE][m] for m, mode in enumerate(modes) if mode != "sequential"]
+    assert sum(s.preemptions for s in streamed) > 0 and sum(s.swapped_tokens for s in streamed) > 0
     reward, reference = make_reward(), make_reference()
     for m, mode in enumerate(modes):
         stats = values[SERVICE][m]
-        if mode != "sequential":
-            assert stats.preemptions > 0 and stats.swapped_tokens > 0, "the tight arena should have swapped"
         assert stats.free_pages == stats.total_pages, stats
         assert sorted(stats.closed) == list(CLIENTS) and not stats.lost
         for rank in CLIENTS:
