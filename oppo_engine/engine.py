@@ -213,8 +213,8 @@ class RolloutEngine:
         # The models the engine runs through its paged cache, by role (the name of their cache and lane).
         remote = reward if isinstance(reward, RemoteScorers) else None  # scored on another rank
         self._models, rule = collect_models(
-            actor, None if remote is not None else reward, reference, critic,
-            max_model_len=self.max_model_len, tokenizer=tokenizer, reward_tokenizer=reward_tokenizer,
+            actor, reward, reference, critic, max_model_len=self.max_model_len, tokenizer=tokenizer,
+            reward_tokenizer=reward_tokenizer, remote=remote is not None,
         )  # fmt: skip
         self.reward = reward if rule is None else rule
         self.reward_is_model = rule is None

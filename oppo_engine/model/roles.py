@@ -26,17 +26,18 @@ def dtype_of(model: nn.Module) -> torch.dtype:
 
 def collect_models(
     actor: nn.Module,
-    reward: nn.Module | RuleReward | None,
+    reward: nn.Module | RuleReward,
     reference: nn.Module | None,
     critic: nn.Module | None,
     *,
     max_model_len: int,
     tokenizer=None,
     reward_tokenizer=None,
+    remote: bool = False,
 ) -> tuple[dict[str, nn.Module], RuleReward | None]:
     """``(models, rule)``: the models the engine runs through its cache by role, actor first, and the
     reward as a callable when it is not streamed (a rule, or a reward model of another vocabulary, then
-    wrapped to re-tokenize); ``reward=None``: the reward is scored on another rank (no model, no rule).
+    wrapped to re-tokenize); ``remote``: the reward is scored on another rank (no model, no rule).
     Raises ``ValueError`` naming the role and the feature for anything the
     engine cannot run exactly (``support.check_model``), models on another device than the actor's, and a
     scorer that would read the actor's token ids in another vocabulary.
@@ -47,8 +48,8 @@ def collect_models(
     vocab_size = int(text_config(actor).vocab_size)
     if isinstance(reward, nn.Module):
         reward = _reward_for_vocab(reward, vocab_size, tokenizer, reward_tokenizer)
-    elif reward is None:
-        pass  # scored on another rank (dist.RemoteScorers): nothing to run here
+    elif remote:
+        reward = None  # scored on another rank (dist.RemoteScorers): nothing to run here
     elif not callable(reward):
         raise ValueError("reward must be an HF sequence-classification model or a callable(prompt, response)")
     elif not isinstance(reward, BatchedReward):  # BatchedReward checked its fn when it was made
@@ -75,7 +76,7 @@ def collect_models(
                 )
         check_model(model, role=role, max_model_len=max_model_len)
         models[role] = model
-    return models, None if isinstance(reward, nn.Module) else reward
+    return models, None if isinstance(reward, nn.Module) or remote else reward
 
 
 def _reward_for_vocab(reward: nn.Module, vocab_size: int, tokenizer, reward_tokenizer):
