@@ -13,7 +13,9 @@ traceback; a rank that dies without a word (``os._exit``, a signal) reports its 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -48,7 +50,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, threads, args, results):
+def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, threads, args, results, dump_after_s):
+    # A rank still running shortly before the deadline prints every thread's stack (to the test's captured
+    # stderr), so a hang shows where it is before the parent kills it.
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -62,10 +67,17 @@ def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, threads, args
                                     timeout=datetime.timedelta(seconds=pg_timeout_s))
         try:
             value = fn(rank, world_size, *args)
-        finally:
+        except BaseException:
             if backend is not None and dist.is_initialized():
                 dist.destroy_process_group()
+            raise
+        # Reported before the teardown: the value is the test's, and a teardown that blocks (a peer gone) is
+        # cut short by the parent, which kills what is left once every rank has reported.
         results.put(RankOutcome(rank, True, value=value))
+        if backend is not None and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        return
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         results.put(RankOutcome(rank, False, error=traceback.format_exc()))
 
@@ -85,7 +97,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str
     port = free_port()
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(fn, r, world_size, port, backend, pg_timeout_s, dict(env or {}), threads,
-                               args, results))
+                               args, results, max(1.0, timeout_s - 15.0)))
              for r in range(world_size)]
     for p in procs:
         p.start()
