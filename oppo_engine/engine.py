@@ -350,7 +350,8 @@ class RolloutEngine:
             pages_in_use=lambda: arena.num_pages - arena.num_free_pages(),
         )
         if self.device.type == "cuda":  # compile the Triton variants here, not on two lanes at once
-            warm_up_models(self._loop.actor, scorers, self.max_model_len)
+            with torch.cuda.device(self.device):  # Triton launches on the current device, not the tensors'
+                warm_up_models(self._loop.actor, scorers, self.max_model_len)
 
     def _check_open(self) -> None:
         self._check_not_closed()

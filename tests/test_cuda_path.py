@@ -236,3 +236,21 @@ def test_on_cuda_the_engine_compiles_its_kernels_at_build_and_never_in_a_step():
     assert _compiled_variants() == compiled
     stats = engine.cache_stats()
     assert stats.free_pages == stats.total_pages
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_engine_on_a_device_other_than_the_current_one_equals_one_on_it():
+    # Triton launches on the current device, not its tensors': the build-time warm-up (and the lanes) must
+    # run under the engine's own device, or its kernels read another GPU's addresses.
+    assert torch.cuda.current_device() == 0
+    prompts = random_prompts(4, seed=8)
+    got = {}
+    for device in ("cuda:0", "cuda:1"):
+        engine = make_engine(make_actor(seed=0).to(device), make_reward().to(device), "intra", chunk_size=4)
+        engine.add_prompts(prompts)
+        got[device] = {tuple(r.prompt_ids): (r.response_ids, r.reward) for r in drain(engine)}
+        engine.close()
+    assert {k: v[0] for k, v in got["cuda:1"].items()} == {k: v[0] for k, v in got["cuda:0"].items()}
+    for k, (_, reward) in got["cuda:1"].items():
+        assert reward == pytest.approx(got["cuda:0"][k][1], abs=1e-5)

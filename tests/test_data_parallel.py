@@ -481,3 +481,25 @@ def test_default_seeds_differ_across_ranks_and_stay_unchanged_without_a_group():
 def test_process_group_must_be_a_process_group():
     with pytest.raises(TypeError, match="process_group"):
         RolloutEngine(actor=make_actor(), reward=make_reward(), process_group="gloo")
+
+
+def _nccl_engines_off_then_on_the_current_device(rank, world_size):
+    models = {name: m.to("cuda:1") for name, m in _models(scorers=False).items()}
+    try:
+        _engine(models, "sequential")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    torch.cuda.set_device(1)
+    engine = _engine(models, "sequential")  # the constructor's exchange runs on NCCL, on cuda:1
+    engine.add_prompts(PROMPTS[:2])
+    return refused, len(engine.step().rollouts)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_nccl_group_is_refused_unless_the_current_device_is_the_engines():
+    (outcome,) = run_ranks(_nccl_engines_off_then_on_the_current_device, 1, backend="nccl", timeout_s=120)
+    refused, rollouts = outcome
+    assert refused is not None and "set_device(1)" in refused
+    assert rollouts == 2

@@ -29,15 +29,18 @@ LENGTHS = (2, 5, 8, 11, 13, 16, 3, 9)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
+def one_intra_op_thread(request):
     """The llama graph every test below shares is compiled first, under two intra-op threads (so the
     streamed test replays it under another thread count); the tests then run on one thread, which these
-    tiny matrices prefer on a busy machine (tests/test_model_families.py)."""
+    tiny matrices prefer on a busy machine (tests/test_model_families.py). Only the CPU tests read that
+    graph: a ``-m cuda`` run (bench/device_check.sh) skips its compile, tens of seconds of a tight cap."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    engine = make_engine(actor_of("llama"), graph=True, batch_size=2, max_new=2)
-    engine.add_prompts(prompts([3, 4]))
-    drain(engine)
+    selected = [item for item in request.session.items if item.module is request.module]
+    if any("cuda" not in item.keywords for item in selected):
+        torch.set_num_threads(2)
+        engine = make_engine(actor_of("llama"), graph=True, batch_size=2, max_new=2)
+        engine.add_prompts(prompts([3, 4]))
+        drain(engine)
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
@@ -147,11 +150,15 @@ def test_graph_compiled_under_two_threads_stays_exact_in_a_streamed_step():
     assert_ran_captured(metrics)
 
 
-def _ppo_run(actor, *, graph: bool, steps: int, release: bool) -> tuple[list, list]:
+def _ppo_run(
+    actor, *, graph: bool, steps: int, release: bool, lengths=(3, 5, 7, 9, 11, 13, 2, 4), **cfg
+) -> tuple[list, list]:
     """An inter-mode PPO loop: each step an in-place optimizer-like update of every weight, then
     update_policy (deferred sequences recompute), optionally releasing the cache for the update."""
-    engine = make_engine(actor, graph=graph, mode="inter", overcommit=2, max_new=12, retained_kv="recompute")
-    engine.add_prompts(prompts([3, 5, 7, 9, 11, 13, 2, 4] * 3, seed=5))
+    engine = make_engine(
+        actor, graph=graph, mode="inter", overcommit=2, max_new=12, retained_kv="recompute", **cfg
+    )
+    engine.add_prompts(prompts(list(lengths) * 3, seed=5))
     saved = {k: v.clone() for k, v in actor.state_dict().items()}
     rollouts, metrics = [], []
     try:
@@ -289,6 +296,47 @@ def test_cuda_graphs_equal_eager_and_replay_across_release_memory_every_step():
     assert_same_rollouts(eager, captured)
     assert all(m.graph_forwards > 0 for m in metrics)
     assert [m.graph_recompiles for m in metrics[1:]] == [0] * (len(metrics) - 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_past_one_kv_split_stay_exact_while_another_thread_calls_cuda():
+    """Contexts past one KV split (512 keys): a bucket's split-KV scratch is allocated outside its capture
+    and must live as long as its graph (freed, then returned to the device by ``release_memory()``'s
+    ``empty_cache``, a replay writes memory that is no longer its own). Meanwhile another thread allocates,
+    queries events and syncs, as the scorer lane does beside a first-use capture: neither that thread nor
+    the capture may fail (a "global" capture forbids those calls in every thread)."""
+    import threading
+
+    actor = build_actor("llama", max_position_embeddings=1024).cuda()
+    run = functools.partial(
+        _ppo_run, actor, steps=3, release=True, lengths=(530, 7, 515, 600), max_model_len=640, batch_size=4
+    )
+    eager, _ = run(graph=False)
+    stop, errors = threading.Event(), []
+
+    def beside() -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                while not stop.is_set():
+                    x = torch.ones(1 << 16, device="cuda")
+                    event = torch.cuda.Event()
+                    event.record()
+                    event.query()
+                    float(x.sum())  # a host sync
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=beside, daemon=True)
+    thread.start()
+    try:
+        captured, metrics = run(graph=True)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert errors == []
+    assert_same_rollouts(eager, captured)
+    assert_ran_captured(metrics)
 
 
 def test_weights_refilled_in_place_of_a_released_replica_are_read_without_recompiling():

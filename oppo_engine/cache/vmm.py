@@ -110,9 +110,9 @@ class FixedAddressBuffer:
     """``nbytes`` of device memory at one virtual address for life, mapped and unmapped on demand.
 
     ``map()`` backs the range with fresh physical memory and returns a uint8 tensor over it (contents
-    undefined, as ``torch.empty``'s); ``unmap()`` gives the memory back to the device. NOTE: the caller
-    synchronizes the device before ``unmap()`` and drops every tensor over the range (they would point at
-    unmapped memory); the address itself is freed only when the buffer is garbage-collected.
+    undefined, as ``torch.empty``'s); ``unmap()`` synchronizes the device and gives the memory back to it.
+    NOTE: the caller drops every tensor over the range before ``unmap()`` (they would point at unmapped
+    memory); the address itself is freed only when the buffer is garbage-collected.
     """
 
     def __init__(self, lib: ctypes.CDLL, device: torch.device, nbytes: int) -> None:
@@ -180,9 +180,12 @@ class FixedAddressBuffer:
             return torch.as_tensor(_CudaArrayInterface(self.address, self.nbytes, self), device=self.device)
 
     def unmap(self) -> None:
-        """Give the physical memory back to the device; the address stays reserved."""
+        """Give the physical memory back to the device (after a device sync); the address stays reserved."""
         if self._handle is None:
             return
+        # NOTE: cuMemUnmap does not wait for kernels still reading or writing the range (unlike cudaFree;
+        # torch's expandable segments sync first too), and __del__ reaches here without the caller's sync.
+        torch.cuda.synchronize(self.device)
         self._bind_context()
         _check(self._lib.cuMemUnmap(self.address, self.size), "cuMemUnmap")
         _check(self._lib.cuMemRelease(self._handle), "cuMemRelease")

@@ -136,9 +136,30 @@ def join_group(process_group, config, sampling, device: torch.device) -> EngineG
         raise TypeError(
             f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}"
         )
+    _check_nccl_device(process_group, device)
     group = EngineGroup(process_group)
     group.check_settings(engine_settings(config, sampling), memory_key(device))
     return group
+
+
+def _check_nccl_device(process_group, device: torch.device) -> None:
+    """ValueError if ``process_group`` runs NCCL and this rank's current CUDA device is not the engine's:
+    NCCL's object collectives (every exchange here) run on the current device, so ranks left on the
+    default ``cuda:0`` would all exchange on one GPU (NCCL fails or hangs) instead of on their own."""
+    try:
+        backend = dist.get_backend(process_group)
+    except (RuntimeError, ValueError):  # a group torch.distributed does not know: not an NCCL world's
+        return
+    if backend != "nccl" or device.type != "cuda" or device.index is None:
+        return
+    current = torch.cuda.current_device()
+    if current != device.index:
+        raise ValueError(
+            f"process_group: an NCCL group exchanges on the current CUDA device (cuda:{current}), but this "
+            f"engine's models are on {device}: call torch.cuda.set_device({device.index}) on this rank "
+            "before building the engine, or pass a gloo group over the same ranks "
+            '(dist.new_group(backend="gloo"), as the README recommends)'
+        )
 
 
 class EngineGroup:

@@ -206,6 +206,8 @@ class ScorerService:
         transport.start(self._on_message)
         try:
             with contextlib.ExitStack() as stack:
+                if self.device.type == "cuda":  # Triton launches on the current device, not the tensors'
+                    stack.enter_context(torch.cuda.device(self.device))
                 for model in self.models.values():
                     stack.enter_context(paged_attention_enabled(unwrap_model(model)))
                 stack.enter_context(torch.inference_mode())

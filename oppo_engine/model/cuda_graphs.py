@@ -57,6 +57,9 @@ class CudaBucket:
         self.block_tables = self.i32[2 * rows + 1 :].view(rows, width)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [rows, V] float32, written by every replay
+        # NOTE: held for the graph's life: its plan's split-KV scratch (``partial``, ``lse``) is allocated
+        # outside the capture, and the graph writes it at the captured address on every replay.
+        self.meta: AttentionMetadata | None = None
 
     def fill(self, arrays: list[np.ndarray], extra: np.ndarray | None = None) -> torch.Tensor | None:
         """Copy a forward's host arrays (``CapturedDecode.decode_inputs``) and ``extra`` into the static
@@ -114,6 +117,9 @@ class CudaGraphs:
             if self.addresses is not None:
                 self.invalidations += 1
             self.buckets.clear()
+            # A fresh pool: torch's allocator refuses (asserts) to share a pool whose graphs are all gone
+            # while one of its blocks is still alive.
+            self.pool = None
             self.addresses = addresses
         self.checked = True
 
@@ -169,13 +175,18 @@ class CudaGraphs:
                 self.forward(*args)
         graph = torch.cuda.CUDAGraph()
         try:
-            with bound_metadata(meta), torch.cuda.graph(graph, pool=self.pool, stream=side):
+            # thread_local: the scorer lane's thread goes on meanwhile (its allocations, event queries
+            # and syncs are not this capture's); under "global" each of them would fail it, and the lane.
+            with (
+                bound_metadata(meta),
+                torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"),
+            ):
                 bucket.logits = self.forward(*args)
         except RuntimeError as e:  # an op that syncs with the host, or another that cannot be captured
             raise CaptureFailed(f"the decode forward cannot be captured as a CUDA graph ({e})"[:300]) from e
         stream.wait_stream(side)
         self.pool = graph.pool()
-        bucket.graph = graph
+        bucket.graph, bucket.meta = graph, meta
         self.buckets[rows] = bucket
         self.owner.recompiles += 1
         self.owner.compile_s += time.perf_counter() - t0
