@@ -190,26 +190,35 @@ def _assert_equals_hf(r: dict, reward, reference) -> None:
     torch.testing.assert_close(torch.tensor(r["ref_logprobs"]), want, atol=1e-5, rtol=0)
 
 
-def _dp_drain(engine: RolloutEngine, dp) -> list[dict]:
-    """Step every actor rank until no rank of ``dp`` returns anything (a data-parallel trainer's loop)."""
+def _dp_run(engine: RolloutEngine, dp, rank: int) -> dict:
+    """Step every actor rank until no rank of ``dp`` returns anything (a data-parallel trainer's loop); what
+    each step's timeline shows of the scorers, and what the switch-cost profiler measures of them."""
     import torch.distributed as dist
 
-    out = []
+    from oppo_engine.sched.profiler import SwitchCostProfiler
+
+    engine.add_prompts(_prompts(rank))
+    rollouts, spans, profiles = [], [], []
+    profiler = SwitchCostProfiler("actor", ["reward", "reference"])
     while True:
-        rollouts = engine.step().rollouts
-        out += [_as_dict(r) for r in rollouts]
-        count = torch.tensor([len(rollouts)])
+        result = engine.step()
+        rollouts += [_as_dict(r) for r in result.rollouts]
+        step_spans = engine.timeline.spans()
+        decode = [s for s in step_spans if s.lane == "actor"]
+        for s in step_spans:
+            if s.lane in ("reward", "reference"):
+                beside = any(d.start_s < s.end_s and s.start_s < d.end_s for d in decode)
+                spans.append((s.lane, s.name, s.args.get("tokens"), s.end_s > s.start_s, beside))
+        profiles.append(profiler.observe(step_spans, 4, result.metrics.tokens_generated, []))
+        count = torch.tensor([len(result.rollouts)])
         dist.all_reduce(count, group=dp)
         if count.item() == 0:
-            return sorted(out, key=lambda r: (r["group_id"], r["sample_index"]))
-
-
-def _dp_run(engine: RolloutEngine, dp, rank: int) -> dict:
-    engine.add_prompts(_prompts(rank))
-    rollouts = _dp_drain(engine, dp)
+            break
     stats = engine.cache_stats()
-    out = dict(rollouts=rollouts, delta=engine.delta_history, chunk=engine.chunk_history,
-               free=stats.free_pages == stats.total_pages)  # fmt: skip
+    out = dict(rollouts=sorted(rollouts, key=lambda r: (r["group_id"], r["sample_index"])),
+               delta=engine.delta_history, chunk=engine.chunk_history,
+               free=stats.free_pages == stats.total_pages, spans=spans,
+               profiled=any(p is not None for p in profiles))  # fmt: skip
     engine.close()
     return out
 
@@ -246,6 +255,12 @@ def test_remote_scorers_serve_a_data_parallel_group_of_actor_ranks_as_colocated_
     assert remote0["delta"] == remote1["delta"] and remote0["chunk"] == remote1["chunk"]
     assert colocated0["delta"] == colocated1["delta"] and colocated0["chunk"] == colocated1["chunk"]
     assert len(remote0["delta"]) > 1
+    # The service's forwards are on each client's timeline, as a local lane's prefills are, beside its decode:
+    # the switch-cost profiler measures them (chunk_size="auto" sees what streaming to the service costs).
+    for got in (remote0, remote1, colocated0):
+        lanes = {lane for lane, name, tokens, ok, _ in got["spans"] if name == "prefill" and tokens and ok}
+        assert lanes == {"reward", "reference"}, got["spans"]
+        assert any(beside for *_, beside in got["spans"]) and got["profiled"]
     reward, reference = make_reward(), make_reference()
     for rank, (got, want) in enumerate([(remote0, colocated0), (remote1, colocated1)]):
         assert got["free"] and want["free"]
@@ -560,5 +575,10 @@ def test_protocol_round_trips_hand_offs_and_results_exactly():
     results = [(7, -1.2345678901234567, [-0.1, -2.5e-30]), (8, 3.0, [])]
     ints, floats = protocol.encode_results(5, [(7, results[0][1], results[0][2]), (8, 3.0, None)])
     assert ints[0] == 5 and list(protocol.decode_results(ints, floats)) == results
+    spans = [(0, 12, 1.25, 1.5), (1, 3, 1.5, 1.625)]
+    ints, floats = protocol.encode_spans(5, spans)
+    assert ints[0] == 5 and list(protocol.decode_spans(ints, floats)) == [
+        ("reward", 12, 1.25, 1.5), ("reference", 3, 1.5, 1.625)
+    ]
     with pytest.raises(ValueError, match="unknown item"):
         list(protocol.decode_handoffs([0, 9, 1], []))

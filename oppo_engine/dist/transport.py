@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 # Message kinds. The client speaks first (HELLO); the service answers WELCOME or REFUSE.
 # LOST is never sent: a receiving thread delivers it when its peer's connection breaks.
-HEARTBEAT, HELLO, WELCOME, REFUSE, HANDOFFS, RESULTS, ABORT, ERROR, BYE, LOST = range(10)
+HEARTBEAT, HELLO, WELCOME, REFUSE, HANDOFFS, RESULTS, ABORT, ERROR, BYE, LOST, SPANS = range(11)
 
 GROUP_TIMEOUT_S = 24 * 3600.0  # the gloo group's own timeout: liveness is the heartbeats' job
 DEFAULT_HEARTBEAT_S = 1.0
