@@ -240,7 +240,8 @@ class RolloutEngine:
         if self.config.mode in ("intra", "oppo"):
             fixed = self.config.chunk_size if isinstance(self.config.chunk_size, int) else None
             self._chunk_control = ChunkSizeController(self.config.chunk, fixed=fixed)
-            self._profiler = SwitchCostProfiler(ACTOR, [REWARD, *(n for n in self._models if n != ACTOR)])
+            scorers = [REWARD, REFERENCE, *(n for n in self._models if n != ACTOR)]  # remote ones too
+            self._profiler = SwitchCostProfiler(ACTOR, scorers)
         self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
         self._prompts = PromptQueue(
             self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,

@@ -5,7 +5,8 @@ the same engines with colocated scorers; rewards and reference log-probs equal H
 service arena tight enough to preempt and swap, in ``intra`` and ``oppo`` with groups (n=2). Faults: a
 service killed mid-step fails each actor's step naming its rank, rolled back with every prompt kept; a
 client killed mid-step has its pages freed while the other is served to the end. Bad input is refused at
-connection, naming the mismatch.
+connection, naming the mismatch. Actor ranks that also form a data-parallel group (created on every rank, the
+service included) are served as colocated scorers would serve them.
 """
 
 from __future__ import annotations
@@ -187,6 +188,94 @@ def _assert_equals_hf(r: dict, reward, reference) -> None:
     assert r["reward"] == pytest.approx(reward(ids).logits[0, 0].item(), abs=1e-5)
     want = hf_ref_logprobs(reference, r["prompt_ids"], r["response_ids"], 1.0)
     torch.testing.assert_close(torch.tensor(r["ref_logprobs"]), want, atol=1e-5, rtol=0)
+
+
+def _dp_run(engine: RolloutEngine, dp, rank: int) -> dict:
+    """Step every actor rank until no rank of ``dp`` returns anything (a data-parallel trainer's loop); what
+    each step's timeline shows of the scorers, and what the switch-cost profiler measures of them."""
+    import torch.distributed as dist
+
+    from oppo_engine.sched.profiler import SwitchCostProfiler
+
+    engine.add_prompts(_prompts(rank))
+    rollouts, spans, profiles = [], [], []
+    profiler = SwitchCostProfiler("actor", ["reward", "reference"])
+    while True:
+        result = engine.step()
+        rollouts += [_as_dict(r) for r in result.rollouts]
+        step_spans = engine.timeline.spans()
+        decode = [s for s in step_spans if s.lane == "actor"]
+        for s in step_spans:
+            if s.lane in ("reward", "reference"):
+                beside = any(d.start_s < s.end_s and s.start_s < d.end_s for d in decode)
+                spans.append((s.lane, s.name, s.args.get("tokens"), s.end_s > s.start_s, beside))
+        profiles.append(profiler.observe(step_spans, 4, result.metrics.tokens_generated, []))
+        count = torch.tensor([len(result.rollouts)])
+        dist.all_reduce(count, group=dp)
+        if count.item() == 0:
+            break
+    stats = engine.cache_stats()
+    out = dict(rollouts=sorted(rollouts, key=lambda r: (r["group_id"], r["sample_index"])),
+               delta=engine.delta_history, chunk=engine.chunk_history,
+               free=stats.free_pages == stats.total_pages, spans=spans,
+               profiled=any(p is not None for p in profiles))  # fmt: skip
+    engine.close()
+    return out
+
+
+def _data_parallel_rank(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    from oppo_engine.dist import RemoteScorers
+
+    pg = dist.group.WORLD  # the service and its clients
+    dp = dist.new_group(list(CLIENTS), backend="gloo")  # the actors' data-parallel group: made on every rank
+    if rank == SERVICE:
+        return _service(pg).serve()
+    remote = RemoteScorers(service_rank=SERVICE, group=pg, liveness_timeout_s=LIVENESS_S)
+    engine = RolloutEngine(actor=make_actor(), reward=remote, config=_config("oppo"), sampling=_sampling(),
+                           eos_token_id=EOS, process_group=dp)  # fmt: skip
+    got = _dp_run(engine, dp, rank)
+    engine = RolloutEngine(actor=make_actor(), reward=make_reward(), reference=make_reference(),
+                           config=_config("oppo"), sampling=_sampling(), eos_token_id=EOS,
+                           process_group=dp)  # fmt: skip
+    return got, _dp_run(engine, dp, rank)
+
+
+def test_remote_scorers_serve_a_data_parallel_group_of_actor_ranks_as_colocated_scorers_would():
+    """oppo (n=2, fixed chunk size and overcommit) on two actor ranks whose engines form a data-parallel group
+    (created on all three ranks, the service included): the ranks' Δ and chunk histories agree, and tokens,
+    log-probs and versions equal the same 2-rank group with colocated scorers; every page is free at the end
+    on the actors and on the service."""
+    values = run_ranks(_data_parallel_rank, 3, timeout_s=300)
+    stats = values[SERVICE]
+    assert stats.free_pages == stats.total_pages, stats
+    assert sorted(stats.closed) == list(CLIENTS) and not stats.lost and stats.sequences_scored == 24
+    (remote0, colocated0), (remote1, colocated1) = values[0], values[1]
+    assert remote0["delta"] == remote1["delta"] and remote0["chunk"] == remote1["chunk"]
+    assert colocated0["delta"] == colocated1["delta"] and colocated0["chunk"] == colocated1["chunk"]
+    assert len(remote0["delta"]) > 1
+    # The service's forwards are on each client's timeline, as a local lane's prefills are, beside its decode:
+    # the switch-cost profiler measures them (chunk_size="auto" sees what streaming to the service costs).
+    for got in (remote0, remote1, colocated0):
+        lanes = {lane for lane, name, tokens, ok, _ in got["spans"] if name == "prefill" and tokens and ok}
+        assert lanes == {"reward", "reference"}, got["spans"]
+        assert any(beside for *_, beside in got["spans"]) and got["profiled"]
+    reward, reference = make_reward(), make_reference()
+    for rank, (got, want) in enumerate([(remote0, colocated0), (remote1, colocated1)]):
+        assert got["free"] and want["free"]
+        prompts = _prompts(rank)
+        assert [(r["group_id"], r["sample_index"]) for r in got["rollouts"]] == [
+            (g, j) for g in range(len(prompts)) for j in range(2)
+        ]
+        assert len(got["rollouts"]) == len(want["rollouts"])
+        for g, w in zip(got["rollouts"], want["rollouts"], strict=True):
+            assert g["prompt_ids"] == w["prompt_ids"] == prompts[g["group_id"]]
+            assert g["response_ids"] == w["response_ids"]
+            assert g["logprobs"] == w["logprobs"]
+            assert g["policy_versions"] == w["policy_versions"]
+            assert g["reward"] == pytest.approx(w["reward"], abs=1e-5)
+            _assert_equals_hf(g, reward, reference)
 
 
 def _in_flight_keys(state: dict, n: int) -> set[tuple[int, int]]:
@@ -486,5 +575,10 @@ def test_protocol_round_trips_hand_offs_and_results_exactly():
     results = [(7, -1.2345678901234567, [-0.1, -2.5e-30]), (8, 3.0, [])]
     ints, floats = protocol.encode_results(5, [(7, results[0][1], results[0][2]), (8, 3.0, None)])
     assert ints[0] == 5 and list(protocol.decode_results(ints, floats)) == results
+    spans = [(0, 12, 1.25, 1.5), (1, 3, 1.5, 1.625)]
+    ints, floats = protocol.encode_spans(5, spans)
+    assert ints[0] == 5 and list(protocol.decode_spans(ints, floats)) == [
+        ("reward", 12, 1.25, 1.5), ("reference", 3, 1.5, 1.625)
+    ]
     with pytest.raises(ValueError, match="unknown item"):
         list(protocol.decode_handoffs([0, 9, 1], []))

@@ -12,7 +12,12 @@
 sequence's reward then its reference log-probs. ``ABORT`` ``[epoch]`` drops every sequence of the client on
 the service (a failed step: the client's lane starts over, as the local lane's ``abort`` does); results of an
 older epoch are dropped on arrival. ``HELLO`` ``[PROTOCOL, vocab_size, max_model_len]``; ``WELCOME``
-``[vocab_size, max_model_len, has_reference]``; ``REFUSE`` and ``ERROR`` carry text (``encode_text``).
+``[vocab_size, max_model_len, has_reference]`` and the service's ``time.perf_counter()`` as it sends it (the
+client's clock offset); ``REFUSE`` and ``ERROR`` carry text (``encode_text``).
+
+``SPANS`` (service -> client), ``ints = [epoch, k, (model, tokens) * k]``, ``floats = (start_s, end_s) * k``
+in the service's ``time.perf_counter()``: the round's forwards that held the client's chunks (``model`` an
+index into :data:`MODELS`, ``tokens`` the forward's tokens, every client's), for the client's timeline.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-PROTOCOL = 1
+PROTOCOL = 2
 ADD, TOKENS = 0, 1
+MODELS = ("reward", "reference")  # SPANS' model indices (the roles' names)
 
 
 @dataclass(slots=True)
@@ -90,3 +96,18 @@ def decode_results(ints: list[int], floats: list[float]) -> Iterator[tuple[int, 
         seq_id, n_ref = ints[2 + 2 * j], ints[3 + 2 * j]
         yield seq_id, floats[f], floats[f + 1 : f + 1 + n_ref]
         f += 1 + n_ref
+
+
+def encode_spans(epoch: int, spans: list[tuple[int, int, float, float]]) -> tuple[list, list]:
+    """A ``SPANS`` message's ``ints`` and ``floats``; ``spans``: ``(model, tokens, start_s, end_s)``."""
+    ints, floats = [epoch, len(spans)], []
+    for model, tokens, start, end in spans:
+        ints += [model, tokens]
+        floats += [start, end]
+    return ints, floats
+
+
+def decode_spans(ints: list[int], floats: list[float]) -> Iterator[tuple[str, int, float, float]]:
+    """``(model name, tokens, start_s, end_s)`` of each span :func:`encode_spans` encoded."""
+    for i in range(ints[1]):
+        yield MODELS[ints[2 + 2 * i]], ints[3 + 2 * i], floats[2 * i], floats[2 * i + 1]

@@ -30,6 +30,7 @@ from oppo_engine.dist.transport import (
     LOST,
     REFUSE,
     RESULTS,
+    SPANS,
     WELCOME,
     GlooTransport,
     Message,
@@ -108,6 +109,10 @@ class RemoteScorers:
         self.max_model_len: int | None = None
         self._cond = threading.Condition()
         self._reply: Message | None = None
+        self._reply_at = 0.0  # time.perf_counter() when the reply came
+        # The service's time.perf_counter() less this process's (the middle of the handshake's round trip,
+        # so within half of it): the service's forwards go on this engine's timeline in its own clock.
+        self.clock_offset_s = 0.0
         self._bye = threading.Event()
         self._lane: RemoteScorerLane | None = None
         self._state = "new"  # new | open | closed
@@ -127,6 +132,7 @@ class RemoteScorers:
             raise RuntimeError(
                 f"RemoteScorers: already {'used by an engine' if self._state == 'open' else 'closed'}"
             )
+        sent_at = time.perf_counter()
         self._send(Message(HELLO, [protocol.PROTOCOL, vocab_size, max_model_len]))
         reply = self._wait_reply()
         if reply.kind == REFUSE:
@@ -135,6 +141,7 @@ class RemoteScorers:
                 f"scorer service rank {self.service_rank} refused this engine: {decode_text(reply.ints)}"
             )
         _, self.max_model_len, has_reference = reply.ints
+        self.clock_offset_s = reply.floats[0] - (sent_at + self._reply_at) / 2
         self.has_reference = bool(has_reference)
         self._state = "open"
         if local_reference and self.has_reference:
@@ -198,10 +205,12 @@ class RemoteScorers:
         kind = message.kind
         if kind in (WELCOME, REFUSE):
             with self._cond:
-                self._reply = message
+                self._reply, self._reply_at = message, time.perf_counter()
                 self._cond.notify_all()
         elif kind in (RESULTS, ERROR) and self._lane is not None:
             self._lane.on_service_message(message)
+        elif kind == SPANS and self._lane is not None:
+            self._lane.on_service_spans(message)
         elif kind == BYE:
             self._bye.set()
         elif kind == LOST:
@@ -261,6 +270,18 @@ class RemoteScorerLane(ScorerLane):
             else:
                 self._service_error = decode_text(message.ints[1:])
             self._cond.notify()
+
+    def on_service_spans(self, message: Message) -> None:
+        """The service's forwards that held this client's chunks, recorded on this engine's timeline as a
+        local lane's prefills are (lane ``reward`` / ``reference``, in this process's clock): the switch-cost
+        profiler measures the actor's decode beside them. ``tokens``: the forward's, every client's (what
+        its duration grew with). Stale epochs dropped."""
+        with self._cond:
+            if message.ints[0] != self._epoch:
+                return
+        offset = self.remote.clock_offset_s
+        for name, tokens, start, end in protocol.decode_spans(message.ints, message.floats):
+            self.timeline.record(name, "prefill", start - offset, end - offset, tokens=tokens, remote=True)
 
     def wake(self) -> None:
         """Wake the worker (the service's connection broke: its next round raises)."""

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from oppo_engine.dist.transport import (
     LOST,
     REFUSE,
     RESULTS,
+    SPANS,
     WELCOME,
     GlooTransport,
     Message,
@@ -89,6 +91,7 @@ class _Client:
     seqs: dict[int, Sequence] = field(default_factory=dict)  # the client's seq_id -> its mirror here
     groups: dict[int, int] = field(default_factory=dict)  # the client's group id -> the mirrors' group id
     results: list = field(default_factory=list)  # (seq_id, reward, ref_logprobs) to send this round
+    spans: list = field(default_factory=list)  # (model, tokens, start_s, end_s) of this round's forwards
 
 
 class ScorerService:
@@ -255,6 +258,7 @@ class ScorerService:
             if not chunks:
                 continue
             worked = True
+            start = time.perf_counter()
             try:
                 sched.scorer.prefill([SeqChunk(c.seq.seq_id, c.token_ids, c.slots) for c in chunks])
             except Exception as e:  # noqa: BLE001 - the clients in this forward are told; the others served on
@@ -268,10 +272,18 @@ class ScorerService:
                     )
                 continue
             self.stats.forwards += 1
+            span = (protocol.MODELS.index(sched.scorer.name), sum(len(c.token_ids) for c in chunks), start,
+                    time.perf_counter())  # fmt: skip
+            for client in {id(o[0]): o[0] for c in chunks if (o := self._owner.get(c.seq.seq_id))}.values():
+                client.spans.append(span)
             for c in chunks:
                 if c.samples:
                     self._completed(c.seq, sched.scorer.name, sched.complete(c.seq))
         for client in self._clients.values():
+            if client.spans:  # the forwards beside the client's decode, for its timeline (its profiler)
+                ints, floats = protocol.encode_spans(client.epoch, client.spans)
+                client.spans = []
+                self._send(client, Message(SPANS, ints, floats))
             if client.results:
                 ints, floats = protocol.encode_results(client.epoch, client.results)
                 client.results = []
@@ -339,7 +351,7 @@ class ScorerService:
             return
         client.state = "open"
         welcome = [self.vocab_size, self.max_model_len, int(self.has_reference)]
-        self._send(client, Message(WELCOME, welcome))
+        self._send(client, Message(WELCOME, welcome, [time.perf_counter()]))
 
     def _handoffs(self, client: _Client, message: Message) -> None:
         for item in protocol.decode_handoffs(message.ints, message.floats):
@@ -397,6 +409,7 @@ class ScorerService:
         client.seqs.clear()
         client.groups.clear()
         client.results.clear()
+        client.spans.clear()
 
 
 def _memory_budget(device: torch.device) -> int:

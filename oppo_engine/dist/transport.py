@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 # Message kinds. The client speaks first (HELLO); the service answers WELCOME or REFUSE.
 # LOST is never sent: a receiving thread delivers it when its peer's connection breaks.
-HEARTBEAT, HELLO, WELCOME, REFUSE, HANDOFFS, RESULTS, ABORT, ERROR, BYE, LOST = range(10)
+HEARTBEAT, HELLO, WELCOME, REFUSE, HANDOFFS, RESULTS, ABORT, ERROR, BYE, LOST, SPANS = range(11)
 
 GROUP_TIMEOUT_S = 24 * 3600.0  # the gloo group's own timeout: liveness is the heartbeats' job
 DEFAULT_HEARTBEAT_S = 1.0
@@ -109,7 +109,9 @@ class Transport(ABC):
 # transport can form a gloo group of its own from the same store.
 # NOTE: keyed by id() with the group held: process groups are pybind objects, which take no weak references.
 _STORES: dict[int, tuple[dist.ProcessGroup, dist.Store]] = {}
-_FORMED: dict[int, int] = {}  # transports formed so far on a stateless group: each gets its own store prefix
+# Transports formed so far on a group (by id() for a stateless group, by name for a registered one): each
+# gets its own store prefix.
+_FORMED: dict[int | str, int] = {}
 
 
 def register_store(group: dist.ProcessGroup, store: dist.Store) -> None:
@@ -117,16 +119,23 @@ def register_store(group: dist.ProcessGroup, store: dist.Store) -> None:
     _STORES[id(group)] = (group, store)
 
 
-def _own_gloo_group(group: dist.ProcessGroup, timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """A gloo group of the same ranks as ``group``, created collectively on every rank of ``group`` (every
-    rank forms its transports in the same order, so the n-th one's store keys agree)."""
-    _, store = _STORES.get(id(group), (None, None))
-    if store is not None:
-        n = _FORMED[id(group)] = _FORMED.get(id(group), 0) + 1
-        prefixed = dist.PrefixStore(f"oppo-transport/{n}/", store)
-        return dist.ProcessGroupGloo(prefixed, group.rank(), group.size(), timeout)
-    ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+def _own_gloo_group(group: dist.ProcessGroup, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    """A gloo group of the same ranks as ``group``, formed on ``group``'s own store under a prefix of its own,
+    collectively on every rank of ``group`` (every rank forms its transports in the same order, so the n-th
+    one's store keys agree).
+
+    Not ``dist.new_group``: without a barrier on every rank of the world (``use_local_synchronization``) it
+    names the group from the number of groups this rank knows, which differs on a rank outside a subgroup
+    it was asked to create (the service, beside the clients' data-parallel group), so the ranks would meet
+    at different keys and wait for ever."""
+    stateless = _STORES.get(id(group))
+    if stateless is not None:
+        key, store = id(group), stateless[1]
+    else:
+        key, store = group.group_name, dist.distributed_c10d._get_process_group_store(group)
+    n = _FORMED[key] = _FORMED.get(key, 0) + 1
+    prefixed = dist.PrefixStore(f"oppo-transport/{n}/", store)
+    return dist.ProcessGroupGloo(prefixed, group.rank(), group.size(), timeout)
 
 
 class GlooTransport(Transport):
