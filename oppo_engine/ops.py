@@ -22,6 +22,7 @@ from oppo_engine.kernels import sample as _sample
 PageAllocator = _C.PageAllocator
 AttentionPlan = _attn.AttentionPlan
 plan_attention = _attn.plan_attention
+KV_PER_SPLIT = _attn.KV_PER_SPLIT  # keys per split-KV split (a sequence's plan reads its own context only)
 
 ATTENTION_BACKENDS = ("triton", "flash_attn")
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from oppo_engine.kernels.paged_attention import KV_PER_SPLIT
+from oppo_engine import ops
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 from oppo_engine.model.sampler import SampleBatch
@@ -34,7 +34,7 @@ def warm_up(runner: ModelRunner, max_model_len: int, actor: ActorWorker | None =
     a, b = _SCRATCH
     # b ends one page short of max_model_len (a holds one page: both fit the model's reserve) and past
     # one split where the model length allows.
-    b_len = min(max_model_len - cache.page_size, KV_PER_SPLIT + 16)
+    b_len = min(max_model_len - cache.page_size, ops.KV_PER_SPLIT + 16)
 
     def step(pieces: Sequence[tuple[object, int]]) -> None:
         chunks = []
@@ -56,7 +56,7 @@ def warm_up(runner: ModelRunner, max_model_len: int, actor: ActorWorker | None =
             )
 
     shapes = [[(a, 2)], [(a, 1)], [(a, 1), (b, 2)]]  # prefill, decode-only, mixed: one split
-    if b_len - 2 > KV_PER_SPLIT:
+    if b_len - 2 > ops.KV_PER_SPLIT:
         # b past one split (a split-KV prefill), then decode-only and mixed forwards over its context.
         shapes += [[(b, b_len - 4)], [(a, 1), (b, 1)], [(b, 1), (a, 2)]]
     tokens = {seq: sum(n for step in shapes for s, n in step if s == seq) for seq in (a, b)}
