@@ -167,19 +167,24 @@ def test_remote_scorers_equal_colocated_and_hf_through_a_tight_service_arena():
             assert got["free"]
             assert got["retries"] == (1 if rank == 0 and mode == "oppo" else 0)
             want = _colocated(rank, mode)
-            prompts = _prompts(rank)
-            # Every prompt exactly once (n samples each), the same as colocated.
-            assert [(r["group_id"], r["sample_index"]) for r in got["rollouts"]] == [
-                (g, j) for g in range(len(prompts)) for j in range(2)
-            ]
-            for g, w in zip(got["rollouts"], want, strict=True):
-                assert g["prompt_ids"] == w["prompt_ids"] == prompts[g["group_id"]]
-                assert g["response_ids"] == w["response_ids"]
-                assert g["logprobs"] == w["logprobs"]
-                assert g["policy_versions"] == w["policy_versions"]
-                assert g["reward"] == pytest.approx(w["reward"], abs=1e-5)
-                _assert_equals_hf(g, reward, reference)
+            _assert_equals_colocated(got["rollouts"], want, _prompts(rank), reward, reference)
             assert got["messages"] > 0 and got["bytes"] > 0
+
+
+def _assert_equals_colocated(got: list[dict], want: list[dict], prompts, reward, reference) -> None:
+    """Every prompt exactly once (n=2 samples each), with the colocated run's tokens, log-probs, versions and
+    rewards, and HF's own rewards and reference log-probs."""
+    assert [(r["group_id"], r["sample_index"]) for r in got] == [
+        (g, j) for g in range(len(prompts)) for j in range(2)
+    ]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g["prompt_ids"] == w["prompt_ids"] == prompts[g["group_id"]]
+        assert g["response_ids"] == w["response_ids"]
+        assert g["logprobs"] == w["logprobs"]
+        assert g["policy_versions"] == w["policy_versions"]
+        assert g["reward"] == pytest.approx(w["reward"], abs=1e-5)
+        _assert_equals_hf(g, reward, reference)
 
 
 @torch.inference_mode()
@@ -264,18 +269,7 @@ def test_remote_scorers_serve_a_data_parallel_group_of_actor_ranks_as_colocated_
     reward, reference = make_reward(), make_reference()
     for rank, (got, want) in enumerate([(remote0, colocated0), (remote1, colocated1)]):
         assert got["free"] and want["free"]
-        prompts = _prompts(rank)
-        assert [(r["group_id"], r["sample_index"]) for r in got["rollouts"]] == [
-            (g, j) for g in range(len(prompts)) for j in range(2)
-        ]
-        assert len(got["rollouts"]) == len(want["rollouts"])
-        for g, w in zip(got["rollouts"], want["rollouts"], strict=True):
-            assert g["prompt_ids"] == w["prompt_ids"] == prompts[g["group_id"]]
-            assert g["response_ids"] == w["response_ids"]
-            assert g["logprobs"] == w["logprobs"]
-            assert g["policy_versions"] == w["policy_versions"]
-            assert g["reward"] == pytest.approx(w["reward"], abs=1e-5)
-            _assert_equals_hf(g, reward, reference)
+        _assert_equals_colocated(got["rollouts"], want["rollouts"], _prompts(rank), reward, reference)
 
 
 def _in_flight_keys(state: dict, n: int) -> set[tuple[int, int]]:
