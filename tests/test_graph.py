@@ -374,13 +374,11 @@ def test_graph_addresses_follow_a_refilled_weight_not_an_in_place_update():
     with torch.no_grad():
         weight.mul_(1.5)
         assert graph_addresses(kv, actor) == before
-        saved = weight.detach().clone()
-        nbytes = saved.numel() * saved.element_size()
-        weight.untyped_storage().resize_(0)
-        keep = torch.empty(nbytes, dtype=torch.uint8)  # takes the freed memory: the refill lands elsewhere
-        weight.untyped_storage().resize_(nbytes)
-        weight.copy_(saved)
-    del keep
+        refill = weight.detach().clone()  # allocated while the old storage lives: another address, always
+        moved_from = weight.data_ptr()
+        weight.untyped_storage().resize_(0)  # freed, as FSDP2 frees an unsharded parameter
+        weight.data = refill  # the same Parameter object, refilled elsewhere
+    assert weight.data_ptr() != moved_from
     after = graph_addresses(kv, actor)
     assert len(after) == len(before)
     assert [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b] == [
