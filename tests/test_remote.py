@@ -556,6 +556,53 @@ def test_a_silent_service_fails_each_actor_step_after_the_liveness_timeout():
         assert set(got["returned"]) | got["state"] == {(g, j) for g in range(6) for j in range(2)}
 
 
+def _prompt_first_rank(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    from oppo_engine.dist import RemoteScorers
+
+    pg = dist.group.WORLD
+    if rank == 1:
+        return _service(pg, kv_cache_bytes=None).serve().forwards
+    remote = RemoteScorers(service_rank=1, group=pg, liveness_timeout_s=LIVENESS_S)
+    engine = RolloutEngine(actor=make_actor(), reward=remote, config=_config("intra", chunk_size=64),
+                           sampling=SamplingParams(temperature=1.0, max_new_tokens=14, seed=3),
+                           eos_token_id=EOS)  # fmt: skip
+    prompts = _prompts(0)[:4]
+    want = sum(len(p) for p in prompts)
+    original, calls, waited = engine._loop.actor.forward, [0], {}
+
+    def prefilled() -> dict[str, int]:
+        got: dict[str, int] = {}
+        for span in engine.timeline.spans():
+            if span.args.get("remote"):
+                got[span.lane] = got.get(span.lane, 0) + span.args["tokens"]
+        return got
+
+    def forward(*args, **kwargs):  # the first decode waits until the service reports the prompts prefilled
+        calls[0] += 1
+        if calls[0] == 2:
+            deadline = time.monotonic() + 30.0
+            while prefilled() != {"reward": want, "reference": want} and time.monotonic() < deadline:
+                time.sleep(0.01)
+            waited.update(prefilled())
+        return original(*args, **kwargs)
+
+    engine._loop.actor.forward = forward
+    engine.add_prompts(prompts)
+    rollouts = engine.step().rollouts
+    engine.close()
+    return dict(want=want, before_decode=waited, rollouts=len(rollouts))
+
+
+def test_the_service_prefills_each_prompt_before_any_response_token_arrives():
+    """The prompt is handed off when a step starts: the service prefills it beside the actor's own prefill
+    and decode, not only once the first chunk (here, with a chunk of 64, the whole response) arrives."""
+    client, forwards = run_ranks(_prompt_first_rank, 2, timeout_s=180)
+    assert client["before_decode"] == {"reward": client["want"], "reference": client["want"]}
+    assert client["rollouts"] == 4 and forwards >= 4  # the prompts' forwards, then the responses'
+
+
 def test_protocol_round_trips_hand_offs_and_results_exactly():
     from oppo_engine.dist import protocol
 

@@ -363,6 +363,7 @@ class ScorerService:
                 self._owner[mirror.seq_id] = (client, item.seq_id)
                 for sched in self.scheds.values():
                     sched.add(mirror)
+                    sched.hand_off(mirror, mirror.num_tokens, False)  # the prompt: prefilled at once
                 continue
             mirror = client.seqs[item.seq_id]
             mirror.response_ids.extend(item.tokens)
