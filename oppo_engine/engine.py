@@ -775,6 +775,7 @@ class RolloutEngine:
             "carried": [save_sequence(s) for s in self._buffer.carried],
             "delta": None if delta is None else delta.state_dict(),
             "trainer_reward": self._trainer_reward,
+            "rank": list(self._rank()),  # whose prompts these are: (rank, world size) of the saving engine
             # What the carried sequences depend on: another engine continues them only if it matches.
             "settings": {
                 "mode": self.config.mode,
@@ -794,12 +795,21 @@ class RolloutEngine:
         otherwise each is requeued from its prompt (same prompt index and seed, its tokens dropped),
         first in line, with one warning. None is ever dropped. A state whose prompts do not fit this
         engine (longer than its ``max_model_len``, ids outside its vocabulary, another ``n``) raises
-        ``ValueError`` and changes nothing. States of version 2 (before the settings were saved) load.
+        ``ValueError`` and changes nothing, and so does a state saved by another rank or world size of a
+        process group (each rank loads its own; a single process is rank 0 of 1). States of version 2 (before
+        the settings were saved) load.
         """
         self._check_not_closed()
         if state.get("version") not in _READABLE_STATE_VERSIONS:
             raise ValueError(
                 f"state: version {state.get('version')!r}, this engine reads {_READABLE_STATE_VERSIONS}"
+            )
+        saved_rank = state.get("rank")  # absent from states saved before it was recorded: not checked
+        if saved_rank is not None and tuple(saved_rank) != self._rank():
+            (r, w), (mine, size) = saved_rank, self._rank()
+            raise ValueError(
+                f"state: saved by rank {r} of {w}, this engine is rank {mine} of {size}; each rank loads the "
+                "state its own rank saved (another rank's would run that rank's prompts twice and lose its own)"
             )
         saved = [*state["carried"], *state["prompts"]["requeued"]]
         pending = [params for _, params in state["prompts"]["pending"] if params is not None]
@@ -841,6 +851,10 @@ class RolloutEngine:
             self._delta_control.load_state_dict(state["delta"])
         self._trainer_reward = state["trainer_reward"]
         return len(restarted)
+
+    def _rank(self) -> tuple[int, int]:
+        """(rank, world size) of this engine's process group; (0, 1) without one."""
+        return (0, 1) if self._group is None else (self._group.rank, self._group.world_size)
 
     @property
     def timeline(self) -> Timeline:

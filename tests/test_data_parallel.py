@@ -264,12 +264,13 @@ def _rank_mismatches(rank, world_size):
     state = engine.state_dict()
     engine.close()
     in_flight = len(state["prompts"]["requeued"]) + len(state["prompts"]["pending"]) + len(state["carried"])
-    return messages, sharing, len(refused), in_flight
+    return messages, sharing, len(refused), in_flight, state["rank"]
 
 
 def test_mismatched_settings_raise_on_every_rank_naming_the_field(group_runs):
     ranks = _outcomes(group_runs, "mismatches")
-    for messages, sharing, refused, in_flight in ranks:
+    for rank, (messages, sharing, refused, in_flight, saved_by) in enumerate(ranks):
+        assert saved_by == [rank, WORLD]
         names = [name for name, _, _ in _MISMATCHES] + ["n"]
         for name, message in zip(names, messages, strict=False):
             assert message is not None, name
@@ -446,6 +447,29 @@ def test_a_dead_peer_makes_the_others_raise_and_a_restart_from_every_state_dict_
 
 
 # ---------------------------------------------------------------- without processes
+
+
+def test_a_state_saved_by_another_rank_is_refused_and_changes_nothing():
+    """Each rank loads its own state: another rank's would run that rank's prompts twice and lose this one's.
+    A single process is rank 0 of 1; a state from before the rank was recorded loads."""
+    models = _models(scorers=False)
+    engine = _engine(models, "inter", group=False, overcommit=1)
+    engine.add_prompts(random_prompts(3, seed=5))
+    state = engine.state_dict()
+    assert state["rank"] == [0, 1]
+    other = _engine(models, "inter", group=False, overcommit=1)
+    other.add_prompts(random_prompts(1, seed=6))
+    before = other.state_dict()
+    for saved_by, named in (([1, 2], "rank 1 of 2"), ([0, 2], "rank 0 of 2")):
+        with pytest.raises(ValueError, match=f"saved by {named}, this engine is rank 0 of 1"):
+            other.load_state_dict({**state, "rank": saved_by})
+        assert other.state_dict() == before
+    legacy = dict(state)
+    del legacy["rank"]
+    other.load_state_dict(legacy)
+    assert other.state_dict()["prompts"] == state["prompts"]
+    for e in (engine, other):
+        e.close()
 
 
 def test_settings_mismatch_names_each_field_and_rank():
