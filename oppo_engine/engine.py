@@ -809,7 +809,7 @@ class RolloutEngine:
             (r, w), (mine, size) = saved_rank, self._rank()
             raise ValueError(
                 f"state: saved by rank {r} of {w}, this engine is rank {mine} of {size}; each rank loads the "
-                "state its own rank saved (another rank's would run that rank's prompts twice and lose its own)"
+                "state its own rank saved (another's would run that rank's prompts twice and lose its own)"
             )
         saved = [*state["carried"], *state["prompts"]["requeued"]]
         pending = [params for _, params in state["prompts"]["pending"] if params is not None]
