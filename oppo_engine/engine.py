@@ -706,6 +706,8 @@ class RolloutEngine:
         if self._host is None:
             self._host = swap_out(self._arena, self._caches)
             self._arena.release()
+            if self._captured is not None:
+                self._captured.arena_released(self._arena.fixed_address)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -300,6 +300,39 @@ def test_cuda_graphs_equal_eager_and_replay_across_release_memory_every_step():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_without_a_fixed_address_let_release_memory_free_the_arena(monkeypatch):
+    """Where the driver offers no VMM the arena is a plain ``torch.empty``: ``release_memory()`` must still
+    give its memory back (the buckets' metadata views of it go with their graphs), and after ``resume()``
+    the buckets are captured anew at the new address, exact against eager."""
+    from oppo_engine.cache import vmm
+
+    monkeypatch.setattr(vmm.FixedAddressBuffer, "create", classmethod(lambda cls, device, nbytes: None))
+    actor = build_actor("llama").cuda()
+    batch = prompts(LENGTHS[:4])
+    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
+    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
+    arena = engine._arena
+    assert not arena.fixed_address
+    engine.add_prompts(batch)
+    assert engine.step().metrics.graph_forwards > 0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine.release_memory()
+    assert not engine._captured._cuda.buckets
+    assert before - torch.cuda.memory_allocated() >= arena.num_pages * arena.page_bytes
+    engine.resume()
+    for e in (engine, eager):
+        e.add_prompts(batch)
+    captured, metrics = drain(engine)
+    assert_same_rollouts(drain(eager)[0], captured)
+    assert_ran_captured(metrics)
+    assert metrics[0].graph_recompiles > 0
+    for e in (engine, eager):
+        e.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_past_one_kv_split_stay_exact_while_another_thread_calls_cuda():
     """Contexts past one KV split (512 keys): a bucket's split-KV scratch is allocated outside its capture
     and must live as long as its graph (freed, then returned to the device by ``release_memory()``'s

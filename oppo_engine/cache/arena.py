@@ -157,6 +157,11 @@ class KVArena:
             self._fixed.unmap()  # NOTE: after the sync; no tensor over the range may be used until rebuild
 
     @property
+    def fixed_address(self) -> bool:
+        """The buffer keeps its address across ``release``/``rebuild`` (CUDA VMM, ``cache/vmm.py``)."""
+        return self._fixed is not None
+
+    @property
     def released(self) -> bool:
         """The buffer is dropped (between ``release`` and ``rebuild``)."""
         return self.buffer is None

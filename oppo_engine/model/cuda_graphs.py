@@ -20,6 +20,11 @@ from oppo_engine import ops
 from oppo_engine.model.attention import AttentionMetadata, bound_metadata
 
 EXTRA_PER_ROW = 5  # int64 values per row that ride with a bucket's inputs (SampleBatch.packed())
+# Priority of the stream a bucket is captured on when the caller runs on the device's default stream (which
+# cannot capture): the actor lane's (sched/lanes.py ACTOR_PRIORITY). Torch hands out pool streams round
+# robin per priority, and the scorer lane's stream is one of the priority-0 pool: a capture stream drawn from
+# that pool would, after enough captures, be the scorer lane's own, and its kernels would join the graph.
+_CAPTURE_PRIORITY = -5
 
 
 class CaptureFailed(RuntimeError):
@@ -104,6 +109,14 @@ class CudaGraphs:
         self.addresses: tuple[int, ...] | None = None
         self.checked = False  # the addresses were compared in this step (``start_step`` clears it)
         self.invalidations = 0  # times a moved arena or weight dropped the buckets
+        self._side: torch.cuda.Stream | None = None  # capture stream, only if the caller's is the default
+
+    def drop(self) -> None:
+        """Drop every bucket (each is captured again on its next use): their attention metadata holds views
+        of the arena, which must not keep a released arena's memory alive."""
+        self.buckets.clear()
+        self.pool = None
+        self.addresses = None
 
     def start_step(self) -> None:
         """Compare the addresses again at the step's first forward."""
@@ -167,24 +180,35 @@ class CudaGraphs:
             ),
         )
         args = (runner.model, bucket.ids, bucket.positions, runner.keeps_logits)
-        stream = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=runner.device)
-        side.wait_stream(stream)
-        with torch.cuda.stream(side), bound_metadata(meta):
-            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture
-                self.forward(*args)
+        # Captured on the caller's stream (the actor lane's: only this thread issues work on it), or, when
+        # that is the default stream, on a side stream of the actor lane's priority.
+        caller = torch.cuda.current_stream(runner.device)
+        stream = caller
+        if caller == torch.cuda.default_stream(runner.device):
+            if self._side is None:
+                self._side = torch.cuda.Stream(runner.device, priority=_CAPTURE_PRIORITY)
+            stream = self._side
+            stream.wait_stream(caller)
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: the scorer lane's thread goes on meanwhile (its allocations, event queries
-            # and syncs are not this capture's); under "global" each of them would fail it, and the lane.
-            with (
-                bound_metadata(meta),
-                torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"),
-            ):
-                bucket.logits = self.forward(*args)
+            # NOTE: the outer stream context restores the caller's stream even when a failed capture leaves
+            # torch.cuda.graph's own (its __exit__ ends the capture before it restores the stream).
+            with torch.cuda.stream(stream):
+                with bound_metadata(meta):
+                    for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, uncaptured
+                        self.forward(*args)
+                # thread_local: the scorer lane's thread goes on meanwhile (its allocations, event queries
+                # and syncs are not this capture's); under "global" each of them would fail it, and the lane.
+                with (
+                    bound_metadata(meta),
+                    torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"),
+                ):
+                    bucket.logits = self.forward(*args)
         except RuntimeError as e:  # an op that syncs with the host, or another that cannot be captured
             raise CaptureFailed(f"the decode forward cannot be captured as a CUDA graph ({e})"[:300]) from e
-        stream.wait_stream(side)
+        finally:
+            if stream is not caller:
+                caller.wait_stream(stream)
         self.pool = graph.pool()
         bucket.graph, bucket.meta = graph, meta
         self.buckets[rows] = bucket

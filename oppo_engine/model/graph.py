@@ -180,6 +180,13 @@ class CapturedDecode:
         if self._cuda is not None:
             self._cuda.start_step()
 
+    def arena_released(self, fixed_address: bool) -> None:
+        """The arena was released (``release_memory()``). Without a fixed address (``cache/vmm.py``) the CUDA
+        graphs are dropped now: their metadata views would keep its memory from the trainer, and it comes
+        back elsewhere anyway."""
+        if self._cuda is not None and not fixed_address:
+            self._cuda.drop()
+
     def step_metrics(self) -> dict[str, object]:
         """``StepMetrics``' graph fields since ``start_step()``."""
         forwards, recompiles = self._step_start
