@@ -9,8 +9,11 @@ device, the address stays, and the graphs replay as they are (vLLM's "sleep mode
 pluggable allocator). The driver is reached with ``ctypes`` (no torch CUDA headers to build against).
 
 Unverified on a GPU until ``bench/device_check.sh`` has run ``tests/test_graph.py -m cuda``. Where the
-driver lacks VMM (or any call fails) ``FixedAddressBuffer.create`` returns ``None`` and the arena falls back
-to ``torch.empty``; the captured graphs then see the new address and re-capture (counted).
+device or driver lacks VMM (its device attribute says so, or a call at construction fails)
+``FixedAddressBuffer.create`` returns ``None`` and the arena falls back to ``torch.empty``; the captured
+graphs then see the new address and re-capture (counted). A ``map()`` that finds the device out of memory
+empties torch's cache (what the trainer freed stays cached there) and tries once more, then raises
+``torch.OutOfMemoryError``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ _CU_MEM_ALLOCATION_TYPE_PINNED = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
 _CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 class _Location(ctypes.Structure):
@@ -54,7 +59,9 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
 
 
 class _DriverError(RuntimeError):
-    pass
+    def __init__(self, message: str, result: int = 0) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 @functools.cache
@@ -76,6 +83,7 @@ def _driver() -> ctypes.CDLL | None:
         "cuCtxGetCurrent": [p(ctypes.c_void_p)],
         "cuCtxSetCurrent": [ctypes.c_void_p],
         "cuDevicePrimaryCtxRetain": [p(ctypes.c_void_p), ctypes.c_int],
+        "cuDeviceGetAttribute": [p(ctypes.c_int), ctypes.c_int, ctypes.c_int],
     }
     try:
         for name, argtypes in signatures.items():
@@ -88,7 +96,7 @@ def _driver() -> ctypes.CDLL | None:
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        raise _DriverError(f"{what} failed (CUresult {result})")
+        raise _DriverError(f"{what} failed (CUresult {result})", result)
 
 
 class _CudaArrayInterface:
@@ -147,6 +155,10 @@ class FixedAddressBuffer:
             "cuda", device.index if device.index is not None else torch.cuda.current_device()
         )
         try:
+            supported, attribute = ctypes.c_int(), _CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+            _check(lib.cuDeviceGetAttribute(ctypes.byref(supported), attribute, device.index), "attribute")
+            if not supported.value:  # some vGPUs and older drivers
+                return None
             return cls(lib, device, nbytes)
         except _DriverError:
             return None
@@ -161,10 +173,7 @@ class FixedAddressBuffer:
         if self._handle is None:
             lib = self._lib
             self._bind_context()
-            handle = ctypes.c_ulonglong()
-            _check(
-                lib.cuMemCreate(ctypes.byref(handle), self.size, ctypes.byref(self._prop), 0), "cuMemCreate"
-            )
+            handle = self._create()
             try:
                 _check(lib.cuMemMap(self.address, self.size, 0, handle.value, 0), "cuMemMap")
                 access = _AccessDesc(self._prop.location, _CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
@@ -178,6 +187,25 @@ class FixedAddressBuffer:
             self._handle = handle.value
         with torch.cuda.device(self.device):
             return torch.as_tensor(_CudaArrayInterface(self.address, self.nbytes, self), device=self.device)
+
+    def _create(self) -> ctypes.c_ulonglong:
+        """``cuMemCreate`` of the whole range; out of memory, once more after emptying torch's cache (which
+        keeps what the trainer freed for torch's own allocations: torch.empty would empty it and retry)."""
+        handle, prop = ctypes.c_ulonglong(), ctypes.byref(self._prop)
+        result = self._lib.cuMemCreate(ctypes.byref(handle), self.size, prop, 0)
+        if result == _CUDA_ERROR_OUT_OF_MEMORY:
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.device(self.device):
+                torch.cuda.empty_cache()
+            result = self._lib.cuMemCreate(ctypes.byref(handle), self.size, prop, 0)
+            if result == _CUDA_ERROR_OUT_OF_MEMORY:
+                free, total = (x / 2**30 for x in torch.cuda.mem_get_info(self.device))
+                raise torch.OutOfMemoryError(
+                    f"KV arena: cannot map {self.size / 2**30:.2f} GiB on {self.device} ({free:.2f} of "
+                    f"{total:.2f} GiB free); lower kv_cache_bytes (EngineConfig, ScorerService)"
+                )
+        _check(result, "cuMemCreate")
+        return handle
 
     def unmap(self) -> None:
         """Give the physical memory back to the device (after a device sync); the address stays reserved."""
