@@ -21,7 +21,7 @@ class ActorWorker:
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None) -> None:
         self.runner = runner
         self.sampler = sampler or Sampler()
-        self._host_out: torch.Tensor | None = None  # pinned [2, N] float64 staging of the results (CUDA)
+        self._host_out: torch.Tensor | None = None  # pinned float64 staging of the results (CUDA), flat
 
     def forward(self, chunks: Sequence[SeqChunk], batch: SampleBatch) -> tuple[list[int], list[float]]:
         """Prefill/decode ``chunks``; the token and its log-prob for each row of ``batch``, in order."""
@@ -37,11 +37,11 @@ class ActorWorker:
         # One non-blocking device-to-host copy of both into pinned memory, then one wait for it.
         out = torch.stack((tokens.double(), logprobs.double()))
         host = self._host_out
-        if host is None or host.shape[1] < out.shape[1]:
-            host = self._host_out = torch.empty(
-                (2, max(out.shape[1], 64)), dtype=torch.float64, pin_memory=True
-            )
-        staged = host[:, : out.shape[1]]
+        if host is None or host.numel() < out.numel():
+            host = self._host_out = torch.empty(max(out.numel(), 128), dtype=torch.float64, pin_memory=True)
+        # A contiguous prefix of the pinned buffer: a strided destination would make copy_ stage it through
+        # pageable memory (a synchronous copy).
+        staged = host[: out.numel()].view(out.shape)
         staged.copy_(out, non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()
         packed_host = staged.tolist()
