@@ -603,6 +603,48 @@ def test_the_service_prefills_each_prompt_before_any_response_token_arrives():
     assert client["rollouts"] == 4 and forwards >= 4  # the prompts' forwards, then the responses'
 
 
+def _last_message_rank(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    from oppo_engine.dist.transport import BYE, HEARTBEAT, GlooTransport, Message
+
+    got, done = [], threading.Event()
+
+    def on_message(peer, message):
+        got.append(message.kind)
+        if message.kind == BYE:
+            done.set()
+
+    transport = GlooTransport(dist.group.WORLD, [1 - rank], heartbeat_s=0.05, liveness_timeout_s=30.0)
+    transport.start(on_message)
+    if rank == 0:
+        time.sleep(0.3)  # heartbeats flow meanwhile
+        transport.send_last(1, Message(BYE))
+        t0 = time.monotonic()
+        # The heartbeat thread's send racing the BYE, made certain: the peer receives nothing after its BYE,
+        # so a send now would wait for the group's 24-hour timeout.
+        transport._send(1, Message(HEARTBEAT))
+        elapsed = time.monotonic() - t0
+        time.sleep(0.3)  # the heartbeat thread, had it not stopped, would send (and block) meanwhile
+        return dict(elapsed=elapsed, beating=any(t.name == "oppo-heartbeat" and t.is_alive()
+                                                 for t in threading.enumerate()))  # fmt: skip
+    assert done.wait(30.0)
+    transport.close(0)
+    time.sleep(2.0)  # alive, as a client that goes on training: a send blocked on us would stay blocked
+    return dict(kinds=got)
+
+
+def test_nothing_is_sent_after_the_last_message_so_no_heartbeat_blocks_the_sender():
+    """After a peer's BYE its receiving thread stops, and a gloo send completes only against a posted
+    receive: a heartbeat sent after the BYE would block the one heartbeat thread that serves every peer (a
+    service's other clients would then fall silent). ``send_last`` closes the peer first, under its lock."""
+    from oppo_engine.dist.transport import BYE
+
+    sender, receiver = run_ranks(_last_message_rank, 2, timeout_s=120)
+    assert sender["elapsed"] < 1.0 and not sender["beating"]
+    assert receiver["kinds"] == [BYE]  # heartbeats are not delivered; the BYE is, last
+
+
 def test_protocol_round_trips_hand_offs_and_results_exactly():
     from oppo_engine.dist import protocol
 

@@ -182,7 +182,7 @@ class RemoteScorers:
         self._state = "closed"
         if self.transport.alive(self.service_rank):
             try:
-                self.transport.send(self.service_rank, Message(BYE))
+                self.transport.send_last(self.service_rank, Message(BYE))
                 deadline = time.monotonic() + _BYE_WAIT_S
                 while not self._bye.wait(0.05):
                     if time.monotonic() > deadline or not self.transport.alive(self.service_rank):

@@ -13,6 +13,7 @@ token. A client that closes or dies is dropped the same way; the others are serv
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -206,7 +207,9 @@ class ScorerService:
         scheds = self.scheds.values()
         self._counted = [sum(s.num_preemptions for s in scheds), sum(s.recomputed_tokens for s in scheds),
                          sum(s.swapped_tokens for s in scheds)]  # fmt: skip
-        transport.start(self._on_message)
+        with self._cond:
+            self._inbox = []
+        transport.start(functools.partial(self._on_message, transport))
         try:
             with contextlib.ExitStack() as stack:
                 if self.device.type == "cuda":  # Triton launches on the current device, not the tensors'
@@ -241,8 +244,11 @@ class ScorerService:
         self.stats.messages_sent, self.stats.bytes_sent = transport.messages_sent, transport.bytes_sent
         return self.stats
 
-    def _on_message(self, peer: int, message: Message) -> None:
-        """On a receiving thread: queue the message for the loop."""
+    def _on_message(self, transport: GlooTransport, peer: int, message: Message) -> None:
+        """On a receiving thread: queue the message for the loop (a message of an earlier ``serve()``'s
+        transport, say a connection it gave up on breaking now, is dropped)."""
+        if transport is not self.transport:
+            return
         if message.kind != LOST:
             self.stats.messages_received += 1
             self.stats.bytes_received += message.nbytes
@@ -324,7 +330,7 @@ class ScorerService:
                 self.stats.closed.append(client.rank)
             client.state = "done"
             with contextlib.suppress(PeerLost):
-                self.transport.send(client.rank, Message(BYE))
+                self.transport.send_last(client.rank, Message(BYE))
             self.transport.close(client.rank)
         elif kind == LOST:
             self._lose(client)

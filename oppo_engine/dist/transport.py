@@ -200,6 +200,10 @@ class GlooTransport(Transport):
             payload = torch.tensor([*message.ints, *bits], dtype=torch.int64)
         try:
             with self._send_locks[peer]:  # a message's two tensors are never interleaved with another's
+                if message.kind == HEARTBEAT and peer in self._closed:
+                    # NOTE: checked under the lock that send_last holds: a send completes only once the
+                    # peer posts its receive, and a peer stops receiving at the last message (BYE).
+                    return
                 self._group.send([header], peer, _TAG).wait()
                 if payload is not None:
                     self._group.send([payload], peer, _TAG).wait()
@@ -209,6 +213,16 @@ class GlooTransport(Transport):
         if message.kind != HEARTBEAT:
             self.messages_sent += 1
             self.bytes_sent += message.nbytes
+
+    def send_last(self, peer: int, message: Message) -> None:
+        """Send ``message`` as the last one to ``peer`` (its BYE, after which it receives nothing more): no
+        heartbeat follows it, and ``peer`` is closed. Raises :class:`PeerLost` if it has failed."""
+        self.check(peer)
+        if peer in self._closed:
+            raise PeerLost(peer, "is closed: nothing more can be sent to it")
+        with self._send_locks[peer]:
+            self.close(peer)
+        self._send(peer, message)
 
     def check(self, peer: int) -> None:
         why = self._failure.get(peer)
