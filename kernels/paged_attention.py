@@ -494,6 +494,7 @@ def plan_attention(
     num_tokens: int | None = None,
     decode_only: bool = False,
     kv_per_split: int | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttentionPlan:
     """Check one forward's attention inputs and plan the kernel launches, once for all layers.
 
@@ -502,8 +503,10 @@ def plan_attention(
     does); without them, and without ``decode_only``, this reads them (and the maxima) from the device
     once. ``num_tokens`` is ``T`` (from ``q_lens`` or ``cu_seqlens_q`` otherwise). ``decode_only``: every
     sequence has at most one new token (see the capture contract in :class:`AttentionPlan`).
-    ``kv_per_split`` overrides :data:`KV_PER_SPLIT` (tests: splits on short contexts). Raises
-    ``ValueError`` on malformed inputs, naming the argument.
+    ``kv_per_split`` overrides :data:`KV_PER_SPLIT` (tests: splits on short contexts). ``scratch``: flat
+    float32 buffers on the cache's device whose prefixes hold the split-KV partials and log-sum-exps in
+    place of new ones (CUDA graphs of several buckets that replay one at a time share one:
+    :func:`scratch_numel` sizes it). Raises ``ValueError`` on malformed inputs, naming the argument.
     """
     _check_batch(kv_cache, block_tables, context_lens, cu_seqlens_q)
     num_kv_heads = kv_cache.shape[4]
@@ -559,8 +562,11 @@ def plan_attention(
     partial = lse = None
     if launch.num_splits > 1:
         shape = (launch.num_splits, num_tokens, num_q_heads)
-        partial = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
-        lse = torch.empty(shape, dtype=torch.float32, device=device)
+        if scratch is None:
+            partial = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+            lse = torch.empty(shape, dtype=torch.float32, device=device)
+        else:
+            partial, lse = _scratch_views(scratch, (*shape, head_dim), shape, device)
     return AttentionPlan(
         kv_cache,
         block_tables,
@@ -574,6 +580,34 @@ def plan_attention(
         partial,
         lse,
     )
+
+
+def scratch_numel(plan: AttentionPlan, num_tokens: int) -> tuple[int, int]:
+    """Elements of the two ``scratch`` buffers that hold ``plan``'s split-KV partials and log-sum-exps for
+    ``num_tokens`` tokens (its splits, heads and head_dim); (0, 0) where the plan does not split."""
+    if plan.partial is None:
+        return 0, 0
+    splits, _, heads, head_dim = plan.partial.shape
+    return splits * num_tokens * heads * head_dim, splits * num_tokens * heads
+
+
+def _scratch_views(
+    scratch: tuple[torch.Tensor, torch.Tensor], partial_shape: tuple, lse_shape: tuple, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    views = []
+    for name, buffer, shape in (("partial", scratch[0], partial_shape), ("lse", scratch[1], lse_shape)):
+        need = math.prod(shape)
+        if buffer.dtype != torch.float32 or buffer.dim() != 1 or buffer.device != device:
+            raise ValueError(
+                f"scratch: its {name} buffer must be flat float32 on {device}, got {buffer.dtype} "
+                f"{tuple(buffer.shape)} on {buffer.device}"
+            )
+        if buffer.numel() < need:
+            raise ValueError(
+                f"scratch: its {name} buffer holds {buffer.numel()} elements, this plan needs {need}"
+            )
+        views.append(buffer[:need].view(shape))
+    return views[0], views[1]
 
 
 def _checked_plan(

@@ -22,6 +22,7 @@ from oppo_engine.kernels import sample as _sample
 PageAllocator = _C.PageAllocator
 AttentionPlan = _attn.AttentionPlan
 plan_attention = _attn.plan_attention
+attention_scratch_numel = _attn.scratch_numel  # a shared split-KV scratch's size (plan_forward(scratch=))
 KV_PER_SPLIT = _attn.KV_PER_SPLIT  # keys per split-KV split (a sequence's plan reads its own context only)
 
 ATTENTION_BACKENDS = ("triton", "flash_attn")
@@ -187,10 +188,12 @@ def plan_forward(
     max_q_len: int,
     max_context_len: int,
     q_lens: list[int] | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttentionPlan | None:
     """The once-per-forward plan of the attention path the tensors will take (checks included), or None
     where that path needs none (the C++ CPU op checks its inputs itself, cheaply, in every call).
-    ``q_lens`` (host ints) builds the kernel's work list without reading the device."""
+    ``q_lens`` (host ints) builds the kernel's work list without reading the device; ``scratch`` (flat
+    float32 buffers) holds the split-KV partials in place of new ones (``kernels/paged_attention.py``)."""
     if not (kv_cache.is_cuda or _triton_on_cpu):
         return None
     return plan_attention(
@@ -202,6 +205,7 @@ def plan_forward(
         max_q_len=max_q_len,
         max_context_len=max_context_len,
         q_lens=q_lens,
+        scratch=scratch,
     )
 
 

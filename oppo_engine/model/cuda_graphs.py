@@ -62,8 +62,9 @@ class CudaBucket:
         self.block_tables = self.i32[2 * rows + 1 :].view(rows, width)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [rows, V] float32, written by every replay
-        # NOTE: held for the graph's life: its plan's split-KV scratch (``partial``, ``lse``) is allocated
-        # outside the capture, and the graph writes it at the captured address on every replay.
+        # NOTE: held for the graph's life: its plan's split-KV scratch (``partial``, ``lse``: views of the
+        # buckets' shared one) is allocated outside the capture, and the graph writes it at the captured
+        # address on every replay.
         self.meta: AttentionMetadata | None = None
 
     def fill(self, arrays: list[np.ndarray], extra: np.ndarray | None = None) -> torch.Tensor | None:
@@ -110,6 +111,7 @@ class CudaGraphs:
         self.checked = False  # the addresses were compared in this step (``start_step`` clears it)
         self.invalidations = 0  # times a moved arena or weight dropped the buckets
         self._side: torch.cuda.Stream | None = None  # capture stream, only if the caller's is the default
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # the buckets' shared split-KV scratch
 
     def drop(self) -> None:
         """Drop every bucket (each is captured again on its next use): their attention metadata holds views
@@ -117,6 +119,7 @@ class CudaGraphs:
         self.buckets.clear()
         self.pool = None
         self.addresses = None
+        self._scratch = None
 
     def start_step(self) -> None:
         """Compare the addresses again at the step's first forward."""
@@ -133,6 +136,7 @@ class CudaGraphs:
             # A fresh pool: torch's allocator refuses (asserts) to share a pool whose graphs are all gone
             # while one of its blocks is still alive.
             self.pool = None
+            self._scratch = None
             self.addresses = addresses
         self.checked = True
 
@@ -160,6 +164,16 @@ class CudaGraphs:
         padding = [zeros, zeros, np.full(rows, -1, np.int64), np.ones(rows, np.int32)]
         bucket.fill([*padding, np.zeros((rows, self.width), np.int32)])
         max_context_len = self.width * cache.page_size
+        plan_args = (cache.kv_cache, bucket.block_tables, bucket.context_lens, bucket.cu_seqlens_q)
+        plan_kw = dict(max_q_len=1, max_context_len=max_context_len, scratch=self._scratch)
+        plan = ops.plan_forward(*plan_args, runner.num_q_heads, **plan_kw)
+        if plan is not None and plan.partial is not None and self._scratch is None:
+            # One split-KV scratch for every bucket, sized for the largest: the buckets replay one at a time
+            # on one stream, and every replay writes its partials before it reads them. (Every bucket has
+            # the same splits: its context is the table width.)
+            numel = ops.attention_scratch_numel(plan, self.sizes[-1])
+            self._scratch = tuple(torch.empty(n, dtype=torch.float32, device=runner.device) for n in numel)
+            plan = ops.plan_forward(*plan_args, runner.num_q_heads, **{**plan_kw, "scratch": self._scratch})
         meta = AttentionMetadata(
             kv_cache=cache.kv_cache,
             slot_mapping=bucket.slots,
@@ -169,15 +183,7 @@ class CudaGraphs:
             max_q_len=1,
             max_context_len=max_context_len,
             backend=runner.backend,
-            plan=ops.plan_forward(
-                cache.kv_cache,
-                bucket.block_tables,
-                bucket.context_lens,
-                bucket.cu_seqlens_q,
-                runner.num_q_heads,
-                max_q_len=1,
-                max_context_len=max_context_len,
-            ),
+            plan=plan,
         )
         args = (runner.model, bucket.ids, bucket.positions, runner.keeps_logits)
         # Captured on the caller's stream (the actor lane's: only this thread issues work on it), or, when

@@ -231,6 +231,35 @@ def test_plan_reused_across_layers_gives_the_same_output():
             torch.testing.assert_close(planned, fn(*case.args(), sliding_window=window), atol=0, rtol=0)
 
 
+def test_plans_sharing_one_scratch_give_their_own_outputs_bit_for_bit():
+    """CUDA-graph buckets share one split-KV scratch (they replay one at a time): two decode plans of 3 and
+    5 sequences over it, run in turn, each equal the plan with scratch of its own; a scratch too small for a
+    plan, or not flat float32, is refused."""
+    from oppo_engine.kernels.paged_attention import scratch_numel
+
+    lengths = [(200, 9, 130), (5, 190, 64, 1, 150)]
+    cases = [make_case([(1, c) for c in lens], seed=40 + i) for i, lens in enumerate(lengths)]
+
+    def plan(case, **kw):
+        return plan_attention(
+            case.kv_cache, case.block_tables, case.context_lens, case.cu_seqlens_q, case.q.shape[1],
+            max_q_len=1, max_context_len=208, kv_per_split=64, **kw,
+        )  # fmt: skip
+
+    own = [paged_attention(*c.args(), plan=plan(c)) for c in cases]
+    sizes = scratch_numel(plan(cases[1]), 5)
+    assert sizes[0] == 4 * 5 * cases[1].q.shape[1] * cases[1].q.shape[2]  # 4 splits of 64 keys, 5 tokens
+    scratch = tuple(torch.full((n,), float("nan")) for n in sizes)  # no plan may read what it did not write
+    shared = [plan(c, scratch=scratch) for c in cases]
+    assert shared[0].partial.data_ptr() == shared[1].partial.data_ptr() == scratch[0].data_ptr()
+    for i in (0, 1, 0):
+        torch.testing.assert_close(paged_attention(*cases[i].args(), plan=shared[i]), own[i], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="^scratch: its partial buffer holds"):
+        plan(cases[1], scratch=tuple(t[: n // 2] for t, n in zip(scratch, sizes, strict=True)))
+    with pytest.raises(ValueError, match="^scratch: its lse buffer must be flat float32"):
+        plan(cases[1], scratch=(scratch[0], scratch[1].double()))
+
+
 def test_plan_for_other_tensors_is_refused():
     case = make_case([(1, 50), (8, 20)], seed=27)
     plan = plan_attention(
