@@ -49,8 +49,10 @@ void check_copy_pages_args(const at::Tensor& src, const at::Tensor& dst, const a
                     "copy_pages: page ids must be int64");
   TORCH_CHECK_VALUE(src_ids.device().is_cpu() && dst_ids.device().is_cpu(), "copy_pages: page ids must be on the CPU");
   const int64_t n = src_ids.size(0);
-  const int64_t* s = src_ids.contiguous().data_ptr<int64_t>();
-  const int64_t* d = dst_ids.contiguous().data_ptr<int64_t>();
+  // The contiguous copies are held: a pointer into a temporary freed at the end of its statement dangles.
+  const auto src_c = src_ids.contiguous(), dst_c = dst_ids.contiguous();
+  const int64_t* s = src_c.data_ptr<int64_t>();
+  const int64_t* d = dst_c.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK_VALUE(s[i] >= 0 && s[i] < src.size(0), "copy_pages: src_ids[", i, "] = ", s[i], " outside [0, ",
                       src.size(0), ")");

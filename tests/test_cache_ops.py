@@ -241,6 +241,19 @@ def test_copy_pages_copies_exact_bytes_between_arenas(src_ids, dst_ids):
     assert torch.equal(src, src_before)
 
 
+def test_copy_pages_takes_strided_page_ids():
+    """Ids that are a strided view (every other element) are checked and copied as their values say."""
+    gen = torch.Generator().manual_seed(8)
+    src = poisoned_arena(gen).view(NUM_PAGES, PAGE_BYTES)
+    dst = poisoned_arena(gen).view(NUM_PAGES, PAGE_BYTES)
+    expected = dst.clone()
+    src_ids, dst_ids = torch.tensor([3, 99, 0, 99, 5])[::2], torch.tensor([1, 99, 7, 99, 2])[::2]
+    assert not src_ids.is_contiguous()
+    ops.copy_pages(src, dst, src_ids, dst_ids)
+    copy_pages_ref(src, expected, [3, 0, 5], [1, 7, 2])
+    assert torch.equal(dst, expected)
+
+
 def test_copy_pages_within_one_arena_forks_pages_exactly():
     gen = torch.Generator().manual_seed(6)
     arena = poisoned_arena(gen).view(NUM_PAGES, PAGE_BYTES)
