@@ -419,6 +419,30 @@ def test_graph_addresses_follow_a_refilled_weight_not_an_in_place_update():
     ]  # only the refilled weight's entry (after the KV view's) moved
 
 
+def test_without_a_per_graph_recompile_limit_the_dynamo_setting_stands_in(monkeypatch):
+    """torch 2.11 (the H200's) has no ``torch.compile(recompile_limit=)``: the graph is built without it, and
+    the process-wide limit is raised to the graph's around each call, then restored."""
+    import torch._dynamo.config as dynamo_config
+
+    from oppo_engine.model import graph as graph_module
+
+    monkeypatch.setattr(graph_module, "_PER_GRAPH_LIMIT", False)
+    seen = {}
+    real_compile = torch.compile
+
+    def compile_without_the_keyword(fn, *, recompile_limit=None, **kwargs):
+        seen["recompile_limit"] = recompile_limit
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_without_the_keyword)
+    graph_module._ModelGraph(build_actor("llama"))
+    assert seen == {"recompile_limit": None}
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    with graph_module._compile_settings():
+        assert dynamo_config.recompile_limit == graph_module._RECOMPILE_LIMIT
+    assert dynamo_config.recompile_limit == 8
+
+
 def test_sample_batch_packs_every_parameter_exactly():
     """The sampler's columns travel as one int64 array: each comes back bit for bit (seeds up to 2**63 - 1,
     fp32 temperatures and top-p), and a row's draw equals the list API's."""

@@ -16,6 +16,7 @@ them, counted in ``recompiles`` like an inductor recompilation.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import threading
 import time
@@ -36,6 +37,7 @@ from oppo_engine.model.cuda_graphs import CaptureFailed, CudaGraphs
 # fallback instead).
 _RECOMPILE_LIMIT = 64
 
+_PER_GRAPH_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 _compiles = threading.local()  # graphs compiled by inductor on this thread (the backend runs in the caller's)
 
 
@@ -115,12 +117,12 @@ class _ModelGraph:
         code = _decode_logits.__code__
         code = code.replace(co_name=f"{code.co_name}_{next(self._count)}")
         fn = types.FunctionType(code, _decode_logits.__globals__, code.co_name)
+        # torch.compile takes a per-graph recompile limit in recent releases (2.13; not the H200's 2.11):
+        # where it does not, the process-wide dynamo setting stands in for it (set around every call, in
+        # _compile_settings).
+        limit = {"recompile_limit": _RECOMPILE_LIMIT} if _PER_GRAPH_LIMIT else {}
         self.fn = torch.compile(
-            fn,
-            backend=_inductor,
-            dynamic=False,
-            recompile_limit=_RECOMPILE_LIMIT,
-            options={"guard_filter_fn": _guard_filter},
+            fn, backend=_inductor, dynamic=False, options={"guard_filter_fn": _guard_filter}, **limit
         )
         self.ids = _tensor_ids(model)
         self.layout = _layout(model)
@@ -305,9 +307,13 @@ def _compile_settings() -> Iterator[None]:
     """Dynamo's settings for a (re)compilation of the decode graph, set around every call (a cache miss
     compiles inside it): no duck shapes, and a recompile limit that raises. Plain attribute writes
     (~5 us), not ``config.patch`` (~40-300 us per call); the per-graph limit is ``torch.compile``'s."""
-    saved = _dynamo_config.fail_on_recompile_limit_hit, _fx_config.use_duck_shape
+    saved = (_dynamo_config.fail_on_recompile_limit_hit, _fx_config.use_duck_shape,
+             _dynamo_config.recompile_limit)  # fmt: skip
     _dynamo_config.fail_on_recompile_limit_hit, _fx_config.use_duck_shape = True, False
+    if not _PER_GRAPH_LIMIT:
+        _dynamo_config.recompile_limit = max(saved[2], _RECOMPILE_LIMIT)
     try:
         yield
     finally:
-        _dynamo_config.fail_on_recompile_limit_hit, _fx_config.use_duck_shape = saved
+        _dynamo_config.fail_on_recompile_limit_hit, _fx_config.use_duck_shape = saved[:2]
+        _dynamo_config.recompile_limit = saved[2]
