@@ -60,6 +60,7 @@ class CudaBucket:
         self.cu_seqlens_q = self.i32[: rows + 1]
         self.context_lens = self.i32[rows + 1 : 2 * rows + 1]
         self.block_tables = self.i32[2 * rows + 1 :].view(rows, width)
+        self._staged: torch.cuda.Event | None = None  # after the last fill's copies out of the staging
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [rows, V] float32, written by every replay
         # NOTE: held for the graph's life: its plan's split-KV scratch (``partial``, ``lse``: views of the
@@ -69,9 +70,11 @@ class CudaBucket:
 
     def fill(self, arrays: list[np.ndarray], extra: np.ndarray | None = None) -> torch.Tensor | None:
         """Copy a forward's host arrays (``CapturedDecode.decode_inputs``) and ``extra`` into the static
-        buffers, on the current stream; returns ``extra``'s device view (valid until the next fill). NOTE:
-        the staging is reused by the next fill; the caller reads the results back (a sync) between two
-        fills, so the previous copy has completed by then."""
+        buffers, on the current stream; returns ``extra``'s device view (valid until the next fill). The
+        pinned staging is reused: a fill first waits for the previous fill's copies out of it (a forward
+        whose results are never read back, say one that samples nothing, leaves them in flight)."""
+        if self._staged is not None:
+            self._staged.synchronize()
         ids, positions, slots, context_lens, tables = arrays
         h64, h32, r = self.host64.numpy(), self.host32.numpy(), self.rows
         h64[:r], h64[r : 2 * r], h64[2 * r : 3 * r] = ids[0], positions[0], slots
@@ -82,6 +85,8 @@ class CudaBucket:
         h64[3 * r : 3 * r + n] = extra if extra is not None else ()
         self.i64[: 3 * r + n].copy_(self.host64[: 3 * r + n], non_blocking=True)
         self.i32.copy_(self.host32, non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
         return self.i64[3 * r : 3 * r + n] if extra is not None else None
 
 

@@ -206,6 +206,11 @@ class ScorerLane:
         """Stop and join the worker, then free every scorer page and state (a failed step: the sequences
         are rolled back and prefilled again from their first token)."""
         self._join()
+        # The caller's stream stopped waiting for this lane's at the step's end, before the worker stopped:
+        # what the worker issued after that must come first too (the pages freed below may go elsewhere).
+        stream = self.device_lane.stream
+        if stream is not None:
+            torch.cuda.current_stream(self.device_lane.device).wait_stream(stream)
         for sched in self.scheds.values():
             sched.abort_all()
         self._pending.clear()
