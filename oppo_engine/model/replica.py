@@ -308,7 +308,17 @@ def rollout_device(models: Iterable[object]) -> torch.device:
         if isinstance(m, nn.Module) and not is_meta(m):
             p = next(m.parameters())
             dtensor = _dtensor_class()
-            return p.to_local().device if dtensor is not None and isinstance(p, dtensor) else p.device
+            if dtensor is None or not isinstance(p, dtensor):
+                return p.device
+            local = p.to_local().device
+            if local.type != p.device_mesh.device_type:
+                raise ValueError(
+                    f"a model sharded over a {p.device_mesh.device_type} mesh keeps its shards on "
+                    f"{local.type} (FSDP2 CPUOffloadPolicy): rollout replicas of CPU-offloaded models are "
+                    "not supported; shard without offload, or feed a meta-device replica with "
+                    "update_policy(weights=...)"
+                )
+            return local
     return (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()

@@ -120,7 +120,10 @@ def shard_model(model: nn.Module, group=None, device: torch.device | str | None 
     device = torch.device(device) if device is not None else next(model.parameters()).device
     group = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
-    mesh = DeviceMesh.from_group(group, device.type, mesh=torch.tensor(ranks))
+    # An NCCL group shards over CUDA whatever device the model is on now (fully_shard moves it there): a
+    # "cpu" mesh would run FSDP's collectives on CPU tensors over NCCL.
+    mesh_type = "cuda" if dist.get_backend(group) == "nccl" else device.type
+    mesh = DeviceMesh.from_group(group, mesh_type, mesh=torch.tensor(ranks))
     for layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -157,11 +160,13 @@ def exchange_group():
     itself when it runs gloo, else one gloo group over the same ranks, made once (collective the first
     time): its timeouts raise, where NCCL's are left to its watchdog."""
     global _EXCHANGE_GROUP
+    world = dist.group.WORLD
     if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    if _EXCHANGE_GROUP is None:
-        _EXCHANGE_GROUP = dist.new_group(backend="gloo")
-    return _EXCHANGE_GROUP
+        return world
+    # Made for this world: after destroy_process_group() and a new init_process_group(), made anew.
+    if _EXCHANGE_GROUP is None or _EXCHANGE_GROUP[0] is not world:
+        _EXCHANGE_GROUP = (world, dist.new_group(backend="gloo"))
+    return _EXCHANGE_GROUP[1]
 
 
 def shard_trainer_models(models):
