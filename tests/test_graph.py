@@ -111,6 +111,19 @@ def assert_ran_captured(metrics) -> None:
     assert all(m.graph_fallback is None for m in metrics)
 
 
+def drain_beside_eager(engine: RolloutEngine, actor, batch) -> list:
+    """Drain ``engine`` and a fresh eager engine on ``actor`` (batch 4, greedy) over ``batch``: the rollouts
+    are the same, and ``engine`` ran captured; its step metrics."""
+    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
+    for e in (engine, eager):
+        e.add_prompts(batch)
+    captured, metrics = drain(engine)
+    assert_same_rollouts(drain(eager)[0], captured)
+    assert_ran_captured(metrics)
+    eager.close()
+    return metrics
+
+
 @pytest.mark.parametrize(
     "name",
     [n if n in CI_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES],
@@ -216,13 +229,7 @@ def _replace_the_head_between_steps(actor) -> list:
     engine.step()
     with torch.no_grad():
         actor.lm_head.weight = torch.nn.Parameter(torch.randn_like(actor.lm_head.weight))
-    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
-    for e in (engine, eager):
-        e.add_prompts(batch)
-    captured, metrics = drain(engine)
-    assert_same_rollouts(drain(eager)[0], captured)
-    assert_ran_captured(metrics)
-    return metrics
+    return drain_beside_eager(engine, actor, batch)
 
 
 def test_broken_weight_tie_recompiles_the_graph():
@@ -310,7 +317,6 @@ def test_cuda_graphs_without_a_fixed_address_let_release_memory_free_the_arena(m
     actor = build_actor("llama").cuda()
     batch = prompts(LENGTHS[:4])
     engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
-    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
     arena = engine._arena
     assert not arena.fixed_address
     engine.add_prompts(batch)
@@ -321,14 +327,9 @@ def test_cuda_graphs_without_a_fixed_address_let_release_memory_free_the_arena(m
     assert not engine._captured._cuda.buckets
     assert before - torch.cuda.memory_allocated() >= arena.num_pages * arena.page_bytes
     engine.resume()
-    for e in (engine, eager):
-        e.add_prompts(batch)
-    captured, metrics = drain(engine)
-    assert_same_rollouts(drain(eager)[0], captured)
-    assert_ran_captured(metrics)
+    metrics = drain_beside_eager(engine, actor, batch)
     assert metrics[0].graph_recompiles > 0
-    for e in (engine, eager):
-        e.close()
+    engine.close()
 
 
 @pytest.mark.cuda
@@ -387,12 +388,7 @@ def test_weights_refilled_in_place_of_a_released_replica_are_read_without_recomp
             p.untyped_storage().resize_(0)  # released: the replica holds no memory
             p.untyped_storage().resize_(refill.numel() * refill.element_size())
             p.copy_(refill)
-    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
-    for e in (engine, eager):
-        e.add_prompts(batch)
-    captured, metrics = drain(engine)
-    assert_same_rollouts(drain(eager)[0], captured)
-    assert_ran_captured(metrics)
+    metrics = drain_beside_eager(engine, actor, batch)
     assert [m.graph_recompiles for m in metrics] == [0] * len(metrics)
 
 
