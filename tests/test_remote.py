@@ -19,6 +19,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from engine_models import EOS, actor_config, make_actor, make_reward, random_prompts
+from test_intra import _fail_on_call
 from test_ppo_scorers import hf_ref_logprobs, hf_values, make_critic, make_reference
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
@@ -81,23 +82,6 @@ def _client_engine(pg, mode: str, critic=None, **cfg) -> RolloutEngine:
                          sampling=_sampling(), eos_token_id=EOS)  # fmt: skip
 
 
-class Boom(RuntimeError):
-    pass
-
-
-def _fail_once(obj, name: str, k: int) -> None:
-    """Make ``obj.name`` raise Boom on its k-th call (0-based), once."""
-    original, calls = getattr(obj, name), [0]
-
-    def wrapped(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] - 1 == k:
-            raise Boom(f"injected into {name} at call {k}")
-        return original(*args, **kwargs)
-
-    setattr(obj, name, wrapped)
-
-
 def _exact_rank(rank: int, world_size: int, modes: tuple[str, ...]):
     import torch.distributed as dist
 
@@ -108,7 +92,7 @@ def _exact_rank(rank: int, world_size: int, modes: tuple[str, ...]):
     for mode in modes:
         engine = _client_engine(pg, mode)
         if rank == 0 and mode == "oppo":  # a failed step rolls this client back on the service, once
-            _fail_once(engine._loop.actor, "forward", k=20)
+            _fail_on_call(engine._loop.actor, "forward", k=20)
         engine.add_prompts(_prompts(rank))
         rollouts, retries = [], 0
         while result := engine.step():
