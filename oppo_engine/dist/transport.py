@@ -89,6 +89,11 @@ class Transport(ABC):
         """Send ``message`` to ``peer``; raises :class:`PeerLost` if it has failed."""
 
     @abstractmethod
+    def send_last(self, peer: int, message: Message) -> None:
+        """Send ``message`` as the last one to ``peer`` (a BYE: it receives nothing after it), then close
+        ``peer``; nothing, heartbeats included, follows it. Raises :class:`PeerLost` if it has failed."""
+
+    @abstractmethod
     def check(self, peer: int) -> None:
         """Raise :class:`PeerLost` if ``peer`` has failed (closed, or silent past the liveness timeout)."""
 
