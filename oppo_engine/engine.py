@@ -663,7 +663,9 @@ class RolloutEngine:
         ``named_parameters()`` (tied weights once), cast to ``EngineConfig.rollout_dtype``; every parameter
         exactly once with its shape, else ``ValueError`` naming it, with nothing copied and the version
         not bumped (an iterable is staged on the host first: one copy of the model in host memory). For a
-        model shared with the trainer (unsharded), ``weights=`` raises ``ValueError``.
+        model shared with the trainer (unsharded), ``weights=`` raises ``ValueError``. With an FSDP2 replica
+        to gather, a check failing on one rank fails the call on every rank of its mesh (``ValueError``
+        naming that rank), before any gather: no rank is left waiting in one.
         """
         self._check_not_closed()
         self._replicas.update({ACTOR: weights, CRITIC: critic_weights})

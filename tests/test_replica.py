@@ -173,6 +173,34 @@ def _fsdp_scenario(rank: int, world_size: int) -> dict:
     out["oppo"] = _oppo_steps(rank, actor, critic, opt, plain_actor, plain_critic, reward, prompts)
     out["peft"] = _peft_refusal()
     out["failed_sync"] = _failed_sync(sharded, actor, critic, opt, rank)
+    out["mixed"] = _mixed_validation(rank, actor, reward)
+    return out
+
+
+def _mixed_validation(rank: int, actor, reward) -> dict:
+    """An FSDP2 actor (gathered) beside a meta-device critic (fed): rank 0's critic weights lack a
+    parameter, rank 1's are complete. Both calls must fail before the actor's gather (rank 1 must not
+    enter it alone), change nothing, and a good call after them must sync on both ranks."""
+    critic = make_critic()
+    with torch.device("meta"):
+        meta_critic = type(critic)(critic.config)
+    engine = make_engine(actor, reward, meta_critic)
+    good = dict(critic.named_parameters())
+    bad = {n: t for n, t in good.items() if n != "score.weight"} if rank == 0 else good
+    out = {}
+    try:
+        engine.update_policy(critic_weights=bad)
+        out["raised"] = None
+    except ValueError as e:
+        out["raised"] = str(e)
+    out["version_kept"] = engine.policy_version == 0
+    out["critic_ready"] = engine._replicas.by_role["critic"].ready
+    engine.update_policy(critic_weights=good)
+    out["version_after_retry"] = engine.policy_version
+    out["actor_after_retry"] = _equal_to(engine, "actor", _full(actor))
+    out["critic_after_retry"] = [
+        n for n, p in good.items() if not torch.equal(replica_params(engine, "critic")[n], p)
+    ]
     return out
 
 
@@ -330,6 +358,16 @@ def test_a_sync_failing_half_way_bumps_no_version_and_blocks_steps_until_a_sync_
         assert failed["raised"] == "peer gone" and failed["version_kept"]
         assert "not synced" in failed["step"]
         assert failed["after_retry"] == []
+
+
+def test_weights_failing_validation_on_one_rank_fail_every_rank_before_the_gather(fsdp_run):
+    zero, one = (out["mixed"] for out in fsdp_run)
+    assert "lack parameter 'score.weight'" in zero["raised"]
+    assert "weights given on rank 0 failed validation" in one["raised"]
+    for out in (zero, one):
+        assert out["version_kept"] and not out["critic_ready"]
+        assert out["version_after_retry"] == 1
+        assert out["actor_after_retry"] == [] and out["critic_after_retry"] == []
 
 
 def test_peft_wrapped_fsdp2_actor_is_refused_naming_peft(fsdp_run):

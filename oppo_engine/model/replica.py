@@ -178,6 +178,13 @@ class RolloutReplica:
         self.ready = False
         self.released = False
         self._order = self._match_sources(source) if self.kind == GATHERED else list(self.params)
+        # The mesh a gather runs over, and the device its collectives take tensors on (None: no DTensor).
+        dtensor = _dtensor_class()
+        shard = next(
+            (p for p in source.parameters() if dtensor is not None and isinstance(p, dtensor)), None
+        ) if self.kind == GATHERED else None  # fmt: skip
+        self.mesh = shard.device_mesh if shard is not None else None
+        self.mesh_device = shard.to_local().device if shard is not None else None
 
     @property
     def nbytes(self) -> int:
@@ -386,7 +393,34 @@ class RolloutReplicas:
         """Refresh every replica: from ``weights[role]`` where given (validated for every role before
         anything is copied), else by a gather from the FSDP2 model (deferred to ``restore()`` while the
         replica is released). Raises ``ValueError`` for weights of a role without a replica and for a
-        meta-device model's replica left without weights."""
+        meta-device model's replica left without weights. With a replica to gather, the ranks of its mesh
+        agree first (one small all-reduce): a check failing on one rank fails ``update`` on every rank of
+        the mesh, before any gather, rather than leaving the others waiting in it."""
+        try:
+            staged = self._validate(weights)
+            error = None
+        except Exception as e:  # every rank learns of it before any gather: see _agree
+            staged, error = {}, e
+        failed_rank = self._agree(failed=error is not None)
+        if error is not None:
+            raise error
+        if failed_rank is not None:
+            raise ValueError(
+                f"update_policy: the weights given on rank {failed_rank} failed validation there (its error "
+                "names the parameter); nothing was copied on this rank either and the policy version is "
+                "unchanged, so the ranks' replicas stay in step: call update_policy again on every rank"
+            )
+        for role, r in self.by_role.items():
+            if role in staged:
+                r.restore()
+                r.load(staged[role])
+            elif not r.released:
+                r.gather()
+            else:
+                r.ready = False  # released: restore() (resume()) gathers it
+
+    def _validate(self, weights: Mapping[str, object]) -> dict[str, dict[str, torch.Tensor]]:
+        """``update``'s checks, and each given role's weights validated (``RolloutReplica.validate``)."""
         for role, w in weights.items():
             if w is not None and role not in self.by_role:
                 raise ValueError(
@@ -400,15 +434,28 @@ class RolloutReplicas:
                     f"update_policy: the {role} was given on the meta device, so the engine cannot read its "
                     f"weights: pass them as update_policy({WEIGHTS_ARGUMENT[role]}=...)"
                 )
-        staged = {role: self.by_role[role].validate(w) for role, w in weights.items() if w is not None}
-        for role, r in self.by_role.items():
-            if role in staged:
-                r.restore()
-                r.load(staged[role])
-            elif not r.released:
-                r.gather()
-            else:
-                r.ready = False  # released: restore() (resume()) gathers it
+        return {role: self.by_role[role].validate(w) for role, w in weights.items() if w is not None}
+
+    def _agree(self, *, failed: bool) -> int | None:
+        """Whether any rank's checks failed, agreed over the mesh of every replica that ``update`` would
+        gather now (collective; nothing to agree on, and no collective, without one): the highest failing
+        rank, or None. Without it, a rank whose ``weights=`` failed validation would return while the others
+        entered the gather and waited for it."""
+        meshes = []
+        for r in self.by_role.values():
+            if r.kind == GATHERED and not r.released and r.mesh is not None and r.mesh.size() > 1:
+                if r.mesh not in [m for m, _ in meshes]:
+                    meshes.append((r.mesh, r.mesh_device))
+        if not meshes:
+            return None
+        dist = torch.distributed
+        flag = torch.tensor([dist.get_rank() + 1 if failed else 0], dtype=torch.int64, device=meshes[0][1])
+        for mesh, device in meshes:
+            flag = flag.to(device)
+            for dim in range(mesh.ndim):  # a max over each dimension's groups in turn is the mesh's max
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        rank = int(flag.item()) - 1
+        return None if rank < 0 else rank
 
     def release(self) -> None:
         """Free every replica's storage."""
