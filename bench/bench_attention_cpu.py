@@ -70,9 +70,9 @@ def build(shape: Shape, gen: torch.Generator) -> tuple:
 
 
 def median_us(fn, min_run_time: float) -> float:
-    return (
-        benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e6
-    )
+    # NOTE: Timer runs its statement on num_threads threads, 1 unless told: pass torch's (--threads).
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
 def measure(shape: Shape, min_run_time: float) -> dict:

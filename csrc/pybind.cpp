@@ -21,4 +21,10 @@ PYBIND11_MODULE(_C, m) {
       .def("num_free", &oppo::PageAllocator::num_free, release())
       .def("refcount", &oppo::PageAllocator::refcount, py::arg("id"), release())
       .def_property_readonly("num_pages", &oppo::PageAllocator::num_pages);
+  // Whether the CPU ops' at::parallel_for can use torch's intra-op threads (built with OpenMP).
+#ifdef _OPENMP
+  m.attr("intra_op_parallel") = true;
+#else
+  m.attr("intra_op_parallel") = false;
+#endif
 }

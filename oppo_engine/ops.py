@@ -27,6 +27,10 @@ KV_PER_SPLIT = _attn.KV_PER_SPLIT  # keys per split-KV split (a sequence's plan 
 
 ATTENTION_BACKENDS = ("triton", "flash_attn")
 
+# Whether the CPU attention and sampler ops run on torch's intra-op threads (the extension was built with
+# OpenMP); without it they run on the calling thread alone.
+CPU_OPS_PARALLEL: bool = _C.intra_op_parallel
+
 # Whether the extension was built with its CUDA cache kernels (nvcc at build time). Without them, CUDA
 # tensors take the Triton/torch fallbacks of kernels/cache_ops.py: the engine needs no nvcc.
 CUDA_CACHE_OPS = torch._C._dispatch_has_kernel_for_dispatch_key("oppo::reshape_and_cache", "CUDA")

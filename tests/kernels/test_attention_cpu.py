@@ -165,6 +165,12 @@ def test_output_is_the_same_on_one_and_two_threads():
     assert torch.equal(serial, parallel)
 
 
+def test_the_cpu_ops_are_built_to_run_on_torchs_intra_op_threads():
+    # at::parallel_for is inline: in an extension compiled without OpenMP it runs every item on the calling
+    # thread, and the thread tests here and in test_sample_cpu.py compare a serial run with itself.
+    assert ops.CPU_OPS_PARALLEL
+
+
 def test_ops_routes_cpu_tensors_to_the_cpp_op():
     case = make_case(MIXED, seed=11)
     with torch.profiler.profile() as prof:
