@@ -184,7 +184,9 @@ if gpu_ready build "${BUILD_CMD[@]}"; then
     # CMake fails a CUDA torch without nvcc; still, a build without the CUDA kernels is not this check.
     CHECK=$(timeout 20 "$PYTHON" -c "
 import torch, oppo_engine.ops as ops
-print('cuda cache ops registered' if ops.CUDA_CACHE_OPS else 'CPU ops only', int(ops.CUDA_CACHE_OPS))
+gomp = {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}
+print('cuda cache ops registered' if ops.CUDA_CACHE_OPS else 'CPU ops only',
+      f'(CPU ops parallel: {ops.CPU_OPS_PARALLEL}, OpenMP runtimes loaded: {len(gomp)})', int(ops.CUDA_CACHE_OPS))
 " 2>>"$LOG_DIR/build.log")
     [[ -n $CHECK ]] || CHECK="import of oppo_engine.ops failed 0"
     if [[ ${CHECK##* } == 1 ]]; then

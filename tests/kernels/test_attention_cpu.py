@@ -6,6 +6,8 @@ not read is NaN, and outputs start as NaN, so a stray read or an unwritten eleme
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from paged_cases import LAYER, NUM_LAYERS, Case, dense_causal_attention_f64, make_case
@@ -169,6 +171,13 @@ def test_the_cpu_ops_are_built_to_run_on_torchs_intra_op_threads():
     # at::parallel_for is inline: in an extension compiled without OpenMP it runs every item on the calling
     # thread, and the thread tests here and in test_sample_cpu.py compare a serial run with itself.
     assert ops.CPU_OPS_PARALLEL
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the loaded libraries from /proc")
+def test_the_extension_shares_torchs_openmp_runtime():
+    # Two OpenMP runtimes in one process keep two thread pools, each spinning on the cores the other needs.
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    assert len(loaded) == 1, loaded
 
 
 def test_ops_routes_cpu_tensors_to_the_cpp_op():
