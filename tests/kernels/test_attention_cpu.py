@@ -176,7 +176,8 @@ def test_the_cpu_ops_are_built_to_run_on_torchs_intra_op_threads():
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the loaded libraries from /proc")
 def test_the_extension_shares_torchs_openmp_runtime():
     # Two OpenMP runtimes in one process keep two thread pools, each spinning on the cores the other needs.
-    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line}
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    loaded = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(loaded) == 1, loaded
 
 
