@@ -1,16 +1,21 @@
 """Remote scorers vs colocated: 1 actor process + 1 scorer-service process, against the same work in one.
 
-    python -m bench.bench_remote                      # CPU: small presets, B=16, 3 rounds
+    python -m bench.bench_remote                      # CPU: small presets, B=16, 3 rounds of 2 blocks
     python -m bench.bench_remote --device cuda        # two processes sharing one GPU (bench/device_check.sh)
 
 This process is the actor rank; a spawned process runs ``ScorerService`` (reward + reference) on the group's
-other rank (a ``stateless_group`` on 127.0.0.1). Each round runs every arm once, in an order that rotates
-from round to round, so machine drift hits all alike: colocated ``sequential`` at 1 and 2 torch threads (the
-best one is the baseline), colocated ``intra`` and ``oppo``, then ``intra`` and ``oppo`` with
-``RemoteScorers``. Every arm is a fresh engine on an endless seeded prompt source with a long-tail of
-response lengths (EOS ignored), one warm-up step, then ``--steps`` measured ones. Reported: rollouts/s
-(median over rounds), exposed scoring per step, the scoring share of a sequential step, and the messages
-and bytes per step each way. The last lines are machine-readable ``key=value``.
+other rank (a ``stateless_group`` on 127.0.0.1). The arms: colocated ``sequential`` at 1 and 2 torch threads
+(the better of the two in each block is the baseline), colocated ``intra`` and ``oppo``, and ``intra`` and
+``oppo`` with ``RemoteScorers``. Each arm is one engine with one warm-up step, on a seeded prompt source with
+a long tail of response lengths (EOS ignored); the colocated engines live through the run. Each round has
+two blocks, one per remote arm (the service has one client at a time): the block's remote engine is built,
+then every arm of the block runs ``--steps`` measured steps in turns of ``--turn`` consecutive ones, the
+arms' order rotating, so that the machine's drift hits them alike. Ratios are taken within a block and their
+median over blocks is reported. Reported per arm: rollouts/s (median over blocks), exposed scoring per step,
+the CPU seconds per step of both processes together and the cores that keeps busy (CPU over wall: an arm
+near the machine's core count is bound by its arithmetic, and can only go faster by doing less of it), the
+scoring share of a sequential step, and the messages and bytes per step each way. The last lines are
+machine-readable ``key=value``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing as mp
+import os
 import random
 import socket
 import statistics
@@ -43,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=48, help="the long tail's cap")
     p.add_argument("--chunk-size", type=int, default=8)
     p.add_argument("--overcommit", type=int, default=4, help="Δ of oppo")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per arm and round")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per arm and block")
+    p.add_argument("--turn", type=int, default=3, help="consecutive steps of one arm before the next one's")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 on the CPU, bfloat16 on CUDA by default")
@@ -61,13 +68,13 @@ def _scorers(args) -> tuple[torch.nn.Module, torch.nn.Module]:
     return reward, reference
 
 
-def _prompts(args, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Enough prompts for every step of an arm, each with its own response length from a long tail (EOS
-    ignored); the same for every arm."""
+def _prompts(args, seed: int, steps: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Enough prompts for ``steps`` steps (and a spare), each with its own response length from a long tail
+    (EOS ignored); the same sequence of prompts for every arm."""
     rng = random.Random(seed)
     vocab = PRESETS[args.actor]["vocab_size"]
     prompts, sampling = [], []
-    for _ in range((args.steps + 2) * (args.batch_size + args.overcommit)):
+    for _ in range((steps + 1) * (args.batch_size + args.overcommit)):
         length = min(args.max_new_tokens, max(2, int(args.max_new_tokens * 0.25 * rng.paretovariate(1.5))))
         prompts.append([rng.randrange(2, vocab) for _ in range(args.prompt_len)])
         sampling.append(SamplingParams(max_new_tokens=length, ignore_eos=True, seed=seed))
@@ -88,36 +95,80 @@ def _config(args, mode: str) -> EngineConfig:
     return EngineConfig(**cfg)
 
 
-def _run_arm(args, arm: str, actor, scorers, group) -> dict:
-    """One arm: a fresh engine, a warm-up step, ``args.steps`` measured ones."""
-    from oppo_engine.dist import RemoteScorers
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used; NaN where ``/proc`` is absent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    mode = arm.removeprefix("remote-").split("@")[0]
-    torch.set_num_threads(int(arm.split("@")[1]) if "@" in arm else 1 if arm in REMOTE else 2)
-    if arm in REMOTE:
-        reward, extra = RemoteScorers(service_rank=SERVICE_RANK, group=group), {}
-    else:
-        reward, extra = scorers[0], {"reference": scorers[1]}
-    engine = RolloutEngine(actor=actor, reward=reward, config=_config(args, mode), eos_token_id=EOS_TOKEN_ID,
-                           **extra)  # fmt: skip
-    prompts, sampling = _prompts(args, seed=7)
-    engine.add_prompts(prompts, sampling=sampling)
-    engine.step()  # warm-up
-    lane = engine._loop.scorer_lane
-    sent0 = (getattr(lane, "messages_sent", 0), getattr(lane, "bytes_sent", 0))
-    wall = exposed = share = 0.0
-    rollouts = 0
-    for _ in range(args.steps):
+
+class _Arm:
+    """One arm's engine, stepped in turn with the other arms of a block; ``blocks`` holds what its measured
+    steps of each block added up to."""
+
+    def __init__(self, args, name: str, actor, reward, extra: dict, steps: int, service_pid: int) -> None:
+        self.name, self.service_pid = name, service_pid
+        self.threads = int(name.split("@")[1]) if "@" in name else 1 if name in REMOTE else 2
+        torch.set_num_threads(self.threads)
+        mode = name.removeprefix("remote-").split("@")[0]
+        self.engine = RolloutEngine(actor=actor, reward=reward, config=_config(args, mode),
+                                    eos_token_id=EOS_TOKEN_ID, **extra)  # fmt: skip
+        prompts, sampling = _prompts(args, seed=7, steps=steps + 1)
+        self.engine.add_prompts(prompts, sampling=sampling)
+        self.engine.step()  # warm-up
+        self.blocks: list[dict] = []
+
+    def begin(self) -> None:
+        """Start a block."""
+        lane = self.engine._loop.scorer_lane
+        self._sent0 = (getattr(lane, "messages_sent", 0), getattr(lane, "bytes_sent", 0))
+        self._acc = dict(wall=0.0, rollouts=0, exposed=0.0, share=0.0, cpu=0.0, steps=0)
+
+    def step(self) -> None:
+        """One measured step, on the arm's thread count; CPU time is this process's and the service's."""
+        torch.set_num_threads(self.threads)
+        acc = self._acc
+        cpu0 = time.process_time() + _cpu_s(self.service_pid)
         t0 = time.perf_counter()
-        result = engine.step()
-        wall += time.perf_counter() - t0
-        rollouts += len(result.rollouts)
-        exposed += result.metrics.exposed_scoring_s
-        share += (result.metrics.wall_s - result.metrics.generation_s) / result.metrics.wall_s
-    sent = (getattr(lane, "messages_sent", 0) - sent0[0], getattr(lane, "bytes_sent", 0) - sent0[1])
-    engine.close()
-    return dict(rps=rollouts / wall, exposed=exposed / args.steps, share=share / args.steps,
-                messages=sent[0] / args.steps, bytes=sent[1] / args.steps)  # fmt: skip
+        result = self.engine.step()
+        acc["wall"] += time.perf_counter() - t0
+        acc["cpu"] += time.process_time() + _cpu_s(self.service_pid) - cpu0
+        acc["rollouts"] += len(result.rollouts)
+        acc["exposed"] += result.metrics.exposed_scoring_s
+        acc["share"] += (result.metrics.wall_s - result.metrics.generation_s) / result.metrics.wall_s
+        acc["steps"] += 1
+
+    def end(self) -> dict:
+        """End the block; what it measured."""
+        acc, lane = self._acc, self.engine._loop.scorer_lane
+        n = acc["steps"]
+        messages = getattr(lane, "messages_sent", 0) - self._sent0[0]
+        sent = getattr(lane, "bytes_sent", 0) - self._sent0[1]
+        wall = acc["wall"]
+        self.blocks.append(dict(rps=acc["rollouts"] / wall, exposed=acc["exposed"] / n, cpu=acc["cpu"] / n,
+                                cores=acc["cpu"] / wall, share=acc["share"] / n, messages=messages / n,
+                                bytes=sent / n))  # fmt: skip
+        return self.blocks[-1]
+
+
+def _run_block(args, arms: list[_Arm]) -> dict[str, dict]:
+    """``args.steps`` measured steps of every arm, in turns of ``args.turn`` consecutive steps (an arm's
+    weights and KV stay warm in cache within its turn, as in a run of one engine), the order of the arms
+    rotating from one cycle of turns to the next: the machine's drift, seconds long here, hits every arm
+    of the block alike."""
+    for arm in arms:
+        arm.begin()
+    done = 0
+    for c in range(-(-args.steps // args.turn)):
+        n = min(args.turn, args.steps - done)
+        for arm in arms[c % len(arms) :] + arms[: c % len(arms)]:
+            for _ in range(n):
+                arm.step()
+        done += n
+    return {arm.name: arm.end() for arm in arms}
 
 
 def _service_main(args, init: str, serves: int, threads: int, out) -> None:
@@ -150,37 +201,64 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     actor, _ = build_models(args.actor, _dtype(args), args.device, seed=0)
     scorers = _scorers(args)
-    arms = [*COLOCATED, *REMOTE]
-    results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    from oppo_engine.dist import RemoteScorers
+
+    # The colocated arms live through the whole run; each block adds one remote arm (one client of the
+    # service at a time), built, warmed up and closed with its block.
+    extra, steps = {"reference": scorers[1]}, 2 * args.rounds * args.steps
+    colocated = [_Arm(args, name, actor, scorers[0], extra, steps, service.pid) for name in COLOCATED]
+    blocks: list[tuple[str, dict[str, dict]]] = []
     for r in range(args.rounds):
-        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
-            results[arm].append(_run_arm(args, arm, actor, scorers, group))
-            print(f"round {r} {arm:>14}: {results[arm][-1]['rps']:.2f} rollouts/s", flush=True)
+        for remote in REMOTE if r % 2 == 0 else REMOTE[::-1]:
+            reward = RemoteScorers(service_rank=SERVICE_RANK, group=group)
+            arm = _Arm(args, remote, actor, reward, {}, args.steps, service.pid)
+            block = _run_block(args, [*colocated, arm])
+            arm.engine.close()
+            blocks.append((remote, block))
+            rates = ", ".join(f"{name} {m['rps']:.2f}" for name, m in block.items())
+            print(f"round {r} block {remote}: {rates} rollouts/s", flush=True)
+    for arm in colocated:
+        arm.engine.close()
     service_stats = out.get(timeout=60)
     service.join(timeout=30)
+    arms = [*COLOCATED, *REMOTE]
+    median = statistics.median
+
+    def baseline(block: dict[str, dict]) -> dict:
+        return max((block[a] for a in ("sequential@1", "sequential@2")), key=lambda m: m["rps"])
+
     summary = {
-        arm: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for arm, runs in results.items()
+        arm: {k: median(b[arm][k] for _, b in blocks if arm in b) for k in blocks[0][1]["sequential@1"]}
+        for arm in arms
     }
-    best_seq = max(("sequential@1", "sequential@2"), key=lambda a: summary[a]["rps"])
-    base = summary[best_seq]
-    header = ("arm", "rollouts/s", "vs seq", "exposed s", "msgs/step", "bytes/step")
-    print("\n{:>14} {:>11} {:>7} {:>10} {:>10} {:>11}".format(*header))
+    vs_seq = {arm: median(b[arm]["rps"] / baseline(b)["rps"] for _, b in blocks if arm in b) for arm in arms}
+    seq_wins = [max(("sequential@1", "sequential@2"), key=lambda a: b[a]["rps"]) for _, b in blocks]
+    header = ("arm", "rollouts/s", "vs seq", "exposed s", "cpu s/step", "cores", "msgs/step", "bytes/step")
+    print("\n{:>14} {:>11} {:>7} {:>10} {:>10} {:>6} {:>10} {:>11}".format(*header))
     for arm in arms:
         s = summary[arm]
-        print(f"{arm:>14} {s['rps']:11.2f} {s['rps'] / base['rps']:7.2f} {s['exposed']:10.4f} "
-              f"{s['messages']:10.1f} {s['bytes']:11.0f}")  # fmt: skip
-    steps = args.rounds * (args.steps + 1)
-    back = [
-        sum(x[i] for x in service_stats[j :: len(REMOTE)]) / steps for j in range(len(REMOTE)) for i in (0, 1)
-    ]
-    print(f"\nbaseline: {best_seq}; scoring share of a sequential step: {base['share']:.2f}")
-    print(f"service -> client per step: remote-intra {back[0]:.1f} msgs {back[1]:.0f} B, "
-          f"remote-oppo {back[2]:.1f} msgs {back[3]:.0f} B")  # fmt: skip
+        print(f"{arm:>14} {s['rps']:11.2f} {vs_seq[arm]:7.2f} {s['exposed']:10.4f} "
+              f"{s['cpu']:10.3f} {s['cores']:6.2f} {s['messages']:10.1f} {s['bytes']:11.0f}")  # fmt: skip
+    served = list(zip(service_stats, [remote for remote, _ in blocks], strict=True))  # in serve() order
+    per_step = args.rounds * (args.steps + 1)
+    back = {r: [sum(st[i] for st, o in served if o == r) / per_step for i in (0, 1)] for r in REMOTE}
+    print(f"\nbaseline: the better sequential arm of each block ({', '.join(seq_wins)}); 'vs seq' and the "
+          "ratios below are medians over blocks of ratios within a block")  # fmt: skip
+    print(f"scoring share of a sequential step: {summary['sequential@2']['share']:.2f}")
+    print(f"service -> client per step: remote-intra {back['remote-intra'][0]:.1f} msgs "
+          f"{back['remote-intra'][1]:.0f} B, remote-oppo {back['remote-oppo'][0]:.1f} msgs "
+          f"{back['remote-oppo'][1]:.0f} B")  # fmt: skip
+    intra = [b for remote, b in blocks if remote == "remote-intra"]
+    oppo = [b for remote, b in blocks if remote == "remote-oppo"]
     ratios = {
-        "remote_intra_vs_sequential": summary["remote-intra"]["rps"] / base["rps"],
-        "remote_intra_exposed_vs_sequential": summary["remote-intra"]["exposed"] / max(base["exposed"], 1e-9),
-        "remote_oppo_vs_colocated_oppo": summary["remote-oppo"]["rps"] / summary["oppo"]["rps"],
-        "sequential_scoring_share": base["share"],
+        "remote_intra_vs_sequential": vs_seq["remote-intra"],
+        "remote_intra_exposed_vs_sequential": median(
+            b["remote-intra"]["exposed"] / max(baseline(b)["exposed"], 1e-9) for b in intra
+        ),
+        "remote_oppo_vs_colocated_oppo": median(b["remote-oppo"]["rps"] / b["oppo"]["rps"] for b in oppo),
+        "remote_oppo_cpu_vs_colocated_oppo": median(b["remote-oppo"]["cpu"] / b["oppo"]["cpu"] for b in oppo),
+        "remote_intra_cores": summary["remote-intra"]["cores"],
+        "sequential_scoring_share": summary["sequential@2"]["share"],
     }
     for k, v in ratios.items():
         print(f"{k}={v:.2f}")

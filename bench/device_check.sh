@@ -244,7 +244,7 @@ RESERVE_S=$SUMMARY_S
 # Remote scorers: an actor process and a ScorerService process sharing the one GPU (messages on gloo),
 # beside the same work colocated in one process.
 gpu_step remote "$LOG_DIR/remote.log" 'remote_intra_vs_sequential=' \
-  "$PYTHON" -m bench.bench_remote --device cuda --actor small --scorer small --rounds 1 --steps 2 \
+  "$PYTHON" -m bench.bench_remote --device cuda --actor small --scorer small --rounds 1 --steps 1 \
   --batch-size 8 --max-new-tokens 32
 
 # --- 9. summary and one archive ----------------------------------------------------------------------------
