@@ -14,7 +14,7 @@ arms' order rotating, so that the machine's drift hits them alike. Ratios are ta
 median over blocks is reported. Reported per arm: rollouts/s (median over blocks), exposed scoring per step,
 the CPU seconds per step of both processes together and the cores that keeps busy (CPU over wall: an arm
 near the machine's core count is bound by its arithmetic, and can only go faster by doing less of it), the
-scoring share of a sequential step, and the messages and bytes per step each way. The last lines are
+scoring share of a ``sequential@2`` step, and the messages and bytes per step each way. The last lines are
 machine-readable ``key=value``.
 """
 
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     back = {r: [sum(st[i] for st, o in served if o == r) / per_step for i in (0, 1)] for r in REMOTE}
     print(f"\nbaseline: the better sequential arm of each block ({', '.join(seq_wins)}); 'vs seq' and the "
           "ratios below are medians over blocks of ratios within a block")  # fmt: skip
-    print(f"scoring share of a sequential step: {summary['sequential@2']['share']:.2f}")
+    print(f"scoring share of a sequential@2 step: {summary['sequential@2']['share']:.2f}")
     print(f"service -> client per step: remote-intra {back['remote-intra'][0]:.1f} msgs "
           f"{back['remote-intra'][1]:.0f} B, remote-oppo {back['remote-oppo'][0]:.1f} msgs "
           f"{back['remote-oppo'][1]:.0f} B")  # fmt: skip
