@@ -106,8 +106,7 @@ def _cpu_s(pid: int) -> float:
 
 
 class _Arm:
-    """One arm's engine, stepped in turn with the other arms of a block; ``blocks`` holds what its measured
-    steps of each block added up to."""
+    """One arm's engine, stepped in turn with the other arms of a block."""
 
     def __init__(self, args, name: str, actor, reward, extra: dict, steps: int, service_pid: int) -> None:
         self.name, self.service_pid = name, service_pid
@@ -119,7 +118,6 @@ class _Arm:
         prompts, sampling = _prompts(args, seed=7, steps=steps + 1)
         self.engine.add_prompts(prompts, sampling=sampling)
         self.engine.step()  # warm-up
-        self.blocks: list[dict] = []
 
     def begin(self) -> None:
         """Start a block."""
@@ -148,10 +146,9 @@ class _Arm:
         messages = getattr(lane, "messages_sent", 0) - self._sent0[0]
         sent = getattr(lane, "bytes_sent", 0) - self._sent0[1]
         wall = acc["wall"]
-        self.blocks.append(dict(rps=acc["rollouts"] / wall, exposed=acc["exposed"] / n, cpu=acc["cpu"] / n,
-                                cores=acc["cpu"] / wall, share=acc["share"] / n, messages=messages / n,
-                                bytes=sent / n))  # fmt: skip
-        return self.blocks[-1]
+        return dict(rps=acc["rollouts"] / wall, exposed=acc["exposed"] / n, cpu=acc["cpu"] / n,
+                    cores=acc["cpu"] / wall, share=acc["share"] / n, messages=messages / n,
+                    bytes=sent / n)  # fmt: skip
 
 
 def _run_block(args, arms: list[_Arm]) -> dict[str, dict]:
@@ -224,15 +221,18 @@ def main(argv: list[str] | None = None) -> dict:
     arms = [*COLOCATED, *REMOTE]
     median = statistics.median
 
+    def best_seq(block: dict[str, dict]) -> str:
+        return max(("sequential@1", "sequential@2"), key=lambda a: block[a]["rps"])
+
     def baseline(block: dict[str, dict]) -> dict:
-        return max((block[a] for a in ("sequential@1", "sequential@2")), key=lambda m: m["rps"])
+        return block[best_seq(block)]
 
     summary = {
         arm: {k: median(b[arm][k] for _, b in blocks if arm in b) for k in blocks[0][1]["sequential@1"]}
         for arm in arms
     }
     vs_seq = {arm: median(b[arm]["rps"] / baseline(b)["rps"] for _, b in blocks if arm in b) for arm in arms}
-    seq_wins = [max(("sequential@1", "sequential@2"), key=lambda a: b[a]["rps"]) for _, b in blocks]
+    seq_wins = [best_seq(b) for _, b in blocks]
     header = ("arm", "rollouts/s", "vs seq", "exposed s", "cpu s/step", "cores", "msgs/step", "bytes/step")
     print("\n{:>14} {:>11} {:>7} {:>10} {:>10} {:>6} {:>10} {:>11}".format(*header))
     for arm in arms:
