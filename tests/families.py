@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers
+from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 VOCAB = 128
@@ -29,13 +30,21 @@ class Family:
 
     ``features`` names what the family adds to a plain causal decoder (the tests use them to decide which
     "this feature matters" check applies): ``window``, ``softcap``, ``final_softcap``, ``logit_scale``,
-    ``partial_rotary``, ``moe``, ``multipliers``.
+    ``partial_rotary``, ``moe``, ``multipliers``. ``routed_since``: the transformers release that moved the
+    family's attention onto ``AttentionInterface`` (``None``: every supported release routes it); on an older
+    release the engine refuses the family when it is built.
     """
 
     name: str
     config: str  # transformers config class name
     kwargs: dict = field(default_factory=dict)
     features: frozenset[str] = frozenset()
+    routed_since: str | None = None
+
+    @property
+    def routed(self) -> bool:
+        """Whether the installed transformers dispatches this family's attention through the interface."""
+        return self.routed_since is None or Version(transformers.__version__) >= Version(self.routed_since)
 
     def make_config(self, **overrides) -> transformers.PretrainedConfig:
         args = dict(
@@ -131,17 +140,20 @@ FAMILIES: dict[str, Family] = {
             frozenset({"partial_rotary"}),
         ),
         # Older families HF has moved onto AttentionInterface: the engine accepts them, so they are checked.
+        # GPT-J and CodeGen moved in transformers 5.24 (5.17, the H200's, still has their own attention).
         Family(
             "gptj",
             "GPTJConfig",
             dict(n_embd=48, n_head=4, n_positions=256, rotary_dim=4),
             frozenset({"partial_rotary"}),
+            routed_since="5.24",
         ),
         Family(
             "codegen",
             "CodeGenConfig",
             dict(n_embd=48, n_head=4, n_positions=256, rotary_dim=4),
             frozenset({"partial_rotary"}),
+            routed_since="5.24",
         ),
         Family(
             "opt",
@@ -176,6 +188,10 @@ FAMILIES: dict[str, Family] = {
         ),
     ]
 }
+
+# The families the installed transformers lets the engine run (the exactness matrix), and the rest.
+ROUTED = [n for n, f in FAMILIES.items() if f.routed]
+NOT_YET_ROUTED = [n for n, f in FAMILIES.items() if not f.routed]
 
 # transformers has no sequence-classification class for these: their engines get a Llama reward model.
 NO_REWARD_CLASS = frozenset({"granite", "cohere", "codegen"})

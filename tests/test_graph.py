@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from families import EOS, FAMILIES, build_actor, prompts
+from families import EOS, ROUTED, build_actor, prompts
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
@@ -126,7 +126,7 @@ def drain_beside_eager(engine: RolloutEngine, actor, batch) -> list:
 
 @pytest.mark.parametrize(
     "name",
-    [n if n in CI_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES],
+    [n if n in CI_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in ROUTED],
 )
 def test_captured_decode_equals_eager(name):
     """One mixed batch of prompts ending mid-page and on a page boundary, sampled (every token depends on
