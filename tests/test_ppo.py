@@ -119,10 +119,12 @@ def test_stale_tokens_old_logprobs(task_dir, off_policy):
 
 
 def test_reward_rises_on_the_embedded_task(task_dir):
-    """12 steps of B=16 from the warmed-up actor: the mean reward of the last 4 steps beats the first 4 by
-    at least 0.5 (the reward model separates polite from other answers by about 3)."""
+    """20 steps of B=16 from the warmed-up actor: the mean reward of the last 4 steps beats the first 4 by
+    at least 0.5 (the reward model separates polite from other answers by about 3). Measured over
+    ``PPOConfig.seed`` 0-4: a rise of 1.03-1.79 after 20 steps. After 12 it was 0.05-1.06, and which side of
+    0.5 the default seed fell on changed with the machine (the trajectory follows every rounding)."""
     trainer = _trainer(task_dir, batch_size=16, minibatch_size=8, max_new_tokens=48)
-    rewards = [s.reward for s in trainer.train(12)]
+    rewards = [s.reward for s in trainer.train(20)]
     trainer.close()
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.5, rewards
