@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-fast bench lint cuda-compile clean sim
+.PHONY: demo test bench lint cuda-compile clean sim h200-stack
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -49,5 +49,24 @@ cuda-compile:
 		nvcc -arch=sm_90 -std=c++17 -Icsrc -c $$f -o /dev/null || exit 1; \
 	done
 
+# The H200's software stack rehearsed on this CPU machine (README, "Runs on"): Python 3.12, torch 2.11+cu130
+# from PyPI (about 3 GB with its CUDA libraries), triton 3.6, transformers 5.17, numpy 2.5. Builds the
+# extension as bench/device_check.sh does there (nvcc, sm_90, the CUDA cache ops linked against that torch),
+# checks that they register, compiles every Triton kernel variant for sm_90 and runs the CPU tests. Not
+# in CI. The interpreted kernel tests are left out: Triton 3.6's interpreter fails under numpy >= 2.4
+# (run them with numpy < 2.4; on the H200 they run compiled).
+H200_VENV := .venv-h200
+H200_PYTHON ?= python3.12
+H200_PY := $(H200_VENV)/bin/python
+H200_PACKAGES := torch==2.11.0 transformers==5.17.0 numpy==2.5.2 scikit-build-core cmake ninja pytest \
+	pytest-timeout hypothesis pytest-benchmark nvidia-ml-py peft tokenizers greenlet matplotlib
+h200-stack:
+	test -x $(H200_PY) || $(H200_PYTHON) -m venv $(H200_VENV)
+	$(H200_PY) -m pip install -q $(H200_PACKAGES)
+	$(H200_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(H200_PY) -c "import oppo_engine.ops as ops; assert ops.CUDA_CACHE_OPS, 'CUDA cache ops missing'; print('CUDA cache ops registered')"
+	$(H200_PY) -m tests.kernels.sm90_compile
+	$(H200_PY) -m pytest -q -m "not slow" tests --ignore=tests/kernels --ignore=tests/test_triton_engine.py
+
 clean:
-	rm -rf build $(VENV) *.egg-info
+	rm -rf build $(VENV) $(H200_VENV) *.egg-info
