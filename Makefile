@@ -56,7 +56,8 @@ cuda-compile:
 # in CI. The interpreted kernel tests are left out: Triton 3.6's interpreter fails under numpy >= 2.4
 # (run them with numpy < 2.4; on the H200 they run compiled).
 H200_VENV := .venv-h200
-H200_PYTHON ?= python3.12
+# A pyenv 3.12 where one is installed (its python3.12 shim refuses while another version is the global one).
+H200_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 H200_PY := $(H200_VENV)/bin/python
 H200_PACKAGES := torch==2.11.0 transformers==5.17.0 numpy==2.5.2 scikit-build-core cmake ninja pytest \
 	pytest-timeout hypothesis pytest-benchmark nvidia-ml-py peft tokenizers greenlet matplotlib
