@@ -189,9 +189,8 @@ FAMILIES: dict[str, Family] = {
     ]
 }
 
-# The families the installed transformers lets the engine run (the exactness matrix), and the rest.
+# The families the installed transformers lets the engine run (the exactness matrix).
 ROUTED = [n for n, f in FAMILIES.items() if f.routed]
-NOT_YET_ROUTED = [n for n, f in FAMILIES.items() if not f.routed]
 
 # transformers has no sequence-classification class for these: their engines get a Llama reward model.
 NO_REWARD_CLASS = frozenset({"granite", "cohere", "codegen"})

@@ -6,7 +6,8 @@ rejects, a tile over the shared memory). This compiles them, ahead of time, thro
 Python wrappers (``kernels/paged_attention.py``, ``sample.py``, ``cache_ops.py``) called on CPU tensors of
 the shapes the engine's models give: a stand-in driver reports an sm_90 device, every launch is turned
 into Triton's ``warmup`` (specialise, compile, never launch), and each variant's cubin is checked against
-the H200's per-block shared memory. ``ptxas -v`` (the one Triton ships) gives its registers and spills.
+the H200's per-block shared memory and, with the registers ``ptxas -v`` reports (the ptxas Triton uses),
+against the register file; spills are reported.
 
 The one setting changed from what a CPU call passes: ``DOT_FP32`` (the interpreter's bf16 ``tl.dot``
 workaround) is off, as on CUDA. Variants are specialised on alignment and on ints equal to 1 as Triton's
@@ -34,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90 (227 KB, opted in)
+REGISTER_FILE = 65536  # 32-bit registers one block may use on sm_90: registers per thread x threads
 
 # (name, q heads, kv heads, head dim): the attention shapes of the presets and of the families the engine
 # runs (Qwen2-0.5B, Llama-3-8B, Qwen2-7B, a head_dim-80 GQA Llama, Gemma2's 256).
@@ -205,6 +207,12 @@ def compile_all(full: bool = False) -> list[Variant]:
     return variants
 
 
+def fits(v: Variant) -> bool:
+    """Whether a block of ``v`` can launch on sm_90: its shared memory and its registers."""
+    threads = 32 * v.options.get("num_warps", 4)
+    return v.shared <= SHARED_LIMIT and (v.registers or 0) * threads <= REGISTER_FILE
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="every shape x flag x batch kind x dtype")
@@ -214,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     variants = compile_all(args.full)
-    bad = [v for v in variants if v.error or v.shared > SHARED_LIMIT]
+    bad = [v for v in variants if v.error or not fits(v)]
     for v in variants:
         flags = " ".join(f"{k}={v.constexprs[k]}" for k in sorted(v.constexprs))
         usage = f"shared {v.shared:>6} B  regs {v.registers}  spill {v.spill_bytes} B  {v.seconds:4.1f} s"

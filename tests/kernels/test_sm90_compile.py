@@ -46,6 +46,7 @@ def test_every_kernel_variant_compiles_for_sm90_within_its_shared_memory(tmp_pat
     assert {v["constexprs"]["HEAD_DIM"] for v in attention} == {64, 80, 128, 256}
     assert {v["call"].split()[2] for v in attention} == {"bf16", "fp16", "fp32"}
     assert all(v["registers"] and v["spill_bytes"] is not None for v in variants)  # ptxas -v was read
+    assert all(v["registers"] * 32 * v["options"]["num_warps"] <= 65536 for v in variants)
 
 
 def test_the_checker_reports_a_kernel_that_does_not_compile_and_one_over_shared_memory(tmp_path):
