@@ -89,11 +89,11 @@ def _install_sm90_driver():
     def compile_only(self, *args, grid, warmup, **kwargs):
         if "DOT_FP32" in kwargs:
             kwargs["DOT_FP32"] = False  # the interpreter's workaround; CUDA launches pass False
+        constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
         t0 = time.perf_counter()
         try:
             kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # noqa: BLE001 -- a compile error is this check's finding
-            constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
             error = f"{type(e).__name__}: {str(e)[:300]}"
             variants.append(Variant(self.fn.__name__, CALL[0], constexprs, {}, 0.0, 0, error=error))
             return None
@@ -101,7 +101,6 @@ def _install_sm90_driver():
             return None
         seen.add(id(kernel))
         meta = kernel.metadata
-        constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
         options = {"num_warps": meta.num_warps, "num_stages": meta.num_stages}
         v = Variant(self.fn.__name__, CALL[0], constexprs, options, time.perf_counter() - t0, meta.shared)
         v.registers, v.spill_bytes = _ptxas_usage(kernel.asm["ptx"])
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     spilling = sum(1 for v in variants if v.spill_bytes)
     print(
         f"sm90_compile: triton {triton.__version__}, {len(variants)} variants, {len(bad)} failed, "
-        f"{spilling} spill registers, max shared {max((v.shared for v in variants), default=0)} B "
+        f"{spilling} with register spills, max shared {max((v.shared for v in variants), default=0)} B "
         f"(limit {SHARED_LIMIT}), {time.perf_counter() - t0:.0f} s"
     )
     if args.json:
