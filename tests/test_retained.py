@@ -279,6 +279,57 @@ def test_release_and_resume_bring_every_retained_page_back_byte_for_byte_and_cha
     assert_all_pages_free(engine)
 
 
+@pytest.mark.parametrize("fails", ["alloc", "copy"])
+def test_a_release_whose_copy_to_host_fails_loses_nothing_and_the_run_goes_on_exactly(monkeypatch, fails):
+    # The host buffer's allocation (pinned on CUDA: it can fail for a large retained set) or the copy raises:
+    # every manager keeps its sequences and pages, the arena stays, and the next release succeeds.
+    import oppo_engine.cache.swap as swap
+
+    prompts = random_prompts(10, seed=63, max_len=13)
+    sampling = lengths_sampling([random.Random(i).choice([2, 4, 20]) for i in range(10)])
+    twin = _with(make_engine(_models_once()), prompts, sampling)
+    engine = _with(make_engine(_models_once()), prompts, sampling)
+    real_empty, real_copy = torch.empty, swap.ops.copy_pages
+    failed = 0
+    got, want = [], []
+    while True:
+        result = engine.step()
+        got.append(result.rollouts)
+        want.append(twin.step().rollouts)
+        if not result.rollouts:
+            break
+        carried = [s.seq_id for s in engine._buffer.carried]
+        before = kv_bytes(engine, carried)
+        if not before:  # no carried sequence holds a page (yet): nothing would be copied
+            continue
+
+        def boom(*args, **kwargs):
+            raise Boom(f"injected into the swap-out's {fails}")
+
+        if fails == "alloc":
+            monkeypatch.setattr(swap.torch, "empty", boom)
+        else:
+            monkeypatch.setattr(swap.ops, "copy_pages", boom)
+        with pytest.raises(Boom):
+            engine.release_memory()
+        monkeypatch.setattr(swap.torch, "empty", real_empty)
+        monkeypatch.setattr(swap.ops, "copy_pages", real_copy)
+        failed += 1
+        assert not engine._arena.released
+        after = kv_bytes(engine, carried)
+        assert before.keys() == after.keys()
+        for key, (pages, n, data) in before.items():
+            assert after[key][:2] == (pages, n) and torch.equal(after[key][2], data)
+        assert_arena_invariant(engine)
+        if failed % 2:  # every other time, release again (it succeeds) before the next step
+            engine.release_memory()
+            engine.resume()
+            assert_arena_invariant(engine)
+    assert failed >= 1
+    assert_same_rollouts(by_prompt(got, prompts), by_prompt(want, prompts))
+    assert_all_pages_free(engine)
+
+
 def _tokens_per_model(kv: dict) -> dict:
     out: dict[str, int] = {}
     for (name, _), (_, n, _) in kv.items():

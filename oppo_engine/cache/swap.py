@@ -46,10 +46,15 @@ def swap_out(arena: KVArena, caches: dict[str, KVCacheManager]) -> HostPages:
     """Copy every page the managers hold to host memory and detach it from them (one ``copy_pages``).
 
     NOTE: the managers forget their sequences and the arena's pages are not freed one by one: the caller
-    releases the whole arena next.
+    releases the whole arena next. They forget them only once the copy is done: a failed host allocation
+    or copy raises with every manager as it was (nothing detached, nothing leaked), and the engine stays
+    usable with its arena in place.
     """
     arena.synchronize()
-    held = {name: cache.detach_all() for name, cache in caches.items()}
+    held = {
+        name: {s: (cache.pages(s), cache.num_tokens(s)) for s in cache.seq_ids}
+        for name, cache in caches.items()
+    }
     src: list[int] = []
     entries: dict[str, dict[Hashable, tuple[list[int], int]]] = {}
     for name, per_seq in held.items():
@@ -67,6 +72,8 @@ def swap_out(arena: KVArena, caches: dict[str, KVCacheManager]) -> HostPages:
         ops.copy_pages(arena.page_view(), buffer, torch.tensor(src), torch.arange(len(src)))
         if pin:
             torch.cuda.synchronize(arena.device)
+    for cache in caches.values():
+        cache.detach_all()
     return HostPages(buffer, entries)
 
 
