@@ -21,6 +21,7 @@ torch):
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -47,7 +48,21 @@ def _mix32(x):
     return x
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # one variant for every batch size (build-time warm-up)
+def _jit(**options):
+    """``triton.jit`` with the options this Triton knows (``do_not_specialize_on_alignment`` is recent)."""
+    known = inspect.signature(triton.jit).parameters
+    return triton.jit(**{k: v for k, v in options.items() if k in known})
+
+
+# NOTE: one variant for every batch (the build-time warm-up compiles it): the row count is not specialised
+# on, nor the per-row parameters' 16-byte alignment -- they are views of the forward's packed int64
+# metadata (SampleBatch.packed) at offsets that follow the batch's sizes. Their loads are one per row.
+@_jit(
+    do_not_specialize=["num_rows"],
+    do_not_specialize_on_alignment=[
+        "temperature_ptr", "inv_temperature_ptr", "seeds_ptr", "positions_ptr", "tokens_ptr", "logprobs_ptr"
+    ],
+)  # fmt: skip
 def _sample_kernel(
     logits_ptr,  # [N, V]
     temperature_ptr,  # [N] fp32

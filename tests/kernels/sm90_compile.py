@@ -195,6 +195,18 @@ def compile_all(full: bool = False) -> list[Variant]:
             logits = torch.randn(3, vocab).to(dtype)
             zeros = torch.zeros(3, dtype=torch.int64)
             sample.sample(logits, torch.ones(3), zeros, zeros)
+        # The engine's sampled rows: their parameters are views of one packed int64 buffer
+        # (SampleBatch.packed, in the forward's metadata copy) at offsets that follow the batch's sizes, so
+        # their alignment changes from forward to forward. The variant compiled above must serve them all:
+        # a "sample-rows" variant would be compiled in the middle of a step on the GPU.
+        from oppo_engine.model.sampler import unpack
+
+        for offset, n in itertools.product(range(4), (1, 2, 3, 5)):
+            CALL[0] = f"sample-rows offset={offset} n={n}"
+            packed = torch.zeros(offset + 5 * n, dtype=torch.int64)[offset:]
+            _, seeds, positions, _, temperature, _ = unpack(packed, n)
+            temperature.fill_(1.0)
+            sample.sample(torch.randn(n, VOCABS[-1]), temperature, seeds, positions)
         for (shape, (_, hkv, d)), dtype in itertools.product(SHAPES.items(), (torch.bfloat16, torch.float32)):
             CALL[0] = f"reshape_and_cache {shape} {dtype}"
             kv_cache = torch.zeros(4, 2, 2, 16, hkv, d, dtype=dtype)

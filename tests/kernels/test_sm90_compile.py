@@ -38,6 +38,9 @@ def test_every_kernel_variant_compiles_for_sm90_within_its_shared_memory(tmp_pat
         "_sample_kernel",
         "_reshape_and_cache_kernel",
     }
+    # The sampler's per-row parameters at every alignment the engine's packed metadata gives them: no
+    # variant beyond the one compiled for plain tensors.
+    assert [v["call"] for v in variants if v["call"].startswith("sample-rows")] == []
     attention = [v for v in variants if v["kernel"] == "_paged_attention_kernel"]
     # Every switch of the attention kernel compiled both ways, and never the interpreter's bf16 workaround.
     for flag in ("DECODE", "SPLIT_KV", "HAS_WINDOW", "SOFTCAP"):
