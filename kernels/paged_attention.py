@@ -139,14 +139,6 @@ def _paged_attention_kernel(
     q_row = (q_start + tok).to(tl.int64)
     row_mask = row_valid[:, None] & d_mask[None, :]
 
-    q = tl.load(
-        q_ptr + q_row[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
-        mask=row_mask,
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
     # Causal bound of the block's last token: no row of this block needs keys at or past it.
     kv_end = ctx_len - q_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     if SPLIT_KV:
@@ -161,6 +153,23 @@ def _paged_attention_kernel(
         # boundary below so tiles stay aligned with pages.
         kv_lo = tl.maximum(kv_lo, ctx_len - q_len + q_block * BLOCK_Q - window + 1)
     kv_first = (kv_lo // BLOCK_N) * BLOCK_N
+    if SPLIT_KV:
+        # A split past the block's causal end (or before its window): its log-sum-exp says "no key" and
+        # the reduce reads nothing else of it, so its output rows are never written (a split count follows
+        # max_model_len in a captured bucket: most splits of a short context are empty).
+        if kv_lo >= kv_hi:
+            lse_empty = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            lse_at = lse_ptr + split.to(tl.int64) * stride_lse_split + q_row * stride_lse_tok + head
+            tl.store(lse_at, lse_empty, mask=row_valid)
+            return
+
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -230,24 +239,31 @@ def _split_kv_reduce_kernel(
     BLOCK_D: tl.constexpr,
 ):
     # NOTE: splits are combined one by one in split order, so a token's sum has the same operations in
-    # the same order whatever the launch's split count: a split that saw no key adds exactly 0 * 0.
+    # the same order whatever the launch's split count: a split that saw no key (log-sum-exp -inf) adds
+    # exactly 0 * 0, its output rows not read (an empty split does not write them).
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    # NOTE: int64 split strides: (num_splits - 1) * T * Hq * D passes 2**31 at 32k+ contexts over thousands
+    # of tokens (the split loop variable is int32).
+    split_l = stride_l_split.to(tl.int64)
+    split_p = stride_p_split.to(tl.int64)
     lse_row = lse_ptr + tok * stride_l_tok + head
     part_row = part_ptr + tok * stride_p_tok + head * stride_p_head + offs_d
     # Loop-carried values start as tensors (split 0 always exists: the reduce runs for >= 2 splits).
     lse_first = tl.load(lse_row)
     lse_max = lse_first
     for s in range(1, num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(lse_row + s * stride_l_split))
+        lse_max = tl.maximum(lse_max, tl.load(lse_row + s * split_l))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = tl.exp2(lse_first - lse_max)
-    acc = total * tl.load(part_row, mask=d_mask, other=0.0)
+    no_d = tl.zeros([BLOCK_D], dtype=tl.float32)  # a split's lse over the row's lanes (a vector mask)
+    acc = total * tl.load(part_row, mask=d_mask & (lse_first + no_d > float("-inf")), other=0.0)
     for s in range(1, num_splits):
-        w = tl.exp2(tl.load(lse_row + s * stride_l_split) - lse_max)
-        acc += w * tl.load(part_row + s * stride_p_split, mask=d_mask, other=0.0)
+        lse_s = tl.load(lse_row + s * split_l)
+        w = tl.exp2(lse_s - lse_max)
+        acc += w * tl.load(part_row + s * split_p, mask=d_mask & (lse_s + no_d > float("-inf")), other=0.0)
         total += w
     total = tl.where(total > 0.0, total, 1.0)
     tl.store(

@@ -260,6 +260,37 @@ def test_plans_sharing_one_scratch_give_their_own_outputs_bit_for_bit():
         plan(cases[1], scratch=(scratch[0], scratch[1].double()))
 
 
+def test_an_empty_split_writes_only_its_log_sum_exp():
+    """A split past a sequence's context (or before its window) writes no output row: the reduce reads its
+    -inf log-sum-exp alone. A captured bucket's split count follows max_model_len, so at short contexts
+    nearly every split is empty, and writing [BLOCK_M, D] zeros for each was most of the traffic."""
+    from oppo_engine.kernels.paged_attention import scratch_numel
+
+    lens = (200, 9, 130)
+    case = make_case([(1, c) for c in lens], seed=43)
+
+    def plan(**kw):
+        return plan_attention(
+            case.kv_cache, case.block_tables, case.context_lens, case.cu_seqlens_q, case.q.shape[1],
+            max_q_len=1, max_context_len=1024, kv_per_split=64, **kw,
+        )  # fmt: skip
+
+    sizes = scratch_numel(plan(), len(lens))
+    scratch = tuple(torch.full((n,), float("nan")) for n in sizes)
+    p = plan(scratch=scratch)
+    out = paged_attention(*case.args(), plan=p)
+    torch.testing.assert_close(out, paged_attention(*case.args(), kv_per_split=64), atol=0, rtol=0)
+    splits = p.launch.num_splits
+    assert splits == 16
+    partial = scratch[0][: sizes[0]].view(splits, len(lens), case.q.shape[1], case.q.shape[2])
+    lse = scratch[1][: sizes[1]].view(splits, len(lens), case.q.shape[1])
+    for n, ctx in enumerate(lens):
+        used = -(-ctx // 64)
+        assert not partial[:used, n].isnan().any()
+        assert partial[used:, n].isnan().all(), f"sequence {n}: an empty split wrote its output rows"
+        assert (lse[used:, n] == float("-inf")).all()
+
+
 def test_plan_for_other_tensors_is_refused():
     case = make_case([(1, 50), (8, 20)], seed=27)
     plan = plan_attention(
@@ -327,6 +358,27 @@ def test_7b_shapes_match_reference_on_gpu(batch: int, q_len: int, ctx: int):
         [(q_len, ctx)] * batch, num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, seed=12
     )
     assert_kernel_matches_reference(case)
+
+
+@pytest.mark.cuda
+def test_split_offsets_past_two_to_the_31_elements_stay_exact_on_gpu():
+    """The split-KV scratch holds (num_splits - 1) * T * Hq * D >= 2**31 elements here (8.9 GB): the reduce's
+    split offsets must be int64. 8448 decodes of one shared 4096-token context (every block table points at
+    the same pages) in 64 splits; the last rows, whose split offsets pass 2**31, equal the same rows alone."""
+    hq, hkv, d, ctx, n = 32, 8, 128, 4096, 8448
+    small = make_case([(1, ctx)], num_q_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, seed=3)
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    q = torch.randn(n, hq, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    tables = small.block_tables.expand(n, -1).contiguous()
+    lens = small.context_lens.expand(n).contiguous()
+    cu = torch.arange(n + 1, dtype=torch.int32, device=DEVICE)
+    args = (small.kv_cache, LAYER, tables, lens, cu, small.scale)
+    big = paged_attention(q, *args, kv_per_split=64, max_q_len=1)
+    assert (63 * n * hq * d) >= 2**31
+    tail = slice(n - 4, n)
+    alone = paged_attention(q[tail].clone(), small.kv_cache, LAYER, tables[tail].clone(), lens[tail].clone(),
+                            cu[:5].clone(), small.scale, kv_per_split=64, max_q_len=1)  # fmt: skip
+    assert torch.equal(big[tail], alone)
 
 
 def _alone(case: Case, n: int) -> Case:
