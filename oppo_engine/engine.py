@@ -866,11 +866,21 @@ class RolloutEngine:
         return self._timeline
 
     def close(self) -> None:
-        """Free the arena and refuse further use. Idempotent."""
-        if not self._closed:
+        """Free the arena now (its device memory, and the captured graphs' memory, go back before this
+        returns, whatever still refers to the engine) and refuse further use. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        arena = self._arena
+        try:
+            if self._captured is not None:
+                self._captured.close()
+                self._captured = None
             self._drop_cache()
             self._replicas.release()
-            self._closed = True
+            if arena is not None and not arena.released:
+                arena.release()
+        finally:
             if isinstance(self.reward, RemoteScorers):
                 self.reward.close()
 

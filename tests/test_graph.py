@@ -215,6 +215,26 @@ def test_engines_of_one_process_share_the_compiled_graph():
             assert [m.graph_recompiles for m in metrics] == [0] * len(metrics)
 
 
+def test_close_frees_the_arena_at_once_with_graphs_on():
+    """``close()`` gives the arena back before it returns, with no garbage collection: with graphs on, the
+    captured decode's runner (and on CUDA its buckets' views) held it until a cycle collection."""
+    import gc
+    import weakref
+
+    engine = make_engine(actor_of("llama"), graph=True, batch_size=4)
+    engine.add_prompts(prompts(LENGTHS[:4]))
+    assert engine.step().metrics.graph_forwards > 0
+    arena = weakref.ref(engine._arena)
+    buffer = weakref.ref(engine._arena.buffer)
+    gc.disable()
+    try:
+        engine.close()
+        assert buffer() is None and (arena() is None or arena().released)
+    finally:
+        gc.enable()
+    engine.close()  # idempotent
+
+
 def test_replaced_parameter_is_read_not_baked():
     """A parameter replaced by a new tensor object (not updated in place) is what the next step reads."""
     _replace_the_head_between_steps(build_actor("llama"))  # its own copy: the weights change
@@ -330,6 +350,31 @@ def test_cuda_graphs_without_a_fixed_address_let_release_memory_free_the_arena(m
     metrics = drain_beside_eager(engine, actor, batch)
     assert metrics[0].graph_recompiles > 0
     engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_close_gives_the_arena_and_the_graphs_memory_back_at_once():
+    """A 2 GiB arena (VMM-mapped or not) and the buckets' memory go back to the device at ``close()``, with
+    no garbage collection; what stays is under 512 MiB (cuBLAS workspaces, small staging buffers)."""
+    import gc
+
+    actor = build_actor("llama").cuda()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info()
+    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0, kv_cache_bytes=2 << 30)
+    engine.add_prompts(prompts(LENGTHS[:4]))
+    assert engine.step().metrics.graph_forwards > 0
+    gc.disable()
+    try:
+        engine.close()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info()
+    finally:
+        gc.enable()
+    assert free_before - free_after < 512 << 20
 
 
 @pytest.mark.cuda

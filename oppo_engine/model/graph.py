@@ -189,6 +189,16 @@ class CapturedDecode:
         if self._cuda is not None and not fixed_address:
             self._cuda.drop()
 
+    def close(self) -> None:
+        """Drop the CUDA graphs (their pool, static buffers and arena views) and unhook from the runner, so
+        nothing of this engine's arena is held from here (the engine is closing)."""
+        if self._cuda is not None:
+            self._cuda.drop()
+            self._cuda = None
+        if self.runner.captured is self:
+            self.runner.captured = None
+        self._broken = "the engine is closed"
+
     def step_metrics(self) -> dict[str, object]:
         """``StepMetrics``' graph fields since ``start_step()``."""
         forwards, recompiles = self._step_start
