@@ -561,3 +561,38 @@ def test_cuda_graphs_recapture_after_a_weight_moves():
     assert metrics[0].graph_recompiles > 0
     print(f"re-capture after a weight moved: {metrics[0].graph_recompiles} buckets, "
           f"{captured_decode.compile_s - t0:.3f} s")  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_capture_that_fails_on_a_host_sync_runs_eager_and_leaves_the_allocator_usable():
+    """A decode forward that syncs with the host (here a hook calling ``.item()``; in the wild a rope
+    variant's ``if`` on a CUDA tensor, an eager MoE's ``nonzero()``) cannot be captured: the step runs eager,
+    exact, and says why; torch's allocator is left as it was, so ``empty_cache()`` (every
+    ``release_memory()``) and another engine's capture still work."""
+    actor = build_actor("llama").cuda()
+
+    def host_sync(module, args, out):
+        (out[0] if isinstance(out, tuple) else out).sum().item()  # returns None: the output stays
+
+    hook = actor.model.layers[0].register_forward_hook(host_sync)
+    batch = prompts(LENGTHS[:4])
+    engine = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
+    eager = make_engine(actor, graph=False, batch_size=4, temperature=0.0)
+    for e in (engine, eager):
+        e.add_prompts(batch)
+    captured, metrics = drain(engine)
+    assert_same_rollouts(drain(eager)[0], captured)
+    assert all(m.graph_forwards == 0 for m in metrics)
+    assert "cannot be captured" in metrics[0].graph_fallback
+    torch.cuda.empty_cache()
+    engine.release_memory()
+    engine.resume()
+    engine.close()
+    hook.remove()
+    other = make_engine(actor, graph=True, batch_size=4, temperature=0.0)
+    other.add_prompts(batch)
+    again, metrics = drain(other)
+    assert_same_rollouts(captured, again)
+    assert_ran_captured(metrics)
+    other.close()

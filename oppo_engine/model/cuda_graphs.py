@@ -10,6 +10,7 @@ sized on the device from its own ``context_lens``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -201,6 +202,10 @@ class CudaGraphs:
             stream = self._side
             stream.wait_stream(caller)
         graph = torch.cuda.CUDAGraph()
+        # An explicit pool id, known before the capture begins: a capture that fails at its end (an op synced
+        # with the host) leaves torch's allocator routed to the pool, and only the id lets us undo it.
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        began = False
         try:
             # NOTE: the outer stream context restores the caller's stream even when a failed capture leaves
             # torch.cuda.graph's own (its __exit__ ends the capture before it restores the stream).
@@ -212,20 +217,41 @@ class CudaGraphs:
                 # and syncs are not this capture's); under "global" each of them would fail it, and the lane.
                 with (
                     bound_metadata(meta),
-                    torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"),
+                    torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"),
                 ):
+                    began = True
                     bucket.logits = self.forward(*args)
         except RuntimeError as e:  # an op that syncs with the host, or another that cannot be captured
+            if began:
+                self._abandon_capture(runner.device, graph, pool)
+            if isinstance(e, torch.OutOfMemoryError):
+                raise  # the device is out of memory: the caller must hear it, not a silent eager fallback
             raise CaptureFailed(f"the decode forward cannot be captured as a CUDA graph ({e})"[:300]) from e
         finally:
             if stream is not caller:
                 caller.wait_stream(stream)
-        self.pool = graph.pool()
+        self.pool = pool
         bucket.graph, bucket.meta = graph, meta
         self.buckets[rows] = bucket
         self.owner.recompiles += 1
         self.owner.compile_s += time.perf_counter() - t0
         return bucket
+
+    def _abandon_capture(self, device: torch.device, graph: torch.cuda.CUDAGraph, pool) -> None:
+        """Undo what a capture that began and did not end left behind. Its end raised (cudaStreamEndCapture
+        of an invalidated capture) before torch stopped routing this thread's allocations to ``pool``, and
+        the next ``torch.cuda.empty_cache()`` -- every ``release_memory()``, every later capture -- would
+        then fail an internal assert; and the graph still holds its reference to the pool, which it drops
+        only after a capture that ended. A capture that did end (``graph.pool()`` answers) needs nothing."""
+        try:
+            graph.pool()
+            return
+        except RuntimeError:
+            pass
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with contextlib.suppress(RuntimeError):  # already stopped, where torch's order of the two differs
+            torch._C._cuda_endAllocateToPool(index, pool)
+        torch._C._cuda_releasePool(index, pool)
 
 
 def graph_addresses(kv_cache: torch.Tensor, model: torch.nn.Module) -> tuple[int, ...]:
