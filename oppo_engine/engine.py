@@ -252,6 +252,7 @@ class RolloutEngine:
         self._step_index = 0
         self._closed = False
         self._host: HostPages | None = None  # retained pages while the arena is released
+        self._swap_buffer: torch.Tensor | None = None  # the last release's host buffer, reused by the next
         self._swapped_tokens: dict[str, int] = {}  # brought back from host since the last step
         self._trainer_reward = False  # report_reward() was called: it feeds the Δ controller from now on
         self._finished_tokens = self._finished_seqs = 0  # response lengths of every finished sequence
@@ -706,7 +707,9 @@ class RolloutEngine:
         if weights:
             self._replicas.release()
         if self._host is None:
-            self._host = swap_out(self._arena, self._caches)
+            reuse, self._swap_buffer = self._swap_buffer, None
+            self._host = swap_out(self._arena, self._caches, reuse)
+            del reuse
             self._arena.release()
             if self._captured is not None:
                 self._captured.arena_released(self._arena.fixed_address)
@@ -724,6 +727,7 @@ class RolloutEngine:
         self._arena.rebuild()
         for name, n in swap_in(self._host, self._arena, self._caches).items():
             self._swapped_tokens[name] = self._swapped_tokens.get(name, 0) + n
+        self._swap_buffer = self._host.whole  # the next release writes it again (its copy is ordered first)
         self._host = None
 
     def _drop_cache(self) -> None:
@@ -731,6 +735,7 @@ class RolloutEngine:
         self._caches = {}
         self._loop = None
         self._host = None
+        self._swap_buffer = None
 
     def cache_stats(self) -> CacheStats:
         """Pages of the arena: total, free, per model, and retained for carried-over sequences (in the

@@ -307,6 +307,7 @@ def test_a_release_whose_copy_to_host_fails_loses_nothing_and_the_run_goes_on_ex
             raise Boom(f"injected into the swap-out's {fails}")
 
         if fails == "alloc":
+            engine._swap_buffer = None  # no buffer of a former release to reuse: a fresh allocation
             monkeypatch.setattr(swap.torch, "empty", boom)
         else:
             monkeypatch.setattr(swap.ops, "copy_pages", boom)
@@ -327,6 +328,29 @@ def test_a_release_whose_copy_to_host_fails_loses_nothing_and_the_run_goes_on_ex
             assert_arena_invariant(engine)
     assert failed >= 1
     assert_same_rollouts(by_prompt(got, prompts), by_prompt(want, prompts))
+    assert_all_pages_free(engine)
+
+
+def test_each_release_reuses_the_last_host_buffer_where_it_holds_the_pages():
+    """One host buffer across a run's releases (pinned on CUDA, where torch would keep every freed block of
+    every size pinned): written again where it holds the pages, replaced by a larger one where not."""
+    prompts = random_prompts(10, seed=64, max_len=13)
+    sampling = lengths_sampling([random.Random(i).choice([2, 4, 20]) for i in range(10)])
+    engine = _with(make_engine(_models_once()), prompts, sampling)
+    previous, reused = None, 0
+    while engine.step().rollouts:
+        engine.release_memory()
+        host = engine._host
+        whole = host.whole
+        assert host.buffer.data_ptr() == whole.data_ptr() and host.buffer.shape[0] <= whole.shape[0]
+        # The test keeps the former buffer alive: a fresh allocation cannot land at its address.
+        if previous is not None and previous.shape[0] >= host.buffer.shape[0]:
+            assert whole.data_ptr() == previous.data_ptr() and whole.shape == previous.shape
+            reused += 1
+        engine.resume()
+        previous = whole
+        del host
+    assert reused >= 1
     assert_all_pages_free(engine)
 
 

@@ -21,6 +21,7 @@ class HostPages:
 
     buffer: torch.Tensor
     entries: dict[str, dict[Hashable, tuple[list[int], int]]] = field(default_factory=dict)
+    whole: torch.Tensor | None = None  # the allocation ``buffer`` is a prefix of: the next swap-out reuses it
 
     def drop(self, model: str, seq_id: Hashable) -> int:
         """Forget ``seq_id``'s pages of ``model`` (its KV will be recomputed); returns the tokens dropped."""
@@ -42,8 +43,15 @@ class HostPages:
         return {m: sum(n for _, n in per_seq.values()) for m, per_seq in self.entries.items()}
 
 
-def swap_out(arena: KVArena, caches: dict[str, KVCacheManager]) -> HostPages:
+def swap_out(
+    arena: KVArena, caches: dict[str, KVCacheManager], reuse: torch.Tensor | None = None
+) -> HostPages:
     """Copy every page the managers hold to host memory and detach it from them (one ``copy_pages``).
+
+    ``reuse``: the previous swap-out's ``whole`` buffer (the caller holds no other reference to it). Where it
+    holds the pages it is written again; otherwise it is dropped and, on CUDA, unpinned before a larger one
+    is pinned: torch's caching host allocator rounds a pinned block up to a power of two and keeps every
+    freed one pinned, so a fresh buffer per release would pin one block per size class a run ever retained.
 
     NOTE: the managers forget their sequences and the arena's pages are not freed one by one: the caller
     releases the whole arena next. They forget them only once the copy is done: a failed host allocation
@@ -67,14 +75,24 @@ def swap_out(arena: KVArena, caches: dict[str, KVCacheManager]) -> HostPages:
                     src.append(page)
             entries[name][seq_id] = ([row_of[p] for p in pages], num_tokens)
     pin = arena.device.type == "cuda"
-    buffer = torch.empty((max(1, len(src)), arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
+    rows = max(1, len(src))
+    if reuse is not None and (reuse.shape[0] < rows or reuse.shape[1] != arena.page_bytes):
+        reuse = None  # the caller's was the last reference: its block goes back to the host allocator
+        if pin:
+            torch._C._host_emptyCache()  # and is unpinned now (blocks still in flight are kept)
+    whole = (
+        reuse
+        if reuse is not None
+        else torch.empty((rows, arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
+    )
+    buffer = whole[:rows]
     if src:
         ops.copy_pages(arena.page_view(), buffer, torch.tensor(src), torch.arange(len(src)))
         if pin:
             torch.cuda.synchronize(arena.device)
     for cache in caches.values():
         cache.detach_all()
-    return HostPages(buffer, entries)
+    return HostPages(buffer, entries, whole)
 
 
 def swap_in(host: HostPages, arena: KVArena, caches: dict[str, KVCacheManager]) -> dict[str, int]:
