@@ -128,6 +128,9 @@ def test_truncate_by_prefix_equals_truncate_by_full_sort(vocab_size: int):
     for i in range(len(settings)):  # and each row alone
         alone = _truncate(logits[i : i + 1], temperature[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])
         assert torch.equal(alone[0], fast[i])
+        # The normalisation decided from host values (as the engine does) picks the same path.
+        hosted = _truncate(*(t[i : i + 1] for t in (logits, temperature, top_k, top_p)), [settings[i][0]])
+        assert torch.equal(hosted[0], fast[i])
 
 
 def test_untruncated_row_is_unchanged_by_truncated_rows_in_its_batch():

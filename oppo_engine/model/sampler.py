@@ -43,12 +43,18 @@ def _truncate_sorted(
 
 
 def _truncate(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    host_top_ks: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """:func:`_truncate_sorted`, sorting only each row's first ``_TRUNCATE_PREFIX`` tokens where they suffice.
 
     Same sets (up to float rounding of the nucleus mass, and which of several tokens tied at a cut-off is
     kept, which neither path specifies); rows the prefix cannot settle go through the full sort.
+    ``host_top_ks``: ``top_k`` as host values, so that which normalisation a row needs is decided without
+    waiting for the device (one sync fewer per forward).
     """
     vocab = logits.shape[-1]
     width = min(vocab, _TRUNCATE_PREFIX)
@@ -61,7 +67,11 @@ def _truncate(
     # the whole vocabulary, normalise by the whole row. float64 as in _truncate_sorted.
     prefix = prefix.double()
     log_norm = prefix.masked_fill(drop, float("-inf")).logsumexp(dim=-1)
-    if bool((k > width).any()):
+    if host_top_ks is not None:
+        beyond = vocab > width and any(t <= 0 or t > width for t in host_top_ks)
+    else:
+        beyond = bool((k > width).any())
+    if beyond:
         log_norm = torch.where(k <= width, log_norm, scaled.double().logsumexp(dim=-1))
     probs = (prefix - log_norm.unsqueeze(1)).exp().masked_fill(drop, 0.0)
     mass_before = probs.cumsum(dim=-1) - probs
@@ -150,7 +160,7 @@ class Sampler:
         from ``packed`` (``batch.packed()`` already on the device: no host-to-device copy here)."""
         _, seeds, positions, top_k, temperature, top_p = unpack(packed, len(batch))
         if batch.truncates:
-            truncated = _truncate(logits.float(), temperature, top_k, top_p)
+            truncated = _truncate(logits.float(), temperature, top_k, top_p, batch.top_ks)
             # Greedy rows keep their unscaled logits: argmax and its log-prob are unaffected by truncation.
             logits = torch.where((temperature > 0).unsqueeze(1), truncated, logits.float())
         return ops.sample(logits, temperature, seeds, positions)
