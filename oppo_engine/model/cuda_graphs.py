@@ -149,8 +149,13 @@ class CudaGraphs:
     def logits(
         self, chunks: Sequence, extra: np.ndarray | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[N, V]`` of the decode forward over ``chunks`` (a view of the bucket's output, valid until
-        its next replay), and ``extra`` on the device."""
+        """Logits ``[N, V]`` of the decode forward over ``chunks`` (a view of the bucket's output), and
+        ``extra`` on the device.
+
+        NOTE: the logits are valid until the next replay of *any* bucket, not only this one: the buckets
+        share one memory pool, and a bucket captured later may hold its output where an earlier one keeps
+        intermediates. The caller samples them on this stream before the next decode forward.
+        """
         if not self.checked:
             self.check_addresses()
         rows = next(s for s in self.sizes if s >= len(chunks))
