@@ -510,6 +510,31 @@ def test_sample_batch_packs_every_parameter_exactly():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_driver_that_reserves_but_will_not_map_falls_back_to_plain_memory(monkeypatch):
+    """A driver (or a sandbox in front of it) that reserves an address range but refuses ``cuMemMap`` (801:
+    not supported) gives a plain ``torch.empty`` arena, as one without VMM does: the engine still builds."""
+    from oppo_engine.cache import vmm
+
+    real = vmm._driver()
+    if real is None:
+        pytest.skip("no libcuda")
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cuMemMap(self, *args):
+            return 801
+
+    monkeypatch.setattr(vmm, "_driver", lambda: Refusing())
+    assert FixedAddressBuffer.create(torch.device("cuda"), 1 << 20) is None
+    spec = KVSpec.from_hf_config(actor_of("llama").config, torch.float32)
+    arena = KVArena({"actor": spec}, page_size=8, num_pages=4, device="cuda")
+    assert not arena.fixed_address and arena.buffer.numel() == 4 * arena.page_bytes
+
+
 def test_arena_on_the_cpu_is_plain_memory():
     """Fixed addresses are a CUDA matter (cache/vmm.py): the CPU arena is a torch.empty buffer."""
     assert FixedAddressBuffer.create(torch.device("cpu"), 1 << 20) is None

@@ -159,9 +159,17 @@ class FixedAddressBuffer:
             _check(lib.cuDeviceGetAttribute(ctypes.byref(supported), attribute, device.index), "attribute")
             if not supported.value:  # some vGPUs and older drivers
                 return None
-            return cls(lib, device, nbytes)
+            buffer = cls(lib, device, nbytes)
         except _DriverError:
             return None
+        try:
+            # The first mapping here, not at the arena's first use: a driver (or a sandbox in front of it)
+            # that reserves the range but refuses to map it falls back to plain memory like one without
+            # VMM. Out of memory is not a refusal: it is raised.
+            buffer.map()
+        except _DriverError:
+            return None  # its __del__ frees the reserved range
+        return buffer
 
     @property
     def mapped(self) -> bool:
