@@ -245,6 +245,8 @@ def test_a_lane_takes_back_its_own_pending_pages_without_waiting_and_others_do_n
     actor.free("a")  # event not complete: the actor lane's kernels may still touch pages 0, 1
     assert arena.num_pending_pages == 2 and arena.available_pages("actor") == 3
     assert arena.available_pages("reward") == 1
+    # What each model waits for (a stalled scheduler waits only for pages another lane holds back).
+    assert arena.pending_pages_for("actor") == 0 and arena.pending_pages_for("reward") == 2
     assert reward.append_slots("r", 33) is None  # another lane may not have them
     # The actor's own stream orders its next kernels after those on pages 0, 1: no event needed.
     slots = actor.append_slots("b", 24)

@@ -232,6 +232,12 @@ class KVArena:
         """Freed pages still waiting for their freeing lane's kernels."""
         return sum(self._num_pending.values())
 
+    def pending_pages_for(self, name: str) -> int:
+        """Freed pages that only another lane's kernels keep from model ``name`` (its own lane's it may
+        already reuse: stream order protects them)."""
+        own = self._lane[name]
+        return sum(n for lane, n in self._num_pending.items() if lane != own)
+
     def pages_held(self, name: str) -> int:
         """Pages model ``name`` holds."""
         return self._held[name]

@@ -188,7 +188,7 @@ class StepLoop:
                 # Streamed, the scorers hold pages they free as they score; deferred frees (a lane's kernels
                 # still on them) come back once those finish: wait for them, not forever.
                 stalled_since = stalled_since or self.clock()
-                waiting_for = stream or sched.cache.arena.num_pending_pages > 0
+                waiting_for = stream or sched.cache.arena.pending_pages_for(sched.cache.name) > 0
                 if not waiting_for or self.clock() - stalled_since > _STALL_S:
                     raise RuntimeError(
                         "actor scheduler made no progress: the cache cannot hold any waiting sequence"
