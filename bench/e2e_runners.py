@@ -44,7 +44,7 @@ def _sync(device: torch.device) -> None:
 def _gpu_sampler(device: torch.device) -> GpuUtilSampler | None:
     """A sampler for the run's GPU; None on CPU runs, so an idle GPU's reading is never reported."""
     # NOTE: NVML numbers GPUs ignoring CUDA_VISIBLE_DEVICES; run the bench on one visible GPU.
-    return GpuUtilSampler(device_index=device.index or 0) if device.type == "cuda" else None
+    return GpuUtilSampler.for_device(device) if device.type == "cuda" else None
 
 
 @contextlib.contextmanager

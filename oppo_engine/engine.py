@@ -242,7 +242,7 @@ class RolloutEngine:
             self._chunk_control = ChunkSizeController(self.config.chunk, fixed=fixed)
             scorers = [REWARD, REFERENCE, *(n for n in self._models if n != ACTOR)]  # remote ones too
             self._profiler = SwitchCostProfiler(ACTOR, scorers)
-        self._gpu = GpuUtilSampler(self.device.index or 0) if self.device.type == "cuda" else None
+        self._gpu = GpuUtilSampler.for_device(self.device) if self.device.type == "cuda" else None
         self._prompts = PromptQueue(
             self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             rank=None if self._group is None else self._group.rank,

@@ -117,3 +117,14 @@ def test_sampler_survives_a_gpu_lost_mid_window(monkeypatch):
 def test_invalid_interval_is_rejected():
     with pytest.raises(ValueError, match="interval_s"):
         GpuUtilSampler(interval_s=0)
+
+
+def test_for_device_maps_a_torch_index_to_nvmls_through_cuda_visible_devices(monkeypatch):
+    # NVML numbers GPUs physically: cuda:1 under CUDA_VISIBLE_DEVICES=4,5 is NVML's 5, not 1.
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert GpuUtilSampler.for_device(torch.device("cuda", 1)).device_index == 5
+    assert GpuUtilSampler.for_device(torch.device("cuda", 0)).device_index == 4
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert GpuUtilSampler.for_device(torch.device("cuda", 3)).device_index == 3

@@ -47,6 +47,21 @@ class GpuUtilSampler:
         self.reason = ""
         self.available = self._probe()
 
+    @classmethod
+    def for_device(cls, device: Any, interval_s: float = 0.05) -> GpuUtilSampler:
+        """A sampler of the CUDA ``device`` (a ``torch.device``; no index: the current one). NVML numbers
+        the GPUs physically and ignores ``CUDA_VISIBLE_DEVICES``: ``cuda:0`` under
+        ``CUDA_VISIBLE_DEVICES=4,5`` is NVML's device 4. Where the mapping cannot be read (a MIG or UUID
+        list torch cannot resolve), the torch index stands in."""
+        import torch
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            index = torch.cuda._get_nvml_device_index(torch.device("cuda", index))
+        except Exception:  # noqa: BLE001 - NVML's own failure shows in `reason` at the probe
+            pass
+        return cls(index, interval_s)
+
     def _probe(self) -> bool:
         """Check once that NVML loads and the device exists; every init is paired with a shutdown."""
         try:
