@@ -52,6 +52,7 @@ from oppo_engine.model.roles import REFERENCE, REWARD, device_of, dtype_of
 from oppo_engine.model.runner import ModelRunner, SeqChunk, unwrap_model
 from oppo_engine.model.scorer import ReferenceScorer, RewardScorer, Scorer
 from oppo_engine.model.support import check_model, resolve_max_model_len, text_config
+from oppo_engine.model.warmup import warm_up
 from oppo_engine.sched.scorer import ScorerScheduler
 from oppo_engine.sched.sequence import Sequence
 
@@ -181,6 +182,10 @@ class ScorerService:
             self.scheds[name] = ScorerScheduler(
                 scorer_classes[name](runner), max_num_batched_tokens=max_num_batched_tokens
             )
+        if self.device.type == "cuda":  # compile the Triton variants here, not inside serve()'s first rounds
+            with torch.cuda.device(self.device):  # (a client counts a long silence as a stall)
+                for sched in self.scheds.values():
+                    warm_up(sched.scorer.runner, self.max_model_len)
         self.stats = ServiceStats()
         self._clients: dict[int, _Client] = {}
         self._owner: dict[int, tuple[_Client, int]] = {}  # mirror seq_id -> (client, its seq_id)
