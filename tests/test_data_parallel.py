@@ -160,6 +160,8 @@ def _rank_agreement(rank, world_size):
             engine.report_reward(10.0 * (rank + 1) + i)
     with pytest.raises(ValueError, match="rank 1"):  # a non-finite report is refused on every rank
         engine.report_reward(math.nan if rank == 1 else 0.0)
+    with pytest.raises(ValueError, match=r"Tensor tensor\(1\.\) on rank 0"):  # described, not pickled
+        engine.report_reward(torch.tensor(1.0) if rank == 0 else 0.0)
     engine.step()  # still usable
     return engine.delta_history, engine.chunk_history, steps
 

@@ -247,8 +247,10 @@ class EngineGroup:
         """The collective of ``report_reward()``: the mean of every rank's ``reward``; ValueError on every rank
         naming the ranks whose value is not a finite number."""
         self.begin("report_reward()")
-        values = self._exchange(reward)
-        bad = [f"{v!r} on rank {r}" for r, v in enumerate(values) if not _is_finite(v)]
+        # Only a plain number travels: anything else goes as its description (a CUDA tensor pickled to the
+        # peers would be unpickled onto the sender's GPU there), and every rank refuses it below.
+        values = self._exchange(reward if _is_finite(reward) else f"{type(reward).__name__} {reward!r}"[:200])
+        bad = [f"{v} on rank {r}" for r, v in enumerate(values) if not _is_finite(v)]
         if bad:
             raise ValueError(f"report_reward: reward must be a finite number on every rank, got {', '.join(bad)}")
         self._state = "agreed"
