@@ -141,7 +141,11 @@ def init_from_env(device_type: str = "cuda", timeout_s: float | None = None) -> 
             "--nproc-per-node N -m oppo_engine.cli demo --fsdp ...` or `oppo-engine demo --nproc N`"
         )
     if device_type == "cuda" and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        # A launcher that shows each process only its own GPU (srun --gpus-per-task=1) sets LOCAL_RANK k
+        # with one visible device: it is cuda:0 there.
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        count = torch.cuda.device_count()
+        device = torch.device("cuda", local if local < count else local % count)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
