@@ -4,6 +4,9 @@ Same models, same prompts, same response lengths (``ignore_eos``), greedy; the t
 ``--repeats`` rounds and the median of each is reported. Generation only: scoring is left out on both sides
 (the engine's reward is a constant rule), so the ratio is about decode.
 
+``--graph`` runs the engine with ``graph=True`` ("engine") and with ``graph=False`` ("eager") beside HF, the
+three alternating, and prints ``decode_graph_vs_eager=`` (the device check's decode step).
+
 ``--table`` prints the captured-decode table instead: the engine eager, the engine with ``graph=True`` and
 HF ``generate`` at B = 1, 16, 64 and 256 on the ``tiny`` preset and on a GQA Llama with head_dim 80, the
 three alternating within each batch size; the graph's compile time is reported apart (it is cached across
@@ -248,6 +251,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--host", action="store_true", help="only the step loop's host work per decode forward")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads, both sides")
     p.add_argument(
+        "--graph",
+        action="store_true",
+        help="the engine with graph=True and with graph=False, beside HF (decode_graph_vs_eager=)",
+    )
+    p.add_argument(
         "--table", action="store_true", help="eager / graph / HF at B = 1, 16, 64, 256, two models"
     )
     p.add_argument(
@@ -275,18 +283,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     prompts = [
         torch.randint(16, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch_size)
     ]
-    engine = make_engine(actor, args.new_tokens, args.batch_size)
-    run_engine(engine, prompts)  # warm-up both paths
+    # With --graph: the engine captured (graph=True) is "engine", and the same engine eager runs beside it.
+    engines = {
+        "engine": make_engine(actor, args.new_tokens, args.batch_size, graph=True if args.graph else "auto")
+    }
+    if args.graph:
+        engines["eager"] = make_engine(actor, args.new_tokens, args.batch_size, graph=False)
+    for engine in engines.values():
+        run_engine(engine, prompts)  # warm-up (a graph's first step compiles or captures)
     run_hf(actor, prompts[:2], 4)
-    times: dict[str, list[float]] = {"engine": [], "hf": []}
+    times: dict[str, list[float]] = {name: [] for name in (*engines, "hf")}
     for _ in range(args.repeats):
-        for name, fn in (
-            ("engine", lambda: run_engine(engine, prompts)),
-            ("hf", lambda: run_hf(actor, prompts, args.new_tokens)),
-        ):
-            elapsed, tokens = fn()
+        for name in times:
+            if name == "hf":
+                elapsed, tokens = run_hf(actor, prompts, args.new_tokens)
+            else:
+                elapsed, tokens = run_engine(engines[name], prompts)
             assert tokens == args.batch_size * args.new_tokens, (name, tokens)
             times[name].append(elapsed)
+    if args.graph:
+        captured = engines["engine"]._loop.actor.runner.captured
+        assert captured.forwards > 0 and captured.fallback is None, captured.fallback
     tok = args.batch_size * args.new_tokens
     rates = {name: tok / statistics.median(ts) for name, ts in times.items()}
     print(
@@ -298,10 +315,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"{name:>7}: {rate:10.1f} tok/s  "
             f"(median of {args.repeats}: {statistics.median(times[name]):.3f}s)"
         )
-    engine.close()
+    for engine in engines.values():
+        engine.close()
     ratio = rates["engine"] / rates["hf"]
     print(f"decode_throughput_engine_vs_hf={ratio:.2f}")
     result = {"engine_tok_s": rates["engine"], "hf_tok_s": rates["hf"], "ratio": ratio}
+    if args.graph:
+        result["graph_vs_eager"] = rates["engine"] / rates["eager"]
+        print(f"decode_graph_vs_eager={result['graph_vs_eager']:.2f} (engine with graph=True vs graph=False)")
     if args.sampler:
         ms = bench_sampler.measure(16, 151_936, reps=10)
         print("sampler B=16 V=151936: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))

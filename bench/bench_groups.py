@@ -5,8 +5,9 @@
 Both sides produce the same rollouts: ``shared`` queues each prompt once with ``SamplingParams(n)`` (its
 prefix prefilled once per model, pages shared), ``unshared`` queues it n times, each copy seeded as the
 group's sample would be (what a user without groups would do). Steps alternate between the two in one
-process, so machine drift hits both alike; the responses are checked to be identical. The last line is
-machine-readable: ``speedup_shared_vs_unshared=X.XX``.
+process, so machine drift hits both alike; the responses are checked to be identical in float32 (in bf16
+on CUDA the two sides' prefills run GEMMs at other row counts, which may round differently: a difference
+is reported, not raised). The speed-up line is machine-readable: ``speedup_shared_vs_unshared=X.XX``.
 """
 
 from __future__ import annotations
@@ -130,7 +131,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"identical responses: {identical}")
     print(f"speedup_shared_vs_unshared={med['unshared'] / med['shared']:.2f}")
     if not identical:
-        raise SystemExit("shared and unshared rollouts differ")
+        same = sum(a == b for a, b in zip(responses["shared"], responses["unshared"], strict=True))
+        equal = f"{same} of {len(responses['shared'])} equal"
+        if dtype == torch.float32:
+            raise SystemExit(f"shared and unshared rollouts differ ({equal})")
+        # bf16 on CUDA: the two sides prefill at other row counts (one prompt per group, or n copies), and
+        # cuBLAS picks its kernels by shape, so the prompts' K/V may round differently: not a sharing fault.
+        print(
+            f"NOTE: {equal} in {dtype}: GEMMs at other row counts may round differently (float32 is checked)"
+        )
 
 
 if __name__ == "__main__":

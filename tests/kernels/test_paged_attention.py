@@ -249,7 +249,8 @@ def test_plans_sharing_one_scratch_give_their_own_outputs_bit_for_bit():
     own = [paged_attention(*c.args(), plan=plan(c)) for c in cases]
     sizes = scratch_numel(plan(cases[1]), 5)
     assert sizes[0] == 4 * 5 * cases[1].q.shape[1] * cases[1].q.shape[2]  # 4 splits of 64 keys, 5 tokens
-    scratch = tuple(torch.full((n,), float("nan")) for n in sizes)  # no plan may read what it did not write
+    # NaN: no plan may read what it did not write
+    scratch = tuple(torch.full((n,), float("nan"), device=DEVICE) for n in sizes)
     shared = [plan(c, scratch=scratch) for c in cases]
     assert shared[0].partial.data_ptr() == shared[1].partial.data_ptr() == scratch[0].data_ptr()
     for i in (0, 1, 0):
@@ -276,7 +277,7 @@ def test_an_empty_split_writes_only_its_log_sum_exp():
         )  # fmt: skip
 
     sizes = scratch_numel(plan(), len(lens))
-    scratch = tuple(torch.full((n,), float("nan")) for n in sizes)
+    scratch = tuple(torch.full((n,), float("nan"), device=DEVICE) for n in sizes)
     p = plan(scratch=scratch)
     out = paged_attention(*case.args(), plan=p)
     torch.testing.assert_close(out, paged_attention(*case.args(), kv_per_split=64), atol=0, rtol=0)
