@@ -256,7 +256,8 @@ class CudaGraphs:
         index = device.index if device.index is not None else torch.cuda.current_device()
         with contextlib.suppress(RuntimeError):  # already stopped, where torch's order of the two differs
             torch._C._cuda_endAllocateToPool(index, pool)
-        torch._C._cuda_releasePool(index, pool)
+        with contextlib.suppress(RuntimeError):  # cleanup: the capture's own failure is what is raised
+            torch._C._cuda_releasePool(index, pool)
 
 
 def graph_addresses(kv_cache: torch.Tensor, model: torch.nn.Module) -> tuple[int, ...]:
