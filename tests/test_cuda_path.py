@@ -230,7 +230,8 @@ def test_on_cuda_the_engine_compiles_its_kernels_at_build_and_never_in_a_step():
     engine = make_engine(actor, reward, "oppo", max_model_len=640, overcommit=2, chunk_size=4)
     compiled = _compiled_variants()
     # Prompts of lengths whose metadata lands at every alignment, a long one past a split.
-    prompts = [list(range(4, 4 + n)) for n in (3, 9, 17, 30, 530, 61, 5, 2)]
+    vocab = actor.config.vocab_size
+    prompts = [[4 + i % (vocab - 4) for i in range(n)] for n in (3, 9, 17, 30, 530, 61, 5, 2)]
     engine.add_prompts(prompts)
     drain(engine)
     assert _compiled_variants() == compiled
