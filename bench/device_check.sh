@@ -44,9 +44,9 @@ SUMMARY_S=5
 SCALEOUT_S=2
 # step -> cap, in run order (the table above).
 STEPS=(machine build cuda-tests e2e decode kernel-tests groups fsdp-replica remote)
-# cuda-tests: ~30 Triton variants compile cold (1-2 s each) beside ~24 engine builds and ~35 captures, so
-# it gets what build (about 45 s expected on 16 cores: the longest translation unit, ~25 s here, and CMake)
-# can spare.
+# cuda-tests: ~30 Triton variants compile cold (1-2 s each) beside ~24 engine builds and ~35 captures
+# (about 65-85 s in one process; four under xdist), so it gets what build (about 45 s expected on 16
+# cores: the longest translation unit, ~25 s here, and CMake) can spare.
 declare -A CAP=([machine]=12 [build]=75 [cuda-tests]=75 [e2e]=35 [decode]=21 [kernel-tests]=40 [groups]=20
   [fsdp-replica]=22 [remote]=25)
 
@@ -208,6 +208,8 @@ fi
 # Per-test timeout where pytest-timeout is installed (the H200 image has it); -n 8 where xdist is.
 PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider)
 has_module pytest_timeout && PYTEST+=(--timeout=30)
+XDIST=0
+has_module xdist && XDIST=1
 
 # --- 3. the cuda tests: captured graphs and the CUDA path first (what a timeout cuts is the rest) -----------
 # Every file with a `cuda` test, named in that order (pytest orders a directory's files itself).
@@ -215,7 +217,11 @@ CUDA_FILES=(tests/test_graph.py tests/test_cuda_path.py)
 for f in $(grep -rl --include='*.py' 'pytest.mark.cuda' tests | sort); do
   [[ " ${CUDA_FILES[*]} " == *" $f "* ]] || CUDA_FILES+=("$f")
 done
-gpu_step cuda-tests "$LOG_DIR/cuda_tests.log" 'passed|failed' "${PYTEST[@]}" -m cuda "${CUDA_FILES[@]}"
+CUDA_TESTS=("${PYTEST[@]}" -m cuda "${CUDA_FILES[@]}")
+# Four processes share the GPU, a file each at a time: the Triton variants compile in parallel (the tests
+# read memory in their own process only).
+((XDIST)) && CUDA_TESTS+=(-n 4 --dist loadfile)
+gpu_step cuda-tests "$LOG_DIR/cuda_tests.log" 'passed|failed' "${CUDA_TESTS[@]}"
 
 # --- 4. end to end: fewer modes and steps ------------------------------------------------------------------
 # (3 steps: bench_e2e prints no speed-up below that.)
@@ -230,7 +236,7 @@ gpu_step decode "$LOG_DIR/decode.log" 'decode_graph_vs_eager=' \
 # --- 6. the Triton kernel tests, natively (the cuda ones ran in step 3) -------------------------------------
 # (Not the sm_90 compile check: on a GPU it repeats, in a subprocess, what these tests compile natively.)
 KERNELS=("${PYTEST[@]}" -m "not cuda" tests/kernels --ignore=tests/kernels/test_sm90_compile.py)
-has_module xdist && KERNELS+=(-n 8)
+((XDIST)) && KERNELS+=(-n 8)
 gpu_step kernel-tests "$LOG_DIR/kernel_tests.log" 'passed|failed' "${KERNELS[@]}"
 
 # --- 7. groups ----------------------------------------------------------------------------------------------
