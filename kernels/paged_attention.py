@@ -21,7 +21,6 @@ Per call (per layer), as Hugging Face's eager attention and masks define them:
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -31,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._jit import jit as _jit
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 # Split-KV (flash-decoding): every sequence's keys are cut into splits of this many tokens, counted from
@@ -39,12 +40,6 @@ _MAX_HEAD_DIM = 256
 KV_PER_SPLIT = 512
 _MAX_GRID_YZ = 65535  # CUDA's limit on the 2nd and 3rd grid dimensions
 _LOG2E = math.log2(math.e)
-
-
-def _jit(**options):
-    """``triton.jit`` with the options this Triton knows (``do_not_specialize_on_alignment`` is recent)."""
-    known = inspect.signature(triton.jit).parameters
-    return triton.jit(**{k: v for k, v in options.items() if k in known})
 
 
 # NOTE: arguments whose value (or 16-byte alignment) changes from forward to forward with the batch are not

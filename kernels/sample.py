@@ -21,12 +21,13 @@ torch):
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ._jit import jit as _jit
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK32 = 0xFFFFFFFF
@@ -46,12 +47,6 @@ def _mix32(x):
     x *= tl.full(x.shape, 0x846CA68B, tl.uint32)
     x ^= x >> 16
     return x
-
-
-def _jit(**options):
-    """``triton.jit`` with the options this Triton knows (``do_not_specialize_on_alignment`` is recent)."""
-    known = inspect.signature(triton.jit).parameters
-    return triton.jit(**{k: v for k, v in options.items() if k in known})
 
 
 # NOTE: one variant for every batch (the build-time warm-up compiles it): the row count is not specialised
