@@ -36,34 +36,55 @@ constexpr int64_t kSerialWork = 1 << 15;
 #define OPPO_ISA_CLONES
 #endif
 
-// exp(x) for x <= 0 without a library call, so loops over it vectorise: Cody-Waite reduction to
-// r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (~1 ulp), 2^n through the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // keeps 2^n a normal float; exp(-87) ~ 1.6e-38 is zero for a softmax weight
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+// 16 fp32 lanes as a GCC/Clang vector: one zmm in the AVX-512 clone, two ymm or four xmm in the others.
+// Written out because the compiler keeps neither the scores of a row across the head_dim loop nor an
+// accumulator row across the key loop in registers on its own (a store-to-load chain per step instead).
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kLanes = 16;
+
+// The helpers below are always inlined: a call from an ISA clone (attend_tile's) into code built for the
+// baseline passes through legacy SSE, whose transition from dirty AVX-512 state cost a fifth of a decode.
+inline __attribute__((always_inline)) float at_least(float x, float bound) { return x < bound ? bound : x; }
+inline __attribute__((always_inline)) vf at_least(vf x, float bound) {
+  const vf b = vf{} + bound;
+  return x < b ? b : x;  // NaN stays NaN in both: it compares false
+}
+inline __attribute__((always_inline)) float zero_below(float x, float bound, float y) { return x < bound ? 0.0f : y; }
+inline __attribute__((always_inline)) vf zero_below(vf x, float bound, vf y) { return x < vf{} + bound ? vf{} : y; }
+inline __attribute__((always_inline)) float pow2(float n) {
+  return std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+inline __attribute__((always_inline)) vf pow2(vf n) {
+  return reinterpret_cast<vf>((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+// exp(x) for x <= 0 without a library call, for a float or 16 of them at once (the same arithmetic, so
+// the same bits): Cody-Waite reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (~1 ulp),
+// 2^n through the exponent bits; 0 below -87 (where exp < 1.7e-38, nothing beside a softmax's max).
+template <typename F>
+inline __attribute__((always_inline)) F exp_nonpositive(F x) {
+  const F input = x;
+  x = at_least(x, -87.0f);  // keeps 2^n a normal float
+  const F n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return zero_below(input, -87.0f, p * pow2(n));  // exp(-inf) is 0, the weight of a masked key
 }
 
-// tanh through exp(-2|x|), which never overflows; for small |x| the cancellation in 1 - e costs ~1e-7
-// absolute, i.e. ~softcap * 1e-7 on a capped score.
-inline float tanh_vec(float x) {
-  const float e = exp_nonpositive(-2.0f * std::abs(x));
-  return std::copysign((1.0f - e) / (1.0f + e), x);
+// tanh of 16 floats through exp(-2|x|), which never overflows; for small |x| the cancellation in 1 - e
+// costs ~1e-7 absolute, i.e. ~softcap * 1e-7 on a capped score.
+inline __attribute__((always_inline)) vf tanh_vec(vf x) {
+  const vf e = exp_nonpositive(x < vf{} ? x * 2.0f : x * -2.0f);
+  const vf t = (1.0f - e) / (1.0f + e);
+  return x < vf{} ? -t : t;
 }
 
-// 16 fp32 lanes as a GCC/Clang vector: one zmm in the AVX-512 clone, two ymm or four xmm in the others.
-// Written out because the compiler keeps neither the scores of a row across the head_dim loop nor an
-// accumulator row across the key loop in registers on its own (a store-to-load chain per step instead).
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t kLanes = 16;
 constexpr int64_t kScoreRows = 4;  // rows whose scores are computed together (8 accumulators)
 
 inline __attribute__((always_inline)) vf load(const float* p) { return *reinterpret_cast<const vf*>(p); }
@@ -75,6 +96,30 @@ inline __attribute__((always_inline)) float hsum(vf v) {  // by halves: a lane-b
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const vf4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+inline __attribute__((always_inline)) float hmax(vf v) {
+  const vf8 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vf8 a1 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf8 a = a0 > a1 ? a0 : a1;
+  const vf4 c0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), c1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const vf4 c = c0 > c1 ? c0 : c1;
+  return std::max(std::max(c[0], c[1]), std::max(c[2], c[3]));
+}
+
+// The four sums of a, b, c, d's lanes, in that order: folded pairwise (512 -> 256 -> 128 bits across the
+// four, then within each 128-bit group): 14 shuffles and adds for four scores, against 4 x 7 for hsum.
+inline __attribute__((always_inline)) vf4 hsum4(vf a, vf b, vf c, vf d) {
+  const vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // [a4 b4 c4 d4]: four lanes left per input
+  const vf x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vf y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  const vf z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return __builtin_shufflevector(z, z, 0, 4, 8, 12);
 }
 
 // acc rows a0, a1 [NV * 16] += sum_j p0[j] / p1[j] * v_rows[j][c0 .. c0 + NV * 16).
@@ -135,45 +180,66 @@ void attend_tile(const float* __restrict q,   // [R_pad, D_pad] query rows, pre-
       }
     }
   } else {
-    // Few rows: a dot product per (row, key) straight off the key row.
+    // Few rows: a dot product per (row, key) straight off the key row, four keys at a time (four
+    // independent accumulators, one reduction for the four).
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = q + r * dim_pad;
-      for (int64_t j = jlo[r]; j < jhi[r]; ++j) {
+      float* sr = s + r * kKeyTile;
+      int64_t j = jlo[r];
+      for (; j + 4 <= jhi[r]; j += 4) {
+        const float *k0 = k_rows[j], *k1 = k_rows[j + 1], *k2 = k_rows[j + 2], *k3 = k_rows[j + 3];
+        vf x0 = {}, x1 = {}, x2 = {}, x3 = {};
+        for (int64_t c = 0; c < dim_pad; c += kLanes) {
+          const vf qc = load(qr + c);
+          x0 += qc * load(k0 + c);
+          x1 += qc * load(k1 + c);
+          x2 += qc * load(k2 + c);
+          x3 += qc * load(k3 + c);
+        }
+        const vf4 four = hsum4(x0, x1, x2, x3);
+        for (int i = 0; i < 4; ++i) sr[j + i] = four[i];
+      }
+      for (; j < jhi[r]; ++j) {
         vf x = {};
         for (int64_t c = 0; c < dim_pad; c += kLanes) x += load(qr + c) * load(k_rows[j] + c);
-        s[r * kKeyTile + j] = hsum(x);
+        sr[j] = hsum(x);
       }
     }
   }
 
+  // Online softmax over the tile, a row at a time in whole vectors. The scores outside the row's visible
+  // keys (not computed, or masked) are set to -inf, whose exp is zero, so P @ V can run over the whole
+  // tile; padding rows get zero probabilities. (Scalar stores set them: GCC turns a select between
+  // vectors on a lane-index mask into a branch per lane.)
+  static_assert(kKeyTile == 2 * kLanes, "a tile's scores are two vectors");
   for (int64_t r = 0; r < rows_pad; ++r) {
     float* sr = s + r * kKeyTile;
     const int64_t lo = r < rows ? jlo[r] : 0, hi = r < rows ? jhi[r] : 0;
-    // Probabilities outside the row's visible keys are zero, so P @ V can run over the whole tile.
-    for (int64_t j = 0; j < lo; ++j) sr[j] = 0.0f;
-    for (int64_t j = std::max(lo, hi); j < num_keys; ++j) sr[j] = 0.0f;
-    if (lo >= hi) continue;  // no visible key in this tile (before the row's window or past its position)
+    if (lo >= hi) {  // no visible key (before the row's window or past its position), or a padding row
+      store(sr, vf{});
+      store(sr + kLanes, vf{});
+      continue;
+    }
     if (softcap > 0.0f) {
-#pragma omp simd
-      for (int64_t j = lo; j < hi; ++j) sr[j] = softcap * tanh_vec(sr[j]);
+      store(sr, softcap * tanh_vec(load(sr)));
+      store(sr + kLanes, softcap * tanh_vec(load(sr + kLanes)));
     }
-    float tile_max = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : tile_max)
-    for (int64_t j = lo; j < hi; ++j) tile_max = std::max(tile_max, sr[j]);
-    const float m_old = m[r], m_new = std::max(m_old, tile_max);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = lo; j < hi; ++j) {
-      sr[j] = exp_nonpositive(sr[j] - m_new);
-      sum += sr[j];
-    }
+    for (int64_t j = 0; j < lo; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+    for (int64_t j = hi; j < kKeyTile; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+    const vf x0 = load(sr), x1 = load(sr + kLanes);
+    // A NaN score makes the row's output NaN, through the max or else through the sum.
+    const float m_old = m[r], m_new = std::max(m_old, hmax(x0 > x1 ? x0 : x1));
+    const vf p0 = exp_nonpositive(x0 - m_new), p1 = exp_nonpositive(x1 - m_new);
+    store(sr, p0);
+    store(sr + kLanes, p1);
+    const vf sum = p0 + p1;
     if (m_old != m_new) {  // the first tile of a row, or a new max: rescale what came before
       const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(m_old - m_new);
       l[r] *= alpha;
       float* ar = acc + r * dim_pad;
       for (int64_t c = 0; c < dim_pad; c += kLanes) store(ar + c, alpha * load(ar + c));
     }
-    l[r] += sum;
+    l[r] += hsum(sum);
     m[r] = m_new;
   }
 

@@ -153,6 +153,32 @@ def test_page_stride_larger_than_page_and_strided_query_match_reference():
     assert_op_matches_reference(case, 12)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("q_len", [1, 12])  # 2 rows per item (scores as dot products), 24 (keys transposed)
+def test_a_nan_key_reaches_exactly_the_outputs_that_see_it(q_len: int, softcap: float | None):
+    # A wrong number must not come out finite: a NaN key (a corrupt page) makes NaN every output that
+    # attends to it, and nothing else; the masking of invisible keys must not swallow it.
+    ctx, nan_pos = 70, 63  # inside the 12-token chunk: its first 5 tokens do not see it
+    case = make_case([(q_len, ctx), (1, 40)], num_q_heads=4, num_kv_heads=2, head_dim=24, seed=11)
+    page = int(case.block_tables[0, nan_pos // 16])
+    case.kv_cache[page, LAYER, 0, nan_pos % 16, 1, 5] = float("nan")  # a key of KV head 1
+    out = run_op(case, None, softcap)
+    positions = torch.arange(ctx - q_len, ctx)
+    sees = positions >= nan_pos
+    assert out[:q_len][sees][:, 2:].isnan().all(), "a head of KV head 1 that sees the NaN key came out finite"
+    assert not out[:q_len][~sees].isnan().any() and not out[:q_len][:, :2].isnan().any()
+    assert not out[q_len:].isnan().any(), "another sequence read the NaN"
+
+
+def test_a_nan_query_makes_its_own_rows_nan_only():
+    case = make_case([(1, 70), (1, 40), (5, 33)], num_q_heads=4, num_kv_heads=2, head_dim=24, seed=12)
+    case.q[1, 3, 7] = float("nan")
+    out = run_op(case)
+    assert out[1, 3].isnan().all()
+    out[1, 3] = 0.0
+    assert not out.isnan().any()
+
+
 def test_output_is_the_same_on_one_and_two_threads():
     # Each work item runs the same arithmetic whichever thread takes it: results are bitwise equal.
     case = make_case([(64, 200), (1, 300), (1, 5), (30, 60)], num_q_heads=8, num_kv_heads=2, seed=10)
