@@ -59,8 +59,8 @@ inline __attribute__((always_inline)) vf pow2(vf n) {
   return reinterpret_cast<vf>((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
-// exp(x) for x <= 0 without a library call, for a float or 16 of them at once (the same arithmetic, so
-// the same bits): Cody-Waite reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (~1 ulp),
+// exp(x) for x <= 0 without a library call, for a float or 16 of them at once (the same formula; the
+// compiler may contract the two into FMAs differently): Cody-Waite reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (~1 ulp),
 // 2^n through the exponent bits; 0 below -87 (where exp < 1.7e-38, nothing beside a softmax's max).
 template <typename F>
 inline __attribute__((always_inline)) F exp_nonpositive(F x) {
