@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
-from oppo_engine.dist.group import StepReport
+from oppo_engine.distributed.group import StepReport
 from oppo_engine.presets import EOS_TOKEN_ID, PRESETS, build_models
 from oppo_engine.sched.prompts import derive_seed
 

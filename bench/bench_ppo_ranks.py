@@ -5,7 +5,7 @@
 Each round runs ``oppo-engine demo`` twice, alternating: once on one process with the global batch
 (``--batch-size`` rollouts per step, a quarter of them per minibatch), once as ``demo --nproc N`` with
 ``batch-size / N`` per rank (``torchrun``, gloo, FSDP2 actor and critic). Both sample the same prompts with
-the same seeds (``ppo/distributed.py``), so in ``sequential`` mode their per-step rewards must agree (to
+the same seeds (``ppo/ranks.py``), so in ``sequential`` mode their per-step rewards must agree (to
 rounding), and that is printed beside the times. Times are the demo's own mean PPO step and rollout
 seconds (``records.json``), so process start-up and the task build are not in them.
 """

@@ -169,7 +169,7 @@ def _run_block(args, arms: list[_Arm]) -> dict[str, dict]:
 
 
 def _service_main(args, init: str, serves: int, threads: int, out) -> None:
-    from oppo_engine.dist import ScorerService, stateless_group
+    from oppo_engine.distributed import ScorerService, stateless_group
 
     torch.set_num_threads(threads)
     reward, reference = _scorers(args)
@@ -182,7 +182,7 @@ def _service_main(args, init: str, serves: int, threads: int, out) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from oppo_engine.dist import stateless_group
+    from oppo_engine.distributed import stateless_group
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     actor, _ = build_models(args.actor, _dtype(args), args.device, seed=0)
     scorers = _scorers(args)
-    from oppo_engine.dist import RemoteScorers
+    from oppo_engine.distributed import RemoteScorers
 
     # The colocated arms live through the whole run; each block adds one remote arm (one client of the
     # service at a time), built, warmed up and closed with its block.

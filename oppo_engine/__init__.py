@@ -15,9 +15,9 @@ _EXPORTS = {
     "EngineConfig": "oppo_engine.config",
     "SamplingParams": "oppo_engine.config",
     "RolloutEngine": "oppo_engine.engine",
-    "Rollout": "oppo_engine.engine",
-    "StepResult": "oppo_engine.engine",
-    "CacheStats": "oppo_engine.engine",
+    "Rollout": "oppo_engine.sched.results",
+    "StepResult": "oppo_engine.sched.results",
+    "CacheStats": "oppo_engine.cache.stats",
     "StepMetrics": "oppo_engine.obs.metrics",
 }
 __all__ = [
@@ -32,10 +32,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from oppo_engine.cache.stats import CacheStats
     from oppo_engine.config import EngineConfig, SamplingParams
-    from oppo_engine.engine import CacheStats, Rollout, RolloutEngine, StepResult
+    from oppo_engine.engine import RolloutEngine
     from oppo_engine.model.rewards import BatchedReward
     from oppo_engine.obs.metrics import StepMetrics
+    from oppo_engine.sched.results import Rollout, StepResult
 
 
 def __getattr__(name: str) -> Any:

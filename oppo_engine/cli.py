@@ -52,16 +52,35 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def demo_on_ranks(opts, t0: float) -> int:
-    """``demo --fsdp``: this process's rank of the demo under ``torchrun`` (rank 0 prints and writes)."""
+    """``demo --fsdp``: this process's rank of the demo under ``torchrun``. Each rank trains on its device
+    (``cuda:LOCAL_RANK``, or the CPU) over its share of the prompts; only rank 0 builds the embedded task,
+    prints and writes ``opts.out``."""
+    import contextlib
+    import dataclasses
+    import os
+    import tempfile
+
     import torch.distributed as dist
 
-    from oppo_engine.ppo.distributed import run_demo_on_ranks
+    from oppo_engine.ppo.demo import run_demo
+    from oppo_engine.ppo.ranks import init_from_env
+    from oppo_engine.ppo.task import build_task
 
     try:
-        runs = run_demo_on_ranks(opts)
-        if dist.get_rank() == 0:
-            ranks = dist.get_world_size()
-            print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all on {ranks} ranks")
+        _, device = init_from_env(device_type=torch.device(opts.device).type)
+        opts = dataclasses.replace(opts, fsdp=True, device=str(device))
+        rank = dist.get_rank()
+        if rank == 0 and opts.actor is None:
+            build_task(opts.cache)  # once, before the other ranks read it
+        dist.barrier()
+        if rank == 0:
+            runs = run_demo(opts)
+            elapsed = time.perf_counter() - t0
+            print(f"oppo-engine demo: {elapsed:.0f}s in all on {dist.get_world_size()} ranks")
+        else:
+            with tempfile.TemporaryDirectory() as out, open(os.devnull, "w") as devnull:
+                with contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+                    runs = run_demo(dataclasses.replace(opts, out=Path(out)), log=lambda *_: None)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -105,10 +124,10 @@ def bench(argv: list[str], prog: str = "oppo-engine bench") -> int:
 
 def serve_scorers(argv: list[str]) -> int:
     """Serve frozen scorers to the actor ranks of a job: the paper's 7+1 placement, as a process of its own
-    (``oppo_engine.dist.ScorerService`` on the last rank of a group formed at ``--init``)."""
+    (``oppo_engine.distributed.ScorerService`` on the last rank of a group formed at ``--init``)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from oppo_engine.dist import ScorerService, stateless_group
+    from oppo_engine.distributed import ScorerService, stateless_group
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="oppo-engine serve-scorers", description=serve_scorers.__doc__,

@@ -25,8 +25,8 @@ from test_ppo_scorers import make_critic, make_reference
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.control import ChunkControl, DeltaControl, SwitchProfile
-from oppo_engine.dist import GroupFailed, PeerCallFailed
-from oppo_engine.dist.group import AGREED_SETTINGS, settings_mismatch, slowest_profile
+from oppo_engine.distributed import GroupFailed, PeerCallFailed
+from oppo_engine.distributed.group import AGREED_SETTINGS, settings_mismatch, slowest_profile
 from oppo_engine.sched.prompts import PromptQueue, derive_seed
 from tests.distributed import run_ranks
 

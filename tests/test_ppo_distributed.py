@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from oppo_engine.ppo import distributed
+from oppo_engine.ppo import ranks as distributed
 from oppo_engine.sched.prompts import derive_seed
 from tests.distributed import run_ranks
 from tests.engine_models import EOS, VOCAB, make_actor, make_reward, random_prompts

@@ -66,7 +66,7 @@ def _as_dict(r) -> dict:
 
 
 def _service(pg, kv_cache_bytes=TIGHT_SERVICE_BYTES, **kw):
-    from oppo_engine.dist import ScorerService
+    from oppo_engine.distributed import ScorerService
 
     return ScorerService(
         reward=make_reward(), reference=make_reference(), group=pg, kv_cache_bytes=kv_cache_bytes,
@@ -75,7 +75,7 @@ def _service(pg, kv_cache_bytes=TIGHT_SERVICE_BYTES, **kw):
 
 
 def _client_engine(pg, mode: str, critic=None, **cfg) -> RolloutEngine:
-    from oppo_engine.dist import RemoteScorers
+    from oppo_engine.distributed import RemoteScorers
 
     remote = RemoteScorers(service_rank=SERVICE, group=pg, liveness_timeout_s=LIVENESS_S)
     return RolloutEngine(actor=make_actor(), reward=remote, critic=critic, config=_config(mode, **cfg),
@@ -215,7 +215,7 @@ def _dp_run(engine: RolloutEngine, dp, rank: int) -> dict:
 def _data_parallel_rank(rank: int, world_size: int):
     import torch.distributed as dist
 
-    from oppo_engine.dist import RemoteScorers
+    from oppo_engine.distributed import RemoteScorers
 
     pg = dist.group.WORLD  # the service and its clients
     dp = dist.new_group(list(CLIENTS), backend="gloo")  # the actors' data-parallel group: made on every rank
@@ -385,7 +385,7 @@ def _bad_input_rank(rank: int, world_size: int):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from oppo_engine.dist import RemoteScorers
+    from oppo_engine.distributed import RemoteScorers
 
     pg = dist.group.WORLD
     if rank == SERVICE:
@@ -442,7 +442,7 @@ def test_bad_input_is_refused_at_once_or_at_connection_naming_the_mismatch():
 
 def _cli_rank(rank: int, world_size: int, init: str, folder: str):
     from oppo_engine.cli import main
-    from oppo_engine.dist import RemoteScorers, stateless_group
+    from oppo_engine.distributed import RemoteScorers, stateless_group
 
     if rank == 1:  # the service: a process of its own, hosting the group's TCPStore
         return main(
@@ -490,7 +490,7 @@ def test_serve_scorers_cli_serves_actor_ranks_that_join_through_a_tcp_store(tmp_
 def _silent_service_rank(rank: int, world_size: int):
     import torch.distributed as dist
 
-    from oppo_engine.dist import RemoteScorers
+    from oppo_engine.distributed import RemoteScorers
 
     pg = dist.group.WORLD
     if rank == SERVICE:
@@ -543,7 +543,7 @@ def test_a_silent_service_fails_each_actor_step_after_the_liveness_timeout():
 def _prompt_first_rank(rank: int, world_size: int):
     import torch.distributed as dist
 
-    from oppo_engine.dist import RemoteScorers
+    from oppo_engine.distributed import RemoteScorers
 
     pg = dist.group.WORLD
     if rank == 1:
@@ -590,7 +590,7 @@ def test_the_service_prefills_each_prompt_before_any_response_token_arrives():
 def _last_message_rank(rank: int, world_size: int):
     import torch.distributed as dist
 
-    from oppo_engine.dist.transport import BYE, HEARTBEAT, GlooTransport, Message
+    from oppo_engine.distributed.transport import BYE, HEARTBEAT, GlooTransport, Message
 
     got, done = [], threading.Event()
 
@@ -622,7 +622,7 @@ def test_nothing_is_sent_after_the_last_message_so_no_heartbeat_blocks_the_sende
     """After a peer's BYE its receiving thread stops, and a gloo send completes only against a posted
     receive: a heartbeat sent after the BYE would block the one heartbeat thread that serves every peer (a
     service's other clients would then fall silent). ``send_last`` closes the peer first, under its lock."""
-    from oppo_engine.dist.transport import BYE
+    from oppo_engine.distributed.transport import BYE
 
     sender, receiver = run_ranks(_last_message_rank, 2, timeout_s=120)
     assert sender["elapsed"] < 1.0 and not sender["beating"]
@@ -630,7 +630,7 @@ def test_nothing_is_sent_after_the_last_message_so_no_heartbeat_blocks_the_sende
 
 
 def test_protocol_round_trips_hand_offs_and_results_exactly():
-    from oppo_engine.dist import protocol
+    from oppo_engine.distributed import protocol
 
     ints, floats = [5], []
     protocol.encode_add(ints, floats, protocol.AddItem(7, 3, 2, [9, 8, 7], 0.7))

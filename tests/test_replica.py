@@ -535,5 +535,5 @@ def test_memory_plan_counts_the_replica_bytes(meta_pair, monkeypatch):
     pages, page_bytes = engine.cache_stats().total_pages, engine._page_bytes
     # A host whose default share (a quarter) is the replica plus one page fewer than the plan wants.
     memory = 4 * (replica.nbytes + (pages - 1) * page_bytes)
-    monkeypatch.setattr("oppo_engine.engine.os.sysconf", {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": memory}.get)
+    monkeypatch.setattr("oppo_engine.cache.plan.os.sysconf", {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": memory}.get)
     assert make_engine(meta, make_reward(), mode="sequential").cache_stats().total_pages == pages - 1

@@ -34,8 +34,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from oppo_engine.config import SamplingParams
-from oppo_engine.engine import Rollout, RolloutEngine
+from oppo_engine.engine import RolloutEngine
 from oppo_engine.obs.metrics import StepMetrics
+from oppo_engine.sched.results import Rollout
 
 # NOTE: keep in step with the ``trl`` extra in pyproject.toml.
 SUPPORTED_TRL = SpecifierSet(">=1.16,<1.17")

@@ -3,13 +3,17 @@ sorted into the ones it runs through its paged cache and a reward it only calls.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from oppo_engine.model.eos import resolve_eos_token_ids
 from oppo_engine.model.rewards import BatchedReward, check_reward_arity
 from oppo_engine.model.runner import unwrap_model
 from oppo_engine.model.scorer import RetokenizedReward, RuleReward
-from oppo_engine.model.support import check_model, text_config
+from oppo_engine.model.support import check_model, resolve_max_model_len, text_config
 
 ACTOR, REWARD, REFERENCE, CRITIC = "actor", "reward", "reference", "critic"
 
@@ -22,6 +26,44 @@ def device_of(model: nn.Module) -> torch.device:
 def dtype_of(model: nn.Module) -> torch.dtype:
     """The dtype of the model's parameters."""
     return next(model.parameters()).dtype
+
+
+@dataclass(slots=True)
+class Roles:
+    """The models the engine runs by role (actor first), the reward it calls instead when that one is not
+    streamed (``rule``), and what the models settle: the longest sequence, the vocabulary, the EOS ids."""
+
+    models: dict[str, nn.Module]
+    rule: RuleReward | None
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_roles(
+    actor: nn.Module,
+    reward: nn.Module | RuleReward,
+    reference: nn.Module | None,
+    critic: nn.Module | None,
+    *,
+    max_model_len: int | None,
+    eos_token_id: int | Iterable[int] | None,
+    tokenizer=None,
+    reward_tokenizer=None,
+    remote: bool = False,
+) -> Roles:
+    """The engine's ``Roles``: ``max_model_len`` resolved against every model's position limit
+    (``support.resolve_max_model_len``), the models checked and collected (``collect_models``), the EOS ids
+    resolved (``eos.resolve_eos_token_ids``)."""
+    resolved = resolve_max_model_len(
+        max_model_len, {ACTOR: actor, REWARD: reward, REFERENCE: reference, CRITIC: critic}
+    )
+    models, rule = collect_models(
+        actor, reward, reference, critic, max_model_len=resolved, tokenizer=tokenizer,
+        reward_tokenizer=reward_tokenizer, remote=remote,
+    )  # fmt: skip
+    vocab_size = int(text_config(actor).vocab_size)
+    return Roles(models, rule, resolved, vocab_size, resolve_eos_token_ids(actor, eos_token_id))
 
 
 def collect_models(

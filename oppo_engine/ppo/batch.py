@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oppo_engine.engine import Rollout
+from oppo_engine.sched.results import Rollout
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from oppo_engine.config import MODES
-from oppo_engine.ppo import distributed
+from oppo_engine.ppo import ranks
 from oppo_engine.ppo.config import PPOConfig
 from oppo_engine.ppo.models import load_models
 from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot, records_json
@@ -50,7 +50,7 @@ class DemoOptions:
     # threads collapse when a core is taken (a mode would be slowed by the load, not by its pipeline)
     threads: int = 1
     trace_step: int | None = None  # the step whose lanes are traced (default: the middle one)
-    fsdp: bool = False  # one data-parallel rank of a torchrun job (ppo/distributed.py: run_demo_on_ranks)
+    fsdp: bool = False  # one data-parallel rank of a torchrun job (cli.py: demo_on_ranks)
 
 
 def ppo_config(opts: DemoOptions) -> PPOConfig:
@@ -89,7 +89,7 @@ def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Pa
     does not have that mode)."""
     torch.manual_seed(opts.seed)
     models = load_models(actor_path, reward_path, opts.device)
-    group = distributed.shard_trainer_models(models) if opts.fsdp else None
+    group = ranks.shard_trainer_models(models) if opts.fsdp else None
     cfg = ppo_config(opts)
     return PPOTrainer(
         models.actor,

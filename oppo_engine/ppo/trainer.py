@@ -14,7 +14,7 @@ recomputes a carried sequence's values after ``update_policy()``.
 
 With ``process_group=`` it runs data-parallel (one trainer per rank, under ``torchrun``): FSDP2-sharded
 actor and critic, frozen reward and reference replicated, one engine per rank over its share of the
-prompts; advantages over the global batch and rank-major minibatches (``ppo/distributed.py``), so W ranks
+prompts; advantages over the global batch and rank-major minibatches (``ppo/ranks.py``), so W ranks
 train exactly as one rank over the same global batch.
 """
 
@@ -31,11 +31,12 @@ import torch
 from torch import nn
 
 from oppo_engine.config import EngineConfig, SamplingParams
-from oppo_engine.engine import RolloutEngine, StepResult
+from oppo_engine.engine import RolloutEngine
 from oppo_engine.model.support import text_config
-from oppo_engine.ppo import core, distributed
+from oppo_engine.ppo import core, ranks
 from oppo_engine.ppo.batch import RolloutBatch, canonical_order, collate
 from oppo_engine.ppo.config import PPOConfig
+from oppo_engine.sched.results import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,11 @@ class PPOTrainer:
 
     ``process_group`` (a torch.distributed group; ``None``: a single process) makes it data-parallel: every
     rank builds its trainer with the same models and prompts; ``actor`` and ``critic`` must be FSDP2-sharded
-    over the group's ranks (``distributed.shard_model``; on GPUs the FSDP mesh runs NCCL and
-    ``process_group`` is best a gloo group over the same ranks, ``distributed.exchange_group()``: it carries
+    over the group's ranks (``ranks.shard_model``; on GPUs the FSDP mesh runs NCCL and
+    ``process_group`` is best a gloo group over the same ranks, ``ranks.exchange_group()``: it carries
     small objects and sums, and its timeouts raise); ``batch_size`` and ``minibatch_size`` count this rank's
     rows. ``__init__``, ``step()``, ``train()`` and ``close()`` are collective. Prompt ``i`` of the cycled
-    list is sampled with the seed ``distributed.prompt_seed(config.seed, i)`` however many ranks there are.
+    list is sampled with the seed ``ranks.prompt_seed(config.seed, i)`` however many ranks there are.
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class PPOTrainer:
     ) -> None:
         self.config = cfg = config or PPOConfig()
         self.group = process_group
-        self.rank, self.world_size = distributed.group_rank_size(process_group)
+        self.rank, self.world_size = ranks.group_rank_size(process_group)
         engine_config = engine_config or EngineConfig(batch_size=cfg.batch_size)
         if engine_config.batch_size != cfg.batch_size:
             raise ValueError(
@@ -127,7 +128,7 @@ class PPOTrainer:
                 f"prompts[{bad}] is empty or holds a token id outside the actor's vocabulary [0, {vocab})"
             )
         settings = dict(config=dataclasses.asdict(cfg), prompts=hash(tuple(map(tuple, prompts))))
-        distributed.check_same_on_ranks(settings, process_group)
+        ranks.check_same_on_ranks(settings, process_group)
         for model in (reference, reward):
             model.requires_grad_(False)
         self.actor, self.critic, self.reference, self.reward = actor, critic, reference, reward
@@ -153,7 +154,7 @@ class PPOTrainer:
                 f"a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds "
                 f"max_model_len={self.engine.max_model_len}"
             )
-        self._prompts = distributed.rank_prompts(
+        self._prompts = ranks.rank_prompts(
             prompts, rank=self.rank, world_size=self.world_size, block=cfg.batch_size
         )
         self._queued = 0  # prompts handed to the engine and not yet returned by a step
@@ -178,7 +179,7 @@ class PPOTrainer:
                 "PPO step %d: rollout of prompt %s left out: %s", self.steps + 1, r.prompt_ids, r.error
             )
         # The global batch (rank-major, then canonical), on every rank: a no-op on one rank.
-        rollouts = distributed.gather_rollouts(result.rollouts, self.group)
+        rollouts = ranks.gather_rollouts(result.rollouts, self.group)
         if not rollouts:
             raise RuntimeError(
                 f"PPO step {self.steps + 1}: the engine returned no rollout ({len(result.failed)} "
@@ -205,7 +206,7 @@ class PPOTrainer:
         if missing <= 0:
             return
         items = list(itertools.islice(self._prompts, missing))
-        seeds = [distributed.prompt_seed(self.config.seed, g) for g, _ in items]
+        seeds = [ranks.prompt_seed(self.config.seed, g) for g, _ in items]
         self.engine.add_prompts(
             [ids for _, ids in items], sampling=[dataclasses.replace(self._sampling, seed=s) for s in seeds]
         )
@@ -242,7 +243,7 @@ class PPOTrainer:
                 logprobs = core.token_logprobs(self.actor, ids, mask, self.config.temperature)
                 if weight:
                     fresh[mine, : width - 1] = logprobs
-        distributed.all_reduce_sum(fresh, self.group)
+        ranks.all_reduce_sum(fresh, self.group)
         return torch.where(stale, fresh, batch.logprobs)
 
     def _update(self, batch: RolloutBatch) -> dict:
@@ -291,7 +292,7 @@ class PPOTrainer:
                 sums += weight * torch.stack([pg_loss, vf_loss, clipfrac, approx_kl]).detach().double()
                 grad_norm += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
                 n_minibatches += 1
-        distributed.all_reduce_sum(sums, self.group)
+        ranks.all_reduce_sum(sums, self.group)
         return dict(
             reward=float(batch.scores.mean()),
             kl=float(kl.sum(1).mean()),
@@ -328,23 +329,23 @@ def _check_sharding(actor, critic, reference, reward, world_size: int) -> None:
     """ValueError unless the trained models are FSDP2-sharded exactly when there are several ranks, and the
     frozen ones never are."""
     for model, role in ((reference, "reference"), (reward, "reward")):
-        if distributed.is_sharded(model):
+        if ranks.is_sharded(model):
             raise ValueError(f"{role}: a frozen model is replicated on every rank, never sharded")
     for model, role in ((actor, "actor"), (critic, "critic")):
-        sharded = distributed.is_sharded(model)
+        sharded = ranks.is_sharded(model)
         if world_size > 1 and not sharded:
             raise ValueError(
                 f"{role}: data-parallel PPO on {world_size} ranks trains FSDP2-sharded models (gradients "
-                "are reduced by FSDP): shard it with oppo_engine.ppo.distributed.shard_model"
+                "are reduced by FSDP): shard it with oppo_engine.ppo.ranks.shard_model"
             )
-        if world_size > 1 and distributed.shard_count(model) != world_size:
+        if world_size > 1 and ranks.shard_count(model) != world_size:
             raise ValueError(
-                f"{role} is sharded over {distributed.shard_count(model)} ranks, process_group has "
+                f"{role} is sharded over {ranks.shard_count(model)} ranks, process_group has "
                 f"{world_size}: FSDP averages gradients over its mesh, which must be the group's ranks"
             )
-        if world_size == 1 and sharded and distributed.shard_count(model) > 1:
+        if world_size == 1 and sharded and ranks.shard_count(model) > 1:
             raise ValueError(
-                f"{role} is sharded over {distributed.shard_count(model)} ranks: pass process_group= "
+                f"{role} is sharded over {ranks.shard_count(model)} ranks: pass process_group= "
                 "(the same group) so that rollouts, advantages and minibatches span them"
             )
 

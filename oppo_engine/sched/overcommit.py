@@ -23,6 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from oppo_engine.cache import KVCacheManager
+from oppo_engine.cache.swap import HostPages
+from oppo_engine.control import DeltaController
+from oppo_engine.model.roles import ACTOR, CRITIC
 from oppo_engine.sched.sequence import SeqStatus, Sequence
 
 
@@ -138,3 +142,56 @@ class OvercommitBuffer:
 
     def __len__(self) -> int:
         return len(self.carried)
+
+
+def delta_controller(config, group: int) -> tuple[DeltaController | None, int]:
+    """The Δ controller of an ``EngineConfig`` whose samples come in groups of ``group`` (``None`` outside
+    ``inter`` and ``oppo``), and Δ_max in whole groups (0 without overcommit): a fixed ``overcommit``, or
+    the online control of ``config.delta`` (whose ``None`` defaults resolve to B/8 and B/4)."""
+    if config.batch_size % group:
+        raise ValueError(
+            f"batch_size={config.batch_size} is not a multiple of SamplingParams.n={group}: a step returns "
+            "whole groups (batch_size counts rollouts)"
+        )
+    if config.mode not in ("inter", "oppo"):
+        return None, 0
+    fixed = config.overcommit if isinstance(config.overcommit, int) else None
+    if fixed is not None and fixed % group:
+        raise ValueError(
+            f"overcommit={fixed} is not a multiple of SamplingParams.n={group}: groups are carried whole"
+        )
+    delta = config.delta.resolve(config.batch_size, group)
+    max_overcommit = -(-(fixed if fixed is not None else delta.max) // group) * group
+    return DeltaController(delta, fixed=fixed), max_overcommit
+
+
+# Trained scorers: their KV and results of a carried-over sequence are recomputed after a policy update.
+TRAINED_SCORERS = [CRITIC]
+
+
+def drop_kv(seq: Sequence, name: str, caches: dict[str, KVCacheManager], host: HostPages | None) -> None:
+    """Drop ``seq``'s KV in model ``name``: in the arena, or on host while the arena is released."""
+    if host is not None:
+        host.drop(name, seq.seq_id)
+    else:
+        caches[name].free(seq.seq_id)
+    if name == ACTOR:
+        seq.num_computed = 0
+
+
+def refresh_carried(
+    carried: list[Sequence], retained_kv: str, *, caches: dict[str, KVCacheManager], host: HostPages | None,
+    lane,
+) -> None:  # fmt: skip
+    """After a policy update (DESIGN.md, "Retained sequences"): an unfinished carried sequence's actor KV
+    is dropped under ``retained_kv="recompute"`` (its tokens kept, its KV prefilled again with the new
+    weights) and kept under ``"reuse"``; the trained scorers' KV and results are dropped, and ``lane``
+    scores them again; the frozen scorers' are kept."""
+    for seq in carried:
+        finished = seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED)
+        if retained_kv == "recompute" and not finished:
+            drop_kv(seq, ACTOR, caches, host)
+        for name in TRAINED_SCORERS:
+            if name in caches:
+                drop_kv(seq, name, caches, host)
+        lane.rescore(seq, TRAINED_SCORERS)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.cache.arena import KVSpec, fit_page_size, page_bytes_for
-from oppo_engine.engine import StepResult
 from oppo_engine.obs import StepMetrics
+from oppo_engine.sched.results import StepResult
 
 from .executor import Policy, SimClock, SimExecutor
 from .models import EOS, VOCAB, sim_models

@@ -1,14 +1,14 @@
-"""ScorerService: frozen scorers (reward, optional reference) on a rank of their own, serving every other rank
-of a group (the paper's 7+1 placement).
+"""ScorerService: frozen scorers (reward, optional reference) on a rank of their own, serving every other
+rank of a group (the paper's 7+1 placement).
 
-The service holds the models, an arena of its own on its own device, and one ``ScorerScheduler`` per model
--- the classes a local scorer lane uses. Each client's hand-offs arrive as token ids (``dist/protocol.py``);
-the service mirrors each sequence (its group, sample count and temperature travel with it) and prefills the
-chunks of all its clients together, one packed forward per model per round, as one local scorer lane does
-for one actor. Its arena preempts and swaps exactly as a local lane's does; groups share their prompt pages.
-A client that fails a step aborts: its sequences are dropped here and handed off again from their first
-token. A client that closes or dies is dropped the same way; the others are served on.
-"""
+The service holds the models, an arena of its own on its own device, and one ``ScorerScheduler`` per model --
+the classes a local scorer lane uses. Each client's hand-offs arrive as token ids
+(``distributed/protocol.py``); the service mirrors each sequence (its group, sample count and temperature
+travel with it) and prefills the chunks of all its clients together, one packed forward per model per round,
+as one local scorer lane does for one actor. Its arena preempts and swaps exactly as a local lane's does;
+groups share their prompt pages. A client that fails a step aborts: its sequences are dropped here and handed
+off again from their first token. A client that closes or dies is dropped the same way; the others are served
+on."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from torch import nn
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.cache.arena import fit_page_size, page_bytes_for
 from oppo_engine.config import SamplingParams
-from oppo_engine.dist import protocol
-from oppo_engine.dist.transport import (
+from oppo_engine.distributed import protocol
+from oppo_engine.distributed.transport import (
     ABORT,
     BYE,
     DEFAULT_HEARTBEAT_S,

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from oppo_engine.control import SwitchProfile
+from oppo_engine.sched.online import StepReport
 
 # Settings every rank must share (EngineConfig fields, and SamplingParams.n): the controllers and the batch
 # cut read them, so ranks that differed would decide differently and their collectives would stop pairing.
@@ -62,23 +63,6 @@ class GroupFailed(RuntimeError):
 class PeerCallFailed(RuntimeError):
     """Another rank's call failed locally (and rolled back); this rank rolled its call back too. The group
     is intact: retrying the call on every rank is exact."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepReport:
-    """What a step measured, for the controllers: tokens generated, wall seconds, the sum and count of the
-    returned batch's rewards, and the switch-cost profile so far (``None`` where none was measured).
-
-    One rank's report goes in :meth:`EngineGroup.end_step`; the group's comes out, in the same form: tokens,
-    rewards and their count summed over the ranks, ``wall_s`` the slowest per-token time times the group's
-    tokens (so that ``wall_s / tokens`` is the slowest rank's time per token), the profile field-wise
-    largest."""
-
-    tokens: int
-    wall_s: float
-    reward_sum: float
-    rewards: int
-    profile: SwitchProfile | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +118,8 @@ def join_group(process_group, config, sampling, device: torch.device) -> EngineG
         return None
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
-            f"process_group must be a torch.distributed ProcessGroup or None, got {type(process_group).__name__}"
+            "process_group must be a torch.distributed ProcessGroup or None, got "
+            f"{type(process_group).__name__}"
         )
     _check_nccl_device(process_group, device)
     group = EngineGroup(process_group)
@@ -244,15 +229,17 @@ class EngineGroup:
         return group
 
     def mean_reward(self, reward: float) -> float:
-        """The collective of ``report_reward()``: the mean of every rank's ``reward``; ValueError on every rank
-        naming the ranks whose value is not a finite number."""
+        """The collective of ``report_reward()``: the mean of every rank's ``reward``; ValueError on every
+        rank naming the ranks whose value is not a finite number."""
         self.begin("report_reward()")
         # Only a plain number travels: anything else goes as its description (a CUDA tensor pickled to the
         # peers would be unpickled onto the sender's GPU there), and every rank refuses it below.
         values = self._exchange(reward if _is_finite(reward) else f"{type(reward).__name__} {reward!r}"[:200])
         bad = [f"{v} on rank {r}" for r, v in enumerate(values) if not _is_finite(v)]
         if bad:
-            raise ValueError(f"report_reward: reward must be a finite number on every rank, got {', '.join(bad)}")
+            raise ValueError(
+                f"report_reward: reward must be a finite number on every rank, got {', '.join(bad)}"
+            )
         self._state = "agreed"
         return math.fsum(float(v) for v in values) / len(values)
 

@@ -1,5 +1,6 @@
-"""The actor rank's side of remote scorers: ``RemoteScorers`` (passed as ``reward=``) and the lane it gives the
-engine, a ``ScorerLane`` whose reward (and reference) results come from a ``ScorerService`` on another rank.
+"""The actor rank's side of remote scorers: ``RemoteScorers`` (passed as ``reward=``) and the lane it gives
+the engine, a ``ScorerLane`` whose reward (and reference) results come from a ``ScorerService`` on another
+rank.
 
 The step loop does not change: the lane offers what the local one does (add, hand off, check, finish, pause,
 abort, rescore). Hand-offs go to the service as token ids, batched per round of the lane's worker (one
@@ -18,8 +19,8 @@ import time
 
 import torch.distributed as dist
 
-from oppo_engine.dist import protocol
-from oppo_engine.dist.transport import (
+from oppo_engine.distributed import protocol
+from oppo_engine.distributed.transport import (
     ABORT,
     BYE,
     DEFAULT_HEARTBEAT_S,
@@ -96,12 +97,13 @@ class RemoteScorers:
             or not 0 <= service_rank < size
         ):
             raise ValueError(
-                f"RemoteScorers: service_rank={service_rank!r} is not a rank of the group (ranks 0..{size - 1})"
+                f"RemoteScorers: service_rank={service_rank!r} is not a rank of the group "
+                f"(ranks 0..{size - 1})"
             )
         if service_rank == rank:
             raise ValueError(
-                f"RemoteScorers: service_rank={service_rank} is this rank; the service runs ScorerService.serve()"
-                " on a rank of its own"
+                f"RemoteScorers: service_rank={service_rank} is this rank; the service runs "
+                "ScorerService.serve() on a rank of its own"
             )
         self.service_rank = service_rank
         self.liveness_timeout_s = liveness_timeout_s
@@ -152,7 +154,8 @@ class RemoteScorers:
             )
 
     def lane(self, scorers: list[Scorer], **lane_args) -> RemoteScorerLane:
-        """The engine's scorer lane: ``scorers`` (a local critic) run here, the service's results join them."""
+        """The engine's scorer lane: ``scorers`` (a local critic) run here, the service's results join
+        them."""
         self._lane = RemoteScorerLane(self, scorers, **lane_args)
         return self._lane
 

@@ -74,7 +74,8 @@ class Transport(ABC):
     """Messages between this rank and its ``peers`` (ranks of the group), each delivered in order.
 
     ``start(on_message)`` begins receiving: ``on_message(peer, message)`` is called on a receiving thread,
-    in the order the peer sent them (heartbeats are not delivered; ``LOST`` when its connection breaks). ``send`` may be called from any thread.
+    in the order the peer sent them (heartbeats are not delivered; ``LOST`` when its connection breaks).
+    ``send`` may be called from any thread.
     """
 
     rank: int

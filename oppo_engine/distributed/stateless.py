@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from oppo_engine.dist.transport import register_store
+from oppo_engine.distributed.transport import register_store
 
 DEFAULT_CONNECT_TIMEOUT_S = 300.0
 
