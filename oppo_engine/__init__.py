@@ -1,7 +1,7 @@
 """oppo_engine: a rollout backend for PPO-RLHF that overlaps generation with scoring (OPPO, ICLR 2026).
 
-Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward`` (see README.md and
-DESIGN.md). They are
+Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward``, and for multi-turn
+episodes ``Env``, ``Observation`` and ``ToolEnv`` (see README.md, DESIGN.md and docs/multi-turn.md). They are
 imported lazily, so ``import oppo_engine.ops`` (or ``.cache``) does not pull in transformers.
 """
 
@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "BatchedReward": "oppo_engine.model.rewards",
+    "Env": "oppo_engine.env.protocol",
+    "Observation": "oppo_engine.env.protocol",
+    "ToolEnv": "oppo_engine.env.tools",
     "EngineConfig": "oppo_engine.config",
     "SamplingParams": "oppo_engine.config",
     "RolloutEngine": "oppo_engine.engine",
@@ -24,17 +27,22 @@ __all__ = [
     "BatchedReward",
     "CacheStats",
     "EngineConfig",
+    "Env",
+    "Observation",
     "Rollout",
     "RolloutEngine",
     "SamplingParams",
     "StepMetrics",
     "StepResult",
+    "ToolEnv",
 ]
 
 if TYPE_CHECKING:
     from oppo_engine.cache.stats import CacheStats
     from oppo_engine.config import EngineConfig, SamplingParams
     from oppo_engine.engine import RolloutEngine
+    from oppo_engine.env.protocol import Env, Observation
+    from oppo_engine.env.tools import ToolEnv
     from oppo_engine.model.rewards import BatchedReward
     from oppo_engine.obs.metrics import StepMetrics
     from oppo_engine.sched.results import Rollout, StepResult

@@ -48,6 +48,7 @@ def save_state(engine: RolloutEngine) -> dict:
             "n": engine.sampling.n,
             "max_model_len": engine.max_model_len,
             "eos_token_ids": list(engine.eos_token_ids),
+            "env": engine._prompts.env is not None,  # the queued prompts without their own run in env=
         },
     }
 
@@ -75,6 +76,14 @@ def check_state(engine: RolloutEngine, state: dict) -> None:
             f"state: its prompts are sampled n={sorted(other)} times, this engine's n={engine.sampling.n}: "
             "groups cannot change size across a checkpoint"
         )
+    needs_env = (state.get("settings") or {}).get("env") or any(
+        d.get("episode") is not None and d["episode"]["factory"] is None for d in saved
+    )
+    if needs_env and engine._prompts.env is None:
+        raise ValueError(
+            "state: its prompts run in the saving engine's environment (env=), and this engine has none: "
+            "build it with env=factory"
+        )
     for d in saved:
         engine._prompts.validate(f"state: the prompt of sequence {d['seq_id']}", d["prompt_ids"])
     for i, (ids, _) in enumerate(state["prompts"]["pending"]):
@@ -97,18 +106,20 @@ def load_state(engine: RolloutEngine, state: dict) -> int:
             f"(tokens dropped): {reason}",
             stacklevel=3,
         )
-    for seq in engine._buffer.carried:  # what this engine held goes
+    for seq in engine._buffer.carried:  # what this engine held goes, its environment calls too
+        engine._loop.envs.cancel(seq)
         for name in engine._caches:
             drop_kv(seq, name, engine._caches, engine._host)
     engine._loop.scorer_lane.abort()
     engine._policy_version = state["policy_version"]
     engine._prompts.load_state_dict(state["prompts"])
     # Older than anything queued: first in line (whole groups, in their order).
-    engine._prompts.requeued.extendleft(reversed([load_sequence(d) for d in restarted]))
+    env = engine._prompts.env
+    engine._prompts.requeued.extendleft(reversed([load_sequence(d, env) for d in restarted]))
     counters = engine._counters
     counters.step_index = state["step_index"]
     counters.finished_tokens, counters.finished_seqs = state["finished_lengths"]
-    engine._buffer.carried = [] if restarted else [load_sequence(d) for d in carried]
+    engine._buffer.carried = [] if restarted else [load_sequence(d, env) for d in carried]
     if engine._delta_control is not None and state["delta"] is not None:
         engine._delta_control.load_state_dict(state["delta"])
     engine._trainer_reward = state["trainer_reward"]

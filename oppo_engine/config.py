@@ -41,6 +41,15 @@ class SamplingParams:
     ``n`` samples each prompt ``n`` times (a group: GRPO, RLOO, PPO with n > 1). Sample 0 uses the prompt's
     seed (so ``n=1`` changes nothing) and sample ``j`` a seed derived from it and ``j``; the prompt is
     prefilled once per model and its pages shared. All prompts of one engine use the same ``n``.
+
+    Multi-turn episodes (a sequence with an environment: ``RolloutEngine(env=...)`` or
+    ``add_prompts(envs=...)``; docs/multi-turn.md): a turn ends on one of ``turn_stop_token_ids`` (kept in
+    the turn) or after ``max_turn_tokens`` sampled tokens (``None``: no limit); the environment's
+    observation is then appended and the next turn sampled. ``max_turns`` (``None``: no limit) ends the
+    episode when that many turns have ended (``finish_reason="max_turns"``, the last turn not sent to the
+    environment); ``max_new_tokens`` counts the sampled tokens of every turn, never observation tokens.
+    ``max_observation_tokens`` (``None``: no limit) keeps the first that many tokens of each observation and
+    counts the cut in ``Rollout.truncated_observations``. Without an environment these must stay unset.
     """
 
     temperature: float = 1.0
@@ -51,14 +60,21 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
+    turn_stop_token_ids: tuple[int, ...] = ()
+    max_turn_tokens: int | None = None
+    max_turns: int | None = None
+    max_observation_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        stop = self.stop_token_ids
-        if isinstance(stop, int | str) or not all(_is_token_id(t) for t in stop):
-            raise ValueError(
-                f"SamplingParams.stop_token_ids must be a sequence of token ids >= 0, got {stop!r}"
-            )
-        self.stop_token_ids = tuple(int(t) for t in stop)
+        for name in ("stop_token_ids", "turn_stop_token_ids"):
+            stop = getattr(self, name)
+            if isinstance(stop, int | str) or not all(_is_token_id(t) for t in stop):
+                raise ValueError(f"SamplingParams.{name} must be a sequence of token ids >= 0, got {stop!r}")
+            setattr(self, name, tuple(int(t) for t in stop))
+        for name in ("max_turn_tokens", "max_turns", "max_observation_tokens"):
+            value = getattr(self, name)
+            if value is not None and not (_is_token_id(value) and value >= 1):
+                raise ValueError(f"SamplingParams.{name} must be an int >= 1 or None, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if not self.temperature >= 0.0:
@@ -101,6 +117,10 @@ class EngineConfig:
     the dtype of the rollout replicas of a sharded (FSDP2) or meta-device actor/critic (``None``: the
     dtype their weights are stored in; bf16 replicas of fp32 trainer weights are common); with no such
     model it must stay ``None``.
+    ``env_workers`` is the number of worker threads that run environment calls off the actor lane
+    (``None``: one per sequence in flight, B + Δ_max); an async ``step`` runs on one event loop instead.
+    ``env_timeout_s`` (``None``: no limit) ends a sequence whose environment call runs longer with
+    ``finish_reason="error"`` (``StepResult.failed``).
     """
 
     batch_size: int = 64
@@ -119,6 +139,8 @@ class EngineConfig:
     max_policy_lag: int | None = 2
     graph: bool | str = "auto"
     rollout_dtype: torch.dtype | None = None
+    env_workers: int | None = None
+    env_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -165,6 +187,13 @@ class EngineConfig:
                 "EngineConfig.rollout_dtype must be a floating torch.dtype or None, got "
                 f"{self.rollout_dtype!r}"
             )
+        if self.env_workers is not None and not (_is_token_id(self.env_workers) and self.env_workers >= 1):
+            raise ValueError(
+                f"EngineConfig.env_workers must be an int >= 1 or None, got {self.env_workers!r}"
+            )
+        timeout = self.env_timeout_s
+        if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
+            raise ValueError(f"EngineConfig.env_timeout_s must be a number > 0 or None, got {timeout!r}")
         if self.graph not in ("auto", True, False):
             raise ValueError(f"EngineConfig.graph must be 'auto', True or False, got {self.graph!r}")
         if self.chunk != ChunkControl() and self.chunk_size != "auto":

@@ -82,6 +82,10 @@ class RolloutEngine:
     refreshed by ``update_policy()``; one on the ``meta`` device gets its weights from
     ``update_policy(weights=...)`` (``critic_weights=``) before the first ``step()`` (README, "Sharded
     trainer models"). ``self.actor`` is the model the engine runs (the replica, where there is one).
+
+    ``env`` (a factory: a class, or a function returning an ``Env``) makes every sequence a multi-turn
+    episode in its own environment instance (docs/multi-turn.md); ``add_prompts(envs=...)`` gives prompts
+    their own. Multi-turn ``SamplingParams`` (``turn_stop_token_ids``, ...) without any are refused here.
     """
 
     def __init__(
@@ -96,7 +100,10 @@ class RolloutEngine:
         reference: torch.nn.Module | None = None,
         critic: torch.nn.Module | None = None,
         process_group: torch.distributed.ProcessGroup | None = None,
+        env=None,
     ) -> None:
+        if env is not None and not callable(env):
+            raise TypeError(f"env must be an environment factory (a class or a function), got {env!r}")
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
         cfg = self.config
@@ -141,7 +148,7 @@ class RolloutEngine:
         self._gpu = GpuUtilSampler.for_device(self.device) if self.device.type == "cuda" else None
         self._prompts = PromptQueue(
             self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            rank=None if self._group is None else self._group.rank,
+            rank=None if self._group is None else self._group.rank, env=env,
         )  # fmt: skip
         self._buffer = OvercommitBuffer()
         self._policy_version = 0
@@ -155,7 +162,8 @@ class RolloutEngine:
             self._arena, self._models, config=cfg,
             rule_reward=None if self.reward_is_model else self.reward,
             max_in_flight=cfg.batch_size + self._max_overcommit, max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids, overcommit=self._delta_control is not None, device=self.device,
+            vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+            overcommit=self._delta_control is not None, device=self.device,
             timeline=self._timeline,
             make_lane=self.reward.lane if isinstance(self.reward, RemoteScorers) else ScorerLane,
         )  # fmt: skip
@@ -177,18 +185,20 @@ class RolloutEngine:
         prompts,
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         attention_mask=None,
+        envs: Sequence | None = None,
     ) -> None:
         """Queue prompts: lists of token ids (numpy / torch integer scalars too), a 2-D tensor or array
         (``attention_mask`` strips padding on either side; without it every row is taken whole), a
         tokenizer's ``BatchEncoding`` or dict, one 1-D sequence as one prompt, ``[]`` as none; with
         ``tokenizer=`` given to the engine, also text and chat conversations (``oppo_engine.prompt_input``).
-        ``sampling`` is one ``SamplingParams`` for all, or a list of one per prompt.
+        ``sampling`` is one ``SamplingParams`` for all, or a list of one per prompt; ``envs`` one environment
+        factory per prompt (``None`` entries: the engine's ``env``), each sample with its own instance.
 
         A wrong type raises ``TypeError``, a wrong value (empty prompt, id outside the vocabulary, too long)
         ``ValueError``; all prompts are validated before any is queued, so a bad call queues nothing.
         """
         self._check_open()
-        self._prompts.add(to_token_lists(prompts, attention_mask, self.tokenizer), sampling)
+        self._prompts.add(to_token_lists(prompts, attention_mask, self.tokenizer), sampling, envs)
 
     def set_prompt_source(self, source: Iterable) -> None:
         """Pull prompts lazily from ``source`` once the queued ones run out; each item is one prompt in any
@@ -377,7 +387,9 @@ class RolloutEngine:
         results already read -- and the counters that make a restored engine continue exactly. KV is not
         saved: it is rebuilt (prefilled again) after ``load_state_dict``. A prompt source set with
         ``set_prompt_source`` is not saved: set it again after loading. Works after a failed collective of a
-        process group, to restart the job from every rank's state."""
+        process group, to restart the job from every rank's state. An environment cannot be saved: an
+        unfinished episode whose environment was sent a turn (its call in flight, or answered) is saved
+        requeued from its prompt, to run with a fresh environment; this engine's own episodes go on."""
         self._check_not_closed(group=False)
         return checkpoint.save_state(self)
 
@@ -404,12 +416,14 @@ class RolloutEngine:
 
     def close(self) -> None:
         """Free the arena now (its device memory, and the captured graphs' memory, go back before this
-        returns, whatever still refers to the engine) and refuse further use. Idempotent."""
+        returns, whatever still refers to the engine), cancel the environment calls pending and refuse
+        further use. Idempotent."""
         if self._closed:
             return
         self._closed = True
         arena = self._arena
         try:
+            self._loop.close()
             if self._captured is not None:
                 self._captured.close()
                 self._captured = None

@@ -50,6 +50,12 @@ class StepMetrics:
         graph_recompiles: graphs compiled (CPU) or captured (CUDA, re-captures included) in this step; a
             run settles into 0 after its first steps.
         graph_fallback: ``None``, or why a decode-only forward of this step ran eager with graphs on.
+        env_calls: environment ``step`` calls answered in this step (multi-turn episodes), failures and
+            timeouts included.
+        env_wait_s: seconds the actor was idle because every sequence it held waited on its environment:
+            the tool time the overlap failed to hide.
+        env_latency_s: ``p50``, ``p90``, ``p99`` and ``max`` seconds of those calls (from a worker taking the
+            call to its answer); empty when there were none.
     """
 
     wall_s: float
@@ -75,6 +81,9 @@ class StepMetrics:
     graph_forwards: int = 0
     graph_recompiles: int = 0
     graph_fallback: str | None = None
+    env_calls: int = 0
+    env_wait_s: float = 0.0
+    env_latency_s: dict[str, float] = field(default_factory=dict)
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

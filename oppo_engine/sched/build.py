@@ -14,6 +14,7 @@ import torch
 
 from oppo_engine.cache import KVArena, KVCacheManager
 from oppo_engine.config import EngineConfig
+from oppo_engine.env.pool import EnvPool
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.graph import CapturedDecode, graph_enabled
 from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD
@@ -28,6 +29,7 @@ from oppo_engine.model.scorer import (
 )
 from oppo_engine.model.warmup import warm_up_models
 from oppo_engine.obs import Timeline
+from oppo_engine.sched.envs import EnvDriver
 from oppo_engine.sched.lanes import ACTOR_PRIORITY, SCORER_PRIORITY, DeviceLane, ScorerLane
 from oppo_engine.sched.scheduler import ActorScheduler
 from oppo_engine.sched.step import StepLoop
@@ -57,6 +59,7 @@ def build_step_loop(
     rule_reward: RuleReward | None,
     max_in_flight: int,
     max_model_len: int,
+    vocab_size: int,
     eos_token_ids: tuple[int, ...],
     overcommit: bool,
     device: torch.device,
@@ -66,9 +69,10 @@ def build_step_loop(
     """The step loop over ``models`` (by role; the actor under ``ACTOR``) in ``arena``.
 
     ``rule_reward`` is a reward function scored on the lane (``None``: a reward model among ``models``, or
-    a remote one); ``max_in_flight`` is B + Δ_max; ``make_lane`` builds the scorer lane (a remote scorer's
-    lane replaces the local one here, and nowhere in the loop). On CUDA the Triton variants are compiled
-    here, once, rather than on two lanes at once in the first step.
+    a remote one); ``max_in_flight`` is B + Δ_max (and the default number of environment workers);
+    ``make_lane`` builds the scorer lane (a remote scorer's lane replaces the local one here, and nowhere in
+    the loop). On CUDA the Triton variants are compiled here, once, rather than on two lanes at once in the
+    first step.
     """
     actor_cache = KVCacheManager(arena, ACTOR)
     caches = {ACTOR: actor_cache}
@@ -111,6 +115,10 @@ def build_step_loop(
         actor_lane=actor_lane,
         timeline=timeline,
         pages_in_use=pages_in_use,
+        envs=EnvDriver(
+            EnvPool(config.env_workers or max_in_flight, config.env_timeout_s),
+            vocab_size=vocab_size, max_model_len=max_model_len,
+        ),  # fmt: skip
     )
     if device.type == "cuda":  # compile the Triton variants here, not on two lanes at once
         with torch.cuda.device(device):  # Triton launches on the current device, not the tensors'

@@ -214,22 +214,27 @@ def commit_step(
     # NOTE: not out.end_s: in oppo the actor's forward in flight at the cut (and the lane's pause) end
     # after the batch's last score, and the caller waits for them too.
     t_end = time.perf_counter()
-    quarantined = [s for q in run.failed for s in q.group]
-    for seq in quarantined:  # out of the step for good: its KV (carried over, the actor's) goes
+    env_failed = dict((s.seq_id, error) for s, error in out.env_failed)
+    quarantined = [s for q in run.failed for s in q.group] + [s for s in start.seqs if s.seq_id in env_failed]
+    loop.discard(quarantined)  # out for good: calls cancelled, KV (carried over, the actor's) freed
+    for seq in quarantined:
         for cache in caches.values():
             cache.free(seq.seq_id)
-    live = [s for s in start.seqs if all(s is not f for f in quarantined)]
+    gone = {s.seq_id for s in quarantined}
+    live = [s for s in start.seqs if s.seq_id not in gone]
     batch = out.finished
     if check_rewards and batch:
-        bad = next((s for s in batch if not math.isfinite(float(s.reward))), None)
+        bad = next((s for s in batch if not math.isfinite(float(s.final_reward))), None)
         if bad is not None:
             raise ValueError(
-                f"reward: a non-finite reward {bad.reward!r} (prompt {bad.group_id}, sample "
+                f"reward: a non-finite reward {bad.final_reward!r} (prompt {bad.group_id}, sample "
                 f"{bad.sample_index}) cannot feed the overcommit controller; the step is rolled back. Fix "
                 "the reward, or call report_reward() to feed the controller yourself"
             )
     rollouts = [Rollout.of(s) for s in batch]
     failed = [Rollout.of(s, error=describe(q.error)) for q in run.failed for s in q.group]
+    failed += [Rollout.of(s, error=error) for s, error in out.env_failed]
+    env_calls, env_latencies = loop.envs.take_counts()
     if buffer is not None:
         buffer.carry(live, batch)
     counters.finished_tokens += sum(len(s.response_ids) for s in out.finished_all)
@@ -255,13 +260,26 @@ def commit_step(
         gpu_util=gpu.mean_util_pct if gpu is not None else None,
         handoffs=out.handoffs,
         deferral_histogram=dict(sorted(Counter(s.deferred_steps for s in batch).items())),
-        stale_tokens=sum(v < policy_version for s in batch for v in s.policy_versions),
+        stale_tokens=sum(0 <= v < policy_version for s in batch for v in s.policy_versions),
         length_bias=counters.length_bias(batch),
         recomputed_tokens={m: recomputed[m] - start.recomputed_before[m] for m in recomputed},
         reused_tokens=start.reused,
         swapped_tokens=counters.swapped_tokens,
         shared_tokens={n: c.shared_tokens - start.shared_before[n] for n, c in caches.items()},
         retries=run.retries,
+        env_calls=env_calls,
+        env_wait_s=out.env_wait_s,
+        env_latency_s=latency_percentiles(env_latencies),
         **graph_metrics,
     )
     return StepResult(rollouts, metrics, failed)
+
+
+def latency_percentiles(latencies: list[float]) -> dict[str, float]:
+    """``p50``, ``p90``, ``p99`` and ``max`` of ``latencies`` (nearest rank); empty without any."""
+    if not latencies:
+        return {}
+    ordered = sorted(latencies)
+    n = len(ordered)
+    rank = lambda q: ordered[min(n - 1, max(0, math.ceil(q * n) - 1))]  # noqa: E731
+    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": ordered[-1]}

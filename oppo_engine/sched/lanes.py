@@ -98,6 +98,7 @@ class _HandOff:
     seq: Sequence
     upto: int
     final: bool
+    drop: bool = False  # the sequence left the step (its environment failed): forget it
 
 
 class ScorerLane:
@@ -179,6 +180,24 @@ class ScorerLane:
     def hand_off(self, seq: Sequence, upto: int, final: bool) -> None:
         """Hand the chunk to the scorers: tokens ``[0, upto)`` of ``seq`` are theirs to prefill."""
         self._post(_HandOff(seq, upto, final))
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget ``seq`` (its environment ended it): the lane frees its pages and state in order with the
+        hand-offs before, and no longer waits for it."""
+        self._added.pop(seq.seq_id, None)
+        self._post(_HandOff(seq, 0, False, drop=True))
+
+    def discard(self, seqs: list[Sequence]) -> None:
+        """Forget ``seqs`` now, hand-offs not yet taken included; only between steps (the worker stopped)."""
+        ids = {s.seq_id for s in seqs}
+        if not ids:
+            return
+        self._inbox = [h for h in self._inbox if h.seq.seq_id not in ids]
+        for seq in seqs:
+            self._added.pop(seq.seq_id, None)
+            self._pending.pop(seq.seq_id, None)
+            for sched in self.scheds.values():
+                sched.drop(seq)
 
     def check(self) -> None:
         """Raise the lane's exception, if it has one."""
@@ -306,6 +325,13 @@ class ScorerLane:
             self.error = e
 
     def _take(self, inbox: list[_HandOff]) -> None:
+        dropped = {h.seq.seq_id for h in inbox if h.drop}
+        if dropped:
+            for h in [h for h in inbox if h.drop]:
+                self._pending.pop(h.seq.seq_id, None)
+                for sched in self.scheds.values():
+                    sched.drop(h.seq)
+            inbox = [h for h in inbox if h.seq.seq_id not in dropped]
         for h in inbox:
             seq = h.seq
             if seq.seq_id not in self._pending:

@@ -77,7 +77,7 @@ def feed_controllers(
     if chunk_size is not None:
         finish_times = [s.finish_time for s in out.finished if s.finish_time is not None]
         profile = profiler.observe(timeline.spans(), chunk_size, out.tokens_generated, finish_times)
-    reward_sum = sum(float(s.reward) for s in batch)
+    reward_sum = sum(float(s.final_reward) for s in batch)
     report = StepReport(out.tokens_generated, wall_s, reward_sum, len(batch), profile)
     if group is not None:
         report = group.end_step(report)

@@ -66,6 +66,7 @@ class BatchCut:
         lag_due: Callable[[Sequence], bool] | None = None,
     ) -> None:
         self.size = len(seqs) if batch_size is None else min(batch_size, len(seqs))
+        self._seqs = seqs
         self.due: set[int] = set()  # group ids
         lagging = {s.group_id for s in seqs if lag_due(s)} if lag_due is not None else set()
         taken = 0
@@ -96,6 +97,17 @@ class BatchCut:
         elif self._open >= len(group):
             self._open -= len(group)
             self.batch.extend(group)
+
+    def drop_group(self, group_id: int) -> None:
+        """The group left the step (its environment failed): its samples never join the batch, and a due
+        group's places go back to the others."""
+        self._done.pop(group_id, None)
+        if group_id in self.due:
+            self.due.discard(group_id)
+            self._open += next(s.sampling.n for s in self._members(group_id))
+
+    def _members(self, group_id: int):
+        return (s for s in self._seqs if s.group_id == group_id)
 
     @property
     def determined(self) -> bool:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 
 from oppo_engine.config import SamplingParams
+from oppo_engine.sched.episode import Episode
 from oppo_engine.sched.sequence import Sequence as Seq
 from oppo_engine.sched.state import load_sequence, save_sequence
+
+EnvFactory = Callable[[], object]
+_TURN_KNOBS = ("turn_stop_token_ids", "max_turn_tokens", "max_turns", "max_observation_tokens")
+
+
+def turn_knobs_set(params: SamplingParams) -> list[str]:
+    """The multi-turn settings of ``params`` that are set (they need an environment)."""
+    return [name for name in _TURN_KNOBS if getattr(params, name) not in ((), None)]
 
 
 def derive_seed(base_seed: int, prompt_index: int) -> int:
@@ -45,28 +54,45 @@ class PromptQueue:
     rollouts do not depend on batch composition.
 
     A prompt becomes ``sampling.n`` sequences (a group), taken together: ``take`` hands out whole groups.
+    ``env`` is the engine's environment factory (``None``: none); a prompt queued with its own factory
+    runs in that one. Each sequence of a group gets its own ``Episode`` (its own environment instance).
     """
 
     def __init__(
-        self, sampling: SamplingParams, *, max_model_len: int, vocab_size: int, rank: int | None = None
+        self,
+        sampling: SamplingParams,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+        rank: int | None = None,
+        env: EnvFactory | None = None,
     ) -> None:
         self.sampling = sampling
         self.rank = rank
+        self.env = env
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.requeued: deque[Seq] = deque()  # new sequences of a failed step, rolled back, taken first
-        self._pending: deque[tuple[list[int], SamplingParams | None]] = deque()
+        self._pending: deque[tuple[list[int], SamplingParams | None, EnvFactory | None]] = deque()
         self._source: Iterator[Sequence[int]] | None = None
         self._next_prompt_index = 0
         self._next_seq_id = 0
         self.check_sampling(sampling, "sampling")
 
-    def check_sampling(self, params: SamplingParams, where: str) -> None:
-        """ValueError if ``params`` names a stop token outside the vocabulary (it could never be sampled)."""
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
+    def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
+        """ValueError if ``params`` names a stop or turn-stop token outside the vocabulary (it could never be
+        sampled), or sets a multi-turn setting for a prompt with no environment (``env``, else the
+        engine's)."""
+        for name in ("stop_token_ids", "turn_stop_token_ids"):
+            bad = next((t for t in getattr(params, name) if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{where}.{name} holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+        knobs = turn_knobs_set(params)
+        if knobs and env is None and self.env is None:
             raise ValueError(
-                f"{where}.stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
+                f"{where}.{knobs[0]}={getattr(params, knobs[0])!r} needs an environment: multi-turn "
+                "settings apply to episodes only; pass RolloutEngine(env=factory), or "
+                "add_prompts(..., envs=[...]) for these prompts"
             )
 
     def validate(self, where: str, ids: Sequence[int]) -> list[int]:
@@ -88,10 +114,13 @@ class PromptQueue:
         self,
         prompts: Iterable[Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None,
+        envs: Sequence[EnvFactory | None] | None = None,
     ) -> None:
         """Queue ``prompts``; all are validated before any is queued, so a bad call queues nothing.
-        ``sampling`` is one ``SamplingParams`` for all of them, or one per prompt."""
+        ``sampling`` is one ``SamplingParams`` for all of them, or one per prompt; ``envs`` one environment
+        factory per prompt (``None`` entries: the engine's)."""
         prompts = list(prompts)
+        envs = self._check_envs(envs, len(prompts))
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
         if sampling is not None:
@@ -106,7 +135,7 @@ class PromptQueue:
             if len(sampling) != len(prompts):
                 raise ValueError(f"sampling has {len(sampling)} entries for {len(prompts)} prompts")
             for i, s in enumerate(sampling):
-                self.check_sampling(s, f"sampling[{i}]")
+                self.check_sampling(s, f"sampling[{i}]", envs[i])
             other = next((i for i, s in enumerate(sampling) if s.n != self.sampling.n), None)
             if other is not None:
                 raise ValueError(
@@ -115,7 +144,24 @@ class PromptQueue:
                 )
         checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
         per_prompt = sampling if sampling is not None else [None] * len(checked)
-        self._pending.extend(zip(checked, per_prompt, strict=True))
+        self._pending.extend(zip(checked, per_prompt, envs, strict=True))
+
+    @staticmethod
+    def _check_envs(envs, count: int) -> list[EnvFactory | None]:
+        if envs is None:
+            return [None] * count
+        if isinstance(envs, str) or not isinstance(envs, Iterable):
+            raise TypeError(f"envs must be a list of environment factories (one per prompt), got {envs!r}")
+        envs = list(envs)
+        if len(envs) != count:
+            raise ValueError(f"envs has {len(envs)} entries for {count} prompts: one factory per prompt")
+        bad = next((i for i, e in enumerate(envs) if e is not None and not callable(e)), None)
+        if bad is not None:
+            raise TypeError(
+                f"envs[{bad}] is {envs[bad]!r}, not an environment factory (a class or a function returning "
+                "an Env)"
+            )
+        return envs
 
     def set_source(self, source: Iterable[Sequence[int]]) -> None:
         """Pull prompts lazily from ``source`` once the queued ones run out."""
@@ -131,8 +177,9 @@ class PromptQueue:
             if self.requeued:
                 seqs.extend(self.requeued.popleft() for _ in range(group))  # given back in whole groups
                 continue
+            env = None
             if self._pending:
-                ids, params = self._pending.popleft()
+                ids, params, env = self._pending.popleft()
             elif self._source is not None:
                 try:
                     raw = next(self._source)
@@ -149,10 +196,10 @@ class PromptQueue:
                     raise
             else:
                 break
-            seqs.extend(self._new_group(ids, params))
+            seqs.extend(self._new_group(ids, params, env))
         return seqs
 
-    def _new_group(self, ids: list[int], params: SamplingParams | None) -> list[Seq]:
+    def _new_group(self, ids: list[int], params: SamplingParams | None, env: EnvFactory | None) -> list[Seq]:
         index = self._next_prompt_index
         self._next_prompt_index += 1
         if params is not None and params.seed is not None:
@@ -163,9 +210,13 @@ class PromptQueue:
                 base = rank_seed(base, self.rank)
             seed = derive_seed(base, index)
         params = params or self.sampling
+        factory = env if env is not None else self.env
         group = []
         for j in range(params.n):
-            group.append(Seq(self._next_seq_id, index, ids, params, sample_seed(seed, j), sample_index=j))
+            seq = Seq(self._next_seq_id, index, ids, params, sample_seed(seed, j), sample_index=j)
+            if factory is not None:
+                seq.episode = Episode(factory, engine_factory=env is None)
+            group.append(seq)
             self._next_seq_id += 1
         return group
 
@@ -175,14 +226,19 @@ class PromptQueue:
             "next_prompt_index": self._next_prompt_index,
             "next_seq_id": self._next_seq_id,
             "requeued": [save_sequence(s) for s in self.requeued],
-            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p in self._pending],
+            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p, _ in self._pending],
+            # A prompt's own environment factory, saved as the object (pickled with the state); None: the
+            # engine's env=, which the loading engine gives.
+            "pending_envs": [env for _, _, env in self._pending],
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the queue with ``state``'s."""
         self._next_prompt_index = state["next_prompt_index"]
         self._next_seq_id = state["next_seq_id"]
-        self.requeued = deque(load_sequence(d) for d in state["requeued"])
+        self.requeued = deque(load_sequence(d, self.env) for d in state["requeued"])
+        envs = state.get("pending_envs") or [None] * len(state["pending"])
         self._pending = deque(
-            (list(ids), None if p is None else SamplingParams(**p)) for ids, p in state["pending"]
+            (list(ids), None if p is None else SamplingParams(**p), env)
+            for (ids, p), env in zip(state["pending"], envs, strict=True)
         )

@@ -18,6 +18,16 @@ class Rollout:
     temperature, top-k and top-p); ``ref_logprobs`` the reference model's (logits over the temperature, no
     truncation; None without a reference); ``values`` the critic's value of the state before each token
     (None without a critic).
+
+    Multi-turn episodes (docs/multi-turn.md): ``response_ids`` is the whole transcript after the prompt --
+    turns sampled by the actor and the environment's observations between them. ``action_mask[i]`` is 1
+    where ``response_ids[i]`` was sampled and 0 where it is an observation token (all ones without an
+    environment); at observation tokens ``logprobs`` hold 0.0 and ``policy_versions`` -1 (no policy
+    sampled them), while ``ref_logprobs`` and ``values`` are the scorers' as at any token (they read the
+    whole transcript). ``turns`` lists each turn's ``(start, end)`` range of ``response_ids`` (one turn,
+    the whole response, without an environment); ``truncated_observations`` counts observations cut to
+    ``SamplingParams.max_observation_tokens``. ``reward`` is the environment's when its last observation
+    gave one, else the reward model's or function's over the whole transcript.
     """
 
     prompt_ids: list[int]
@@ -30,17 +40,23 @@ class Rollout:
     values: list[float] | None = None
     group_id: int = 0
     sample_index: int = 0
-    finish_reason: str = "length"  # "eos" | "stop" | "length" | "max_model_len" | "error"
+    # "eos" | "stop" | "length" | "max_model_len" | "env_done" | "max_turns" | "error"
+    finish_reason: str = "length"
     error: str | None = None  # the failure's message when finish_reason == "error"
+    action_mask: list[int] = field(default_factory=list)
+    turns: list[tuple[int, int]] = field(default_factory=list)
+    truncated_observations: int = 0
 
     @classmethod
     def of(cls, seq: Sequence, error: str | None = None) -> Rollout:
         """``seq`` as a returned rollout; with ``error``, a quarantined one (NaN reward, no scores)."""
+        n = len(seq.response_ids)
+        episode = seq.episode
         return cls(
             prompt_ids=list(seq.prompt_ids),
             response_ids=list(seq.response_ids),
             logprobs=list(seq.logprobs),
-            reward=math.nan if error is not None else float(seq.reward),
+            reward=math.nan if error is not None else float(seq.final_reward),
             policy_versions=list(seq.policy_versions),
             deferred_steps=seq.deferred_steps,
             ref_logprobs=None if error is not None else seq.ref_logprobs,
@@ -49,6 +65,9 @@ class Rollout:
             sample_index=seq.sample_index,
             finish_reason="error" if error is not None else seq.finish_reason or "length",
             error=error,
+            action_mask=[1] * n if episode is None else episode.action_mask(n),
+            turns=([(0, n)] if n else []) if episode is None else episode.all_turns(n),
+            truncated_observations=0 if episode is None else episode.truncated,
         )
 
 

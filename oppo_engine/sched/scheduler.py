@@ -44,6 +44,11 @@ class ActorScheduler:
     The scheduler holds sequences only for one step: ``detach_all`` hands the unfinished ones back (their
     pages stay in the cache) and the next step adds them again, first.
 
+    Multi-turn episodes: a sequence whose turn ends (a turn-stop token, ``max_turn_tokens``) is *parked*
+    while its environment answers -- out of the batch, its pages kept -- and ``resume`` brings it back with
+    the observation's tokens pending (prefilled in the next forward, beside the others' decode). Under page
+    pressure a parked sequence is the first to lose its pages (it is recomputed when it resumes).
+
     Groups (a prompt sampled n > 1 times): a sample's first chunk stops at the group's shared prefix (all
     of the prompt but its last token), so that prefix's KV is complete after one forward; a sample that
     needs the prefix forks it from any sample of its group holding it from an earlier forward (its pages
@@ -69,6 +74,7 @@ class ActorScheduler:
         self.watermark_pages = max(1, cache.arena.num_pages // 100)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []  # waiting on their environment (SeqStatus.ENV)
         self.max_deferrals = max_deferrals
         # seq_id -> tokens of KV the sequence held when the step began: kept until the step ends even if
         # the sequence finishes, so a failed step can give them back (reused KV cannot be recomputed).
@@ -88,9 +94,44 @@ class ActorScheduler:
         if seq.prefix_len:
             self._groups.setdefault(seq.group_id, []).append(seq)
 
+    def park(self, seq: Sequence) -> None:
+        """Hold ``seq``, waiting on its environment since an earlier step, until ``resume``; its KV is kept as
+        ``add`` keeps it."""
+        self.parked.append(seq)
+        if seq.seq_id in self.cache:
+            self.kept_tokens[seq.seq_id] = self.cache.num_tokens(seq.seq_id)
+        if seq.prefix_len:
+            self._groups.setdefault(seq.group_id, []).append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """``seq``'s observation is appended: back into the batch if it kept its pages, else first in line."""
+        self.parked.remove(seq)
+        if seq.num_computed:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def finish_parked(self, seq: Sequence, reason: str) -> None:
+        """``seq``'s episode ended while it was parked (a done observation, ``max_model_len``)."""
+        self.parked.remove(seq)
+        seq.finish_reason = reason
+        self._finished(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out for good (its environment failed) and free its actor pages."""
+        for queue in (self.running, self.waiting, self.parked):
+            if seq in queue:
+                queue.remove(seq)
+        self.cache.free(seq.seq_id)
+        self.kept_tokens.pop(seq.seq_id, None)
+        if seq.seq_id in self._finished_kept:
+            self._finished_kept.remove(seq.seq_id)
+
     @property
     def has_work(self) -> bool:
-        """Sequences are waiting or running."""
+        """Sequences are waiting or running (parked ones wait for their environment, not for the actor)."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -98,9 +139,12 @@ class ActorScheduler:
         pages held elsewhere -- another lane's -- must be freed first)."""
         chunks = self._schedule()
         while not chunks and self.waiting:
-            # Starved: give up pages only a rollback would need, then carried-over KV, last first.
+            # Starved: give up pages only a rollback would need, then those of sequences waiting on their
+            # environment, then carried-over KV, last first.
             if self._finished_kept:
                 self.cache.free(self._finished_kept.pop())
+            elif (parked := self._last_parked_holder()) is not None:
+                self._drop_parked_kv(parked)
             elif (holder := self._last_waiting_holder()) is not None:
                 self._drop_kv(holder)
             else:
@@ -117,6 +161,9 @@ class ActorScheduler:
             seq = self.running[i]
             n = self._chunk_len(seq, budget, prefixing)
             slots = self.cache.append_slots(seq.seq_id, n)
+            while slots is None and (parked := self._last_parked_holder()) is not None:
+                self._drop_parked_kv(parked)  # waiting on its environment: the first to give up its pages
+                slots = self.cache.append_slots(seq.seq_id, n)
             while slots is None and (victim := self._victim(after=i)) is not None:
                 self.preempt(victim)
                 slots = self.cache.append_slots(seq.seq_id, n)
@@ -223,6 +270,17 @@ class ActorScheduler:
         limit = self.max_deferrals
         return 1 if limit is None or seq.deferred_steps < limit else 2
 
+    def _last_parked_holder(self) -> Sequence | None:
+        for seq in reversed(self.parked):
+            if seq.seq_id in self.cache:
+                return seq
+        return None
+
+    def _drop_parked_kv(self, seq: Sequence) -> None:
+        self._drop_kv(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
     def _last_waiting_holder(self) -> Sequence | None:
         for seq in reversed(self.waiting):
             if seq.seq_id in self.cache:
@@ -262,14 +320,37 @@ class ActorScheduler:
         seq.logprobs.append(logprob)
         seq.policy_versions.append(policy_version)
         seq.finish_reason = reason = self._finish_reason(seq, token)
-        done = reason is not None
-        if done:
-            self.cache.truncate(seq.seq_id, self.kept_tokens.get(seq.seq_id, 0))
-            if seq.seq_id in self.cache:
-                self._finished_kept.append(seq.seq_id)
-            self.running.remove(seq)
-            seq.status = SeqStatus.FINISHED
-        return done
+        episode = seq.episode
+        if reason is None and episode is not None and self._turn_ended(seq, token):
+            episode.end_turn(len(seq.response_ids))
+            limit = seq.sampling.max_turns
+            if limit is not None and len(episode.turns) >= limit:
+                seq.finish_reason = reason = "max_turns"
+            else:  # the environment answers while the others decode: parked, its pages kept
+                self.running.remove(seq)
+                seq.status = SeqStatus.ENV
+                self.parked.append(seq)
+                return False
+        if reason is None:
+            return False
+        self.running.remove(seq)
+        self._finished(seq)
+        return True
+
+    def _finished(self, seq: Sequence) -> None:
+        """Free a finished sequence's actor pages but those of ``kept_tokens``."""
+        self.cache.truncate(seq.seq_id, self.kept_tokens.get(seq.seq_id, 0))
+        if seq.seq_id in self.cache:
+            self._finished_kept.append(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+
+    @staticmethod
+    def _turn_ended(seq: Sequence, token: int) -> bool:
+        p = seq.sampling
+        if token in p.turn_stop_token_ids:
+            return True
+        limit = p.max_turn_tokens
+        return limit is not None and len(seq.response_ids) - seq.episode.turn_start >= limit
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends with ``token`` (None: it goes on). EOS first: when EOS is also the last allowed
@@ -280,7 +361,8 @@ class ActorScheduler:
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
         num_response = len(seq.response_ids)
-        if num_response >= p.max_new_tokens:
+        num_sampled = num_response if seq.episode is None else num_response - seq.episode.num_observed
+        if num_sampled >= p.max_new_tokens:
             return "length"
         if len(seq.prompt_ids) + num_response >= self.max_model_len:
             return "max_model_len"
@@ -293,6 +375,7 @@ class ActorScheduler:
         seqs = self.running + list(self.waiting)
         self.running.clear()
         self.waiting.clear()
+        self.parked.clear()
         self.kept_tokens.clear()
         self._finished_kept.clear()
         self._groups.clear()

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from oppo_engine.config import SamplingParams
+from oppo_engine.sched.episode import Episode, EpisodeSnapshot
 
 
 class SeqStatus(enum.Enum):
@@ -15,6 +16,8 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"  # in the actor's batch
     FINISHED = "finished"  # response complete, actor pages freed; scoring may still be in flight
     SCORED = "scored"
+    ENV = "env"  # a turn ended: waiting for its environment's answer (actor pages kept)
+    FAILED = "failed"  # ended by its environment (or a sample of its group): for StepResult.failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,7 @@ class SeqSnapshot:
     status: SeqStatus
     num_computed: int
     finish_time: float | None
+    episode: EpisodeSnapshot | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +46,9 @@ class Sequence:
     A prompt sampled ``n > 1`` times is a group: its sequences share ``prompt_index`` (the group id) and
     differ in ``sample_index``; the KV of the first ``prefix_len`` prompt tokens is computed once per model
     and shared (each sample computes the last prompt token itself: its logits draw the sample's first token).
+
+    ``episode`` is the multi-turn state of a sequence with an environment (``None`` without one): the
+    response then holds observation tokens too, each with log-prob 0.0 and policy version -1.
     """
 
     seq_id: int
@@ -66,6 +73,7 @@ class Sequence:
     prefilled_high: dict[str, int] = field(default_factory=dict)
     sample_index: int = 0
     finish_reason: str | None = None  # set when the scheduler finishes it: "eos", "stop", "length", ...
+    episode: Episode | None = None
 
     @property
     def group_id(self) -> int:
@@ -92,9 +100,18 @@ class Sequence:
             return self.response_ids[start - p : stop - p]
         return self.prompt_ids[start:] + self.response_ids[: stop - p]
 
+    @property
+    def final_reward(self) -> float | None:
+        """The episode's reward: a done observation's if it gave one, else the scorers'."""
+        episode = self.episode
+        if episode is not None and episode.reward is not None:
+            return episode.reward
+        return self.reward
+
     def snapshot(self) -> SeqSnapshot:
         """What ``restore`` brings the sequence back to."""
-        return SeqSnapshot(len(self.response_ids), self.status, self.num_computed, self.finish_time)
+        episode = None if self.episode is None else self.episode.snapshot()
+        return SeqSnapshot(len(self.response_ids), self.status, self.num_computed, self.finish_time, episode)
 
     def restore(self, snap: SeqSnapshot, num_cached: int) -> None:
         """Back to ``snap`` after a failed step: the tokens, log-probs and versions the step added are cut;
@@ -112,6 +129,22 @@ class Sequence:
         if snap.status is not SeqStatus.SCORED:
             self.reward = None
             self.ref_logprobs = self.values = None
+        if self.episode is not None:
+            self.episode.restore(snap.episode)
+
+    def restart_from_prompt(self) -> None:
+        """Drop the response, results and environment (the factory makes a fresh one): the sequence starts
+        over from its prompt, with its seed, so a deterministic environment replays the same episode. Its
+        KV is the caller's to free."""
+        self.response_ids.clear()
+        self.logprobs.clear()
+        self.policy_versions.clear()
+        self.status = SeqStatus.WAITING
+        self.num_computed = self.num_handed_off = 0
+        self.reward = self.ref_logprobs = self.values = None
+        self.finish_time = self.score_time = self.finish_reason = None
+        if self.episode is not None:
+            self.episode.fresh()
 
     @property
     def num_pending(self) -> int:

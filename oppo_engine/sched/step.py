@@ -1,6 +1,8 @@
 """The step loop: the actor decodes the step's sequences; the scorers score them -- after generation
 (``sequential``, ``inter``) or streamed chunk by chunk beside it (``intra``, ``oppo``); with overcommit
-(``inter``, ``oppo``) the step ends at the first B finished and scored, and the rest is carried over."""
+(``inter``, ``oppo``) the step ends at the first B finished and scored, and the rest is carried over.
+Multi-turn episodes: a sequence whose turn ends waits for its environment (``sched/envs.py``) while the
+actor decodes the others, and goes on with the observation's tokens prefilled in a later forward."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.sampler import SampleBatch
 from oppo_engine.obs import Timeline
+from oppo_engine.sched.envs import RESUME, EnvDriver
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
 from oppo_engine.sched.quarantine import model_call
@@ -24,7 +27,9 @@ from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
 
 ACTOR_LANE = "actor"
 _POLL_S = 0.005  # how often an actor short of pages (held by the scorers) looks again
+_ENV_POLL_S = 0.05  # the longest an actor with only parked sequences waits before it checks the scorers
 _STALL_S = 10.0
+_TERMINAL = (SeqStatus.FINISHED, SeqStatus.SCORED)
 
 
 @dataclass(slots=True)
@@ -38,6 +43,8 @@ class StepOutcome:
     end_s: float = 0.0
     peak_pages: int = 0
     handoffs: int = 0  # actor -> scorer chunks (one per sequence per hand-off)
+    env_failed: list[tuple[Sequence, str]] = field(default_factory=list)  # ended by their environment
+    env_wait_s: float = 0.0  # the actor idle because every sequence it holds waits on its environment
 
 
 class StepLoop:
@@ -51,6 +58,11 @@ class StepLoop:
     the scorers prefill them on their worker thread while the actor decodes on, and the actor keeps
     decoding the other sequences until the batch is scored. Sequences not in the batch keep their actor
     pages and (streamed) scorer state for the next step.
+
+    ``envs`` drives the environments of multi-turn episodes: a sequence parked on its environment keeps its
+    pages; when every sequence the actor holds is parked, the actor waits for the first answer
+    (``StepOutcome.env_wait_s``). A sequence whose environment fails leaves the step with its group
+    (``StepOutcome.env_failed``).
     """
 
     def __init__(
@@ -62,7 +74,9 @@ class StepLoop:
         actor_lane: DeviceLane,
         timeline: Timeline,
         pages_in_use: Callable[[], int],
+        envs: EnvDriver,
     ) -> None:
+        self.envs = envs
         self.actor_sched = actor_sched
         self.actor = actor
         self.scorer_lane = scorer_lane
@@ -72,12 +86,15 @@ class StepLoop:
         self.clock: Clock = time.perf_counter
         self.executor: LaneExecutor = THREADS
         self._in_flight: list[ScheduledChunk] = []  # the actor forward under way: its slots are not written
+        self._seqs: list[Sequence] = []  # the run's sequences
+        self._live: set[int] = set()  # their ids
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
         """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's and its scorer
         lane's; the defaults are the real clock and OS threads: see ``sched/runtime.py``)."""
         self.clock, self.executor = clock, executor
         self.scorer_lane.use_runtime(clock, executor)
+        self.envs.pool.use_runtime(clock, executor)
 
     def run(
         self,
@@ -94,6 +111,7 @@ class StepLoop:
         out = StepOutcome()
         lane = self.scorer_lane
         t0 = self.clock()
+        self._seqs, self._live = seqs, {s.seq_id for s in seqs}
         with (
             _lane_threads(stream, self.actor_lane.device),
             ordered_with_caller(self.actor_lane, lane.device_lane),
@@ -101,8 +119,16 @@ class StepLoop:
             # NOTE: the lane starts after this loop: a worker already running could score a carried
             # sequence between the loop's reads of its status and of what the lane knows.
             for seq in seqs:
-                if seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED):
+                if seq.status is SeqStatus.FAILED:
+                    continue  # a sample of its group failed in this loop
+                error = self.envs.begin(seq)  # a new episode's environment: made now, reset on a worker
+                if error is not None:
+                    self._fail(seq, error, cut, out)
+                    continue
+                if seq.status in _TERMINAL:
                     cut.finished(seq)  # carried over finished: first in finish order
+                elif seq.status is SeqStatus.ENV:
+                    self.actor_sched.park(seq)  # its environment's call is still under way
                 else:
                     self.actor_sched.add(seq)
                 if stream and seq.status is not SeqStatus.SCORED and not lane.knows(seq):
@@ -116,7 +142,7 @@ class StepLoop:
             if not stream:
                 # The scorers see finished groups only (all samples of a prompt together, so they share
                 # its prefix; a group not finished is scored in a later step).
-                running = {s.group_id for s in seqs if s.status not in (SeqStatus.FINISHED, SeqStatus.SCORED)}
+                running = {s.group_id for s in seqs if s.status not in _TERMINAL}
                 for seq in seqs:
                     if seq.status is SeqStatus.FINISHED and seq.group_id not in running:
                         self._hand_off_rest(seq, out)
@@ -146,8 +172,28 @@ class StepLoop:
         unwritten = {c.seq.seq_id: c.start for c in self._in_flight}
         self._in_flight = []
         for seq, snap in zip(seqs, snapshots, strict=True):
+            if seq.episode is not None and seq.episode.changed_since(snap.episode):
+                # Its environment moved on in the step: no state of it matches the snapshot's tokens, so the
+                # sequence starts over from its prompt with a fresh environment (a retry never calls an
+                # environment again on a turn it has answered).
+                self.envs.cancel(seq)
+                cache.free(seq.seq_id)
+                seq.restart_from_prompt()
+                continue
             cache.truncate(seq.seq_id, min(snap.num_computed, unwritten.get(seq.seq_id, snap.num_computed)))
             seq.restore(snap, cache.num_tokens(seq.seq_id))
+
+    def discard(self, seqs: list[Sequence]) -> None:
+        """``seqs`` leave for good (quarantined, or failed by their environment), between steps: their
+        environment calls are cancelled and their pages in every model freed."""
+        self.scorer_lane.discard(seqs)
+        for seq in seqs:
+            self.envs.cancel(seq)
+            self.actor_sched.cache.free(seq.seq_id)
+
+    def close(self) -> None:
+        """Cancel the environment calls pending (the engine is closing)."""
+        self.envs.close()
 
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
         self.executor.unit(ACTOR_LANE, "hand-off")
@@ -181,8 +227,16 @@ class StepLoop:
         stalled_since = None
         while not (cut.scored() if stream else cut.determined):
             self.scorer_lane.check()  # a failed scorer lane fails the step now, not at its end
+            if self.envs.waiting():
+                self._take_answers(cut, out, chunk_size)
             if not sched.has_work:
-                return True
+                if not sched.parked:
+                    return True
+                # Every sequence the actor holds waits on its environment: the tool time left exposed.
+                t = self.clock()
+                self.envs.wait(_ENV_POLL_S)
+                out.env_wait_s += self.clock() - t
+                continue
             chunks = sched.schedule()
             if not chunks:
                 # Streamed, the scorers hold pages they free as they score; deferred frees (a lane's kernels
@@ -211,17 +265,57 @@ class StepLoop:
             for row, tok, lp in zip(samples.rows, tokens, logprobs, strict=True):
                 seq = chunks[row].seq
                 if sched.append_token(seq, tok, lp, policy_version):
-                    seq.finish_time = now
-                    out.finished_all.append(seq)
-                    was_determined = cut.determined
-                    cut.finished(seq)
-                    if cut.determined and not was_determined:
-                        out.generation_end_s = now
-                    if stream:
-                        self._hand_off(seq, final=True, out=out)
-                elif stream and seq.num_tokens - seq.num_handed_off >= chunk_size:
+                    self._finished(seq, now, cut, out, stream)
+                    continue
+                if seq.status is SeqStatus.ENV:
+                    self.envs.turn_ended(seq)  # its environment answers while the others decode
+                if stream and seq.num_tokens - seq.num_handed_off >= chunk_size:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
-        return not sched.has_work
+        return not (sched.has_work or sched.parked)
+
+    def _finished(self, seq: Sequence, now: float, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
+        seq.finish_time = now
+        out.finished_all.append(seq)
+        was_determined = cut.determined
+        cut.finished(seq)
+        if cut.determined and not was_determined:
+            out.generation_end_s = now
+        if stream:
+            self._hand_off(seq, final=True, out=out)
+
+    def _take_answers(self, cut: BatchCut, out: StepOutcome, chunk_size: int | None) -> None:
+        """What the environments answered since the last forward: parked sequences resume with their
+        observation pending, end, or fail."""
+        sched = self.actor_sched
+        for answer in self.envs.collect(self._live):
+            seq = answer.seq
+            if answer.error is not None:
+                self._fail(seq, answer.error, cut, out)
+            elif answer.outcome == RESUME:
+                sched.resume(seq)
+                if chunk_size is not None and seq.num_tokens - seq.num_handed_off >= chunk_size:
+                    self._hand_off(seq, final=False, out=out)
+            else:
+                sched.finish_parked(seq, answer.outcome)
+                self._finished(seq, self.clock(), cut, out, chunk_size is not None)
+
+    def _fail(self, seq: Sequence, error: str, cut: BatchCut, out: StepOutcome) -> None:
+        """``seq``'s environment failed: it leaves the step, and so does the rest of its group (groups are
+        returned whole), with their calls cancelled and their pages freed."""
+        for s in self._seqs:
+            if s.group_id != seq.group_id or s.status is SeqStatus.FAILED:
+                continue
+            self.envs.cancel(s)
+            self.actor_sched.remove(s)
+            if self.scorer_lane.knows(s):
+                self.scorer_lane.drop(s)
+            if s in out.finished_all:
+                out.finished_all.remove(s)
+            if s.episode is not None and s.episode.error is None:
+                s.episode.error = f"sample {seq.sample_index} of its group failed: {error}"
+            s.status, s.finish_reason = SeqStatus.FAILED, "error"
+            out.env_failed.append((s, error if s is seq else s.episode.error))
+        cut.drop_group(seq.group_id)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,72 @@
+"""The environment of a multi-turn episode, as the engine sees it: tokens in, tokens out.
+
+An environment never sees text unless it decodes it itself (``ToolEnv`` does), and nothing already in a
+sequence is re-encoded: what ``step`` returns is appended after the turn as it was sampled.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(slots=True)
+class Observation:
+    """What an environment answers to a turn.
+
+    ``tokens`` are appended to the sequence and never sampled (``Rollout.action_mask`` 0; a done
+    observation's too; they may be empty). ``done`` ends the episode (``finish_reason="env_done"``).
+    ``reward``, given with ``done``, is the episode's reward (``Rollout.reward``); ``None`` leaves the
+    reward to the engine's reward model or function, which reads the whole transcript.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+    reward: float | None = None
+
+
+@runtime_checkable
+class Env(Protocol):
+    """One episode's environment. The engine calls ``factory()`` once per sequence (every sample of a group
+    gets its own instance), then ``reset(prompt_ids)`` once, then ``step(turn_ids)`` after every turn with
+    that turn's sampled tokens (a turn-stop token included). Both run on a worker thread, off the actor
+    lane; ``step`` may be a coroutine function (``async def``), which runs on the engine's event loop. An
+    exception from either (or a call past ``EngineConfig.env_timeout_s``) ends that sequence alone with
+    ``finish_reason="error"`` in ``StepResult.failed``."""
+
+    def reset(self, prompt_ids: list[int]) -> None: ...
+
+    def step(self, turn_ids: list[int]) -> Observation | Awaitable[Observation]: ...
+
+
+def env_name(env: object) -> str:
+    """How messages name an environment: its class."""
+    return type(env).__qualname__
+
+
+def check_observation(obs: object, env: object) -> Observation:
+    """``obs`` with its tokens as a list of ints; ``TypeError`` naming ``env`` unless it is an
+    ``Observation`` whose tokens are a list (or tuple) of integer token ids, ``done`` a bool and ``reward``
+    a real number or None. Ids outside the vocabulary are the caller's to judge (they end the sequence)."""
+    name = env_name(env)
+    if not isinstance(obs, Observation):
+        raise TypeError(f"environment {name}: step() returned {type(obs).__name__}, not an Observation")
+    tokens = obs.tokens
+    if not isinstance(tokens, list | tuple):
+        raise TypeError(
+            f"environment {name}: Observation.tokens must be a list of token ids, got {type(tokens).__name__}"
+        )
+    bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+    if bad is not None:
+        raise TypeError(
+            f"environment {name}: Observation.tokens must be a list of token ids, but holds {bad!r} "
+            f"({type(bad).__name__})"
+        )
+    if not isinstance(obs.done, bool):
+        raise TypeError(f"environment {name}: Observation.done must be a bool, got {obs.done!r}")
+    reward = obs.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
+        raise TypeError(f"environment {name}: Observation.reward must be a number or None, got {reward!r}")
+    return Observation([int(t) for t in tokens], obs.done, None if reward is None else float(reward))

@@ -1,0 +1,209 @@
+"""The step loop's side of multi-turn episodes: each sequence's environment, driven through the worker pool.
+
+When a sequence's turn ends the actor scheduler parks it and the loop hands the turn here (``turn_ended``);
+the call runs on the pool while the actor decodes the others; between forwards the loop takes what
+finished (``collect``): an observation is appended to the sequence (never sampled: log-prob 0.0, policy
+version -1) and the sequence resumes, or its episode ends; a failure ends it in ``StepResult.failed``.
+Calls outlive a step: an episode waiting on a slow call is carried to the next step with it in flight.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from oppo_engine.env.pool import EnvCall, EnvPool
+from oppo_engine.env.protocol import check_observation, env_name
+from oppo_engine.sched.sequence import SeqStatus, Sequence
+
+RESUME = "resume"  # the observation is appended and the next turn follows
+
+
+@dataclass(slots=True)
+class Answer:
+    """What an environment call brought a sequence: ``outcome`` is ``RESUME``, a finish reason
+    (``"env_done"``, ``"max_model_len"``), or ``None`` with ``error`` set (the sequence fails)."""
+
+    seq: Sequence
+    outcome: str | None
+    error: str | None = None
+
+
+class EnvDriver:
+    """Drives the environments of every sequence in flight; only the actor thread calls it.
+
+    ``vocab_size`` and ``max_model_len`` bound observations: an id outside the vocabulary, or an
+    observation that would pass ``max_model_len``, ends the sequence with ``"max_model_len"`` and nothing
+    appended. ``calls`` counts the ``step`` calls answered, ``latencies`` their seconds (from a worker
+    taking the call to its answer), both since the last ``take_counts``.
+    """
+
+    def __init__(self, pool: EnvPool, *, vocab_size: int, max_model_len: int) -> None:
+        self.pool = pool
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._calls: dict[EnvCall, Sequence] = {}  # in flight, across steps
+        self._ready: list[EnvCall] = []  # finished, for sequences outside the run that collected them
+        self.calls = 0
+        self.latencies: list[float] = []
+
+    def take_counts(self) -> tuple[int, list[float]]:
+        """The ``step`` calls answered and their latencies since the last call."""
+        counts = (self.calls, self.latencies)
+        self.calls, self.latencies = 0, []
+        return counts
+
+    def begin(self, seq: Sequence) -> str | None:
+        """Make the environment of ``seq`` if it has none yet (``factory()`` here, ``reset(prompt_ids)`` on a
+        worker); returns the error message if the factory raised."""
+        episode = seq.episode
+        if episode is None or episode.started or seq.status is not SeqStatus.WAITING:
+            return None
+        try:
+            env = episode.factory()
+        except Exception as e:
+            factory = getattr(episode.factory, "__qualname__", type(episode.factory).__qualname__)
+            return f"environment factory {factory}: {type(e).__name__}: {e}"
+        episode.env = env
+        prompt = list(seq.prompt_ids)
+        episode.call = self._submit(seq, lambda: _reset(env, prompt), "reset")
+        return None
+
+    def turn_ended(self, seq: Sequence) -> None:
+        """``seq``'s turn ended (it is parked): send the turn to its environment, once ``reset`` returned."""
+        episode = seq.episode
+        start, end = episode.turns[-1]
+        turn = seq.response_ids[start:end]
+        if episode.ready:
+            self._send(seq, turn)
+        else:
+            episode.pending_turn = turn
+
+    def collect(self, live: set[int]) -> list[Answer]:
+        """The answers for sequences of ``live`` (seq ids) finished or expired since the last call; those of
+        other sequences are kept for a later run. ``TypeError`` naming the environment if an observation is
+        not a list of token ids (the caller's step then fails, as for any bad input)."""
+        done = [*self._ready, *self.pool.drain(), *self.pool.expire()]
+        self._ready = []
+        answers: list[Answer] = []
+        for call in done:
+            seq = self._calls.get(call)
+            if seq is None:
+                continue  # abandoned: its sequence restarted or failed
+            if seq.seq_id not in live:
+                self._ready.append(call)
+                continue
+            del self._calls[call]
+            answer = self._answer(seq, call)
+            if answer is not None:
+                answers.append(answer)
+        return answers
+
+    def waiting(self) -> bool:
+        """Calls are queued or running."""
+        return bool(self._calls)
+
+    def wait(self, timeout: float) -> None:
+        """Wait until a call finishes, or ``timeout`` seconds (capped at the next call's expiry)."""
+        deadline = self.pool.next_deadline()
+        if deadline is not None:
+            timeout = max(0.0, min(timeout, deadline - self.pool.clock()))
+        self.pool.wait(timeout)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Abandon ``seq``'s call in flight, if any (its sequence restarts, fails or leaves)."""
+        episode = seq.episode
+        if episode is None:
+            return
+        for call in [c for c, s in self._calls.items() if s is seq]:
+            del self._calls[call]
+            self.pool.abandon(call)
+        self._ready = [c for c in self._ready if c in self._calls]
+        episode.call = None
+
+    def close(self) -> None:
+        """Cancel every call pending and let the workers go."""
+        self._calls.clear()
+        self._ready = []
+        self.pool.close()
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _submit(self, seq: Sequence, fn: Callable[[], object], kind: str) -> EnvCall:
+        call = self.pool.submit(seq.seq_id, fn, kind)
+        self._calls[call] = seq
+        return call
+
+    def _send(self, seq: Sequence, turn: list[int]) -> None:
+        episode = seq.episode
+        episode.steps += 1
+        env = episode.env
+        episode.call = self._submit(seq, lambda: env.step(list(turn)), "step")
+
+    def _answer(self, seq: Sequence, call: EnvCall) -> Answer | None:
+        episode = seq.episode
+        episode.call = None
+        if call.kind == "reset":
+            if seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED):
+                return None  # its episode ended before it needed the environment
+            if call.error is not None:
+                return self._failed(seq, call)
+            episode.ready = True
+            if episode.pending_turn is not None:
+                turn, episode.pending_turn = episode.pending_turn, None
+                self._send(seq, turn)
+            return None
+        episode.answers += 1
+        self.calls += 1
+        self.latencies.append(call.latency_s)
+        if call.error is not None:
+            return self._failed(seq, call)
+        obs = check_observation(call.result, episode.env)
+        return Answer(seq, self._observe(seq, obs))
+
+    def _failed(self, seq: Sequence, call: EnvCall) -> Answer:
+        error = call.error
+        episode = seq.episode
+        message = f"environment {env_name(episode.env)}: {call.kind}(): {type(error).__name__}: {error}"
+        episode.error = message
+        return Answer(seq, None, message)
+
+    def _observe(self, seq: Sequence, obs) -> str:
+        """Append ``obs`` to ``seq``; the outcome (``RESUME`` or a finish reason)."""
+        episode = seq.episode
+        tokens = obs.tokens
+        cap = seq.sampling.max_observation_tokens
+        if cap is not None and len(tokens) > cap:
+            tokens = tokens[:cap]
+            episode.truncated += 1
+        # NOTE: nothing is cut silently: an observation that does not fit, or holds an id the actor cannot
+        # read, ends the sequence before any of it is appended.
+        if any(not 0 <= t < self.vocab_size for t in tokens):
+            return "max_model_len"
+        if seq.num_tokens + len(tokens) > self.max_model_len:
+            return "max_model_len"
+        start = len(seq.response_ids)
+        seq.response_ids.extend(tokens)
+        seq.logprobs.extend([0.0] * len(tokens))
+        seq.policy_versions.extend([-1] * len(tokens))
+        episode.observed(start, len(seq.response_ids))
+        if obs.done:
+            episode.reward = obs.reward
+            return "env_done"
+        if seq.num_tokens >= self.max_model_len:
+            return "max_model_len"  # no room left for a sampled token
+        return RESUME
+
+
+def _reset(env, prompt_ids: list[int]):
+    """``env.reset(prompt_ids)``, awaited if it is a coroutine; the result is the environment."""
+    result = env.reset(prompt_ids)
+    if inspect.isawaitable(result):
+
+        async def then():
+            await result
+            return env
+
+        return then()
+    return env
