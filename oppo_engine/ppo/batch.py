@@ -2,7 +2,8 @@
 
 Every per-token tensor is ``[N, L - 1]`` and aligned to the position that *predicts* a token: column ``p``
 belongs to ``input_ids[:, p + 1]``. A response token ``response_ids[i]`` of a rollout with a prompt of
-``P`` tokens sits at column ``P - 1 + i``; ``mask`` marks those columns.
+``P`` tokens sits at column ``P - 1 + i``; ``mask`` marks those columns where the token was sampled
+(``Rollout.action_mask``): the observation tokens of a multi-turn episode are inputs, never trained on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from oppo_engine.sched.results import Rollout
 class RolloutBatch:
     input_ids: torch.Tensor  # [N, L] prompt + response, right-padded
     attention_mask: torch.Tensor  # [N, L]
-    mask: torch.Tensor  # [N, L-1] float: 1 at the columns of response tokens
+    mask: torch.Tensor  # [N, L-1] float: 1 at the columns of sampled response tokens (0 at observations)
     logprobs: torch.Tensor  # [N, L-1] behaviour log-probs from the engine
     ref_logprobs: torch.Tensor  # [N, L-1]
     values: torch.Tensor  # [N, L-1] critic values streamed by the engine
@@ -66,7 +67,7 @@ def collate(rollouts: Sequence[Rollout], pad_token_id: int, device: torch.device
         input_ids[i, : p + t] = torch.tensor(r.prompt_ids + r.response_ids)
         attention_mask[i, : p + t] = 1
         cols = slice(p - 1, p - 1 + t)
-        per_token["mask"][i, cols] = 1.0
+        per_token["mask"][i, cols] = torch.tensor(r.action_mask or [1] * t, dtype=torch.float32)
         per_token["logprobs"][i, cols] = torch.tensor(r.logprobs)
         per_token["ref_logprobs"][i, cols] = torch.tensor(r.ref_logprobs)
         per_token["values"][i, cols] = torch.tensor(r.values)

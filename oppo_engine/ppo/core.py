@@ -71,7 +71,12 @@ def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimates and returns (``advantages + values``) over the masked columns;
-    the value after a row's last response token is 0 (the episode ends)."""
+    the value after a row's last response token is 0 (the episode ends).
+
+    A column outside the mask inside the response (an observation of a multi-turn episode) is skipped: the
+    next sampled token's value and advantage carry across it, so the return is not cut at each
+    observation -- GAE over the sampled tokens alone, in their order, with the critic's values of the
+    states it saw (observations included)."""
     advantages = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     next_adv = torch.zeros_like(rewards[:, 0])
@@ -80,9 +85,11 @@ def gae(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         adv = (delta + gamma * lam * next_adv) * m
         advantages[:, t] = adv
-        # Outside the response (padding, prompt) carry nothing backwards.
-        next_value = values[:, t] * m
-        next_adv = adv
+        # Outside the mask nothing changes: padding after the response carries the terminal 0, an
+        # observation carries its next sampled token's value and advantage, the prompt carries what is unused.
+        sampled = m > 0
+        next_value = torch.where(sampled, values[:, t], next_value)
+        next_adv = torch.where(sampled, adv, next_adv)
     return advantages, (advantages + values) * mask
 
 

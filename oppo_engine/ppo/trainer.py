@@ -71,7 +71,13 @@ def _check_one_label(model: nn.Module, role: str) -> None:
 
 class PPOTrainer:
     """PPO on ``actor`` (causal LM) and ``critic`` (one-label value model), against a frozen ``reference``
-    (causal LM) and a frozen ``reward`` model (one label), all HF models sharing ``tokenizer``'s vocabulary.
+    (causal LM) and a frozen ``reward`` model (one label), all HF models sharing ``tokenizer``'s vocabulary;
+    ``reward`` may also be a rule, ``reward(prompt_ids, response_ids) -> float`` (or ``BatchedReward``).
+
+    Multi-turn episodes: with ``env`` (an environment factory, docs/multi-turn.md) every rollout is an
+    episode whose turns end on ``turn_stop_token_ids`` (or after ``max_turn_tokens``), at most ``max_turns``
+    of them, each observation cut to ``max_observation_tokens``. Observation tokens are masked out of the
+    policy loss, the KL penalty and the value loss (``Rollout.action_mask``); GAE carries across them.
 
     ``prompts`` (token-id lists) are cycled. A rollout the engine quarantined (``StepResult.failed``) is
     logged as a warning and left out of the update. ``engine_config`` picks the engine's mode and cache; its
@@ -97,6 +103,11 @@ class PPOTrainer:
         config: PPOConfig | None = None,
         engine_config: EngineConfig | None = None,
         process_group=None,
+        env=None,
+        turn_stop_token_ids: Sequence[int] = (),
+        max_turn_tokens: int | None = None,
+        max_turns: int | None = None,
+        max_observation_tokens: int | None = None,
     ) -> None:
         self.config = cfg = config or PPOConfig()
         self.group = process_group
@@ -115,7 +126,8 @@ class PPOTrainer:
             )
         if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
             raise ValueError("tokenizer needs an eos_token and a pad_token")
-        _check_one_label(reward, "reward")
+        if isinstance(reward, nn.Module):
+            _check_one_label(reward, "reward")
         _check_one_label(critic, "critic")
         _check_sharding(actor, critic, reference, reward, self.world_size)
         prompts = [[int(t) for t in p] for p in prompts]
@@ -130,12 +142,15 @@ class PPOTrainer:
         settings = dict(config=dataclasses.asdict(cfg), prompts=hash(tuple(map(tuple, prompts))))
         ranks.check_same_on_ranks(settings, process_group)
         for model in (reference, reward):
-            model.requires_grad_(False)
+            if isinstance(model, nn.Module):
+                model.requires_grad_(False)
         self.actor, self.critic, self.reference, self.reward = actor, critic, reference, reward
         self.tokenizer = tokenizer
         self._sampling = SamplingParams(
-            temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed
-        )
+            temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+            turn_stop_token_ids=tuple(turn_stop_token_ids), max_turn_tokens=max_turn_tokens,
+            max_turns=max_turns, max_observation_tokens=max_observation_tokens,
+        )  # fmt: skip
         self.engine = RolloutEngine(
             actor=actor,
             reward=reward,
@@ -145,6 +160,7 @@ class PPOTrainer:
             sampling=self._sampling,
             eos_token_id=tokenizer.eos_token_id,
             process_group=process_group,
+            env=env,
         )
         # The engine resolves max_model_len (None: the models' limit), so the check reads its value.
         longest = max(len(p) for p in prompts)
@@ -329,7 +345,7 @@ def _check_sharding(actor, critic, reference, reward, world_size: int) -> None:
     """ValueError unless the trained models are FSDP2-sharded exactly when there are several ranks, and the
     frozen ones never are."""
     for model, role in ((reference, "reference"), (reward, "reward")):
-        if ranks.is_sharded(model):
+        if isinstance(model, nn.Module) and ranks.is_sharded(model):
             raise ValueError(f"{role}: a frozen model is replicated on every rank, never sharded")
     for model, role in ((actor, "actor"), (critic, "critic")):
         sharded = ranks.is_sharded(model)
