@@ -120,6 +120,7 @@ class RolloutEngine:
         self._group = join_group(process_group, cfg, self.sampling, device_of(actor))
         self.actor = actor
         self.tokenizer = tokenizer
+        self.env = env  # the environment factory of every sequence (None: single-turn, or per prompt)
         # The models the engine runs through its paged cache, by role (the name of their cache and lane).
         remote = reward if isinstance(reward, RemoteScorers) else None  # scored on another rank
         roles = resolve_roles(

@@ -320,3 +320,52 @@ def test_a_quarantined_group_makes_the_rollout_func_raise_naming_its_prompt(toke
     ):
         rollout_func(batch, trainer)
     engine.close()
+
+
+class WordEnv:
+    """A two-turn environment over the test vocabulary: it answers a turn with two fixed words."""
+
+    def __init__(self, tokenizer) -> None:
+        self.answer = tokenizer("thank you")["input_ids"]
+        self.turns = 0
+
+    def reset(self, prompt_ids):
+        self.turns = 0
+
+    def step(self, turn_ids):
+        from oppo_engine import Observation
+
+        self.turns += 1
+        return Observation(list(self.answer), done=self.turns >= 2)
+
+
+def test_grpo_trains_only_on_sampled_tokens_of_multi_turn_episodes(tokenizer, tmp_path):
+    actor, reward = _models(tokenizer)
+    args = _args(tmp_path, max_steps=2)
+    sampling = dataclasses.replace(sampling_params_for(args, seed=7), max_turn_tokens=4)
+    engine = RolloutEngine(
+        actor=actor, reward=reward, env=lambda: WordEnv(tokenizer), sampling=sampling,
+        config=EngineConfig(batch_size=4, mode="intra", max_model_len=64, page_size=8),
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    rollout_func = engine_rollout_func(engine, args)
+    returned = []
+
+    def recording_rollout_func(prompts, trainer):
+        returned.append(rollout_func(prompts, trainer))
+        return returned[-1]
+
+    trainer = _trainer(actor, tokenizer, args, recording_rollout_func, cls=RecordingGRPOTrainer)
+    trainer.generation_batches = []
+    trainer.train()
+    assert returned and trainer.generation_batches
+    for batch, out in zip(trainer.generation_batches, returned, strict=True):
+        assert any(0 in m for m in out["env_mask"])  # observations came back inside the completions
+        assert _rows(batch["completion_ids"], batch["completion_mask"]) == out["completion_ids"]
+        # TRL took env_mask as its tool mask: its loss mask is 0 exactly at the observation tokens.
+        assert _rows(batch["tool_mask"], batch["completion_mask"]) == out["env_mask"]
+        for ids, mask in zip(out["completion_ids"], out["env_mask"], strict=True):
+            assert len(ids) == len(mask)
+    with pytest.raises(ValueError, match="mask_truncated_completions=True with an engine environment"):
+        engine_rollout_func(engine, _args(tmp_path, mask_truncated_completions=True))
+    engine.close()

@@ -19,7 +19,10 @@ functions too). Without vLLM the ``logprobs`` only feed TRL's optional off-polic
 (``off_policy_mask_threshold``): TRL recomputes the old and reference log-probs with its own forward.
 
 Each run of copies becomes one group: the prompt is queued once and the engine samples its
-``num_generations`` responses on shared prompt pages. Only the modes whose step returns the rollouts of
+``num_generations`` responses on shared prompt pages. An engine with an environment (``RolloutEngine(env=)``)
+returns multi-turn episodes: each completion is the whole transcript after the prompt, and ``env_mask`` (the
+rollouts' ``action_mask``: 1 sampled, 0 observation) is what TRL takes as its tool mask, so GRPO's loss
+reads only the sampled tokens. Only the modes whose step returns the rollouts of
 exactly the prompts queued (``sequential``, ``intra``) fit; the overcommitting ones carry sequences across
 steps and are refused.
 """
@@ -141,6 +144,11 @@ def _check_args(args: GRPOConfig, engine: RolloutEngine) -> None:
             )
     if sampling.ignore_eos:
         raise ValueError("the engine's SamplingParams.ignore_eos=True: TRL's completions end at EOS")
+    if engine.env is not None and args.mask_truncated_completions:
+        raise ValueError(
+            "GRPOConfig.mask_truncated_completions=True with an engine environment: an episode the environment "
+            "ends (finish_reason 'env_done') ends without EOS, and TRL would mask it all out; leave it False"
+        )
     if sampling.stop_token_ids:
         raise ValueError(
             f"the engine's SamplingParams.stop_token_ids={sampling.stop_token_ids}: TRL treats a completion "
@@ -187,12 +195,15 @@ class EngineRolloutFunc:
         self.engine.add_prompts(prompt_ids)
         rollouts = self._collect(len(heads) * n)
         groups = _in_prompt_order(rollouts, prompt_ids, n)
-        return {
+        out = {
             "prompt_ids": [r.prompt_ids for r in groups],
             "completion_ids": [r.response_ids for r in groups],
             "logprobs": [r.logprobs for r in groups],
             REWARD_FIELD: [r.reward for r in groups],
         }
+        if self.engine.env is not None:  # TRL's tool mask: its loss reads only the sampled tokens
+            out["env_mask"] = [r.action_mask for r in groups]
+        return out
 
     def _bind(self, trainer: GRPOTrainer) -> None:
         """Check, once per trainer, what only the trainer can tell: its model, EOS ids and features."""
