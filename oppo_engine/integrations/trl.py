@@ -146,8 +146,9 @@ def _check_args(args: GRPOConfig, engine: RolloutEngine) -> None:
         raise ValueError("the engine's SamplingParams.ignore_eos=True: TRL's completions end at EOS")
     if engine.env is not None and args.mask_truncated_completions:
         raise ValueError(
-            "GRPOConfig.mask_truncated_completions=True with an engine environment: an episode the environment "
-            "ends (finish_reason 'env_done') ends without EOS, and TRL would mask it all out; leave it False"
+            "GRPOConfig.mask_truncated_completions=True with an engine environment: an episode the "
+            "environment ends (finish_reason 'env_done') ends without EOS, and TRL would mask it all out; "
+            "leave it False"
         )
     if sampling.stop_token_ids:
         raise ValueError(
