@@ -601,3 +601,19 @@ def test_parked_sequences_give_up_their_pages_first_under_page_pressure(actor):
     assert failed == [] and transcripts(rollouts) == want
     assert any(m.recomputed_tokens.get("actor") for m in metrics)  # pages were given up and recomputed
     assert_all_pages_free(tight)
+
+
+@pytest.mark.parametrize("mode", ["intra", "oppo"])
+def test_an_episode_ending_on_an_empty_observation_is_scored_when_streamed(actor, reward, mode):
+    """With chunk_size=1 every token is with the scorers as soon as it is sampled: the final hand-off of an
+    episode whose environment ends it with no tokens brings nothing new, and must still complete it."""
+    engine = make_engine(actor, reward, mode, env=scripted(EnvLog(), empty=True), chunk_size=1)
+    engine.add_prompts(random_prompts(6, seed=28))
+    rollouts, failed, _ = drain(engine)
+    assert failed == [] and len(rollouts) == 6
+    assert any(r.finish_reason == "env_done" and r.action_mask == [1] * len(r.response_ids) for r in rollouts)
+    for r in rollouts:
+        with torch.inference_mode():
+            score = reward(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, 0].item()
+        assert r.reward == pytest.approx(score, abs=1e-4)
+    assert_all_pages_free(engine)

@@ -354,6 +354,9 @@ class ScorerLane:
         """One forward per scorer that has tokens to prefill; True if any ran."""
         worked = False
         for name, sched in self.scheds.items():
+            for seq in sched.complete_without_forward():
+                self._completed(seq, sched.scorer, sched.complete(seq))
+                worked = True
             chunks = sched.schedule()
             if not chunks:
                 continue

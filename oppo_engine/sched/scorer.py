@@ -65,6 +65,16 @@ class ScorerScheduler:
         """Tokens ``[0, upto)`` of ``seq`` may be prefilled; ``final``: they are all it will ever have."""
         self._handed[seq.seq_id] = (upto, final)
 
+    def complete_without_forward(self) -> list[Sequence]:
+        """Sequences whose final hand-off brought no token left to prefill (an episode that ended with an
+        empty observation, or with none): every token is in, so their results can be read now."""
+        done = []
+        for seq in self.active:
+            upto, final = self._handed[seq.seq_id]
+            if final and 0 < upto == self._scored[seq.seq_id]:
+                done.append(seq)
+        return done
+
     @property
     def has_work(self) -> bool:
         """Sequences are being scored."""

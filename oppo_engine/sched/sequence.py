@@ -62,6 +62,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     num_handed_off: int = 0
+    handed_final: bool = False  # its final hand-off was made (an episode may end with no new token)
     reward: float | None = None
     ref_logprobs: list[float] | None = None
     values: list[float] | None = None
@@ -124,6 +125,7 @@ class Sequence:
         self.num_computed = min(snap.num_computed, num_cached)
         self.finish_time = snap.finish_time
         self.num_handed_off = 0
+        self.handed_final = False
         if snap.status not in (SeqStatus.FINISHED, SeqStatus.SCORED):
             self.finish_reason = None
         if snap.status is not SeqStatus.SCORED:
@@ -141,6 +143,7 @@ class Sequence:
         self.policy_versions.clear()
         self.status = SeqStatus.WAITING
         self.num_computed = self.num_handed_off = 0
+        self.handed_final = False
         self.reward = self.ref_logprobs = self.values = None
         self.finish_time = self.score_time = self.finish_reason = None
         if self.episode is not None:

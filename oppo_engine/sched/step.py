@@ -198,6 +198,7 @@ class StepLoop:
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
         self.executor.unit(ACTOR_LANE, "hand-off")
         seq.num_handed_off = seq.num_tokens
+        seq.handed_final = final
         self.scorer_lane.hand_off(seq, seq.num_tokens, final)
         out.handoffs += 1
 
@@ -206,7 +207,7 @@ class StepLoop:
         already was streamed in an earlier step (the chunk controller then switched streaming off)."""
         if not self.scorer_lane.knows(seq):
             self.scorer_lane.add(seq)
-        elif seq.num_handed_off == seq.num_tokens:
+        elif seq.handed_final:
             return  # finished in a streamed step: its final chunk is with the scorers already
         self._hand_off(seq, final=True, out=out)
 
