@@ -308,8 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     lat = sorted(work.latency_s(tuple(p), k) for p in supply for k in range(1, work.turns(tuple(p))))
     print(
         f"B={args.batch_size}, {args.steps} measured steps per arm (after one warm-up step; arms one after "
-        f"the other), preset {args.preset}, {args.turn_tokens} tokens a turn, {args.obs_tokens} a tool answer, "
-        "torch threads "
+        f"the other), preset {args.preset}, {args.turn_tokens} tokens a turn, {args.obs_tokens} a tool "
+        "answer, torch threads "
         f"{args.threads}; tool latency p50 {lat[len(lat) // 2] * 1e3:.0f} ms, p90 "
         f"{lat[int(len(lat) * 0.9)] * 1e3:.0f} ms, max {lat[-1]:.2f} s\n"
     )
