@@ -32,7 +32,7 @@ def demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         out=Path(args.out),
-        cache=Path(args.cache),
+        cache=Path(args.cache or (".cache/demo_tools_task" if args.task == "tools" else ".cache/demo_task")),
         device=args.device,
         actor=Path(args.actor) if args.actor else None,
         reward=Path(args.reward) if args.reward else None,
@@ -43,6 +43,7 @@ def demo(args: argparse.Namespace) -> int:
         max_deferrals=args.max_deferrals,
         fsdp=args.fsdp,
         max_policy_lag=args.max_policy_lag,
+        task=args.task,
     )
     if args.fsdp:
         return demo_on_ranks(opts, t0)
@@ -179,9 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=defaults,
     )
     d.add_argument("--steps", type=int, default=DemoOptions().steps, help="PPO steps per mode")
+    d.add_argument(
+        "--task", default="polite", choices=("polite", "tools"),
+        help="the embedded task: polite answers, or sums with a calculator tool (multi-turn)",
+    )  # fmt: skip
     d.add_argument("--modes", default=",".join(DEMO_MODES), help="comma-separated engine modes")
     d.add_argument("--out", default="demo_out", help="folder for table.txt, plots and traces")
-    d.add_argument("--cache", default=".cache/demo_task", help="where the embedded task's models are built")
+    d.add_argument(
+        "--cache", default=None, help="where the embedded task's models are built (.cache/demo_task, or "
+        ".cache/demo_tools_task with --task tools)",
+    )  # fmt: skip
     d.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to run on"
     )

@@ -6,6 +6,11 @@ The engine settings are explicit (not the engine's defaults, which other work ma
 ``Δ = batch_size / 2`` sequences, chunk size chosen online (``"auto"``, the "off" arm included), and a
 sequence deferred at most ``max_deferrals = 2`` times under ``max_policy_lag = 2`` (the engine's default),
 so it spans at most 3 steps; ``max_policy_lag=None`` with more deferrals shows what the bound costs.
+
+``--task tools`` runs the embedded tools task instead (``ppo/tools_task.py``): multi-turn episodes in which
+the policy calls a calculator whose latency is long-tailed, rewarded for the right final answer. Its modes
+run one after the other, not interleaved: an overcommitting engine's tool calls go on in the background, and
+another mode's steps between its own would hand it free tool time.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from oppo_engine.config import MODES
-from oppo_engine.ppo import ranks
+from oppo_engine.ppo import ranks, tools_task
 from oppo_engine.ppo.config import PPOConfig
 from oppo_engine.ppo.models import load_models
 from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot, records_json
@@ -51,6 +56,7 @@ class DemoOptions:
     threads: int = 1
     trace_step: int | None = None  # the step whose lanes are traced (default: the middle one)
     fsdp: bool = False  # one data-parallel rank of a torchrun job (cli.py: demo_on_ranks)
+    task: str = "polite"  # the embedded task: "polite" (ppo/task.py) or "tools" (ppo/tools_task.py)
 
 
 def ppo_config(opts: DemoOptions) -> PPOConfig:
@@ -84,10 +90,15 @@ def engine_overrides(mode: str, opts: DemoOptions) -> dict:
     return overrides
 
 
+TOOLS_MAX_TURNS = 6  # a sum of 4 numbers takes 4 turns: room for a detour, not for a loop
+
+
 def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Path) -> PPOTrainer:
     """A trainer on fresh copies of the models, its engine in ``mode`` (NotImplementedError if the engine
     does not have that mode)."""
     torch.manual_seed(opts.seed)
+    if opts.task == "tools":
+        return _tools_trainer(mode, opts, actor_path)
     models = load_models(actor_path, reward_path, opts.device)
     group = ranks.shard_trainer_models(models) if opts.fsdp else None
     cfg = ppo_config(opts)
@@ -102,6 +113,19 @@ def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Pa
         engine_config_for(cfg, **engine_overrides(mode, opts)),
         process_group=group,
     )
+
+
+def _tools_trainer(mode: str, opts: DemoOptions, cache: Path) -> PPOTrainer:
+    """PPO on the tools task: the answer reward, one calculator environment per episode."""
+    actor, critic, reference, tokenizer = tools_task.load_tools_models(cache, opts.device)
+    cfg = ppo_config(opts)
+    turn_end = tokenizer.convert_tokens_to_ids(tools_task.TURN_END)
+    return PPOTrainer(
+        actor, critic, reference, tools_task.AnswerReward(tokenizer), tokenizer,
+        tools_task.prompts(tokenizer), cfg, engine_config_for(cfg, **engine_overrides(mode, opts)),
+        env=lambda: tools_task.CalculatorEnv(tokenizer, seed=opts.seed), turn_stop_token_ids=(turn_end,),
+        max_turns=TOOLS_MAX_TURNS,
+    )  # fmt: skip
 
 
 def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> list[ModeRun]:
@@ -119,12 +143,15 @@ def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print)
     trace_step = opts.trace_step or max(1, opts.steps // 2)
     bar = tqdm(total=opts.steps * len(trainers), desc="PPO steps", unit="step")
     last = {}
+    if opts.task == "tools":  # one mode after the other (module docstring)
+        rounds = [run for run in runs for _ in range(opts.steps)]
+    else:
+        rounds = [run for i in range(opts.steps) for run in runs[i % len(runs) :] + runs[: i % len(runs)]]
     try:
-        for i in range(opts.steps):
-            for run in runs[i % len(runs) :] + runs[: i % len(runs)]:
-                if run.mode in trainers:
-                    last[run.mode] = _one_step(trainers[run.mode], run, opts.out, trace_step)
-                    bar.update()
+        for run in rounds:
+            if run.mode in trainers:
+                last[run.mode] = _one_step(trainers[run.mode], run, opts.out, trace_step)
+                bar.update()
             bar.set_postfix({r.mode: f"{r.records[-1].reward:+.2f}" for r in runs if r.records})
     finally:
         bar.close()
@@ -156,6 +183,8 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             overcommit=m.overcommit,
             stale_tokens=stats.stale_tokens,
             response_len=stats.response_len,
+            env_calls=m.env_calls,
+            exposed_env_s=m.env_wait_s,
         )
     )
     if stats.step == trace_step:
@@ -164,8 +193,11 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
 
 
 def _show_samples(mode: str, trainer: PPOTrainer, stats, log) -> None:
-    embedded = trainer_is_embedded(trainer)
-    lines = batch_examples(trainer.tokenizer, stats.rollout.rollouts, embedded=embedded)
+    rollouts = stats.rollout.rollouts
+    if trainer.engine.env is not None:
+        lines = tools_task.examples(trainer.tokenizer, rollouts)
+    else:
+        lines = batch_examples(trainer.tokenizer, rollouts, embedded=trainer_is_embedded(trainer))
     log(f"{mode}, last batch: {lines[0]}")
     for line in lines[1:]:
         log(f"    {line}")
@@ -219,6 +251,10 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     trace per mode into ``opts.out``."""
     if (opts.actor is None) != (opts.reward is None):
         raise ValueError("--actor and --reward go together (or neither: the embedded task)")
+    if opts.task not in ("polite", "tools"):
+        raise ValueError(f"--task {opts.task!r}: choose polite or tools")
+    if opts.task == "tools" and (opts.actor is not None or opts.fsdp):
+        raise ValueError("--task tools runs the embedded tools task: no --actor / --reward / --fsdp")
     if opts.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {opts.steps}")
     unknown = [m for m in opts.modes if m not in MODES]
@@ -227,7 +263,9 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     for mode in opts.modes:  # bad sizes and engine settings fail here, before anything is built
         engine_config_for(ppo_config(opts), **engine_overrides(mode, opts))
     opts.out.mkdir(parents=True, exist_ok=True)
-    if opts.actor is None:
+    if opts.task == "tools":
+        actor_path = reward_path = tools_task.build_tools_task(opts.cache, seed=opts.seed, log=log)
+    elif opts.actor is None:
         cache = build_task(opts.cache, log=log)
         actor_path, reward_path = cache / "actor", cache / "reward"
     else:

@@ -34,6 +34,8 @@ class StepRecord:
     overcommit: int
     stale_tokens: int
     response_len: float = 0.0
+    env_calls: int = 0  # environment calls answered (multi-turn episodes)
+    exposed_env_s: float = 0.0  # the actor idle because every sequence waited on its environment
 
 
 @dataclass(slots=True)
@@ -140,6 +142,11 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
         "update s/step": f"{mean(r.step_s - r.rollout_s for r in recs):.3f}",
         "rollout share of the step": f"{rollout_s / sum(r.step_s for r in recs):.0%}",
         "exposed scoring s/step": f"{mean(r.exposed_scoring_s for r in recs):.3f}",
+        **(
+            {"tool calls/step": f"{mean(r.env_calls for r in recs):.1f}",
+             "exposed tool s/step": f"{mean(r.exposed_env_s for r in recs):.3f}"}
+            if any(r.env_calls for r in base.records) else {}
+        ),  # fmt: skip
         "mean overcommit (Δ)": f"{mean(r.overcommit for r in recs):.1f}",
         "chunk size chosen": chunk_choice(run),
         "stale tokens/step": f"{mean(r.stale_tokens for r in recs):.1f}",
