@@ -617,3 +617,20 @@ def test_an_episode_ending_on_an_empty_observation_is_scored_when_streamed(actor
             score = reward(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, 0].item()
         assert r.reward == pytest.approx(score, abs=1e-4)
     assert_all_pages_free(engine)
+
+
+def test_a_snapshot_from_before_a_restart_never_applies_again():
+    """A failed step is rolled back twice (in the quarantine's attempt, then by step()): the first restarts a
+    stepped episode from its prompt; the second must see that, not restore the old snapshot's status over
+    the fresh episode (which would leave it parked with no call, forever)."""
+    from oppo_engine.sched.episode import Episode
+
+    episode = Episode(ScriptedEnv)
+    snap = episode.snapshot()
+    assert not episode.changed_since(snap)
+    episode.fresh()
+    assert episode.changed_since(snap)  # same counters as the snapshot, but another episode
+    before = episode.snapshot()
+    episode.pending_turn = [1, 2]  # a turn ends in the step while reset() is still under way
+    episode.restore(before)
+    assert episode.pending_turn is None  # it was the rolled-back step's: the retry samples it again

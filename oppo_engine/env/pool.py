@@ -106,11 +106,12 @@ class EnvPool:
         with self._cond:
             return len(self._queue) + len(self._running)
 
-    def drain(self) -> list[EnvCall]:
-        """The calls done since the last drain, in the order they finished."""
+    def drain_into(self, out: list[EnvCall]) -> None:
+        """Move the calls done since the last drain to the end of ``out``, in the order they finished."""
         with self._cond:
-            done, self._finished = self._finished, []
-        return done
+            # NOTE: extend, then clear: an interrupt between the two duplicates a call, never loses one.
+            out.extend(self._finished)
+            self._finished.clear()
 
     def expire(self) -> list[EnvCall]:
         """Abandon the calls running longer than ``timeout_s`` and return them, each with an

@@ -84,20 +84,24 @@ class EnvDriver:
         """The answers for sequences of ``live`` (seq ids) finished or expired since the last call; those of
         other sequences are kept for a later run. ``TypeError`` naming the environment if an observation is
         not a list of token ids (the caller's step then fails, as for any bad input)."""
-        done = [*self._ready, *self.pool.drain(), *self.pool.expire()]
-        self._ready = []
+        # NOTE: what finished moves into _ready before anything else, and leaves it only once answered, so
+        # an interrupt (Ctrl-C) anywhere in here loses no call; a call seen twice is skipped the second time.
+        self.pool.drain_into(self._ready)
+        self._ready.extend(self.pool.expire())
         answers: list[Answer] = []
-        for call in done:
+        i = 0
+        while i < len(self._ready):
+            call = self._ready[i]
             seq = self._calls.get(call)
-            if seq is None:
-                continue  # abandoned: its sequence restarted or failed
-            if seq.seq_id not in live:
-                self._ready.append(call)
+            if seq is not None and seq.seq_id not in live:
+                i += 1  # kept for a later run that holds its sequence
                 continue
-            del self._calls[call]
-            answer = self._answer(seq, call)
-            if answer is not None:
-                answers.append(answer)
+            if seq is not None:
+                answer = self._answer(seq, call)
+                del self._calls[call]
+                if answer is not None:
+                    answers.append(answer)
+            del self._ready[i]
         return answers
 
     def waiting(self) -> bool:

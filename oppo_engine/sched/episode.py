@@ -20,9 +20,11 @@ class EpisodeSnapshot:
     steps: int
     answers: int
     failed: bool
+    generation: int
     turn_start: int
     num_turns: int
     truncated: int
+    pending_turn: list[int] | None
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +56,7 @@ class Episode:
     steps: int = 0
     answers: int = 0
     error: str | None = None
+    generation: int = 0  # environments made afresh so far (a snapshot from before one no longer applies)
 
     @property
     def started(self) -> bool:
@@ -67,24 +70,29 @@ class Episode:
 
     def snapshot(self) -> EpisodeSnapshot:
         return EpisodeSnapshot(
-            self.steps, self.answers, self.error is not None, self.turn_start, len(self.turns), self.truncated
-        )
+            self.steps, self.answers, self.error is not None, self.generation, self.turn_start,
+            len(self.turns), self.truncated, self.pending_turn,
+        )  # fmt: skip
 
     def changed_since(self, snap: EpisodeSnapshot) -> bool:
-        """Its environment moved on (a turn sent, an answer taken, a failure) after ``snap``."""
-        return (self.steps, self.answers, self.error is not None) != (snap.steps, snap.answers, snap.failed)
+        """Its environment moved on (a turn sent, an answer taken, a failure) after ``snap``, or it was made
+        afresh since (a rollback restarted the sequence: ``snap`` describes another episode)."""
+        now = (self.steps, self.answers, self.error is not None, self.generation)
+        return now != (snap.steps, snap.answers, snap.failed, snap.generation)
 
     def restore(self, snap: EpisodeSnapshot) -> None:
-        """Back to ``snap`` when its environment did not move on (``changed_since`` is False): only turns
-        ended without a call (``max_turns``) are undone."""
+        """Back to ``snap`` when its environment did not move on (``changed_since`` is False): the turns
+        ended in the step are undone (none was sent: a turn waiting for ``reset`` is the snapshot's)."""
         self.turn_start = snap.turn_start
         del self.turns[snap.num_turns :]
         self.truncated = snap.truncated
+        self.pending_turn = snap.pending_turn
 
     def fresh(self) -> None:
         """Start over: no environment (the factory makes a new one), no turns."""
         self.env = self.call = self.pending_turn = self.reward = self.error = None
         self.ready = False
+        self.generation += 1
         self.turn_start = self.truncated = self.steps = self.answers = self.num_observed = 0
         self.turns = []
         self.observations = []

@@ -21,7 +21,7 @@ def save_sequence(seq: Sequence) -> dict:
     scored = seq.status is SeqStatus.SCORED
     episode = seq.episode
     finished = seq.status in (SeqStatus.FINISHED, SeqStatus.SCORED)
-    if episode is not None and not finished and episode.stepped:
+    if episode is not None and not finished and (episode.stepped or seq.status is SeqStatus.ENV):
         return restart_from_prompt(save_sequence(_unstarted(seq)))
     return {
         "seq_id": seq.seq_id,
