@@ -496,10 +496,14 @@ def test_without_a_per_graph_recompile_limit_the_dynamo_setting_stands_in(monkey
     monkeypatch.setattr(torch, "compile", compile_without_the_keyword)
     graph_module._ModelGraph(build_actor("llama"))
     assert seen == {"recompile_limit": None}
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    with graph_module._compile_settings():
-        assert dynamo_config.recompile_limit == graph_module._RECOMPILE_LIMIT
-    assert dynamo_config.recompile_limit == 8
+    # NOTE: torch's own patch, not monkeypatch: the config module serves its settings from __getattr__, so
+    # monkeypatch's undo deletes the setting, which hides it for the rest of the process.
+    before = dynamo_config.recompile_limit
+    with dynamo_config.patch(recompile_limit=8):
+        with graph_module._compile_settings():
+            assert dynamo_config.recompile_limit == graph_module._RECOMPILE_LIMIT
+        assert dynamo_config.recompile_limit == 8
+    assert dynamo_config.recompile_limit == before  # still readable: later graphs compile
 
 
 def test_sample_batch_packs_every_parameter_exactly():
