@@ -45,11 +45,15 @@ def test_every_python_block_of_the_page_runs_as_printed(page, tmp_path):
 
 def test_every_notest_tag_is_known_precedes_a_python_block_and_is_listed_for_the_reader():
     listed = set(re.findall(r"^\| `([\w-]+)` \|", GETTING_STARTED.read_text(), re.M))
-    assert listed == set(NOTEST_TAGS), f"getting-started.md lists {sorted(listed)}, the tests {sorted(NOTEST_TAGS)}"
+    assert listed == set(NOTEST_TAGS), (
+        f"getting-started.md lists {sorted(listed)}, the tests {sorted(NOTEST_TAGS)}"
+    )
     for page in pages():
         tagged = {b.line: b for b in blocks(page) if b.notest is not None}
         for line, tag in notest_lines(page):
-            assert tag in NOTEST_TAGS, f"{_rel(page)}:{line}: unknown notest tag {tag!r} (known: {sorted(NOTEST_TAGS)})"
+            assert tag in NOTEST_TAGS, (
+                f"{_rel(page)}:{line}: unknown notest tag {tag!r} (known: {sorted(NOTEST_TAGS)})"
+            )
             block = next((b for b in tagged.values() if b.line > line), None)
             assert block is not None and block.lang == "python", f"{_rel(page)}:{line}: tags no python block"
 
@@ -124,11 +128,15 @@ def test_defaults_tables_match_the_code():
     for cls in (EngineConfig, ChunkControl, DeltaControl, SamplingParams, PPOConfig):
         title = cls.__name__
         documented = _defaults_table(title)
-        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        defaults = {
+            f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+        }
         assert documented, title
         for name, value in documented.items():
             assert name in defaults, f"{title}.{name} is documented but not a field with a default"
-            assert ast.literal_eval(value) == defaults[name], f"{title}.{name}: docs {value}, code {defaults[name]!r}"
+            assert ast.literal_eval(value) == defaults[name], (
+                f"{title}.{name}: docs {value}, code {defaults[name]!r}"
+            )
 
 
 def test_the_ppo_loop_runs_with_truncated_importance_weights(tmp_path):
