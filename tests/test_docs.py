@@ -49,13 +49,16 @@ def test_every_notest_tag_is_known_precedes_a_python_block_and_is_listed_for_the
         f"getting-started.md lists {sorted(listed)}, the tests {sorted(NOTEST_TAGS)}"
     )
     for page in pages():
-        tagged = {b.line: b for b in blocks(page) if b.notest is not None}
+        lines = page.read_text().splitlines()
+        fences = {b.line: b for b in blocks(page)}
         for line, tag in notest_lines(page):
-            assert tag in NOTEST_TAGS, (
-                f"{_rel(page)}:{line}: unknown notest tag {tag!r} (known: {sorted(NOTEST_TAGS)})"
+            where = f"{_rel(page)}:{line}"
+            assert tag in NOTEST_TAGS, f"{where}: unknown notest tag {tag!r} (known: {sorted(NOTEST_TAGS)})"
+            following = next((n for n in range(line + 1, len(lines) + 1) if lines[n - 1].strip()), None)
+            block = fences.get(following)
+            assert block is not None and block.lang == "python", (
+                f"{where}: the next line opens no python block"
             )
-            block = next((b for b in tagged.values() if b.line > line), None)
-            assert block is not None and block.lang == "python", f"{_rel(page)}:{line}: tags no python block"
 
 
 def test_skipped_blocks_are_still_python_and_every_fence_names_its_language():
