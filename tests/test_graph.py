@@ -298,7 +298,7 @@ def test_graph_setting_is_checked_and_auto_is_fixed_per_device():
     assert graph_enabled("auto", torch.device("cuda")) and not graph_enabled("auto", torch.device("cpu"))
     assert graph_enabled(True, torch.device("cpu")) and not graph_enabled(False, torch.device("cuda"))
     engine = make_engine(actor_of("llama"), graph="auto")
-    assert engine._loop.actor.runner.captured is None  # the CPU default: eager (README)
+    assert engine._loop.actor.runner.captured is None  # the CPU default: eager (docs/captured-decode.md)
     engine.close()
 
 
