@@ -9,8 +9,10 @@ import json
 import math
 import pathlib
 import signal
+import sys
 import threading
 import time
+import traceback
 import warnings
 
 import pytest
@@ -290,6 +292,17 @@ class _WatchedJoins(LaneExecutor):
         return Watched()
 
 
+def _where(thread_id: int) -> str:
+    """Where a thread is, for a failure message: its Python stack, and what the kernel says of it (state,
+    blocked, pending and caught signals, the system call it is in)."""
+    thread = next(t for t in threading.enumerate() if t.ident == thread_id)
+    task = pathlib.Path(f"/proc/self/task/{thread.native_id}")
+    status = [x for x in (task / "status").read_text().splitlines() if x.startswith(("State", "Sig"))]
+    frame = sys._current_frames().get(thread_id)
+    stack = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "?"
+    return f"{status} syscall={(task / 'syscall').read_text().split()[:1]} stack:\n{stack}"
+
+
 @pytest.mark.parametrize("mode", ["intra", "oppo"])
 def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_is_exact(models, mode):
     prompts = random_prompts(6, seed=45)
@@ -305,7 +318,7 @@ def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_
             # while this reward still runs, and the reward returns only after the main thread has it.
             assert watch.joining.wait(60), "the main thread never waited for the scorer lane"
             signal.pthread_kill(main, signal.SIGINT)
-            landed.append(watch.interrupted.wait(60))
+            landed.append(watch.interrupted.wait(10) or _where(main))
         return rule(prompt_ids, response_ids)
 
     engine = _with(make_engine(dict(models, reward=slow_reward), mode, batch_size=6), prompts)
@@ -313,7 +326,7 @@ def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_
     threads = torch.get_num_threads()
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    assert landed == [True], "the interrupt did not reach the main thread's wait for the scorer lane"
+    assert landed == [True], f"the interrupt did not reach the main thread's wait for the lane: {landed}"
     assert not any(t.name == "oppo-scorer-lane" for t in threading.enumerate())
     assert engine._loop.scorer_lane._thread is None
     assert_all_pages_free(engine)
