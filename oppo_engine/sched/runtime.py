@@ -2,9 +2,9 @@
 
 The step loop and the scorer lane read the time through a ``Clock`` and start, wake and wait for the scorer
 lane's worker through a ``LaneExecutor``. The defaults are the real thing: ``time.perf_counter`` and OS
-threads. The deterministic simulator (``tests/sim/``) injects a virtual clock and an executor that runs one
-lane at a time and orders the lanes' units of work from a seed, so every interleaving replays; the engine
-has no simulator-only branch, only these calls.
+threads. The deterministic simulator (``tests/sim/``, on the executor and stand-ins of ``oppo_engine/sim/``)
+injects a virtual clock and an executor that runs one lane at a time and orders the lanes' units of work
+from a seed, so every interleaving replays; the engine has no simulator-only branch, only these calls.
 
 ``unit(lane, what)`` marks the boundary of a unit of a lane's work (a forward, a hand-off, a score read):
 with OS threads it does nothing; a simulator may switch to another lane there.
