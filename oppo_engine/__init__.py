@@ -1,7 +1,7 @@
 """oppo_engine: a rollout backend for PPO-RLHF that overlaps generation with scoring (OPPO, ICLR 2026).
 
 Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward``, and for multi-turn
-episodes ``Env``, ``Observation`` and ``ToolEnv`` (see README.md, DESIGN.md and docs/multi-turn.md). They are
+episodes ``Env``, ``Observation`` and ``ToolEnv`` (see docs/api/, docs/multi-turn.md and DESIGN.md). They are
 imported lazily, so ``import oppo_engine.ops`` (or ``.cache``) does not pull in transformers.
 """
 

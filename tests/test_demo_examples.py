@@ -40,7 +40,7 @@ def test_an_answer_that_keeps_the_rules_breaks_none():
         ("tell me about the cat .", POLITE, True, "says only thank you"),
         ("tell me about the cat .", GOOD, False, "cut off"),
         ("list 3 things about the dog .", "1 the dog is big . thank you for asking .", True,
-         "lists 1 things, 3"),
+         "lists 1 thing, 3 were asked for"),
         ("tell me about the cat .", "1 the cat is big . 2 the cat is old . thank you for asking .", True,
          "short answer was asked for, it gives 2"),
         ("tell me about the cat .", "the moon is big . thank you for asking .", True, "talks about the moon"),

@@ -156,7 +156,7 @@ def broken_rules(prompt: str, answer: str, finished: bool) -> list[str]:
     while items + 1 in numbers:
         items += 1
     if n > 1 and items != n:
-        broken.append(f"it lists {items} things, {n} were asked for")
+        broken.append(f"it lists {items} thing{'s' * (items != 1)}, {n} were asked for")
     content = [x for x in sentences(answer) if x != POLITE]
     if n == 1 and (numbers or len(content) > 2):
         broken.append(f"a short answer was asked for, it gives {max(items, len(content))}")

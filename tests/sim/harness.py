@@ -22,10 +22,10 @@ from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.cache.arena import KVSpec, fit_page_size, page_bytes_for
 from oppo_engine.obs import StepMetrics
 from oppo_engine.sched.results import StepResult
+from oppo_engine.sim.executor import Policy, SimClock, SimExecutor
+from oppo_engine.sim.standin import Costs, Faults, InjectedFault, Oracle, StandInActor, StandInScorer
 
-from .executor import Policy, SimClock, SimExecutor
 from .models import EOS, VOCAB, sim_models
-from .standin import Costs, Faults, InjectedFault, Oracle, StandInActor, StandInScorer
 
 PROGRESS_FACTOR = 4
 POLL_UNITS = 20_000

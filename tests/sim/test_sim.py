@@ -10,10 +10,10 @@ pytest.importorskip("greenlet")  # the dev extra; absent on the device machine, 
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk  # noqa: E402
 from oppo_engine.sched.scorer import ScorerScheduler  # noqa: E402
 from oppo_engine.sched.sequence import SeqStatus  # noqa: E402
+from oppo_engine.sim.standin import KVCorruption  # noqa: E402
 
 from .harness import InvariantViolation, Livelock, Sim, SimFailure, Workload, run_schedule  # noqa: E402
 from .search import search  # noqa: E402
-from .standin import KVCorruption  # noqa: E402
 
 CI_SEEDS = range(2000)
 # Seeds whose schedules found engine bugs (README, "Deterministic simulation"): each passes since its fix.
