@@ -22,7 +22,6 @@ from typing import Any
 
 from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor
 
-ENV_LANE = "env"
 QUEUED, RUNNING, DONE, ABANDONED = "queued", "running", "done", "abandoned"
 
 
@@ -120,7 +119,9 @@ class EnvPool:
             return []
         now = self.clock()
         with self._cond:
-            late = [c for c in self._running if now - c.started_s > self.timeout_s]
+            # NOTE: the deadline as next_deadline() computes it, compared inclusively: a wait that ends exactly
+            # at it (a simulator's virtual clock) expires the call, with no rounding in between.
+            late = [c for c in self._running if now >= c.started_s + self.timeout_s]
             for call in late:
                 self._running.discard(call)
                 call.state = ABANDONED
@@ -201,7 +202,8 @@ class EnvPool:
                 call.state = RUNNING
                 call.started_s = self.clock()
                 self._running.add(call)
-            self.executor.unit(ENV_LANE, call.kind)
+            # NOTE: no unit boundary here (LaneExecutor.unit): a simulator may raise a KeyboardInterrupt at one,
+            # which a worker thread never receives; workers yield to the other lanes in their waits.
             try:
                 result = call.fn()
                 if inspect.isawaitable(result):

@@ -67,11 +67,14 @@ class ScorerScheduler:
 
     def complete_without_forward(self) -> list[Sequence]:
         """Sequences whose final hand-off brought no token left to prefill (an episode that ended with an
-        empty observation, or with none): every token is in, so their results can be read now."""
+        empty observation, or with none): every token is in, so their results can be read now (a sequence
+        swapped to host comes back first: its pages hold what the result is read from)."""
         done = []
-        for seq in self.active:
+        for i, seq in enumerate(self.active):
             upto, final = self._handed[seq.seq_id]
             if final and 0 < upto == self._scored[seq.seq_id]:
+                if seq.seq_id in self._swapped and not self._swap_in(seq, after=i):
+                    continue  # no pages for it yet: a later round
                 done.append(seq)
         return done
 

@@ -290,6 +290,8 @@ class StepLoop:
         sched = self.actor_sched
         for answer in self.envs.collect(self._live):
             seq = answer.seq
+            if seq.status is SeqStatus.FAILED:
+                continue  # a sample of its group failed earlier in this collect: it left the step
             if answer.error is not None:
                 self._fail(seq, answer.error, cut, out)
             elif answer.outcome == RESUME:

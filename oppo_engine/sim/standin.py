@@ -7,6 +7,11 @@ cache (a function of the model, the position and the token id, in the first 4 by
 layer-0 key slot) and fails if one is wrong -- a page freed while still in use, reused by another
 sequence, swapped back wrong or forked wrong -- then writes its new tokens' fingerprints into the slots
 the scheduler reserved. A forward's cost (virtual seconds) is drawn from a seeded distribution.
+
+Multi-turn episodes: ``EnvSpec`` is a seeded environment -- how many turns an episode has, what each turn's
+observation is, whether a call fails or hangs, and its latency, all functions of the prompt and the turn --
+and ``StandInEnv`` runs it on the engine's environment workers, sleeping its latency in virtual time;
+``Oracle.episode`` is the transcript the engine must then return.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from oppo_engine.cache import KVCacheManager
+from oppo_engine.env.protocol import Observation
 from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.scorer import Scorer
 from oppo_engine.sched.sequence import Sequence as Seq
@@ -91,6 +98,117 @@ class Oracle:
             prev = tok
             if len(response) >= max_new_tokens or pos + 1 >= max_model_len or tok == self.eos:
                 return response, logprobs
+
+
+    def episode(self, prompt_ids: list[int], seed: int, params, max_model_len: int, env: EnvSpec):
+        """The transcript the engine must return for a multi-turn episode: ``(response, logprobs,
+        action_mask, finish_reason)``, finish reason ``"error"`` when its environment fails or hangs.
+        ``params`` are the sequence's ``SamplingParams`` (turns end after ``max_turn_tokens``)."""
+        response: list[int] = []
+        logprobs: list[float] = []
+        mask: list[int] = []
+        prev, p = prompt_ids[-1], len(prompt_ids)
+        sampled = turn_start = turns = 0
+        while True:
+            pos = p + len(response)
+            tok = self.token(seed, pos, p, prev)
+            response.append(tok)
+            logprobs.append(self.logprob(seed, pos))
+            mask.append(1)
+            prev, sampled = tok, sampled + 1
+            if tok == self.eos:
+                return response, logprobs, mask, "eos"
+            if sampled >= params.max_new_tokens:
+                return response, logprobs, mask, "length"
+            if pos + 1 >= max_model_len:
+                return response, logprobs, mask, "max_model_len"
+            if len(response) - turn_start < params.max_turn_tokens:
+                continue
+            turns += 1
+            if params.max_turns is not None and turns >= params.max_turns:
+                return response, logprobs, mask, "max_turns"
+            if env.fails(prompt_ids, turns) or env.hangs(prompt_ids, turns):
+                return response, logprobs, mask, "error"
+            obs = env.observation(prompt_ids, turns)
+            if p + len(response) + len(obs.tokens) > max_model_len:
+                return response, logprobs, mask, "max_model_len"
+            response += obs.tokens
+            logprobs += [0.0] * len(obs.tokens)
+            mask += [0] * len(obs.tokens)
+            if obs.done:
+                return response, logprobs, mask, "env_done"
+            if p + len(response) >= max_model_len:
+                return response, logprobs, mask, "max_model_len"
+            turn_start, prev = len(response), response[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSpec:
+    """A seeded environment: an episode of ``turns`` (1 to ``max_turns``) turns, each answered with up to
+    ``max_obs`` tokens (the last, done, possibly none) after a latency of mean ``latency`` virtual seconds
+    (exponential, capped at ``max_latency``); a call fails with probability ``p_fail`` and hangs for
+    ``hang_s`` with ``p_hang``. Every draw is a function of the seed, the prompt and the turn, never of the
+    schedule. NOTE: the engine's ``env_timeout_s`` must lie far between ``max_latency`` and ``hang_s``:
+    whether a call a little past the timeout expires depends on when the actor looks, a schedule's choice."""
+
+    seed: int
+    vocab: int
+    max_turns: int
+    max_obs: int
+    latency: float
+    p_fail: float
+    p_hang: float
+    max_latency: float = 1.0
+    hang_s: float = 1e6
+
+    def _u(self, prompt_ids, turn: int, salt: int) -> float:
+        return (mix(self.seed, salt, turn, *prompt_ids) >> 11) / (1 << 53)
+
+    def turns(self, prompt_ids) -> int:
+        return 1 + int(self._u(prompt_ids, 0, 11) * self.max_turns)
+
+    def fails(self, prompt_ids, turn: int) -> bool:
+        return self._u(prompt_ids, turn, 12) < self.p_fail
+
+    def hangs(self, prompt_ids, turn: int) -> bool:
+        return not self.fails(prompt_ids, turn) and self._u(prompt_ids, turn, 13) < self.p_hang
+
+    def delay(self, prompt_ids, turn: int) -> float:
+        if self.hangs(prompt_ids, turn):
+            return self.hang_s
+        return min(self.max_latency, self.latency * -math.log(1.0 - self._u(prompt_ids, turn, 14)))
+
+    def observation(self, prompt_ids, turn: int) -> Observation:
+        done = turn >= self.turns(prompt_ids)
+        n = int(self._u(prompt_ids, turn, 15) * (self.max_obs + 1))
+        if not done:
+            n = max(n, 1) if self.max_obs else 0
+        tokens = [4 + mix(self.seed, 16, turn, i, *prompt_ids) % (self.vocab - 4) for i in range(n)]
+        return Observation(tokens, done=done)
+
+
+class StandInEnv:
+    """``EnvSpec`` as an engine environment, one per sequence: ``step`` sleeps the call's latency on the
+    executor (virtual time, on the worker's own lane), then fails, or answers."""
+
+    def __init__(self, spec: EnvSpec, executor) -> None:
+        self.spec, self.executor = spec, executor
+        self.prompt: list[int] | None = None
+        self.turn = 0
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        if self.prompt is not None:
+            raise AssertionError("StandInEnv: reset twice (a fresh environment is made for a restart)")
+        self.prompt = list(prompt_ids)
+
+    def step(self, turn_ids: list[int]) -> Observation:
+        if self.prompt is None:
+            raise AssertionError("StandInEnv: step before reset")
+        self.turn += 1
+        self.executor.sleep(self.spec.delay(self.prompt, self.turn))
+        if self.spec.fails(self.prompt, self.turn):
+            raise InjectedFault(f"environment of prompt {self.prompt[:4]} failed on turn {self.turn}")
+        return self.spec.observation(self.prompt, self.turn)
 
 
 class PageIO:

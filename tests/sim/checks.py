@@ -1,6 +1,11 @@
 """The checks of a schedule that read whole steps: every prompt's samples come back exactly once (or are
 quarantined), equal to what the oracle says they must be; a failed step leaves the state it found; nothing
-is held between steps but what the carried sequences need; nothing at all at the end."""
+is held between steps but what the carried sequences need; nothing at all at the end.
+
+Multi-turn episodes: a rollout is the oracle's episode (its tokens, observations, action mask and finish
+reason); a group one of whose environments fails or hangs comes back whole in ``failed``, and only such
+groups do (or the poison prompt's); a failed step may restart an episode whose environment had stepped
+from its prompt, and nothing else changes."""
 
 from __future__ import annotations
 
@@ -16,6 +21,11 @@ def _fail(message: str) -> None:
     from .harness import InvariantViolation  # noqa: PLC0415
 
     raise InvariantViolation(message)
+
+
+def _restarted(s) -> bool:
+    """An episode started over from its prompt by a rollback (a fresh environment, nothing generated)."""
+    return s.episode is not None and not s.response_ids and s.status is SeqStatus.WAITING
 
 
 def _seq_state(s) -> tuple:
@@ -62,6 +72,22 @@ class Ledger:
     def total(self) -> int:
         return len(self.prompts) * self.sim.w.n
 
+    def expected(self, group: int, sample: int) -> tuple:
+        """``(response, logprobs, action_mask, finish_reason)`` the oracle says the sample must return."""
+        w, oracle = self.sim.w, self.sim.oracle
+        prompt = self.prompts[group]
+        seed = sample_seed(derive_seed(w.seed, group), sample)
+        if w.env is None:
+            response, logprobs = oracle.rollout(prompt, seed, w.max_new_tokens, w.max_model_len)
+            return response, logprobs, [1] * len(response), None
+        return oracle.episode(prompt, seed, w.sampling(), w.max_model_len, w.env)
+
+    def env_fails(self, group: int) -> bool:
+        """The environment of a sample of ``group`` fails or hangs: the group comes back in ``failed``."""
+        return self.sim.w.env is not None and any(
+            self.expected(group, j)[3] == "error" for j in range(self.sim.w.n)
+        )
+
     # -- per step ---------------------------------------------------------------------------------------
 
     def record(self, result) -> bool:
@@ -86,10 +112,16 @@ class Ledger:
             prompt = self.prompts[r.group_id]
             if r.prompt_ids != prompt:
                 _fail(f"prompt {r.group_id}: returned with another prompt")
-            seed = sample_seed(derive_seed(w.seed, r.group_id), r.sample_index)
-            response, logprobs = oracle.rollout(prompt, seed, w.max_new_tokens, w.max_model_len)
+            if self.env_fails(r.group_id):
+                _fail(f"prompt {r.group_id}: returned, but an environment of its group fails")
+            response, logprobs, mask, reason = self.expected(r.group_id, r.sample_index)
             if r.response_ids != response or r.logprobs != logprobs:
                 _fail(f"prompt {r.group_id} sample {r.sample_index}: response differs from the oracle's")
+            if r.action_mask != mask or (reason is not None and r.finish_reason != reason):
+                _fail(
+                    f"prompt {r.group_id} sample {r.sample_index}: action mask or finish reason "
+                    f"{r.finish_reason!r} differs from the oracle's ({reason!r})"
+                )
             if r.reward != oracle.reward(prompt, response):
                 _fail(f"prompt {r.group_id} sample {r.sample_index}: reward differs from the oracle's")
             for name, on in (("ref_logprobs", w.reference), ("values", w.critic)):
@@ -98,8 +130,10 @@ class Ledger:
                     _fail(f"prompt {r.group_id} sample {r.sample_index}: {name} differ from the oracle's")
             if len(r.policy_versions) != len(response) or any(v > version for v in r.policy_versions):
                 _fail(f"prompt {r.group_id}: policy versions {r.policy_versions} (now {version})")
-            if r.policy_versions != sorted(r.policy_versions):
-                _fail(f"prompt {r.group_id}: policy versions go back: {r.policy_versions}")
+            tagged = list(zip(r.policy_versions, mask, strict=True))
+            sampled = [v for v, m in tagged if m]
+            if sampled != sorted(sampled) or any(v != -1 for v, m in tagged if not m):
+                _fail(f"prompt {r.group_id}: versions go back or tag an observation: {r.policy_versions}")
             if r.deferred_steps > limit:
                 _fail(f"prompt {r.group_id}: deferred {r.deferred_steps} steps, the bound is {limit}")
             if lag_limit is not None and version - r.policy_versions[0] > lag_limit:
@@ -113,6 +147,8 @@ class Ledger:
                 _fail(f"prompt {r.group_id} sample {r.sample_index} quarantined after being returned")
             if r.finish_reason != "error" or not r.error:
                 _fail(f"prompt {r.group_id}: quarantined without its reason")
+            if w.env is not None and "environment" in r.error and not self.env_fails(r.group_id):
+                _fail(f"prompt {r.group_id}: failed by an environment the oracle says answers: {r.error}")
             self.failed.add(key)
         self.returned += len(result.rollouts)
         self.quarantined += len(failed)
@@ -139,7 +175,7 @@ class Ledger:
                 queue.append(_seq_state(s))
             elif s.sample_index == 0:
                 queue.append(("fresh", tuple(s.prompt_ids)))
-        queue += [("fresh", tuple(ids)) for ids, _ in e._prompts._pending]
+        queue += [("fresh", tuple(ids)) for ids, *_ in e._prompts._pending]
         actor = e._loop.actor_sched.cache
         kv = {s.seq_id: actor.num_tokens(s.seq_id) for s in e._buffer.carried}
         return carried, queue, kv
@@ -150,7 +186,9 @@ class Ledger:
         from .harness import check_pages  # noqa: PLC0415
 
         carried, queue, kv = self.snapshot()
-        if carried != before[0]:
+        # An episode whose environment had stepped in the step starts over from its prompt.
+        restarted = {s.seq_id for s in self.engine._buffer.carried if _restarted(s)}
+        if [c for c in carried if c[0] not in restarted] != [c for c in before[0] if c[0] not in restarted]:
             _fail("a failed step changed the carried sequences")
         if queue != before[1]:
             _fail("a failed step changed the prompt queue")
@@ -182,6 +220,8 @@ class Ledger:
             for j in range(self.sim.w.n):
                 if self.seen[(g, j)] != 1 and (g, j) not in self.failed:
                     _fail(f"prompt {g} sample {j} never came back")
+                if self.env_fails(g) and (g, j) not in self.failed:
+                    _fail(f"prompt {g} sample {j}: its group's environment fails, yet it is not in failed")
                 if g == poison and (g, j) not in self.failed:
                     _fail(f"poison prompt {g} sample {j} was not quarantined")
         if e._buffer.carried:

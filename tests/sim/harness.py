@@ -23,7 +23,16 @@ from oppo_engine.cache.arena import KVSpec, fit_page_size, page_bytes_for
 from oppo_engine.obs import StepMetrics
 from oppo_engine.sched.results import StepResult
 from oppo_engine.sim.executor import Policy, SimClock, SimExecutor
-from oppo_engine.sim.standin import Costs, Faults, InjectedFault, Oracle, StandInActor, StandInScorer
+from oppo_engine.sim.standin import (
+    Costs,
+    EnvSpec,
+    Faults,
+    InjectedFault,
+    Oracle,
+    StandInActor,
+    StandInEnv,
+    StandInScorer,
+)
 
 from .models import EOS, VOCAB, sim_models
 
@@ -92,6 +101,11 @@ class Workload:
     poison: bool  # one prompt's every forward fails (only where steps quarantine: QUARANTINE)
     poison_role: str  # the model whose forwards the poison prompt fails, or "every" model
     max_policy_lag: int | None  # inter, oppo; None elsewhere (the knob is refused there)
+    # Multi-turn episodes (drawn after every field above: their draws stay those of the seeds on record)
+    env: EnvSpec | None = None
+    max_turn_tokens: int | None = None
+    max_turns: int | None = None
+    env_timeout_s: float | None = None
 
     @classmethod
     def draw(cls, seed: int) -> Workload:
@@ -148,6 +162,17 @@ class Workload:
             fits = not isinstance(overcommit, int) or overcommit <= batch_size
             lag = r.choice((None, 1, 2, 3))
             w.max_policy_lag = lag if fits else None
+        if r.random() < 0.35:  # multi-turn episodes with a seeded environment
+            p_hang = r.choice((0.0, 0.0, 0.1))
+            w.env = EnvSpec(
+                seed=seed, vocab=VOCAB, max_turns=r.randint(1, 4), max_obs=r.choice((0, 1, 3, 6)),
+                latency=r.choice((0.0, 1e-4, 3e-3, 0.05, 0.5)), p_fail=r.choice((0.0, 0.0, 0.05, 0.2)),
+                p_hang=p_hang,
+            )  # fmt: skip
+            w.max_turn_tokens = r.choice((1, 2, 3, 5))
+            w.max_turns = r.choice((None, None, 2, 3))
+            # Far between the longest latency (1 s) and a hang (1e6 s): see EnvSpec.
+            w.env_timeout_s = 1000.0 if p_hang else r.choice((None, 1000.0))
         return w
 
     def roles(self) -> list[str]:
@@ -174,7 +199,14 @@ class Workload:
             )
         if self.mode in ("intra", "oppo"):
             kwargs.update(chunk_size=self.chunk_size)
+        if self.env is not None:
+            kwargs.update(env_timeout_s=self.env_timeout_s)
         return EngineConfig(**kwargs)
+
+    def sampling(self) -> SamplingParams:
+        turns = dict(max_turn_tokens=self.max_turn_tokens, max_turns=self.max_turns) if self.env else {}
+        return SamplingParams(temperature=1.0, max_new_tokens=self.max_new_tokens, seed=self.seed, n=self.n,
+                              **turns)  # fmt: skip
 
 
 @dataclass
@@ -189,6 +221,9 @@ class Report:
     rollouts: int = 0
     quarantined: int = 0
     max_forward_ratio: float = 0.0  # forwards of the worst step over its bound's (1+m)·S·L
+    env_calls: int = 0  # environment step() calls answered (multi-turn workloads)
+    env_failed: int = 0  # rollouts failed by their environment (an error, or a hang past the timeout)
+    env_timeouts: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -236,11 +271,13 @@ class Sim:
     def build(self) -> RolloutEngine:
         w = self.w
         page_bytes, pages = self.min_pages()
+        env = w.env
         engine = RolloutEngine(
             **self._model_kwargs(),
             config=w.config((pages + w.extra_pages) * page_bytes),
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=w.max_new_tokens, seed=w.seed, n=w.n),
+            sampling=w.sampling(),
             eos_token_id=EOS,
+            env=None if env is None else (lambda: StandInEnv(env, self.ex)),
         )
         loop = engine._loop
         sched = loop.actor_sched
@@ -383,6 +420,10 @@ def _run(sim: Sim) -> Report:
             sim.forward_limit = sim.unit_limit = None
         report.steps += 1
         report.max_forward_ratio = max(report.max_forward_ratio, (sim.ex.forwards - forwards0) / bound)
+        report.env_calls += result.metrics.env_calls
+        env_failed = [r for r in result.failed if "environment" in (r.error or "")]
+        report.env_failed += len(env_failed)
+        report.env_timeouts += sum("env_timeout_s" in r.error for r in env_failed)
         done = ledger.record(result)
         if late:
             ledger.add(late)

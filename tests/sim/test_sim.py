@@ -38,6 +38,13 @@ def test_every_invariant_holds_over_the_ci_seed_set():
     assert sum(r.rollouts for r in reports) > 10_000
     assert {Workload.draw(r.seed).max_policy_lag for r in reports} == {None, 1, 2, 3}
     assert sum(r.quarantined for r in reports) > 100
+    # Multi-turn episodes with a seeded environment: calls answered, failed, hung past the timeout, in
+    # every mode.
+    episodes = [r for r in reports if Workload.draw(r.seed).env is not None]
+    assert {Workload.draw(r.seed).mode for r in episodes} == {"sequential", "intra", "inter", "oppo"}
+    assert sum(r.env_calls for r in episodes) > 3000
+    assert sum(r.env_failed for r in episodes) > 100 and sum(r.env_timeouts for r in episodes) > 20
+    assert sum(r.failed_steps for r in episodes) > 20  # rollbacks that restart stepped episodes
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND_BUGS))
