@@ -119,8 +119,8 @@ class EnvPool:
             return []
         now = self.clock()
         with self._cond:
-            # NOTE: the deadline as next_deadline() computes it, compared inclusively: a wait that ends exactly
-            # at it (a simulator's virtual clock) expires the call, with no rounding in between.
+            # NOTE: the deadline as next_deadline() computes it, compared inclusively: a wait that ends
+            # exactly at it (a simulator's virtual clock) expires the call, with no rounding in between.
             late = [c for c in self._running if now >= c.started_s + self.timeout_s]
             for call in late:
                 self._running.discard(call)
@@ -202,8 +202,8 @@ class EnvPool:
                 call.state = RUNNING
                 call.started_s = self.clock()
                 self._running.add(call)
-            # NOTE: no unit boundary here (LaneExecutor.unit): a simulator may raise a KeyboardInterrupt at one,
-            # which a worker thread never receives; workers yield to the other lanes in their waits.
+            # NOTE: no unit boundary here (LaneExecutor.unit): a simulator may raise a KeyboardInterrupt at
+            # one, which a worker thread never receives; workers yield to the other lanes in their waits.
             try:
                 result = call.fn()
                 if inspect.isawaitable(result):
