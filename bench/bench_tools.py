@@ -15,6 +15,11 @@ answers at once that the episode is done. The same episodes, token counts and la
   again (as TRL's tool loop does), then the reward model scores the batch;
 - ``trl-grpo``: TRL's own ``GRPOTrainer`` tool loop, on CPU where it runs: see ``trl_tool_loop``.
 
+``--tools-task DIR`` adds a second table on the demo's tools task (``ppo/tools_task.py``, built in DIR once):
+a trained tiny actor that really calls a calculator tool (the same lognormal latency, drawn per call from
+its arguments), the engine's four modes with ``ToolEnv`` against TRL's own ``GRPOTrainer`` tool loop
+(its ``_generate``: generation, tool calls and regeneration, no training) on the same prompts and tool.
+
 Reported per arm: episodes per second over the measured steps (after one warm-up step), the exposed tool
 time per step (the actor idle because every sequence waits on a tool: ``StepMetrics.env_wait_s``; for the
 batch-synchronous loop, its tool phases), and the ratios the issue asks for.
@@ -29,10 +34,12 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from oppo_engine import EngineConfig, Observation, RolloutEngine, SamplingParams
+from oppo_engine.ppo import tools_task
 from oppo_engine.presets import build_models
 
 MODES = ("sequential", "intra", "inter", "oppo")
@@ -162,6 +169,120 @@ class BatchSyncArm:
         self.pool.shutdown()
 
 
+class TaskEngineArm(EngineArm):
+    """The engine in ``mode`` on the tools task: ``ToolEnv`` with the task's slow calculator."""
+
+    def __init__(self, mode, actor, tokenizer, supply, args) -> None:
+        knobs = {}
+        if mode in ("inter", "oppo"):
+            knobs.update(overcommit=args.batch_size // 2, max_policy_lag=None)
+        if mode in ("intra", "oppo"):
+            knobs.update(chunk_size=8)
+        turn_end = tokenizer.convert_tokens_to_ids(tools_task.TURN_END)
+        self.engine = RolloutEngine(
+            actor=actor, reward=tools_task.AnswerReward(tokenizer), eos_token_id=tokenizer.eos_token_id,
+            env=lambda: tools_task.CalculatorEnv(tokenizer, seed=args.seed),
+            config=EngineConfig(batch_size=args.batch_size, mode=mode, max_model_len=512, **knobs),
+            sampling=SamplingParams(temperature=1.0, seed=args.seed, max_new_tokens=160,
+                                    turn_stop_token_ids=(turn_end,), max_turns=6),
+        )  # fmt: skip
+        self.engine.set_prompt_source(iter(supply))
+
+
+class TRLToolLoopArm:
+    """TRL's own ``GRPOTrainer`` tool loop (trl 1.16, its transformers backend): ``_generate`` over the next
+    B prompts generates every completion, calls every tool, regenerates with the results, until no call
+    is left; the exposed tool time is its tool calls' (they run one after another)."""
+
+    def __init__(self, actor, tokenizer, messages, args) -> None:
+        import copy
+        import os
+        import tempfile
+
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+        from trl.chat_template_utils import qwen3_template
+
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.eos_token = tools_task.TURN_END  # TRL ends a turn at EOS and parses it
+        tokenizer.response_template = qwen3_template  # the Qwen tool-call syntax the task's template uses
+        actor = copy.deepcopy(actor)
+        actor.generation_config.eos_token_id = actor.config.eos_token_id = tokenizer.eos_token_id
+        self.tool_s = 0.0
+        add = tools_task.slow_add(args.seed)
+
+        def timed_add(a: int, b: int) -> int:
+            """Add two integers.
+
+            Args:
+                a: the first number
+                b: the second number
+            """
+            t = time.perf_counter()
+            try:
+                return add(a, b)
+            finally:
+                self.tool_s += time.perf_counter() - t
+
+        timed_add.__name__ = "add"
+        self._out = tempfile.TemporaryDirectory()
+        grpo = GRPOConfig(
+            output_dir=self._out.name, per_device_train_batch_size=args.batch_size, num_generations=4,
+            max_completion_length=160, max_tool_calling_iterations=5, use_cpu=True, report_to="none",
+            save_strategy="no", bf16=False, seed=args.seed, temperature=1.0,
+        )  # fmt: skip
+        self.trainer = GRPOTrainer(
+            model=actor, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=grpo,
+            train_dataset=Dataset.from_dict({"prompt": messages[: args.batch_size]}),
+            processing_class=tokenizer, tools=[timed_add],
+        )  # fmt: skip
+        self.trainer.model.eval()
+        self.messages, self.batch, self.next = messages, args.batch_size, 0
+
+    def step(self) -> tuple[int, float]:
+        import copy
+
+        prompts = copy.deepcopy(self.messages[self.next : self.next + self.batch])
+        self.next += self.batch
+        # What GRPOTrainer._generate_and_score_completions sets up before it generates: each rollout's tools.
+        tools = {t.__name__: t for t in self.trainer._standalone_tools}
+        self.trainer._sync_tool_dicts = [dict(tools) for _ in prompts]
+        self.trainer._async_tool_dicts = [{} for _ in prompts]
+        before = self.tool_s
+        self.trainer._generate(prompts)
+        return len(prompts), self.tool_s - before
+
+    def close(self) -> None:
+        self._out.cleanup()
+
+
+def tools_task_table(args) -> dict[str, dict]:
+    """The engine's four modes and TRL's own tool loop on the demo's tools task (module docstring)."""
+    cache = tools_task.build_tools_task(args.tools_task, seed=0)
+    actor, _, _, tokenizer = tools_task.load_tools_models(cache)
+    actor.eval()
+    rng = random.Random(args.seed + 7)
+    count = args.batch_size * (args.steps + 4)
+    messages = [tools_task.prompt_messages(tools_task.operands(rng)) for _ in range(count)]
+    supply = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for m in messages
+    ]
+    results = {m: run_arm(TaskEngineArm(m, actor, tokenizer, supply, args), args.steps) for m in MODES}
+    results["trl-grpo"] = run_arm(TRLToolLoopArm(actor, tokenizer, messages, args), args.steps)
+    return results
+
+
+def print_table(results: dict[str, dict], base: str) -> None:
+    seq = results["sequential"]
+    print("| arm | episodes/s | exposed tool s/step | vs " + base + " | vs sequential |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        vs_base, vs_seq = r["episodes_s"] / results[base]["episodes_s"], r["episodes_s"] / seq["episodes_s"]
+        print(f"| {name} | {r['episodes_s']:.2f} | {r['exposed_s']:.3f} | {vs_base:.2f}x | {vs_seq:.2f}x |")
+
+
 def run_arm(arm, steps: int) -> dict:
     """One warm-up step, then ``steps`` measured steps back to back.
 
@@ -289,6 +410,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every arm")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-trl", action="store_true", help="skip TRL's own tool loop")
+    p.add_argument(
+        "--tools-task", type=Path, default=None,
+        help="also run the demo's tools task (built in this folder once) with TRL's own tool loop beside",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -314,18 +439,22 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         f"{lat[int(len(lat) * 0.9)] * 1e3:.0f} ms, max {lat[-1]:.2f} s\n"
     )
     sync, seq, oppo = results["batch-sync"], results["sequential"], results["oppo"]
-    print("| arm | episodes/s | exposed tool s/step | vs batch-sync | vs sequential |")
-    print("|---|---|---|---|---|")
-    for name, r in results.items():
-        vs_sync, vs_seq = r["episodes_s"] / sync["episodes_s"], r["episodes_s"] / seq["episodes_s"]
-        print(f"| {name} | {r['episodes_s']:.2f} | {r['exposed_s']:.3f} | {vs_sync:.2f}x | {vs_seq:.2f}x |")
+    print_table(results, "batch-sync")
     exposed = oppo["exposed_s"] / seq["exposed_s"] if seq["exposed_s"] > 0 else float("nan")
     print(
         f"\noppo / batch-sync {oppo['episodes_s'] / sync['episodes_s']:.2f}x (goal >= 2.5x); oppo / "
         f"sequential {oppo['episodes_s'] / seq['episodes_s']:.2f}x (goal >= 1.5x); oppo's exposed tool time "
         f"{exposed:.0%} of sequential's (goal <= 25%)"
     )
-    if not args.no_trl:
+    if args.tools_task is not None:
+        task = tools_task_table(args)
+        print(
+            f"\nThe tools task (the demo's trained actor calling its calculator; {args.steps} measured steps "
+            f"per arm, B={args.batch_size}):\n"
+        )
+        print_table(task, "trl-grpo")
+        results["tools-task"] = task
+    elif not args.no_trl:
         results["trl-grpo"] = trl_tool_loop(args)
         print(f"\nTRL's own GRPOTrainer tool loop: {results['trl-grpo']}")
     return results

@@ -41,7 +41,6 @@ def test_a_perfect_episode_renders_as_the_template_and_tool_env_produce_it():
     ]
     tokenizer = tools_task.train_tokenizer(rendered)
     env = tools_task.CalculatorEnv(tokenizer)
-    env.seed = 0
     messages = tools_task.conversation([3, 4, 5])
     transcript = tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=True,
                                                return_dict=False)  # fmt: skip

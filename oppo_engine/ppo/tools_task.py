@@ -20,6 +20,7 @@ import math
 import random
 import re
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -113,29 +114,36 @@ def prompts(tokenizer, n: int = 64, seed: int = 4321) -> list[list[int]]:
     ]
 
 
-def tool_latency_s(seed: int, prompt_ids: list[int], call: int) -> float:
-    """The long-tailed latency of a prompt's ``call``-th tool call: lognormal, median 50 ms, sigma 1.5,
-    capped at 3 s, from ``seed``."""
-    z = random.Random(hash((seed, tuple(prompt_ids), call)) & 0xFFFFFFFF).gauss(0.0, 1.0)
+def tool_latency_s(seed: int, a: int, b: int) -> float:
+    """The long-tailed latency of the call ``add(a, b)``: lognormal, median 50 ms, sigma 1.5, capped at 3 s,
+    drawn from ``seed`` and the arguments (so every loop that makes the same call waits the same)."""
+    z = random.Random(zlib.crc32(repr((seed, a, b)).encode())).gauss(0.0, 1.0)
     return min(3.0, 0.05 * math.exp(1.5 * z))
 
 
+def slow_add(seed: int = 0):
+    """The task's tool: ``add`` behind :func:`tool_latency_s` (what the demo, the bench and TRL's own tool
+    loop all call)."""
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        time.sleep(tool_latency_s(seed, a, b))
+        return a + b
+
+    return add
+
+
 class CalculatorEnv(ToolEnv):
-    """The ``add`` tool behind a long-tailed latency (one ``ToolEnv`` per episode)."""
+    """The task's slow ``add`` tool, one ``ToolEnv`` per episode."""
 
     def __init__(self, tokenizer, seed: int = 0) -> None:
-        super().__init__(tokenizer, tools=[add], turn_end_token_id=tokenizer.convert_tokens_to_ids(TURN_END))
-        self.seed, self.prompt_ids, self.calls = seed, [], 0
-
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.prompt_ids, self.calls = list(prompt_ids), 0
-
-    def step(self, turn_ids: list[int]):
-        obs = super().step(turn_ids)
-        if not obs.done:
-            self.calls += 1
-            time.sleep(tool_latency_s(self.seed, self.prompt_ids, self.calls))
-        return obs
+        turn_end = tokenizer.convert_tokens_to_ids(TURN_END)
+        super().__init__(tokenizer, tools=[slow_add(seed)], turn_end_token_id=turn_end)
 
 
 class AnswerReward:
