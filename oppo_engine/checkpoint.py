@@ -48,8 +48,8 @@ def save_state(engine: RolloutEngine) -> dict:
             "n": engine.sampling.n,
             "max_model_len": engine.max_model_len,
             "eos_token_ids": list(engine.eos_token_ids),
-            "env": engine._prompts.env is not None,  # the queued prompts without their own run in env=
         },
+        "env": engine._prompts.env is not None,  # the queued prompts without their own run in env=
     }
 
 
@@ -76,7 +76,7 @@ def check_state(engine: RolloutEngine, state: dict) -> None:
             f"state: its prompts are sampled n={sorted(other)} times, this engine's n={engine.sampling.n}: "
             "groups cannot change size across a checkpoint"
         )
-    needs_env = (state.get("settings") or {}).get("env") or any(
+    needs_env = state.get("env") or any(
         d.get("episode") is not None and d["episode"]["factory"] is None for d in saved
     )
     if needs_env and engine._prompts.env is None:

@@ -227,6 +227,11 @@ class RolloutEngine:
         to its state at the start of the step (tokens, log-probs, the KV pages allocated during the step),
         puts them first in line and propagates; the step is all-or-nothing, and the retry is exact.
 
+        Multi-turn episodes (docs/multi-turn.md): an environment that raises or times out ends its
+        sequence's group in ``StepResult.failed``, never raised from here; a rollback restarts a sequence
+        whose environment was sent a turn in the step from its prompt, with a fresh environment. While
+        episodes wait on their environments the call waits for them: it never returns empty then.
+
         Under a process group the call is collective. A rank whose step fails as above tells its peers,
         which roll their step back too and raise ``PeerCallFailed``; a failed collective raises
         ``GroupFailed`` (``oppo_engine.distributed``) after the same rollback.
@@ -264,7 +269,8 @@ class RolloutEngine:
             )  # fmt: skip
             log_step(self._counters.step_index + 1, result.metrics)
             batch = out.finished
-            self._stale_warning.check(result.metrics.stale_tokens, sum(len(s.response_ids) for s in batch))
+            sampled = sum(v >= 0 for s in batch for v in s.policy_versions)  # observation tokens: -1
+            self._stale_warning.check(result.metrics.stale_tokens, sampled)
             # NOTE: the controllers last: nothing after them can fail but an asynchronous interrupt, and one
             # extra timing sample changes no rollout.
             feed_controllers(

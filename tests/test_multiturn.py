@@ -543,7 +543,7 @@ def test_close_cancels_the_calls_pending(actor):
     class Slow(ScriptedEnv):
         def _answer(self, turn_ids):
             slow[0] += 1
-            time.sleep(0.3)
+            time.sleep(0.15)
             return super()._answer(turn_ids)
 
     engine = make_engine(actor, rule_reward, "oppo", env=lambda: Slow(log), env_workers=1, batch_size=2,
@@ -554,7 +554,7 @@ def test_close_cancels_the_calls_pending(actor):
     assert pending > 1  # one worker: the rest queued
     engine.close()
     started = slow[0]
-    time.sleep(0.8)
+    time.sleep(0.5)
     assert slow[0] <= started + 1  # the queued calls never ran (at most the one running finished)
     assert engine._loop is None
 

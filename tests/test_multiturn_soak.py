@@ -147,7 +147,7 @@ def test_soak_short_every_prompt_once_through_tool_failures_interrupts_and_check
 
 @pytest.mark.slow
 def test_soak_200_steps_every_prompt_once_through_tool_failures_interrupts_and_checkpoints():
-    counts = soak(820, seed=1)
+    counts = soak(900, seed=1)
     print(dict(counts))
     assert counts["steps"] >= 200, counts
     assert counts["checkpoints"] >= 10 and counts["interrupts"] >= 1 and counts["timeouts"] >= 1, counts
