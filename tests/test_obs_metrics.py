@@ -27,6 +27,9 @@ CONTRACT_FIELDS = [
     "graph_forwards",
     "graph_recompiles",
     "graph_fallback",
+    "env_calls",
+    "env_wait_s",
+    "env_latency_s",
 ]
 
 
