@@ -124,6 +124,7 @@ def soak(num_prompts: int, seed: int) -> Counter:
         draw = rng.random()
         if draw < 0.1 or counts["steps"] % 8 == 3:  # a checkpoint, into a fresh engine
             state = engine.state_dict()
+            counts["preemptions"] += engine._loop.actor_sched.num_preemptions  # every engine's, summed
             engine.close()
             engine = build(state)
             counts["checkpoints"] += 1
@@ -133,7 +134,7 @@ def soak(num_prompts: int, seed: int) -> Counter:
     stats = engine.cache_stats()
     assert stats.free_pages == stats.total_pages and stats.retained_pages == 0
     assert seen == Counter({tuple(p): 1 for p in prompts}), "a prompt was lost or came back twice"
-    counts["preemptions"] = engine._loop.actor_sched.num_preemptions
+    counts["preemptions"] += engine._loop.actor_sched.num_preemptions
     engine.close()
     return counts
 
