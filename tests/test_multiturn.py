@@ -10,6 +10,7 @@ position in the transcript, nothing lost when an environment fails, hangs, or th
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import pytest
@@ -537,26 +538,34 @@ def test_state_dict_with_calls_in_flight_requeues_them_from_their_prompts(actor)
 
 
 def test_close_cancels_the_calls_pending(actor):
-    log = EnvLog()
-    slow = [0]
+    """Two episodes end before any turn does and make the batch; the other two are carried with their
+    calls: one running (held at a gate), one queued behind it (one worker). close() cancels the queued one:
+    it never starts, even once the gate opens."""
+    gate, started = threading.Event(), []
 
-    class Slow(ScriptedEnv):
-        def _answer(self, turn_ids):
-            slow[0] += 1
-            time.sleep(0.15)
-            return super()._answer(turn_ids)
+    class Gated:
+        def reset(self, prompt_ids):
+            pass
 
-    engine = make_engine(actor, rule_reward, "oppo", env=lambda: Slow(log), env_workers=1, batch_size=2,
-                         overcommit=2)  # fmt: skip
-    engine.add_prompts(random_prompts(8, seed=25))
-    engine.step()
-    pending = engine._loop.envs.pool.in_flight
-    assert pending > 1  # one worker: the rest queued
+        def step(self, turn_ids):
+            started.append(turn_ids)
+            gate.wait(5.0)
+            return Observation([], done=True)
+
+    engine = make_engine(actor, rule_reward, "oppo", env=Gated, env_workers=1, batch_size=2, overcommit=2)
+    # The short episodes never end a turn (no call) and take 8 tokens; the long ones end theirs at 3.
+    short = SamplingParams(max_new_tokens=8, ignore_eos=True, seed=1)
+    long = sampling(max_new_tokens=30, max_turn_tokens=3, ignore_eos=True)
+    engine.add_prompts(random_prompts(4, seed=25), sampling=[short, short, long, long])
+    first = engine.step()
+    assert sorted(r.group_id for r in first.rollouts) == [0, 1]
+    assert engine._loop.envs.pool.in_flight == 2
     engine.close()
-    started = slow[0]
-    time.sleep(0.5)
-    assert slow[0] <= started + 1  # the queued calls never ran (at most the one running finished)
+    gate.set()
+    time.sleep(0.3)
+    assert len(started) == 1  # the queued call never ran
     assert engine._loop is None
+
 
 
 def test_scorers_read_the_whole_transcript_observations_included(actor, reward):

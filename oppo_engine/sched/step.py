@@ -27,7 +27,9 @@ from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
 
 ACTOR_LANE = "actor"
 _POLL_S = 0.005  # how often an actor short of pages (held by the scorers) looks again
-_ENV_POLL_S = 0.05  # the longest an actor with only parked sequences waits before it checks the scorers
+# The longest an actor with only parked sequences waits before it checks the scorer lane for a failure (an
+# environment's answer, or a call's expiry, ends the wait at once).
+_ENV_POLL_S = 0.5
 _STALL_S = 10.0
 _TERMINAL = (SeqStatus.FINISHED, SeqStatus.SCORED)
 

@@ -171,8 +171,9 @@ class Workload:
             )  # fmt: skip
             w.max_turn_tokens = r.choice((1, 2, 3, 5))
             w.max_turns = r.choice((None, None, 2, 3))
-            # Far between the longest latency (1 s) and a hang (1e6 s): see EnvSpec.
-            w.env_timeout_s = 1000.0 if p_hang else r.choice((None, 1000.0))
+            # Far between the longest latency (1 s) and a hang (1e6 s), and past what one step's progress
+            # bound of forwards can cost (a starved worker's call never times out): see EnvSpec.
+            w.env_timeout_s = 100.0 if p_hang else r.choice((None, 100.0))
         return w
 
     def roles(self) -> list[str]:
