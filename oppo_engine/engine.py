@@ -137,7 +137,8 @@ class RolloutEngine:
         self._page_bytes = self._plan.page_bytes
         self._timeline = Timeline()
         # Streaming modes: the chunk size is fixed, or chosen online from the switch-cost profile.
-        self._chunk_control, self._profiler = chunk_controller(cfg, self._models)
+        self._chunk_control, self._profiler = chunk_controller(
+            cfg, self._models, max_new_tokens=self.sampling.max_new_tokens)  # fmt: skip
         self._gpu = GpuUtilSampler.for_device(self.device) if self.device.type == "cuda" else None
         self._prompts = PromptQueue(
             self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,

@@ -16,6 +16,7 @@ from oppo_engine.obs import Timeline
 from oppo_engine.sched.profiler import SwitchCostProfiler
 from oppo_engine.sched.sequence import Sequence
 from oppo_engine.sched.step import StepOutcome
+from oppo_engine.sim.prior import engine_prior
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,15 +36,27 @@ class StepReport:
     profile: SwitchProfile | None = None
 
 
-def chunk_controller(config, models) -> tuple[ChunkSizeController | None, SwitchCostProfiler | None]:
+def chunk_controller(
+    config, models, *, max_new_tokens: int = 512
+) -> tuple[ChunkSizeController | None, SwitchCostProfiler | None]:
     """The chunk-size controller of an ``EngineConfig`` (a fixed ``chunk_size``, or the online search) and
     the profiler that feeds it the lanes' switch costs; ``(None, None)`` outside the streaming modes.
-    ``models`` are the engine's by role; the profiler also watches a remote reward and reference."""
+    ``models`` are the engine's by role; the profiler also watches a remote reward and reference.
+
+    Under ``ChunkControl(prior="model")`` the search starts from the switch costs the twin's cost model
+    predicts for these models on their device (``sim/prior.py``; responses of about ``max_new_tokens / 2``
+    tokens are assumed until a step is measured); where the device has no cost model -- no roofline entry,
+    no profile calibrated on this machine -- it starts from the candidate list."""
     if config.mode not in ("intra", "oppo"):
         return None, None
     fixed = config.chunk_size if isinstance(config.chunk_size, int) else None
     scorers = [REWARD, REFERENCE, *(n for n in models if n != ACTOR)]
-    return ChunkSizeController(config.chunk, fixed=fixed), SwitchCostProfiler(ACTOR, scorers)
+    control = ChunkSizeController(config.chunk, fixed=fixed)
+    if fixed is None and config.chunk.prior == "model":
+        prior = engine_prior(config, models, max_new_tokens=max_new_tokens)
+        if prior is not None:
+            control.set_prior(prior)
+    return control, SwitchCostProfiler(ACTOR, scorers)
 
 
 def next_chunk_size(control: ChunkSizeController | None, group) -> int | str | None:
