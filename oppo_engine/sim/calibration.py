@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from oppo_engine.sim.cost import Batch, HostCosts
+from oppo_engine.sim.cost import Batch, CostModel, HostCosts
 from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts, local_device_id
 from oppo_engine.sim.shapes import ModelShape, attention_pairs
 
@@ -48,9 +48,9 @@ def nnls(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 
 def _timer(device) -> Callable[[Callable[[], object], int], float]:
-    """``timed(fn, reps)``: the fastest of at least ``reps`` calls of ``fn`` (more, up to 50, until they
-    add up to 20 ms), after one warm-up call. The fastest, because other load on the machine only ever
-    adds time: the profile describes the device, not its neighbours."""
+    """``timed(fn, reps)``: the median of at least ``reps`` calls of ``fn`` (more, up to 50, until they
+    add up to 20 ms), after one warm-up call. Callers time in rounds and keep the fastest round: a burst of
+    other load slows a round, not the median of every one."""
     import torch  # noqa: PLC0415
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -64,16 +64,17 @@ def _timer(device) -> Callable[[Callable[[], object], int], float]:
             fn()
             sync()
             samples.append(time.perf_counter() - t0)
-        return min(samples)
+        return statistics.median(samples)
 
     return timed
 
 
 # Grids: (rows M) x (weight K, N) of the bare GEMMs; (rows, new tokens, context before) of the forwards.
 GEMM_ROWS = (1, 4, 16, 64, 256)
-GEMM_SHAPES_CPU = ((128, 128), (256, 704), (512, 512), (1024, 1024), (1024, 4096))
+GEMM_SHAPES_CPU = ((128, 128), (256, 256), (256, 704), (704, 256), (384, 1024), (1024, 384), (1024, 1024),
+                   (1024, 4096), (4096, 1024))  # fmt: skip
 GEMM_ROWS_GPU = (1, 16, 64, 256, 1024, 4096)
-GEMM_SHAPES_GPU = ((896, 896), (1536, 1536), (896, 4864), (3584, 3584), (3584, 18944))
+GEMM_SHAPES_GPU = ((896, 896), (896, 4864), (4864, 896), (3584, 3584), (3584, 18944), (18944, 3584))
 ROUNDS = 3
 FORWARD_GRID = (
     (1, 1, 16), (4, 1, 64), (16, 1, 256), (32, 1, 128), (1, 16, 0), (4, 16, 128),
@@ -82,21 +83,180 @@ FORWARD_GRID = (
 
 
 def _time_gemms(device, dtype, timed, gpu: bool) -> dict[int, list[tuple[int, float]]]:
+    """Achieved FLOP/s of the projections the models run: ``F.linear`` of ``[1, M, K]`` activations with
+    ``[N, K]`` weights (the layout of ``nn.Linear``; a ``[K, N]`` matmul takes another, faster path on the
+    CPU), per weight size ``K * N`` (the shapes of one size, both orientations, averaged)."""
     import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: N812, PLC0415
 
     best: dict[tuple[int, int, int], float] = {}
     shapes = GEMM_SHAPES_GPU if gpu else GEMM_SHAPES_CPU
-    weights = {(k, n): torch.randn(k, n, device=device, dtype=dtype) for k, n in shapes}
+    weights = {(k, n): torch.randn(n, k, device=device, dtype=dtype) for k, n in shapes}
     for _ in range(ROUNDS):  # rounds, the fastest kept (as for the forwards)
         for (k, n), w in weights.items():
             for m in GEMM_ROWS_GPU if gpu else GEMM_ROWS:
-                x = torch.randn(m, k, device=device, dtype=dtype)
-                seconds = timed(lambda x=x, w=w: torch.matmul(x, w), 3)
+                x = torch.randn(1, m, k, device=device, dtype=dtype)
+                seconds = timed(lambda x=x, w=w: F.linear(x, w), 3)
                 best[m, k, n] = min(seconds, best.get((m, k, n), seconds))
+    by_size: dict[tuple[int, int], list[float]] = {}
+    for (m, k, n), seconds in best.items():
+        by_size.setdefault((k * n, m), []).append(seconds)
     out: dict[int, list[tuple[int, float]]] = {}
-    for (m, k, n), seconds in sorted(best.items()):
-        out.setdefault(k * n, []).append((m, 2.0 * m * k * n / max(seconds, 1e-9)))
+    for (kn, m), times in sorted(by_size.items()):
+        out.setdefault(kn, []).append((m, 2.0 * m * kn / max(statistics.fmean(times), 1e-9)))
     return out
+
+
+# Pairs of the engine's forwards run at once, as a streamed step runs them: an actor decode beside a reward
+# prefill chunk, ((rows, new tokens, context before) of each).
+CONTENTION_PAIRS = (
+    ((4, 1, 128), (4, 16, 128)),
+    ((16, 1, 256), (16, 8, 256)),
+    ((8, 1, 64), (8, 32, 64)),
+)
+
+
+def _run_concurrently(fns, seconds: float, device) -> list[float]:
+    """Each of ``fns`` looped on a thread of its own (and, on a GPU, a stream of its own), all at once,
+    for about ``seconds``: the mean time of one call of each."""
+    import threading  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    start = threading.Barrier(len(fns))
+    out = [0.0] * len(fns)
+
+    def loop(i: int, fn) -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            fn()
+            start.wait()
+            calls, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                fn()
+                calls += 1
+            if stream is not None:
+                stream.synchronize()
+            out[i] = (time.perf_counter() - t0) / calls
+
+    threads = [threading.Thread(target=loop, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fit_contention(pairs, profile: Profile, device) -> tuple[float, float]:
+    """``(cores, penalty)`` under which the contention rule (``sim/world.py``) best predicts the measured
+    slowdowns of the ``pairs`` run at once: ``(work_a, work_b, slowdown_a, slowdown_b)``. A grid search on
+    log error: two constants, a handful of pairs."""
+    import math  # noqa: PLC0415
+
+    from oppo_engine.sim.cost import contended_s  # noqa: PLC0415
+
+    best, best_err = (1.0, 1.0), math.inf
+    cap = 1.0 if device.type == "cuda" else float(profile.cores)
+    # At least one core: a lane alone runs at its timed speed; slower than serial is the interpreter's doing.
+    cores_grid = [1.0] if device.type == "cuda" else [round(0.25 * k, 2) for k in range(4, int(4 * cap) + 1)]
+    for cores in cores_grid:
+        for k in range(0, 31):
+            penalty = 1.0 + 0.1 * k
+            err = 0.0
+            for a, b, s_a, s_b in pairs:
+                cpu = device.type != "cuda"
+                p_a = contended_s(a, [(b, True)], cores, penalty, cpu) / a.alone_s
+                p_b = contended_s(b, [(a, True)], cores, penalty, cpu) / b.alone_s
+                err += math.log(p_a / s_a) ** 2 + math.log(p_b / s_b) ** 2
+            if err < best_err:
+                best, best_err = (cores, penalty), err
+    return best
+
+
+STREAMING_MB = (1, 4, 16, 48, 128)
+
+
+def _time_streaming(device, dtype, timed, gpu: bool) -> list[tuple[float, float]]:
+    """Bytes/s at which one-row projections read their weights when a working set of that many bytes of
+    weights is cycled through (as a decode forward does through its layers): more than the cache holds,
+    and they come from memory."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: N812, PLC0415
+
+    k = n = 1024 if gpu else 512
+    per = k * n * dtype.itemsize
+    x = torch.randn(1, 1, k, device=device, dtype=dtype)
+    out = []
+    for mb in (STREAMING_MB if not gpu else (16, 64, 256, 1024)):
+        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(max(1, (mb << 20) // per))]
+
+        def sweep(weights=weights) -> None:
+            for w in weights:
+                F.linear(x, w)
+
+        seconds = min(timed(sweep, 2) for _ in range(ROUNDS))
+        out.append((float(len(weights) * per), len(weights) * per / seconds))
+        del weights
+    return out
+
+
+# The calibration pair's streamed step: batch, prompt and response tokens, chunk size.
+STREAMED_STEP = (4, 16, 48, 8)
+PENALTIES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
+
+
+def _fit_interpreter(actor, reward, profile: Profile) -> float:
+    """The interpreter penalty under which the twin's streamed step of the calibration pair takes what the
+    engine's own takes (``STREAMED_STEP``, measured here): two lanes of one process interleave Python and
+    kernels, and a lane waiting for the GIL waits for the other's next hand-over (the contention pairs time
+    forwards, not the step loop around them)."""
+    import math  # noqa: PLC0415
+
+    from oppo_engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: PLC0415
+    from oppo_engine.sim.lengths import parse_lengths  # noqa: PLC0415
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+    from oppo_engine.sim.twin import Setting, World  # noqa: PLC0415
+
+    batch, prompt, response, chunk = STREAMED_STEP
+    config = EngineConfig(batch_size=batch, mode="intra", chunk_size=chunk, max_model_len=prompt + response)
+    engine = RolloutEngine(actor=actor, reward=reward, config=config, eos_token_id=(),
+                           sampling=SamplingParams(max_new_tokens=response, ignore_eos=True))  # fmt: skip
+    vocab = actor.config.vocab_size
+    engine.add_prompts([[5 + (i + j) % (vocab - 5) for j in range(prompt)] for i in range(4 * batch)])
+    try:
+        walls = [engine.step().metrics.wall_s for _ in range(3)][1:]
+    finally:
+        engine.close()
+    measured = statistics.fmean(walls)
+    itemsize = next(actor.parameters()).dtype.itemsize
+    shapes = {"actor": model_shape(actor, dtype_bytes=itemsize, name="actor"),
+              "reward": model_shape(reward, head="score", dtype_bytes=itemsize, name="reward")}  # fmt: skip
+    placement = "cpu" if profile.kind == "cpu" else "colocated"
+    best, best_err = 1.0, math.inf
+    for penalty in PENALTIES:
+        host = dataclasses.replace(profile.host, interpreter_penalty=penalty)
+        setting = Setting(
+            shapes=shapes, cost=CostModel(Calibrated(dataclasses.replace(profile, host=host))),
+            placement=placement, gpus=1, batch_size=batch, lengths=parse_lengths(response),
+            prompt_lengths=parse_lengths(prompt), config=config, cores=profile.cores,
+        )  # fmt: skip
+        world = World(setting, "intra", chunk_size=chunk, steps=3)
+        try:
+            twin = statistics.fmean(r.rollout_s for r in world.run(3)[1:])
+        finally:
+            world.close()
+        err = abs(math.log(twin / measured))
+        if err < best_err:
+            best, best_err = penalty, err
+    return best
 
 
 def _time_bandwidth(device, timed) -> float:
@@ -170,14 +330,23 @@ def _head_rows(role: str, rows: int, new: int) -> int:
     return rows if role in ("actor", "reward") else rows * new
 
 
+def _batch(role: str, rows: int, new: int, ctx: int) -> Batch:
+    return Batch(tuple((new, ctx + new) for _ in range(rows)), _head_rows(role, rows, new), rows)
+
+
 def _fit(points: list[tuple[ModelShape, str, tuple[int, int, int], float]], ts: ThreadCosts) -> ThreadCosts:
     """Fit the per-forward constants to the timed forwards, the GEMMs' share (from ``ts.gemm``) taken out."""
     probe = Calibrated(_probe_profile(ts))
     design, target, totals = [], [], []
     for shape, role, (rows, new, ctx), seconds in points:
         batch = Batch(tuple((new, ctx + new) for _ in range(rows)), _head_rows(role, rows, new), rows)
-        gemm_s = sum(probe.gemm(batch.tokens, k, n, shape.dtype_bytes)[0] for k, n in shape.layer_gemms())
-        gemm_s = shape.layers * gemm_s + probe.gemm(batch.head_rows, *shape.head_gemm(), shape.dtype_bytes)[0]
+        weights = shape.weight_bytes
+
+        def gemm(m, k, n, weights=weights, shape=shape):
+            return max(probe.gemm(m, k, n, shape.dtype_bytes, 1, weights))
+
+        gemm_s = shape.layers * sum(gemm(batch.tokens, k, n) for k, n in shape.layer_gemms())
+        gemm_s += gemm(batch.head_rows, *shape.head_gemm())
         kv = shape.kv_width * 2 * shape.dtype_bytes
         logit_rows = batch.head_rows if shape.head == "lm" else 0
         cols = [
@@ -251,7 +420,7 @@ def calibrate(
                 torch.set_num_threads(count)
             say(f"calibrate: GEMMs and bandwidth at {count} thread(s)")
             ts = ThreadCosts(_time_gemms(device, dtype, timed, gpu), _time_bandwidth(device, timed),
-                             0, 0, 0, 0, 0, 0, 0)  # fmt: skip
+                             0, 0, 0, 0, 0, 0, 0, _time_streaming(device, dtype, timed, gpu))  # fmt: skip
             say(f"calibrate: forwards of {', '.join(models)} at {count} thread(s)")
             benches = {role: _RoleBench(role, model, device) for role, model in models.items()}
             best: dict = {}
@@ -264,15 +433,34 @@ def calibrate(
                         best[role, point] = min(seconds, best.get((role, point), seconds))
             points = [(shapes[role], role, point, seconds) for (role, point), seconds in best.items()]
             per_thread[count] = _fit(points, ts)
-        say("calibrate: host time per iteration and the update")
+        say("calibrate: host time per iteration, two lanes at once, and the update")
         host = measure_host_costs()
+        if not gpu:
+            torch.set_num_threads(1)  # a streamed step's lanes run on one thread each
+        probe = Profile("probe", "gpu" if gpu else "cpu", {1: per_thread[min(per_thread)]}, host, 1.0,
+                        cores=float(os.cpu_count() or 1))  # fmt: skip
+        cost = CostModel(Calibrated(probe))
+        pairs = []
+        for a, b in CONTENTION_PAIRS:
+            fa, fb = benches["actor"].call(*a), benches["reward"].call(*b)
+            alone = (timed(fa, 3), timed(fb, 3))
+            both = _run_concurrently([fa, fb], 0.3, device)
+            wa = cost.forward(shapes["actor"], _batch("actor", *a))
+            wb = cost.forward(shapes["reward"], _batch("reward", *b))
+            pairs.append((wa, wb, both[0] / alone[0], both[1] / alone[1]))
+        cores, penalty = _fit_contention(pairs, probe, device)
+        host = dataclasses.replace(host, interpreter_penalty=penalty)
         training = _time_training(actor, device, timed)
+        say("calibrate: a streamed step of the engine, for its lanes' interpreter")
+        profile = Profile(local_device_id(device), "gpu" if gpu else "cpu", per_thread, host, training,
+                          cores=1.0 if gpu else cores)  # fmt: skip
+        host = dataclasses.replace(host, interpreter_penalty=_fit_interpreter(actor, reward, profile))
     finally:
         torch.set_num_threads(saved)
     profile = Profile(
-        device=local_device_id(device),
-        kind="gpu" if gpu else "cpu",
-        cores=1 if gpu else os.cpu_count() or 1,
+        device=profile.device,
+        kind=profile.kind,
+        cores=profile.cores,
         threads=per_thread,
         host=host,
         training_flops=training,

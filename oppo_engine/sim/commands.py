@@ -10,6 +10,7 @@ from pathlib import Path
 from oppo_engine.config import MODES, EngineConfig
 from oppo_engine.control import ChunkControl
 from oppo_engine.sim.devices import DEVICES
+from oppo_engine.sim.planner import SWEEP, plan
 
 _DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
 
@@ -57,13 +58,13 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
     p.add_argument("--chunk-candidates", type=_ints, default=ChunkControl().candidates,
                    help="the controller's candidate chunk sizes")  # fmt: skip
     p.add_argument("--overcommit", type=_auto_int, default="auto", help="Δ per actor rank: an int, or auto")
+    p.add_argument("--sweep", type=_ints, default=SWEEP, help="chunk sizes of the s/step sweep")
     p.add_argument("--reward-curve", default=None, help="JSON list of mean rewards per step (feeds Δ)")
     p.add_argument("--epochs", type=int, default=None, help="PPO epochs (default: the reference trainer's)")
     p.add_argument("--minibatch-size", type=int, default=None, help="rows per rank per minibatch")
     p.add_argument("--no-extrapolate", action="store_true", help="simulate every step of every mode (slow)")
     p.add_argument("--out", default="plan_out", help="folder for plan.json and the PNGs")
     args = p.parse_args(argv)
-    from oppo_engine.sim.planner import plan  # noqa: PLC0415
     from oppo_engine.sim.profile import Profile  # noqa: PLC0415
 
     try:
@@ -82,7 +83,7 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
             prompt_lengths=args.prompt_lengths, steps=args.steps,
             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), config=config,
             reward_curve=curve, epochs=args.epochs, minibatch_size=args.minibatch_size,
-            extrapolate=not args.no_extrapolate, progress=bar,
+            sweep=args.sweep, extrapolate=not args.no_extrapolate, progress=bar,
         )  # fmt: skip
         bar.close()
     except (ValueError, OSError, json.JSONDecodeError) as e:

@@ -30,46 +30,72 @@ from dataclasses import dataclass
 from oppo_engine.sim.devices import Device
 from oppo_engine.sim.shapes import ModelShape, attention_pairs
 
-# Kernels one eager Qwen2 decoder layer launches: counted from the aten ops of a layer's forward
+# Kernels one eager Qwen2 decoder layer launches: the aten ops its forward dispatches, views aside
 # (``tests/sim/test_twin.py::test_kernels_per_layer_is_what_a_qwen2_layer_launches`` counts them).
-KERNELS_PER_LAYER = 30
+KERNELS_PER_LAYER = 38
 
 
 @dataclass(frozen=True, slots=True)
 class HostCosts:
     """The engine's host time per forward: ``per_forward_s`` plus ``per_row_s`` per sequence in it (the
     scheduler's pass, the sampler's bookkeeping, the runner's metadata), and ``handoff_s`` per hand-off of
-    a chunk to the scorers."""
+    a chunk to the scorers. ``interpreter_penalty``: how much longer two interpreter-bound threads of one
+    process take together than one after the other (the GIL's hand-overs; 1 would be a clean
+    serialisation)."""
 
     per_forward_s: float
     per_row_s: float
     handoff_s: float
+    interpreter_penalty: float = 1.0
+
+
+def interpreter_load(demand: float, penalty: float) -> float:
+    """The oversubscription of a process's interpreter under a total ``demand`` of its threads (the rule of
+    ``sim/world.py``): none up to one; past it, ``demand`` with the measured ``penalty`` phased in as the
+    threads overlap more."""
+    if demand <= 1.0:
+        return 1.0
+    return demand * (1.0 + (penalty - 1.0) * min(1.0, demand - 1.0))
 
 
 # Measured on the development machine (2 cores, Python 3.11) with the engine's real scheduler and runner
-# bookkeeping around forwards that cost nothing: ``python -m bench.bench_twin --host``.
-HOST = HostCosts(per_forward_s=2.2e-4, per_row_s=1.6e-5, handoff_s=1.5e-5)
+# bookkeeping around forwards that cost nothing: ``python -m bench.bench_twin --host``. A GPU host's CPU is
+# another; its interpreter penalty (two lanes' Python interleaving) is not measured for the roofline: 1, a
+# clean serialisation. A profile calibrated on the GPU's host measures both.
+HOST = HostCosts(per_forward_s=2.3e-5, per_row_s=2.7e-6, handoff_s=3.8e-5)
 
 
 @dataclass(frozen=True, slots=True)
 class Work:
-    """One piece of work as it would run alone. ``host_s``: Python on the lane's thread (it holds the GIL);
-    ``launch_s``: launching the kernels (the device part takes at least this long); ``phases``: per class
-    of kernels ``(compute_s, memory_s)``, taking ``max`` of the two alone; ``threads``: CPU threads its
-    kernels occupy (1 on a GPU)."""
+    """One piece of work as it would run alone. ``host_s``: Python on the lane's thread before its kernels
+    (it holds the GIL); ``launch_s``: launching the kernels, also under the GIL, while they run (the device
+    part takes at least this long); ``phases``: per class of kernels ``(compute_s, memory_s)``, taking
+    ``max`` of the two alone; ``threads``: CPU threads its kernels occupy (1 on a GPU)."""
 
     host_s: float
     launch_s: float
     phases: tuple[tuple[float, float], ...]
     threads: int = 1
 
-    def device_s(self, compute_slowdown: float = 1.0, memory_slowdown: float = 1.0) -> float:
-        busy = sum(max(f * compute_slowdown, m * memory_slowdown) for f, m in self.phases)
-        return max(self.launch_s, busy)
+    def kernels_s(self, compute_slowdown: float = 1.0, memory_slowdown: float = 1.0) -> float:
+        """The kernels' time with the device's arithmetic and bandwidth oversubscribed by these factors."""
+        return sum(max(f * compute_slowdown, m * memory_slowdown) for f, m in self.phases)
+
+    def duration(
+        self, compute: float = 1.0, memory: float = 1.0, interpreter: float = 1.0, cores: float = 1.0
+    ) -> float:
+        """Its time with the device's arithmetic, its bandwidth, the process's interpreter and (a CPU's)
+        cores oversubscribed by these factors (each at least 1): on a CPU the Python runs on its cores too."""
+        python = max(interpreter, cores)
+        return self.host_s * python + max(self.launch_s * python, self.kernels_s(compute, memory))
+
+    def device_s(self) -> float:
+        """The part of its time the device is busy with it, alone."""
+        return self.kernels_s()
 
     @property
     def alone_s(self) -> float:
-        return self.host_s + self.device_s()
+        return self.duration()
 
     @property
     def compute_s(self) -> float:
@@ -80,25 +106,38 @@ class Work:
         return sum(m for _, m in self.phases)
 
 
-def demands(work: Work, cores: int = 1) -> tuple[float, float, float]:
+def demands(work: Work, cores: float = 1.0, cpu: bool = False) -> tuple[float, float, float]:
     """What ``work`` demands over its duration alone, of its device's arithmetic (of ``cores``), of its
     memory bandwidth and of its process's interpreter: ``(a_f, a_m, a_h)`` (the contention rule of
-    ``sim/world.py``)."""
+    ``sim/world.py``). On a ``cpu`` every part runs on the cores: its kernels on ``threads`` of them, its
+    Python on one."""
     alone = work.alone_s
     if alone <= 0:
         return 0.0, 0.0, 0.0
-    return work.threads * work.compute_s / (cores * alone), work.memory_s / alone, work.host_s / alone
+    python = work.host_s + work.launch_s
+    if cpu:
+        busy = work.threads * work.kernels_s() + python
+    else:
+        busy = work.threads * work.compute_s
+    return busy / (cores * alone), work.memory_s / alone, python / alone
 
 
-def contended_s(work: Work, others: list[tuple[Work, bool]], cores: int = 1) -> float:
+def contended_s(
+    work: Work,
+    others: list[tuple[Work, bool]],
+    cores: float = 1.0,
+    penalty: float = 1.0,
+    cpu: bool = False,
+) -> float:
     """How long ``work`` takes while ``others`` run beside it on its device throughout: ``(work, same
     process)`` pairs (the contention rule of ``sim/world.py``)."""
-    a_f, a_m, a_h = demands(work, cores)
+    a_f, a_m, a_h = demands(work, cores, cpu)
     for other, same_process in others:
-        f, m, h = demands(other, cores)
+        f, m, h = demands(other, cores, cpu)
         a_f, a_m = a_f + f, a_m + m
         a_h += h if same_process else 0.0
-    return work.host_s * max(1.0, a_h) + work.device_s(max(1.0, a_f), max(1.0, a_m))
+    s_f = max(1.0, a_f)
+    return work.duration(s_f, max(1.0, a_m), interpreter_load(a_h, penalty), s_f if cpu else 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +171,9 @@ class Roofline:
     def name(self) -> str:
         return self.device.key
 
-    def gemm(self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1) -> tuple[float, float]:
+    def gemm(
+        self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1, working_set: float = 0.0
+    ) -> tuple[float, float]:
         flops = 2.0 * m * k * n
         moved = (k * n + m * k + m * n) * dtype_bytes
         return flops / self._flops, moved / self._stream
@@ -191,14 +232,15 @@ class CostModel:
         src = self.source
         tokens = batch.tokens
         phases = []
+        weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
         for k, n in shape.layer_gemms():
-            f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads)
+            f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights)
             phases.append((shape.layers * f, shape.layers * m))
         f, m = src.attention(shape, batch, threads)
         phases.append((shape.layers * f, shape.layers * m))
         if batch.head_rows:
             k, n = shape.head_gemm()
-            phases.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads))
+            phases.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights))
         logit_rows = batch.head_rows if shape.head == "lm" else 0
         phases.append((0.0, src.elementwise(shape, tokens, logit_rows, threads)))
         host, launch = src.fixed(shape, captured, threads)

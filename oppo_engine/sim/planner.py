@@ -480,7 +480,10 @@ class _Planner:
         out = {}
         for mode in modes:
             prior = self._prior(mode) if mode in STREAMED else None
-            world = World(self.s, mode, prior=prior, steps=self.steps)
+            # Without a reward curve Δ stays at its initial value (module docstring); with one, the engine's
+            # Δ controller is fed it.
+            fixed = self.delta0 if mode in OVERCOMMITTED and not self.s.reward_curve else None
+            world = World(self.s, mode, prior=prior, delta=fixed, steps=self.steps)
             try:
                 records = world.run(self.steps)
                 timeline = world.timeline()

@@ -39,7 +39,7 @@ def predicted_profile(
     local: set[str],
     captured: bool = False,
     threads: int = 1,
-    cores: int = 1,
+    cores: float = 1.0,
 ) -> SwitchProfile:
     """The profile ``cost`` predicts for ``shapes`` (by role; the actor's under ``"actor"``) with ``running``
     sequences in flight of which ``batch_size`` are returned per step, prompts of ``prompt_len`` and
@@ -65,7 +65,9 @@ def predicted_profile(
     slowdown = {}
     for c in candidates:
         beside = [(prefill(r, c), True) for r in scorers if r in local]
-        slowdown[c] = contended_s(decode, beside, cores) / alone - 1.0 if beside else 0.0
+        penalty = cost.source.host.interpreter_penalty
+        slow = contended_s(decode, beside, cores, penalty, cpu=cost.kind == "cpu") / alone if beside else 1.0
+        slowdown[c] = slow - 1.0
     return SwitchProfile(
         handoff_s=handoff,
         prefill_s_per_token=per_token,

@@ -25,8 +25,10 @@ ROLES = ("actor", "reward", "reference", "critic")
 
 @dataclass(frozen=True, slots=True)
 class ThreadCosts:
-    """The fitted constants at one thread count. ``gemm``: ``{K*N: [(M, FLOP/s), ...]}``; ``bandwidth``:
-    bytes/s; per-unit costs in seconds (see the module docstring); ``fit_error``: the median relative
+    """The fitted constants at one thread count. ``gemm``: ``{K*N: [(M, FLOP/s), ...]}`` timed with the
+    weights in cache; ``streaming``: ``[(working set bytes, bytes/s), ...]``, the bandwidth at which a
+    forward reads weights that many bytes of weights do not let stay in cache; ``bandwidth``: bytes/s of a
+    large copy; per-unit costs in seconds (see ``sim/calibration.py``); ``fit_error``: the median relative
     error of the fit over the timed forwards."""
 
     gemm: dict[int, list[tuple[int, float]]]
@@ -38,12 +40,36 @@ class ThreadCosts:
     token_hidden_s: float
     logit_s: float
     fit_error: float
+    streaming: list[tuple[float, float]] = field(default_factory=list)
 
-    def flops(self, m: int, kn: int) -> float:
-        """Achieved FLOP/s of an ``[m, K] @ [K, N]`` GEMM with ``K * N = kn``, interpolated in log size."""
-        sizes = sorted(self.gemm)
-        by_size = [(s, log_interp(self.gemm[s], m)) for s in sizes]
-        return log_interp(by_size, kn)
+    def streaming_bandwidth(self, working_set: float) -> float:
+        """Bytes/s of reading weights out of a working set of ``working_set`` bytes."""
+        if not self.streaming:
+            return self.bandwidth
+        return log_interp(sorted(self.streaming), max(1.0, working_set))
+
+    def gemm_s(self, m: int, kn: int) -> float:
+        """Seconds of an ``[m, K] @ [K, N]`` GEMM with ``K * N = kn``: at each timed weight size, the timed
+        rows' seconds made non-decreasing and interpolated linearly in ``m`` (past the last, at its
+        FLOP/s); across sizes, seconds per weight element interpolated in log size. Never less for more
+        rows."""
+        per_element = [(size, self._at(size, m) / size) for size in sorted(self.gemm)]
+        return log_interp(per_element, kn) * kn
+
+    def _at(self, size: int, m: int) -> float:
+        points = sorted(self.gemm[size])
+        rows = [r for r, _ in points]
+        seconds, slowest = [], 0.0
+        for r, flops in points:
+            slowest = max(slowest, 2.0 * r * size / flops)
+            seconds.append(slowest)
+        if m >= rows[-1]:
+            return seconds[-1] * m / rows[-1]
+        if m <= rows[0]:
+            return seconds[0]
+        i = next(i for i, r in enumerate(rows) if r >= m)
+        w = (m - rows[i - 1]) / (rows[i] - rows[i - 1])
+        return seconds[i - 1] + w * (seconds[i] - seconds[i - 1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +77,16 @@ class Profile:
     """A device's calibrated constants (``calibrate``). ``device``: what ``local_device_id`` called it;
     ``kind``: ``"cpu"`` or ``"gpu"``; ``threads``: :class:`ThreadCosts` per thread count (``{1: ...}`` on a
     GPU); ``host``: the engine's host time per forward; ``training_flops``: achieved FLOP/s of a training
-    step; ``cores``: the CPU's cores (1 on a GPU); ``models``: the shapes it was timed on (a record, not
-    used to price)."""
+    step; ``cores``: the cores two busy lanes of the engine got when it was timed (two single-threaded GEMM
+    loops at once against one; at most the CPU's, 1 on a GPU); ``models``: the shapes it was timed on (a
+    record, not used to price)."""
 
     device: str
     kind: str
     threads: dict[int, ThreadCosts]
     host: HostCosts
     training_flops: float
-    cores: int = 1
+    cores: float = 1.0
     torch_version: str = ""
     created: str = ""
     models: dict[str, dict] = field(default_factory=dict)
@@ -89,7 +116,8 @@ class Profile:
         try:
             threads = {
                 int(t): ThreadCosts(
-                    **{**c, "gemm": {int(k): [tuple(p) for p in v] for k, v in c["gemm"].items()}}
+                    **{**c, "gemm": {int(k): [tuple(p) for p in v] for k, v in c["gemm"].items()},
+                       "streaming": [tuple(p) for p in c.get("streaming", [])]}
                 )
                 for t, c in data["threads"].items()
             }
@@ -147,11 +175,14 @@ class Calibrated:
     def name(self) -> str:
         return self.profile.device
 
-    def gemm(self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1) -> tuple[float, float]:
+    def gemm(
+        self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1, working_set: float = 0.0
+    ) -> tuple[float, float]:
         c = self.profile.costs_at(threads)
-        seconds = 2.0 * m * k * n / c.flops(m, k * n)
-        moved = (k * n + m * k + m * n) * dtype_bytes / c.bandwidth
-        return seconds, min(seconds, moved)
+        # The timed GEMMs kept their weights in cache; a forward through ``working_set`` bytes of weights
+        # reads them at the streaming bandwidth of that working set.
+        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set)
+        return c.gemm_s(m, k * n), moved
 
     def attention(self, shape: ModelShape, batch: Batch, threads: int = 1) -> tuple[float, float]:
         c = self.profile.costs_at(threads)

@@ -86,7 +86,7 @@ class Setting:
     minibatch_size: int = 8
     checkpointing: bool = True
     reward_curve: list[float] | None = None
-    cores: int = 1
+    cores: float = 1.0
     seed: int = 0
 
     @property
@@ -158,7 +158,8 @@ class World:
             raise ValueError(f"batch_size={s.batch_size} is not a multiple of the {s.ranks} actor ranks")
         self.clock = SimClock()
         devices = {s.device_of(r): (s.cores if s.placement == "cpu" else 1) for r in range(s.ranks)}
-        self.fabric = Fabric(devices)
+        cpus = frozenset(devices) if s.placement == "cpu" else frozenset()
+        self.fabric = Fabric(devices, s.cost.source.host.interpreter_penalty, cpus)
         remote = tuple(r for r in (REWARD, REFERENCE) if r in s.shapes and s.remote(r))
         self.service = ScorerService(self._price, remote) if remote else None
         handoff = s.cost.handoff()

@@ -10,15 +10,25 @@ The contention rule (lanes on one device, and the Python of one process)
 -------------------------------------------------------------------------
 A piece of work alone takes ``T = host + max(launch, sum over its kernel classes of max(f_k, m_k))``, with
 ``f_k`` its compute term and ``m_k`` its memory term (FLOPs over achieved FLOP/s, bytes over achieved
-bandwidth). Over ``T`` it demands ``a_f = threads * sum(f_k) / (cores * T)`` of the device's arithmetic
-(``cores`` is 1 on a GPU), ``a_m = sum(m_k) / T`` of its memory bandwidth and ``a_h = host / T`` of its
-process's interpreter (Python holds the GIL; a process's lanes share one). While a set of works runs at
-once, each resource is oversubscribed by ``S = max(1, sum of the demands on it)``, and each work progresses
-at the rate of taking ``host * S_h + max(launch, sum over k of max(f_k * S_f, m_k * S_m))`` in all: the part
-of a work bound by a resource stretches by that resource's oversubscription. A memory-bound decode
-(``a_m`` near 1, ``a_f`` small) beside a compute-bound prefill (``a_f`` near 1, ``a_m`` small) slows each
-only by the other's small demand on its own bottleneck; two decodes, or two prefills, share one resource
-and take twice as long. Rates are recomputed whenever a work starts or ends (processor sharing).
+bandwidth), ``host`` the Python before its kernels and ``launch`` the Python and driver calls that launch
+them while they run. Over ``T`` it demands ``a_f = threads * sum(f_k) / (cores * T)`` of the device's
+arithmetic (``cores`` is 1 on a GPU), ``a_m = sum(m_k) / T`` of its memory bandwidth and
+``a_h = (host + launch) / T`` of its process's interpreter (Python holds the GIL; a process's lanes share
+one). While a set of works runs at once, each resource is oversubscribed by ``S = max(1, sum of the
+demands on it)``, and each work progresses at the rate of taking
+``host * S_h + max(launch * S_h, sum over k of max(f_k * S_f, m_k * S_m))`` in all: the part of a work bound
+by a resource stretches by that resource's oversubscription. The interpreter is worse than shared: two
+interpreter-bound threads of one process take ``penalty`` times longer together than one after the other
+(the GIL's hand-overs, measured by ``calibrate`` as ``HostCosts.interpreter_penalty``), so past a total
+demand of one, ``S_h = demand * (1 + (penalty - 1) * min(1, demand - 1))``. A CPU's ``cores`` are the cores
+two busy lanes were measured to get (``Profile.cores``: fewer than the machine's when other work runs), and
+there a work's Python needs a core as much as its kernels do: ``a_f`` counts both, and its Python stretches
+by the larger of the cores' and the interpreter's oversubscription.
+
+A memory-bound decode (``a_m`` near 1, ``a_f`` small) beside a compute-bound prefill (``a_f`` near 1,
+``a_m`` small) slows each only by the other's small demand on its own bottleneck; two decodes, or two
+prefills, share one resource and take twice as long. Rates are recomputed whenever a work starts or ends
+(processor sharing).
 
 Lanes on different devices do not contend (the paper's 7+1 placement: actor ranks on seven GPUs, the
 frozen scorers on the eighth). The shared scorer GPU is a :class:`ScorerService`: one queue for every rank;
@@ -31,7 +41,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from oppo_engine.sim.cost import Batch, Work, demands
+from oppo_engine.sim.cost import Batch, Work, demands, interpreter_load
 from oppo_engine.sim.executor import RUN, WAIT, Policy, SimClock, SimDeadlock, SimExecutor
 
 _EPS = 1e-12
@@ -51,33 +61,31 @@ class _Item:
     __slots__ = ("lane", "work", "device", "group", "progress", "rate", "end", "a_f", "a_m", "a_h",
                  "alone", "busy")  # fmt: skip
 
-    def __init__(self, lane, work: Work, device: str, group: str, cores: int) -> None:
+    def __init__(self, lane, work: Work, device: str, group: str, cores: float, cpu: bool) -> None:
         self.lane, self.work, self.device, self.group = lane, work, device, group
         self.progress, self.rate, self.end = 0.0, 0.0, 0.0
-        self.a_f, self.a_m, self.a_h = demands(work, cores)
+        self.a_f, self.a_m, self.a_h = demands(work, cores, cpu)
         self.alone = work.device_s()
         self.busy = 0.0  # the device seconds per second of progress at the current rate
-
-    def duration(self, s_f: float, s_m: float, s_h: float) -> float:
-        w = self.work
-        device = self.alone if s_f <= 1.0 and s_m <= 1.0 else w.device_s(max(1.0, s_f), max(1.0, s_m))
-        return w.host_s * max(1.0, s_h) + device
 
 
 class Fabric:
     """The devices whose lanes share them by the contention rule (module docstring). ``cores``: device name
-    to its compute capacity (1 for a GPU, the cores for a CPU). ``busy_s`` accumulates, per device, the
-    seconds its kernels kept it busy (capped at one per second)."""
+    to its compute capacity (1 for a GPU, the cores for a CPU); ``penalty``: the interpreter's; ``cpus``:
+    the devices that are CPUs (their lanes' Python runs on their cores). ``busy_s`` accumulates, per
+    device, the seconds its kernels kept it busy (capped at one per second)."""
 
-    def __init__(self, cores: dict[str, int]) -> None:
-        self.cores = dict(cores)
+    def __init__(
+        self, cores: dict[str, float], penalty: float = 1.0, cpus: frozenset[str] = frozenset()
+    ) -> None:
+        self.cores, self.penalty, self.cpus = dict(cores), penalty, cpus
         self.items: list[_Item] = []
         self.t = 0.0
         self.busy_s = dict.fromkeys(cores, 0.0)
 
     def submit(self, lane, work: Work, device: str, group: str, now: float) -> None:
         self._advance(now)
-        self.items.append(_Item(lane, work, device, group, self.cores[device]))
+        self.items.append(_Item(lane, work, device, group, self.cores[device], device in self.cpus))
         self._reshape()
 
     def next_time(self) -> float | None:
@@ -109,8 +117,11 @@ class Fabric:
             s_f[it.device] = s_f.get(it.device, 0.0) + it.a_f
             s_m[it.device] = s_m.get(it.device, 0.0) + it.a_m
             s_h[it.group] = s_h.get(it.group, 0.0) + it.a_h
+        load = {g: interpreter_load(d, self.penalty) for g, d in s_h.items()}
         for it in self.items:
-            duration = it.duration(s_f[it.device], s_m[it.device], s_h[it.group])
+            cores = max(1.0, s_f[it.device])
+            python = cores if it.device in self.cpus else 1.0
+            duration = it.work.duration(cores, max(1.0, s_m[it.device]), load[it.group], python)
             if duration <= 0:
                 it.rate, it.end, it.progress, it.busy = 0.0, self.t, 1.0, 0.0
                 continue
@@ -148,8 +159,9 @@ class ScorerService:
             woken.extend(self.running.pop(0)[1])
         if not self.running and self.queue:
             if self.start_at is None:
-                self.start_at = now  # queued during the last round: the next one starts now
-            if self.start_at <= now + _EPS:
+                # Queued during the last round: the next one starts now, once the lanes it woke have run.
+                self.start_at = now
+            elif self.start_at <= now + _EPS:
                 self._start_round(now)
         return woken
 
