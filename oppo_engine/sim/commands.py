@@ -111,8 +111,7 @@ class _progress:
             from tqdm import tqdm  # noqa: PLC0415
 
             self.bar = tqdm(total=total, desc="simulating", unit="world", delay=3)
-        self.bar.n = done
-        self.bar.refresh()
+        self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -124,8 +124,9 @@ class Plan:
     def table(self) -> str:
         """The predictions as a table (every number a prediction)."""
         s = self.setting
+        where = "the CPU" if s["placement"] == "cpu" else f"{s['gpus']} GPU(s) as {s['placement']}"
         lines = [
-            f"PREDICTED by the twin ({s['cost_model']}; {s['gpus']} GPU(s) as {s['placement']}, "
+            f"PREDICTED by the twin ({s['cost_model']}; {where}, "
             f"B={s['batch_size']}, responses {s['lengths']}, prompts {s['prompt_lengths']}, "
             f"{self.steps} steps)",
             f"{'mode':<11}{'s/step':>8}{'rollout':>9}{'exposed':>9}{'update':>8}{'speed-up':>9}"
@@ -141,7 +142,7 @@ class Plan:
             )
         gb = {k: v / 1e9 for k, v in self.memory_per_gpu.items()}
         lines.append(
-            "memory per GPU (GB, the fullest GPU): "
+            "memory per device (GB, the fullest): "
             + ", ".join(f"{k} {v:.1f}" for k, v in gb.items())
             + f" of {self.memory.capacity / 1e9:.0f}: "
             + ("fits" if self.fits else f"DOES NOT FIT: {self.why}")

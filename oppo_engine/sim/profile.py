@@ -26,10 +26,12 @@ ROLES = ("actor", "reward", "reference", "critic")
 @dataclass(frozen=True, slots=True)
 class ThreadCosts:
     """The fitted constants at one thread count. ``gemm``: ``{K*N: [(M, FLOP/s), ...]}`` timed with the
-    weights in cache; ``streaming``: ``[(working set bytes, bytes/s), ...]``, the bandwidth at which a
-    forward reads weights that many bytes of weights do not let stay in cache; ``bandwidth``: bytes/s of a
-    large copy; per-unit costs in seconds (see ``sim/calibration.py``); ``fit_error``: the median relative
-    error of the fit over the timed forwards."""
+    weights in cache; ``streaming``: ``[(working set bytes, rows, bytes/s), ...]``, the bandwidth at which a
+    forward's projections of that many rows read weights out of a working set of that many bytes (more
+    than stays in cache); ``bandwidth``: bytes/s of a
+    large copy; per-unit costs in seconds (see ``sim/calibration.py``); ``gemm_scale``: how much longer the
+    projections take inside a forward than the bare GEMMs predict (fitted); ``fit_error``: the median
+    relative error of the fit over the timed forwards."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -40,13 +42,19 @@ class ThreadCosts:
     token_hidden_s: float
     logit_s: float
     fit_error: float
-    streaming: list[tuple[float, float]] = field(default_factory=list)
+    streaming: list[tuple[float, int, float]] = field(default_factory=list)
+    gemm_scale: float = 1.0
 
-    def streaming_bandwidth(self, working_set: float) -> float:
-        """Bytes/s of reading weights out of a working set of ``working_set`` bytes."""
+    def streaming_bandwidth(self, working_set: float, rows: int = 1) -> float:
+        """Bytes/s at which projections of ``rows`` rows read weights out of a working set of
+        ``working_set`` bytes (interpolated in log size and log rows)."""
         if not self.streaming:
             return self.bandwidth
-        return log_interp(sorted(self.streaming), max(1.0, working_set))
+        by_rows: dict[int, list[tuple[float, float]]] = {}
+        for size, r, bps in self.streaming:
+            by_rows.setdefault(r, []).append((size, bps))
+        at = [(r, log_interp(sorted(points), max(1.0, working_set))) for r, points in sorted(by_rows.items())]
+        return log_interp(at, max(1, rows))
 
     def gemm_s(self, m: int, kn: int) -> float:
         """Seconds of an ``[m, K] @ [K, N]`` GEMM with ``K * N = kn``: at each timed weight size, the timed
@@ -117,7 +125,7 @@ class Profile:
             threads = {
                 int(t): ThreadCosts(
                     **{**c, "gemm": {int(k): [tuple(p) for p in v] for k, v in c["gemm"].items()},
-                       "streaming": [tuple(p) for p in c.get("streaming", [])]}
+                       "streaming": [(float(w), int(r), float(b)) for w, r, b in c.get("streaming", [])]}
                 )
                 for t, c in data["threads"].items()
             }
@@ -181,8 +189,8 @@ class Calibrated:
         c = self.profile.costs_at(threads)
         # The timed GEMMs kept their weights in cache; a forward through ``working_set`` bytes of weights
         # reads them at the streaming bandwidth of that working set.
-        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set)
-        return c.gemm_s(m, k * n), moved
+        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set, m)
+        return c.gemm_scale * c.gemm_s(m, k * n), c.gemm_scale * moved
 
     def attention(self, shape: ModelShape, batch: Batch, threads: int = 1) -> tuple[float, float]:
         c = self.profile.costs_at(threads)
