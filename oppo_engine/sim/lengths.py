@@ -57,6 +57,8 @@ class Lengths:
         return sum(self[i] for i in range(n)) / n
 
     def describe(self) -> str:
+        if self.values is not None and len(set(self.values)) == 1:
+            return str(self.values[0])
         if self.values is not None:
             return f"{len(self.values)} lengths (mean {sum(self.values) / len(self.values):.0f})"
         return f"{self.law}:" + ",".join(f"{k}={v:g}" for k, v in self.params)
