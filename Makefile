@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test bench lint cuda-compile clean sim h200-stack
+.PHONY: demo test bench lint docs cuda-compile clean sim h200-stack
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ sim: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check oppo_engine kernels tests bench
 
+# The docs site (mkdocs.yml, docs/) into site/: --strict fails on any warning (a broken link or anchor, a
+# page outside the nav, a docstring mkdocstrings cannot read), then every internal link of the site and of
+# README.md is checked. The pages' python blocks run in the tests (tests/test_docs.py, tests/test_readme.py).
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	$(PY) -m tests.doc_links site README.md
+
 # Compile-only check of the torch-free CUDA sources (what CI runs where nvcc exists).
 cuda-compile:
 	@for f in $$(find csrc -name '*.cu'); do \
@@ -70,4 +77,4 @@ h200-stack:
 	$(H200_PY) -m pytest -q -m "not slow" tests --ignore=tests/kernels --ignore=tests/test_triton_engine.py
 
 clean:
-	rm -rf build $(VENV) $(H200_VENV) *.egg-info
+	rm -rf build site $(VENV) $(H200_VENV) *.egg-info

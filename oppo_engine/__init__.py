@@ -1,6 +1,6 @@
 """oppo_engine: a rollout backend for PPO-RLHF that overlaps generation with scoring (OPPO, ICLR 2026).
 
-Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward`` (see README.md and
+Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward`` (see docs/api/ and
 DESIGN.md). They are
 imported lazily, so ``import oppo_engine.ops`` (or ``.cache``) does not pull in transformers.
 """

@@ -80,8 +80,8 @@ class RolloutEngine:
     An FSDP2 (``fully_shard``) actor or critic runs as a full rollout replica in
     ``EngineConfig.rollout_dtype``, filled here from the trainer's shards (collective over its mesh) and
     refreshed by ``update_policy()``; one on the ``meta`` device gets its weights from
-    ``update_policy(weights=...)`` (``critic_weights=``) before the first ``step()`` (README, "Sharded
-    trainer models"). ``self.actor`` is the model the engine runs (the replica, where there is one).
+    ``update_policy(weights=...)`` (``critic_weights=``) before the first ``step()`` (docs/scale-out.md,
+    "Sharded trainer models"). ``self.actor`` is the model the engine runs (the replica, where there is one).
     """
 
     def __init__(
@@ -210,7 +210,7 @@ class RolloutEngine:
         tokens and KV pages -- continue next step. Once the prompt supply is exhausted it returns what
         remains (fewer than B), then empty results.
 
-        Failures (README, "Exceptions"): an ``Exception`` from a model forward or a reward is retried once
+        Failures (docs/reliability.md): an ``Exception`` from a model forward or a reward is retried once
         within the call; one that reproduces is pinned on a group by retrying halves, and that group comes
         back in ``StepResult.failed`` (``finish_reason="error"``), never among the B. Anything else -- a
         ``BaseException``, out of memory, a failure no single group explains -- rolls every sequence back
@@ -303,7 +303,7 @@ class RolloutEngine:
         values are always recomputed (it was trained too); the reward's and reference's are kept (frozen).
         Allowed while the memory is released.
 
-        Rollout replicas (README, "Sharded trainer models"): an FSDP2 actor's or critic's replica is
+        Rollout replicas (docs/scale-out.md): an FSDP2 actor's or critic's replica is
         gathered from the trainer's shards, one parameter at a time (collective: every rank of the model's
         mesh calls this in the same order); while the replicas are released the gather waits for
         ``resume()``. ``weights`` (``critic_weights``) feed the replica of a meta-device (or FSDP2) actor

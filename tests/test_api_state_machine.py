@@ -2,9 +2,10 @@
 
 Rules: add_prompts (valid and invalid), step, update_policy, report_reward, release_memory / resume,
 state_dict + load_state_dict into a fresh engine, close, every call after close. Invariants: a call raises
-only what README's "Exceptions" table says it raises then (``EXPECTED``); the engine stays usable after a
-refused call; no page is held but by a carried sequence; every accepted prompt comes back exactly once over
-the run (or is quarantined with its reason), which ``teardown`` checks by draining the engine.
+only what docs/reliability.md ("What each call raises") says it raises then (``EXPECTED``); the engine
+stays usable after a refused call; no page is held but by a carried sequence; every accepted prompt comes
+back exactly once over the run (or is quarantined with its reason), which ``teardown`` checks by draining
+the engine.
 
 Loads into another mode: a state that records the settings its carried sequences depend on (``settings``,
 issue 19) loads into any mode; one that carries sequences without them (version 2) into the same mode.
@@ -26,7 +27,7 @@ MODES = ("sequential", "intra", "inter", "oppo")
 MAX_MODEL_LEN = 24
 MAX_NEW = 4
 
-# README, "Exceptions": the only exceptions each call may raise, by the engine's state.
+# docs/reliability.md ("What each call raises"): the only exceptions each call may raise, by state.
 EXPECTED = {
     ("add_prompts", "closed"): RuntimeError,
     ("add_prompts", "released"): RuntimeError,

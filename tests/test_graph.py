@@ -298,7 +298,7 @@ def test_graph_setting_is_checked_and_auto_is_fixed_per_device():
     assert graph_enabled("auto", torch.device("cuda")) and not graph_enabled("auto", torch.device("cpu"))
     assert graph_enabled(True, torch.device("cpu")) and not graph_enabled(False, torch.device("cuda"))
     engine = make_engine(actor_of("llama"), graph="auto")
-    assert engine._loop.actor.runner.captured is None  # the CPU default: eager (README)
+    assert engine._loop.actor.runner.captured is None  # the CPU default: eager (docs/captured-decode.md)
     engine.close()
 
 
@@ -496,10 +496,14 @@ def test_without_a_per_graph_recompile_limit_the_dynamo_setting_stands_in(monkey
     monkeypatch.setattr(torch, "compile", compile_without_the_keyword)
     graph_module._ModelGraph(build_actor("llama"))
     assert seen == {"recompile_limit": None}
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    with graph_module._compile_settings():
-        assert dynamo_config.recompile_limit == graph_module._RECOMPILE_LIMIT
-    assert dynamo_config.recompile_limit == 8
+    # NOTE: torch's own patch, not monkeypatch: the config module serves its settings from __getattr__, so
+    # monkeypatch's undo deletes the setting, which hides it for the rest of the process.
+    before = dynamo_config.recompile_limit
+    with dynamo_config.patch(recompile_limit=8):
+        with graph_module._compile_settings():
+            assert dynamo_config.recompile_limit == graph_module._RECOMPILE_LIMIT
+        assert dynamo_config.recompile_limit == 8
+    assert dynamo_config.recompile_limit == before  # still readable: later graphs compile
 
 
 def test_sample_batch_packs_every_parameter_exactly():

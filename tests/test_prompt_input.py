@@ -115,7 +115,7 @@ def test_wrong_types_raise_type_error_saying_what_to_do(actor, prompts, what):
 
 @pytest.mark.parametrize("sampling", ["greedy", [None], [SamplingParams(), "x"], 1.0])
 def test_sampling_that_is_not_sampling_params_raises_type_error(actor, sampling):
-    """README, "Exceptions": TypeError, whatever its length (a str is iterable: it was a ValueError)."""
+    """docs/reliability.md: TypeError, whatever its length (a str is iterable: it was a ValueError)."""
     engine = make_engine(actor)
     with pytest.raises(TypeError, match="sampling must be a SamplingParams or a list of them"):
         engine.add_prompts([[5, 6]], sampling)

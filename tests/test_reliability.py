@@ -9,8 +9,10 @@ import json
 import math
 import pathlib
 import signal
+import sys
 import threading
 import time
+import traceback
 import warnings
 
 import pytest
@@ -21,6 +23,7 @@ from test_intra import assert_all_pages_free
 from transformers import AutoModelForSequenceClassification
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine.sched.runtime import LaneExecutor
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 MODES = ["sequential", "intra", "inter", "oppo"]
@@ -265,32 +268,65 @@ def test_an_interrupt_after_the_loop_restores_the_step_exactly(models, mode, mon
 # -- a real Ctrl-C during a streamed step ---------------------------------------------------------------
 
 
+class _WatchedJoins(LaneExecutor):
+    """OS threads, the engine's default, that tell when the caller waits in a lane's join (``joining``) and
+    when an interrupt came out of that wait (``interrupted``): the test's Ctrl-C lands there, on events, not
+    after a guess at how long the step takes."""
+
+    def __init__(self) -> None:
+        self.joining = threading.Event()
+        self.interrupted = threading.Event()
+
+    def start(self, target, name):
+        thread, watch = super().start(target, name), self
+
+        class Watched:
+            def join(self) -> None:
+                try:
+                    watch.joining.set()
+                    thread.join()
+                except KeyboardInterrupt:
+                    watch.interrupted.set()
+                    raise
+
+        return Watched()
+
+
+def _where(thread_id: int) -> str:
+    """Where a thread is, for a failure message: its Python stack, and what the kernel says of it (state,
+    blocked, pending and caught signals, the system call it is in)."""
+    thread = next(t for t in threading.enumerate() if t.ident == thread_id)
+    task = pathlib.Path(f"/proc/self/task/{thread.native_id}")
+    status = [x for x in (task / "status").read_text().splitlines() if x.startswith(("State", "Sig"))]
+    frame = sys._current_frames().get(thread_id)
+    stack = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "?"
+    return f"{status} syscall={(task / 'syscall').read_text().split()[:1]} stack:\n{stack}"
+
+
 @pytest.mark.parametrize("mode", ["intra", "oppo"])
 def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_is_exact(models, mode):
     prompts = random_prompts(6, seed=45)
     rule = lambda p, r: float(len(r))  # noqa: E731
     want, _ = drain(_with(make_engine(dict(models, reward=rule), mode, batch_size=6), prompts))
     main = threading.get_ident()
-    fired = threading.Event()
-    engine = None
+    watch = _WatchedJoins()
+    landed = []
 
     def slow_reward(prompt_ids, response_ids):
-        if not fired.is_set():
-            lane = engine._loop.scorer_lane
-            deadline = time.monotonic() + 5.0
-            while not lane._closing and time.monotonic() < deadline:
-                time.sleep(0.005)  # the actor is done: the main thread waits in the lane's join
-            fired.set()
-            time.sleep(0.05)
+        if not landed:
+            # The actor is done once the main thread waits in the lane's join: the interrupt lands there,
+            # while this reward still runs, and the reward returns only after the main thread has it.
+            assert watch.joining.wait(60), "the main thread never waited for the scorer lane"
             signal.pthread_kill(main, signal.SIGINT)
-            time.sleep(0.5)  # still working when the interrupt lands
+            landed.append(watch.interrupted.wait(10) or _where(main))
         return rule(prompt_ids, response_ids)
 
     engine = _with(make_engine(dict(models, reward=slow_reward), mode, batch_size=6), prompts)
+    engine._loop.use_runtime(time.perf_counter, watch)
     threads = torch.get_num_threads()
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    assert fired.is_set()
+    assert landed == [True], f"the interrupt did not reach the main thread's wait for the lane: {landed}"
     assert not any(t.name == "oppo-scorer-lane" for t in threading.enumerate())
     assert engine._loop.scorer_lane._thread is None
     assert_all_pages_free(engine)

@@ -47,10 +47,10 @@ class ChunkControl:
     exploration covers, the incumbent included (it is not re-run: its recent steps are its measurement).
     ``min_samples``: steps of the incumbent needed before its noise is trusted (an exploration waits for
     them), and the length of the recent window in the drift test. ``noise_sigmas`` and ``noise_floor``
-    set the noise band (see :class:`ChunkSizeController`); ``noise_window`` is how many recent steps of
+    set the noise band (see ``ChunkSizeController``); ``noise_window`` is how many recent steps of
     the incumbent the band is estimated from.
 
-    ``off``: also consider the arm "do not stream" (:data:`OFF`); it wins ties within the noise band.
+    ``off``: also consider the arm "do not stream" (``OFF``); it wins ties within the noise band.
     ``hopeless_margin`` and ``hopeless_every``: an arm the cost model predicts slower than the best arm by
     more than ``hopeless_margin`` (relative) is hopeless; an exploration skips hopeless arms, except every
     ``hopeless_every``-th exploration, which also tries the most promising hopeless one (measurements can

@@ -143,7 +143,7 @@ def _check_nccl_device(process_group, device: torch.device) -> None:
             f"process_group: an NCCL group exchanges on the current CUDA device (cuda:{current}), but this "
             f"engine's models are on {device}: call torch.cuda.set_device({device.index}) on this rank "
             "before building the engine, or pass a gloo group over the same ranks "
-            '(dist.new_group(backend="gloo"), as the README recommends)'
+            '(dist.new_group(backend="gloo"), as docs/scale-out.md recommends)'
         )
 
 

@@ -44,7 +44,7 @@ _compiles = threading.local()  # graphs compiled by inductor on this thread (the
 def graph_enabled(setting: bool | str, device: torch.device) -> bool:
     """``EngineConfig.graph`` resolved for ``device``. ``"auto"`` is fixed per device type, never measured:
     CUDA graphs on CUDA; eager on the CPU, where a model's first compile costs tens of seconds against a
-    decode speed-up that pays back only over long runs (README, "Captured decode")."""
+    decode speed-up that pays back only over long runs (docs/captured-decode.md)."""
     if setting == "auto":
         return device.type == "cuda"
     return bool(setting)

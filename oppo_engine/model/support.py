@@ -60,7 +60,7 @@ def _check_not_sharded(model: nn.Module, role: str) -> None:
     gathered by the engine, so their trainers send full weights instead."""
     explicit = (
         "build the engine on a copy of the model on the meta device and send full weights with "
-        "update_policy(weights=...) (README, 'Sharded trainer models')"
+        "update_policy(weights=...) (docs/scale-out.md, 'Sharded trainer models')"
     )
     for m in model.modules():
         if type(m).__name__ == "FullyShardedDataParallel":

@@ -23,7 +23,7 @@ from oppo_engine.ppo import ranks
 from oppo_engine.ppo.config import PPOConfig
 from oppo_engine.ppo.models import load_models
 from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot, records_json
-from oppo_engine.ppo.task import MAX_NEW_TOKENS, build_task, is_polite, prompts
+from oppo_engine.ppo.task import MAX_NEW_TOKENS, TOPICS, broken_rules, build_task, is_polite, prompts
 from oppo_engine.ppo.trainer import PPOTrainer, engine_config_for
 
 DEMO_MODES = ("sequential", "intra", "inter", "oppo")
@@ -164,12 +164,54 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
 
 
 def _show_samples(mode: str, trainer: PPOTrainer, stats, log) -> None:
-    tok = trainer.tokenizer
-    rollouts = stats.rollout.rollouts
-    polite = sum(is_polite(tok.decode(r.response_ids)) for r in rollouts)
-    log(f"{mode}, last batch: {polite}/{len(rollouts)} answers are polite (say 'thank you' and answer); e.g.")
-    for r in rollouts[:2]:
-        log(f"    {tok.decode(r.prompt_ids)}  ->  {tok.decode(r.response_ids)}   (reward {r.reward:+.2f})")
+    embedded = trainer_is_embedded(trainer)
+    lines = batch_examples(trainer.tokenizer, stats.rollout.rollouts, embedded=embedded)
+    log(f"{mode}, last batch: {lines[0]}")
+    for line in lines[1:]:
+        log(f"    {line}")
+
+
+def trainer_is_embedded(trainer: PPOTrainer) -> bool:
+    """Whether the trainer's tokenizer is the embedded task's (its rules apply to the answers)."""
+    vocab = trainer.tokenizer.get_vocab()
+    return all(word in vocab for word in ("thank", "list", *TOPICS))
+
+
+def batch_examples(tokenizer, rollouts, *, embedded: bool = True, width: int = 240) -> list[str]:
+    """What the demo prints of a batch: the best- and the worst-scored answers with their rewards and, on the
+    embedded task, how many answers keep its rules (``task.broken_rules``) and whether the reward model is
+    being gamed -- named as reward hacking when the top-scored answer breaks a rule or repeats a sentence
+    three times or more. That is what RLHF looks like when the reward model is the weak link: shown, never
+    hidden."""
+    if not rollouts:
+        return ["no rollouts"]
+    texts = [(tokenizer.decode(r.prompt_ids), tokenizer.decode(r.response_ids)) for r in rollouts]
+    order = sorted(range(len(rollouts)), key=lambda i: rollouts[i].reward)
+    best, worst = order[-1], order[0]
+    n = len(rollouts)
+    if embedded:
+        finished = [r.finish_reason == "eos" for r in rollouts]
+        broken = [broken_rules(p, a, done) for (p, a), done in zip(texts, finished, strict=True)]
+        polite = sum(is_polite(a) for _, a in texts)
+        kept = sum(not b for b in broken)
+        lines = [
+            f"{polite}/{n} answers say thank you and answer; {kept}/{n} keep every rule of the task (polite, "
+            "complete, the number of things asked for, on topic, no sentence three times)"
+        ]
+    else:
+        lines = [f"{n} rollouts"]
+    for label, i in (("best ", best), ("worst", worst)):
+        prompt, answer = texts[i]
+        if len(answer) > width:
+            answer = answer[:width] + f" ... ({len(rollouts[i].response_ids)} tokens in all)"
+        lines.append(f"{label} (reward {rollouts[i].reward:+.2f}): {prompt}  ->  {answer}")
+    if embedded and broken[best]:
+        lines.append(
+            f"reward hacking: the top-scored answer ({rollouts[best].reward:+.2f}) breaks the task's rules: "
+            f"{'; '.join(broken[best])}. The reward model is being gamed: PPO found what it scores high, "
+            "not what the task asks."
+        )
+    return lines
 
 
 def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:

@@ -168,6 +168,9 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one PPO step
 
     def step(self) -> PPOStepStats:
+        """One PPO step: one ``engine.step()`` of ``batch_size`` rollouts, the update over them, then
+        ``engine.update_policy()``. Quarantined rollouts are logged as warnings and left out of the update
+        (``RuntimeError`` if none is left)."""
         cfg = self.config
         t0 = time.perf_counter()
         self._feed_engine()
@@ -322,6 +325,7 @@ class PPOTrainer:
         return history
 
     def close(self) -> None:
+        """Close the trainer's engine (its KV arena); the models stay the caller's."""
         self.engine.close()
 
 

@@ -48,12 +48,22 @@ class LaneExecutor:
         """A unit of ``lane``'s work (``what``) is about to run; OS threads interleave on their own."""
 
 
+# How long the caller sleeps at a time while it waits for a lane worker: the bound on how late a Ctrl-C
+# that lands just before the wait is seen (see _OSLaneThread).
+INTERRUPT_CHECK_S = 0.05
+
+
 class _OSLaneThread:
     """A lane worker on an OS thread whose ``join`` waits for the worker's own exit signal.
 
     NOTE: a ``KeyboardInterrupt`` that lands in ``Thread.join()`` makes CPython 3.11 mark the thread
     stopped while it still runs (a later ``join()`` returns at once), so ``join`` waits on an Event the
     worker sets as it returns; an interrupt during the wait propagates and a later ``join`` waits again.
+
+    NOTE: the wait is cut into slices of ``INTERRUPT_CHECK_S``. A signal whose C handler runs after the
+    interpreter's last check and before the thread blocks in the lock's futex does not wake it, and a wait
+    without a timeout would see the Ctrl-C only when the worker ends -- after the whole step's scoring.
+    Each slice returns to the interpreter, which runs the handler then.
     """
 
     def __init__(self, target: Callable[[], None], name: str) -> None:
@@ -69,7 +79,8 @@ class _OSLaneThread:
         self._thread.start()
 
     def join(self) -> None:
-        self._exited.wait()
+        while not self._exited.wait(INTERRUPT_CHECK_S):
+            pass
         self._thread.join()  # the worker has returned: this ends at once
 
 
