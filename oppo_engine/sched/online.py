@@ -8,6 +8,7 @@ profile, the Δ controller the batch's mean reward. Under a process group both s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from oppo_engine.control import ChunkSizeController, DeltaController, SwitchProfile
@@ -16,7 +17,6 @@ from oppo_engine.obs import Timeline
 from oppo_engine.sched.profiler import SwitchCostProfiler
 from oppo_engine.sched.sequence import Sequence
 from oppo_engine.sched.step import StepOutcome
-from oppo_engine.sim.prior import engine_prior
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,25 +37,24 @@ class StepReport:
 
 
 def chunk_controller(
-    config, models, *, max_new_tokens: int = 512
+    config, models, *, prior: Callable[[], SwitchProfile | None] | None = None
 ) -> tuple[ChunkSizeController | None, SwitchCostProfiler | None]:
     """The chunk-size controller of an ``EngineConfig`` (a fixed ``chunk_size``, or the online search) and
     the profiler that feeds it the lanes' switch costs; ``(None, None)`` outside the streaming modes.
     ``models`` are the engine's by role; the profiler also watches a remote reward and reference.
 
-    Under ``ChunkControl(prior="model")`` the search starts from the switch costs the twin's cost model
-    predicts for these models on their device (``sim/prior.py``; responses of about ``max_new_tokens / 2``
-    tokens are assumed until a step is measured); where the device has no cost model -- no roofline entry,
-    no profile calibrated on this machine -- it starts from the candidate list."""
+    Under ``ChunkControl(prior="model")`` the search starts from the switch costs ``prior()`` predicts
+    (the engine passes the twin's cost model of its models on its device, ``sim/prior.py``); where it has
+    none (``None``) the search starts from the candidate list."""
     if config.mode not in ("intra", "oppo"):
         return None, None
     fixed = config.chunk_size if isinstance(config.chunk_size, int) else None
     scorers = [REWARD, REFERENCE, *(n for n in models if n != ACTOR)]
     control = ChunkSizeController(config.chunk, fixed=fixed)
-    if fixed is None and config.chunk.prior == "model":
-        prior = engine_prior(config, models, max_new_tokens=max_new_tokens)
-        if prior is not None:
-            control.set_prior(prior)
+    if fixed is None and config.chunk.prior == "model" and prior is not None:
+        predicted = prior()
+        if predicted is not None:
+            control.set_prior(predicted)
     return control, SwitchCostProfiler(ACTOR, scorers)
 
 
