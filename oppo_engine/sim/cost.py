@@ -85,9 +85,11 @@ class Work:
         self, compute: float = 1.0, memory: float = 1.0, interpreter: float = 1.0, cores: float = 1.0
     ) -> float:
         """Its time with the device's arithmetic, its bandwidth, the process's interpreter and (a CPU's)
-        cores oversubscribed by these factors (each at least 1): on a CPU the Python runs on its cores too."""
+        cores oversubscribed by these factors (each at least 1). On a CPU the Python runs on its cores too,
+        and a kernel holds its core while it waits on memory as while it computes: its memory-bound phases
+        stretch with the cores' oversubscription as well as with the bandwidth's."""
         python = max(interpreter, cores)
-        return self.host_s * python + max(self.launch_s * python, self.kernels_s(compute, memory))
+        return self.host_s * python + max(self.launch_s * python, self.kernels_s(compute, max(memory, cores)))
 
     def device_s(self) -> float:
         """The part of its time the device is busy with it, alone."""

@@ -23,7 +23,9 @@ interpreter-bound threads of one process take ``penalty`` times longer together 
 demand of one, ``S_h = demand * (1 + (penalty - 1) * min(1, demand - 1))``. A CPU's ``cores`` are the cores
 two busy lanes were measured to get (``Profile.cores``: fewer than the machine's when other work runs), and
 there a work's Python needs a core as much as its kernels do: ``a_f`` counts both, and its Python stretches
-by the larger of the cores' and the interpreter's oversubscription.
+by the larger of the cores' and the interpreter's oversubscription. A CPU kernel stalled on memory still
+holds its core, so there each kernel class takes ``max(f_k * S_f, m_k * max(S_m, S_f))``: a memory-bound
+decode beside a prefill on one core is slowed by the core's sharing, not only by the bandwidth's.
 
 A memory-bound decode (``a_m`` near 1, ``a_f`` small) beside a compute-bound prefill (``a_f`` near 1,
 ``a_m`` small) slows each only by the other's small demand on its own bottleneck; two decodes, or two

@@ -128,6 +128,18 @@ def test_a_decode_beside_a_prefill_slows_each_by_the_others_demand_on_its_bottle
     assert fabric.items[0].end == pytest.approx(1.1 + (1 - 1.1 / 1.2) * 1.0)
 
 
+def test_on_one_cpu_core_a_memory_bound_decode_beside_a_prefill_waits_for_the_core():
+    # The same pair as on the GPU above, on a CPU of one core: a kernel stalled on memory still holds its
+    # core, so the cores' oversubscription (a_f = 1 + 1 = 2) stretches the decode's memory term too.
+    decode = Work(0.0, 0.0, ((0.1, 1.0),))
+    prefill = Work(0.0, 0.0, ((1.0, 0.2),))
+    fabric = Fabric({"cpu": 1}, cpus=frozenset({"cpu"}))
+    a, b = _Lane(), _Lane()
+    fabric.submit(a, decode, "cpu", "p", 0.0)
+    fabric.submit(b, prefill, "cpu", "p", 0.0)
+    assert sorted(it.end for it in fabric.items) == pytest.approx([2.0, 2.0])
+
+
 def test_two_decodes_share_the_bandwidth_and_lanes_of_different_devices_do_not_contend():
     decode = Work(0.0, 0.0, ((0.0, 1.0),))
     fabric = Fabric({"gpu0": 1, "gpu1": 1})
