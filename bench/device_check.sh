@@ -16,15 +16,16 @@
 #
 #   | order | step          | cap (s) | worst case (s) | what                                          |
 #   | ----- | ------------- | ------- | -------------- | --------------------------------------------- |
-#   | 1     | machine       |      12 |             15 | nvidia-smi, versions, is CUDA there           |
-#   | 2     | build         |      75 |             78 | pip install -e . (CMake, nvcc sm_90)          |
-#   | 3     | cuda-tests    |      75 |             78 | pytest -m cuda, graph and CUDA-path files 1st |
-#   | 4     | e2e           |      35 |             38 | bench_e2e 0.5b: sequential vs oppo, 3 steps   |
-#   | 5     | decode        |      21 |             24 | bench_decode 0.5b B=32 (graph, eager, HF)     |
-#   | 6     | kernel-tests  |      40 |             43 | pytest tests/kernels -m "not cuda" (-n 8)     |
-#   | 7     | groups        |      20 |             23 | bench_groups 0.5b n=8, 1 round                |
-#   | 8     | fsdp-replica  |      22 |             25 | bench_replica 0.5b, FSDP2 on 1 rank, bf16     |
-#   | 9     | remote        |      25 |             28 | bench_remote: actor + service processes       |
+#   | 1     | machine       |      10 |             13 | nvidia-smi, versions, is CUDA there           |
+#   | 2     | build         |      60 |             63 | pip install -e . (CMake, nvcc sm_90)          |
+#   | 3     | cuda-tests    |      65 |             68 | pytest -m cuda, graph and CUDA-path files 1st |
+#   | 4     | e2e           |      32 |             35 | bench_e2e 0.5b: sequential vs oppo, 3 steps   |
+#   | 5     | twin          |      45 |             48 | calibrate this GPU, the twin vs e2e's steps   |
+#   | 6     | decode        |      19 |             22 | bench_decode 0.5b B=32 (graph, eager, HF)     |
+#   | 7     | kernel-tests  |      34 |             37 | pytest tests/kernels -m "not cuda" (-n 8)     |
+#   | 8     | groups        |      17 |             20 | bench_groups 0.5b n=8, 1 round                |
+#   | 9     | fsdp-replica  |      19 |             22 | bench_replica 0.5b, FSDP2 on 1 rank, bf16     |
+#   | 10    | remote        |      21 |             24 | bench_remote: actor + service processes       |
 #   |       | summary, pack |       5 |              5 |                                               |
 #   |       | total         |         |        **357** |                                               |
 #   |       | scale-out     |         |          **2** | reserved: SCALEOUT_STEPS below, not yet used  |
@@ -43,12 +44,14 @@ GRACE_S=3
 SUMMARY_S=5
 SCALEOUT_S=2
 # step -> cap, in run order (the table above).
-STEPS=(machine build cuda-tests e2e decode kernel-tests groups fsdp-replica remote)
+STEPS=(machine build cuda-tests e2e twin decode kernel-tests groups fsdp-replica remote)
 # cuda-tests: ~30 Triton variants compile cold (1-2 s each) beside ~24 engine builds and ~35 captures
 # (about 65-85 s in one process; four under xdist), so it gets what build (about 45 s expected on 16
-# cores: the longest translation unit, ~25 s here, and CMake) can spare.
-declare -A CAP=([machine]=12 [build]=75 [cuda-tests]=75 [e2e]=35 [decode]=21 [kernel-tests]=40 [groups]=20
-  [fsdp-replica]=22 [remote]=25)
+# cores: the longest translation unit, ~25 s here, and CMake) can spare. twin: the calibration of this GPU
+# (bare GEMMs, the engine's 0.5b forwards, two lanes at once, a streamed step, a training step) and the
+# twin's prediction of e2e's workload, in one process; its 48 s came out of every other cap.
+declare -A CAP=([machine]=10 [build]=60 [cuda-tests]=65 [e2e]=32 [twin]=45 [decode]=19 [kernel-tests]=34
+  [groups]=17 [fsdp-replica]=19 [remote]=21)
 
 worst=$((SUMMARY_S + SCALEOUT_S))
 for step in "${STEPS[@]}"; do worst=$((worst + CAP[$step] + GRACE_S)); done
@@ -229,22 +232,32 @@ gpu_step e2e "$LOG_DIR/e2e.log" 'speedup_oppo_vs_sequential=' \
   "$PYTHON" -m bench.bench_e2e --preset 0.5b --modes sequential,oppo --steps 3 --warmup 1 \
   --response-len-cap 256 --out "$LOG_DIR/e2e"
 
-# --- 5. decode: the engine with graph=True, with graph=False, and HF generate, alternating ------------------
+# --- 5. the twin: calibrate this GPU, then predict e2e's steps (its measured steps.csv) ----------------------
+# (greenlet may be absent here: the twin's lanes then switch on OS threads, same schedule.)
+if [[ -f "$LOG_DIR/e2e/steps.csv" ]] || ((!HAVE_CUDA)); then
+  gpu_step twin "$LOG_DIR/twin.log" 'twin_error_oppo=' \
+    "$PYTHON" -m bench.bench_twin --device-check --calibrate --preset 0.5b --response-len-cap 256 \
+    --e2e "$LOG_DIR/e2e" --profile "$LOG_DIR/profile_gpu.json"
+else
+  record twin SKIP 0 "no e2e steps to compare with"
+fi
+
+# --- 6. decode: the engine with graph=True, with graph=False, and HF generate, alternating ------------------
 gpu_step decode "$LOG_DIR/decode.log" 'decode_graph_vs_eager=' \
   "$PYTHON" -m bench.bench_decode --preset 0.5b --batch-size 32 --new-tokens 64 --repeats 2 --graph
 
-# --- 6. the Triton kernel tests, natively (the cuda ones ran in step 3) -------------------------------------
+# --- 7. the Triton kernel tests, natively (the cuda ones ran in step 3) -------------------------------------
 # (Not the sm_90 compile check: on a GPU it repeats, in a subprocess, what these tests compile natively.)
 KERNELS=("${PYTEST[@]}" -m "not cuda" tests/kernels --ignore=tests/kernels/test_sm90_compile.py)
 ((XDIST)) && KERNELS+=(-n 8)
 gpu_step kernel-tests "$LOG_DIR/kernel_tests.log" 'passed|failed' "${KERNELS[@]}"
 
-# --- 7. groups ----------------------------------------------------------------------------------------------
+# --- 8. groups ----------------------------------------------------------------------------------------------
 gpu_step groups "$LOG_DIR/groups.log" 'speedup_shared_vs_unshared=' \
   "$PYTHON" -m bench.bench_groups --preset 0.5b --n 8 --groups 4 --prompt-len 512 --response-len 32 --rounds 1 \
   --mode intra
 
-# --- 8. scale-out: the FSDP2 replica sync, then remote scorers (SCALEOUT_S = 2 s left, grace included) -----
+# --- 9. scale-out: the FSDP2 replica sync, then remote scorers (SCALEOUT_S = 2 s left, grace included) -----
 # SCALEOUT_STEPS: add each step to STEPS and CAP above (the arithmetic check counts it) and a gpu_step
 # line here; their caps plus GRACE_S each must fit SCALEOUT_S.
 RESERVE_S=$((SCALEOUT_S + CAP[remote] + GRACE_S + SUMMARY_S))
@@ -260,7 +273,7 @@ gpu_step remote "$LOG_DIR/remote.log" 'remote_intra_vs_sequential=' \
   "$PYTHON" -m bench.bench_remote --device cuda --actor small --scorer small --rounds 1 --steps 1 \
   --batch-size 8 --max-new-tokens 32
 
-# --- 9. summary and one archive ----------------------------------------------------------------------------
+# --- 10. summary and one archive ----------------------------------------------------------------------------
 {
   echo
   printf '%-14s %-8s %6s  %s\n' step status seconds "key figure"

@@ -1,4 +1,4 @@
-"""``oppo-engine demo | bench | trace``: the command-line entry points."""
+"""``oppo-engine demo | bench | trace | serve-scorers | plan | calibrate``: the command-line entry points."""
 
 from __future__ import annotations
 
@@ -160,11 +160,16 @@ def serve_scorers(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench``, ``trace`` and ``serve-scorers``."""
+    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench``, ``trace``, ``serve-scorers``, and
+    the twin's ``plan`` and ``calibrate``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if argv and argv[0] == "serve-scorers":
         return serve_scorers(argv[1:])
+    if argv and argv[0] in ("plan", "calibrate"):
+        from oppo_engine.sim import commands
+
+        return (commands.plan_main if argv[0] == "plan" else commands.calibrate_main)(argv[1:])
     if argv and argv[0] in ("bench", "trace"):
         rest = argv[1:] + (["--trace"] if argv[0] == "trace" and "--trace" not in argv else [])
         return bench(rest, prog=f"oppo-engine {argv[0]}")
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
-    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace,serve-scorers}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace,serve-scorers,plan,calibrate}")
     d = sub.add_parser(
         "demo",
         help="PPO on the embedded task in every mode, side by side (the ablation)",
@@ -215,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
     sub.add_parser("serve-scorers", help="frozen scorers for the actor ranks of a job (--help for options)")
+    sub.add_parser("plan", help="predict a PPO run on N GPUs with the twin (--help for options)")
+    sub.add_parser("calibrate", help="time this device into a profile for plan and the chunk prior")
     args = parser.parse_args(argv)
     if args.command is None:  # bare `oppo-engine`: what it can do, not an argparse complaint
         parser.print_help()

@@ -9,6 +9,7 @@ Where the work is done: page planning and the arena in ``cache/plan.py``, the st
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -39,6 +40,7 @@ from oppo_engine.sched.overcommit import (
 )
 from oppo_engine.sched.prompts import PromptQueue
 from oppo_engine.sched.results import Rollout, StepResult
+from oppo_engine.sim.prior import engine_prior
 
 __all__ = ["CacheStats", "Rollout", "RolloutEngine", "StepResult"]
 
@@ -102,8 +104,6 @@ class RolloutEngine:
         process_group: torch.distributed.ProcessGroup | None = None,
         env=None,
     ) -> None:
-        if env is not None and not callable(env):
-            raise TypeError(f"env must be an environment factory (a class or a function), got {env!r}")
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
         cfg = self.config
@@ -145,7 +145,8 @@ class RolloutEngine:
         self._page_bytes = self._plan.page_bytes
         self._timeline = Timeline()
         # Streaming modes: the chunk size is fixed, or chosen online from the switch-cost profile.
-        self._chunk_control, self._profiler = chunk_controller(cfg, self._models)
+        prior = partial(engine_prior, cfg, self._models, max_new_tokens=self.sampling.max_new_tokens)
+        self._chunk_control, self._profiler = chunk_controller(cfg, self._models, prior=prior)
         self._gpu = GpuUtilSampler.for_device(self.device) if self.device.type == "cuda" else None
         self._prompts = PromptQueue(
             self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,

@@ -53,6 +53,16 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
+    # Qwen2.5-3B's config.json: 36 layers of 2048, 16 heads over 2 KV heads, tied embeddings.
+    "3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     "7b": dict(
         vocab_size=152064,
         hidden_size=3584,

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "device_check.sh"
-GPU_STEPS = ("build", "cuda-tests", "e2e", "decode", "kernel-tests", "groups", "fsdp-replica", "remote")
+GPU_STEPS = (
+    "build", "cuda-tests", "e2e", "twin", "decode", "kernel-tests", "groups", "fsdp-replica", "remote"
+)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")
 

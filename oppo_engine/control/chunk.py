@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 OFF = "off"  # the arm that does not stream: the scorers run after the actor's last token
 Arm = int | str  # a chunk size, or OFF
+PRIORS = ("model", "list")  # where the first exploration starts (ChunkControl.prior)
 
 
 def _is_int(value: object) -> bool:
@@ -56,6 +57,13 @@ class ChunkControl:
     overrule the model). When the profile changes, the prediction does too, and the arm comes back.
     ``warmup_steps``: the first steps of a run carry one-time costs (first forwards, allocations); they are
     recorded but measure no arm (the planned arm runs again).
+
+    ``prior``: ``"model"`` -- the engine predicts the switch costs of every arm from a cost model before the
+    first step (``sched/online.py``: the twin's cost model of the engine's device, where one exists:
+    a GPU of the roofline table, or a profile calibrated on this machine by ``oppo-engine calibrate``) and
+    the first exploration tries the predicted best chunk size and its neighbours; where no cost model
+    exists it falls back to ``"list"``. ``"list"``: the first exploration starts from "off" and the middle
+    candidate. Either way measured step times decide, and the rules above stay.
     """
 
     candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
@@ -69,6 +77,7 @@ class ChunkControl:
     hopeless_margin: float = 0.25
     hopeless_every: int = 4
     warmup_steps: int = 1
+    prior: str = "model"
 
     def __post_init__(self) -> None:
         candidates = tuple(self.candidates)
@@ -110,6 +119,8 @@ class ChunkControl:
             raise ValueError(f"ChunkControl.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         if not _is_int(self.hopeless_every) or self.hopeless_every < 1:
             raise ValueError(f"ChunkControl.hopeless_every must be an int >= 1, got {self.hopeless_every!r}")
+        if self.prior not in PRIORS:
+            raise ValueError(f"ChunkControl.prior must be one of {PRIORS}, got {self.prior!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +243,12 @@ class ChunkSizeController:
     arms the model predicts hopeless (see :class:`ChunkControl`) are left out of all but every
     ``hopeless_every``-th exploration.
 
+    A prior (:meth:`set_prior`: a profile predicted before any step) ranks the arms until a measured
+    profile arrives, and then fills in what the steps have not measured yet: the slowdown beside chunk
+    sizes not run, and the exposed tail before the first streamed step. Under a prior the first
+    exploration covers the predicted best chunk size and its neighbours in the candidate list (and "off"
+    when it ranks among them), the hopeless ones left out.
+
     Noise rule (a band in seconds per token, estimated from the incumbent's own repeated steps): with
     ``m`` and ``s`` the mean and sample standard deviation of the incumbent's recent per-token times (up to
     ``noise_window`` steps, at least ``min_samples``), ``band = max(noise_sigmas · s, noise_floor · m)``.
@@ -263,6 +280,7 @@ class ChunkSizeController:
         self.fixed = fixed
         self.history: list[ChunkRecord] = []
         self._profile: SwitchProfile | None = None
+        self._prior: SwitchProfile | None = None
         self._incumbent: Arm | None = None
         # NOTE: recent per-token times of the incumbent only; challengers are measured afresh in each
         # exploration (_trial), so stale numbers never decide.
@@ -303,10 +321,42 @@ class ChunkSizeController:
         elif self._plan and not any(a in self._trial for a in self._plan):
             self._replan()
 
+    def set_prior(self, prior: SwitchProfile | None) -> None:
+        """Rank arms with ``prior`` (predicted, not measured) until a measured profile arrives, and fill in
+        what that one lacks (class docstring); before the first measured step, the first exploration is
+        planned again around the prior's best."""
+        self._prior = prior
+        if self.fixed is None and self._incumbent is None and not self._trial:
+            self._explorations -= 1  # NOTE: the first exploration is planned again, not a new one
+            self._start_exploration()
+
+    @property
+    def prior(self) -> SwitchProfile | None:
+        """The predicted profile set by :meth:`set_prior`, if any."""
+        return self._prior
+
+    def model(self) -> SwitchProfile | None:
+        """The profile the cost model ranks with: the measured one, filled in from the prior (class
+        docstring), or the prior alone, or None."""
+        measured, prior = self._profile, self._prior
+        if measured is None or prior is None:
+            return measured or prior
+        streamed = bool(measured.slowdown)
+        return SwitchProfile(
+            handoff_s=measured.handoff_s,
+            prefill_s_per_token=measured.prefill_s_per_token,
+            decode_iter_s=measured.decode_iter_s,
+            slowdown={**prior.slowdown, **measured.slowdown},
+            running_seqs=measured.running_seqs,
+            tail_seqs=measured.tail_seqs if streamed else prior.tail_seqs,
+            tokens_per_step=measured.tokens_per_step,
+            scored_tokens_per_step=measured.scored_tokens_per_step,
+        )
+
     def ranking(self) -> list[Arm]:
         """The arms, most promising first (see the class docstring)."""
-        if self._profile is not None:
-            profile = self._profile
+        profile = self.model()
+        if profile is not None:
             return sorted(self.arms, key=lambda a: (predicted_seconds_per_token(profile, a), _order(a)))
         candidates = self.control.candidates
         middle = candidates[(len(candidates) - 1) // 2]
@@ -317,9 +367,9 @@ class ChunkSizeController:
     def hopeless(self) -> list[Arm]:
         """The arms the cost model predicts slower than the best arm by more than ``hopeless_margin``, most
         promising first (none without a profile)."""
-        if self._profile is None:
+        profile = self.model()
+        if profile is None:
             return []
-        profile = self._profile
         costs = {a: predicted_seconds_per_token(profile, a) for a in self.arms}
         limit = min(costs.values()) * (1.0 + self.control.hopeless_margin)
         return [a for a in self.ranking() if costs[a] > limit]
@@ -409,10 +459,21 @@ class ChunkSizeController:
         ``hopeless_every``-th exploration the most promising hopeless one."""
         hopeless = self.hopeless()
         hopeful = [a for a in self.ranking() if a not in hopeless]
+        if self._prior is not None and self._incumbent is None:
+            hopeful = [a for a in hopeful if a in self._neighbourhood(hopeful)]
         top = hopeful[: self.control.explore_top]
         if self._explorations % self.control.hopeless_every == 0:
             top += [a for a in hopeless if a != self._incumbent][:1]
         return top
+
+    def _neighbourhood(self, ranked: list[Arm]) -> set[Arm]:
+        """The best-ranked chunk size of ``ranked``, its neighbours in the candidate list, and "off"."""
+        sizes = [a for a in ranked if a != OFF]
+        if not sizes:
+            return {OFF}
+        candidates = self.control.candidates
+        i = candidates.index(sizes[0])
+        return {OFF, *candidates[max(0, i - 1) : i + 2]}
 
     def _replan(self) -> None:
         """A profile came in during an exploration (its own steps measured it): the arms not tried yet are

@@ -14,7 +14,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One busy interval of a lane, in `time.perf_counter()` seconds."""
+    """One busy interval of a lane, in the seconds of its timeline's clock."""
 
     lane: str
     name: str
@@ -31,22 +31,24 @@ class Span:
 class Timeline:
     """Intervals of work per lane (actor decode, scorer prefill, ...), recorded from any thread.
 
-    Spans are kept in recording order. Times are `time.perf_counter()` seconds, so spans recorded
-    by different threads of one process share a clock.
+    Spans are kept in recording order. Times are ``clock()`` seconds -- ``time.perf_counter`` unless the
+    step loop's runtime replaces it (``sched/runtime.py``) -- so spans recorded by different threads of one
+    process share a clock.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._spans: list[Span] = []
+        self.clock = time.perf_counter
 
     @contextmanager
     def span(self, lane: str, name: str, **args: Any) -> Iterator[None]:
         """Record the duration of the `with` body as a span of `lane`, also when the body raises."""
-        start = time.perf_counter()
+        start = self.clock()
         try:
             yield
         finally:
-            self.record(lane, name, start, time.perf_counter(), **args)
+            self.record(lane, name, start, self.clock(), **args)
 
     def record(self, lane: str, name: str, start_s: float, end_s: float, **args: Any) -> None:
         """Record a span measured elsewhere (e.g. from CUDA events converted to perf_counter time)."""

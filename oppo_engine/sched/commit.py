@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -91,7 +90,7 @@ class StepStart:
             delta=delta,
             chunk_size=chunk_size,
             counters=counters.copy(),
-            t0=time.perf_counter(),
+            t0=loop.clock(),
             reused={name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in caches.items()},
             shared_before={name: cache.shared_tokens for name, cache in caches.items()},
             recomputed_before=recomputed,
@@ -213,7 +212,7 @@ def commit_step(
     """
     # NOTE: not out.end_s: in oppo the actor's forward in flight at the cut (and the lane's pause) end
     # after the batch's last score, and the caller waits for them too.
-    t_end = time.perf_counter()
+    t_end = loop.clock()
     env_failed = dict((s.seq_id, error) for s, error in out.env_failed)
     quarantined = [s for q in run.failed for s in q.group] + [s for s in start.seqs if s.seq_id in env_failed]
     loop.discard(quarantined)  # out for good: calls cancelled, KV (carried over, the actor's) freed

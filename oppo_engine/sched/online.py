@@ -8,6 +8,7 @@ profile, the Δ controller the batch's mean reward. Under a process group both s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from oppo_engine.control import ChunkSizeController, DeltaController, SwitchProfile
@@ -35,15 +36,26 @@ class StepReport:
     profile: SwitchProfile | None = None
 
 
-def chunk_controller(config, models) -> tuple[ChunkSizeController | None, SwitchCostProfiler | None]:
+def chunk_controller(
+    config, models, *, prior: Callable[[], SwitchProfile | None] | None = None
+) -> tuple[ChunkSizeController | None, SwitchCostProfiler | None]:
     """The chunk-size controller of an ``EngineConfig`` (a fixed ``chunk_size``, or the online search) and
     the profiler that feeds it the lanes' switch costs; ``(None, None)`` outside the streaming modes.
-    ``models`` are the engine's by role; the profiler also watches a remote reward and reference."""
+    ``models`` are the engine's by role; the profiler also watches a remote reward and reference.
+
+    Under ``ChunkControl(prior="model")`` the search starts from the switch costs ``prior()`` predicts
+    (the engine passes the twin's cost model of its models on its device, ``sim/prior.py``); where it has
+    none (``None``) the search starts from the candidate list."""
     if config.mode not in ("intra", "oppo"):
         return None, None
     fixed = config.chunk_size if isinstance(config.chunk_size, int) else None
     scorers = [REWARD, REFERENCE, *(n for n in models if n != ACTOR)]
-    return ChunkSizeController(config.chunk, fixed=fixed), SwitchCostProfiler(ACTOR, scorers)
+    control = ChunkSizeController(config.chunk, fixed=fixed)
+    if fixed is None and config.chunk.prior == "model" and prior is not None:
+        predicted = prior()
+        if predicted is not None:
+            control.set_prior(predicted)
+    return control, SwitchCostProfiler(ACTOR, scorers)
 
 
 def next_chunk_size(control: ChunkSizeController | None, group) -> int | str | None:

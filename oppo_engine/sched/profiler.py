@@ -22,6 +22,8 @@ times it measures decide.
 
 from __future__ import annotations
 
+import bisect
+import math
 import statistics
 from collections.abc import Iterable
 
@@ -48,9 +50,10 @@ class SwitchCostProfiler:
         scorer = [s for s in spans if s.lane in self.scorer_lanes and s.name == "prefill"]
         if not actor or not scorer or tokens_generated == 0:
             return None
-        busy = sorted((s.start_s, s.end_s) for s in scorer)
-        alone = [s.duration_s for s in actor if not _overlaps(s, busy)]
-        beside = [s.duration_s for s in actor if _overlaps(s, busy)]
+        busy = _merged(sorted((s.start_s, s.end_s) for s in scorer))
+        overlapped = [_overlaps(s, busy) for s in actor]
+        alone = [s.duration_s for s, o in zip(actor, overlapped, strict=True) if not o]
+        beside = [s.duration_s for s, o in zip(actor, overlapped, strict=True) if o]
         decode_iter = statistics.median(alone or beside)
         streamed = chunk_size != OFF
         if streamed and alone and beside:
@@ -75,6 +78,12 @@ class SwitchCostProfiler:
             measured["tail_seqs"] = float(sum(1 for t in finish_times if t >= generation_end - window))
         for name, value in measured.items():
             self._fields[name] = self._blend(self._fields.get(name), value)
+        return self.profile()
+
+    def profile(self) -> SwitchProfile | None:
+        """The profile measured so far, or None before a step measured it."""
+        if not self._fields:
+            return None
         # NOTE: no tail measured before the first streamed step: the tail term is then 0.
         return SwitchProfile(slowdown=dict(self._slowdown), **{"tail_seqs": 0.0, **self._fields})
 
@@ -83,8 +92,24 @@ class SwitchCostProfiler:
         return new if old is None else (1 - _EMA) * old + _EMA * new
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted intervals joined where they overlap: disjoint, in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in intervals:
+        if out and start < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def _overlaps(span: Span, busy: list[tuple[float, float]]) -> bool:
-    return any(start < span.end_s and span.start_s < end for start, end in busy)
+    """``span`` overlaps one of the disjoint sorted ``busy`` intervals (a binary search: a step's actor spans
+    against its scorer spans would be quadratic otherwise)."""
+    i = bisect.bisect_right(busy, (span.start_s, math.inf))
+    # The interval starting at or before the span's start, or the next one, is the only candidate pair.
+    near = busy[max(0, i - 1) : i + 1]
+    return any(start < span.end_s and span.start_s < end for start, end in near)
 
 
 def _fit_line(points: list[tuple[float, float]], per_lane: int) -> tuple[float, float]:

@@ -67,6 +67,8 @@ class PromptQueue:
         rank: int | None = None,
         env: EnvFactory | None = None,
     ) -> None:
+        if env is not None and not callable(env):
+            raise TypeError(f"env must be an environment factory (a class or a function), got {env!r}")
         self.sampling = sampling
         self.rank = rank
         self.env = env

@@ -92,9 +92,10 @@ class StepLoop:
         self._live: set[int] = set()  # their ids
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
-        """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's and its scorer
-        lane's; the defaults are the real clock and OS threads: see ``sched/runtime.py``)."""
+        """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's, its scorer lane's and
+        its timeline's; the defaults are the real clock and OS threads: see ``sched/runtime.py``)."""
         self.clock, self.executor = clock, executor
+        self.timeline.clock = clock
         self.scorer_lane.use_runtime(clock, executor)
         self.envs.pool.use_runtime(clock, executor)
 

@@ -16,9 +16,8 @@ import random
 from collections import deque
 from collections.abc import Callable
 
-import greenlet
-
 from oppo_engine.sched.runtime import LaneExecutor
+from oppo_engine.sim import _switch as greenlet
 
 RUN, WAIT, DONE = "run", "wait", "done"
 

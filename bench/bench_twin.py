@@ -1,0 +1,332 @@
+"""The twin checked against the real engine, and the paper's setting on paper. Every twin number is a
+prediction; the real ones are measured here, side by side in one run.
+
+    python -m bench.bench_twin              # CPU accuracy: calibrate once, predict the real engine (minutes)
+    python -m bench.bench_twin --paper      # the paper's 7B and 3B settings on 8xH200 as 7+1, beside it
+    python -m bench.bench_twin --host       # the engine's host time per forward (sim/cost.py: HOST)
+    python -m bench.bench_twin --device-check --e2e DIR --profile P.json   # on a GPU: vs bench_e2e's steps
+
+CPU accuracy. The machine is calibrated once (``calibrate`` on one model pair: the ``small`` preset's actor
+and reward), then the real engine runs, and the twin predicts, each of ``sequential``, ``intra`` at two
+chunk sizes, ``inter`` and ``oppo`` on four workloads, none of which the calibration saw (it times a grid of
+forwards, not workloads): a base workload, another batch size, another length law, and another model shape
+(a ``mid`` model the profile never timed). Each real engine runs its steps interleaved with the other
+modes' (what loads the machine then slows every mode alike); the first step of each is a warm-up. Torch
+runs on one thread, as the demo does (on a shared two-core machine two threads collapse whenever the other
+core is busy); the streamed steps use one thread per lane either way. The last lines give the median and
+the worst error of s/step, and of the exposed scoring (as a share of the real step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
+
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine.control import ChunkControl
+from oppo_engine.presets import EOS_TOKEN_ID, PAD_TOKEN_ID, build_models
+from oppo_engine.sim import Profile, calibrate, plan
+from oppo_engine.sim.lengths import parse_lengths
+from oppo_engine.sim.planner import _setting
+from oppo_engine.sim.twin import World
+
+# The held-out model shape: wider and deeper than the calibration pair's, never timed by calibrate.
+MID = dict(vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+           num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str  # "small" or "mid"
+    batch_size: int
+    lengths: str  # a law of sim/lengths.py
+    prompt_lengths: str = "uniform:low=16,high=48"
+
+
+WORKLOADS = (
+    Workload("base", "small", 8, "lognormal:median=40,sigma=0.6,cap=96"),
+    Workload("B=16", "small", 16, "lognormal:median=40,sigma=0.6,cap=96"),
+    Workload("uniform lengths", "small", 8, "uniform:low=8,high=128"),
+    Workload("mid model", "mid", 8, "lognormal:median=40,sigma=0.6,cap=96"),
+)
+# (mode, chunk size, Δ): intra at two chunk sizes; Δ = B / 2 where it applies.
+ARMS = (("sequential", None, None), ("intra", 8, None), ("intra", 32, None), ("inter", None, "half"),
+        ("oppo", 16, "half"))  # fmt: skip
+
+
+def _models(name: str, seed: int):
+    if name != "mid":
+        return build_models(name, torch.float32, "cpu", seed)
+    torch.manual_seed(seed)
+    config = Qwen2Config(**MID, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
+    actor = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reward_config = Qwen2Config(**MID, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, num_labels=1)
+    return actor, AutoModelForSequenceClassification.from_config(reward_config, dtype=torch.float32).eval()
+
+
+def _config(w: Workload, mode: str, chunk: int | None, delta: str | None, max_len: int) -> EngineConfig:
+    knobs = {}
+    if chunk is not None:
+        knobs["chunk_size"] = chunk
+    if delta is not None:
+        knobs.update(overcommit=w.batch_size // 2, max_policy_lag=None)
+    return EngineConfig(batch_size=w.batch_size, mode=mode, max_model_len=max_len, **knobs)
+
+
+def _draws(w: Workload, count: int) -> tuple[list[int], list[int]]:
+    lengths = parse_lengths(w.lengths, seed=11)
+    prompts = parse_lengths(w.prompt_lengths, seed=12)
+    return [lengths[i] for i in range(count)], [prompts[i] for i in range(count)]
+
+
+def measure(w: Workload, warmup: int, steps: int) -> dict[tuple, tuple[float, float]]:
+    """The real engine's mean step wall time and exposed scoring per arm (steps interleaved across arms)."""
+    actor, reward = _models(w.model, 0)
+    count = (warmup + steps + 2) * (w.batch_size * 3 // 2)
+    lengths, prompt_lens = _draws(w, count)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, actor.config.vocab_size) for _ in range(n)] for n in prompt_lens]
+    max_len = max(prompt_lens) + max(lengths)
+    engines = {}
+    for arm in ARMS:
+        engine = RolloutEngine(
+            actor=actor, reward=reward, config=_config(w, *arm, max_len), eos_token_id=EOS_TOKEN_ID,
+            sampling=SamplingParams(max_new_tokens=max(lengths), ignore_eos=True, seed=0),
+        )  # fmt: skip
+        per_prompt = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+        engine.add_prompts(prompts, sampling=per_prompt)
+        engines[arm] = engine
+    times: dict[tuple, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
+    order = list(ARMS)
+    try:
+        for k in range(warmup + steps):
+            order = order[1:] + order[:1]  # no arm always right after another
+            for arm in order:
+                result = engines[arm].step()
+                engines[arm].update_policy()
+                if k >= warmup:
+                    times[arm].append((result.metrics.wall_s, result.metrics.exposed_scoring_s))
+    finally:
+        for engine in engines.values():
+            engine.close()
+    median = statistics.median
+    return {arm: (median(t for t, _ in v), median(x for _, x in v)) for arm, v in times.items()}
+
+
+def predict(w: Workload, profile: Profile, warmup: int, steps: int) -> dict[tuple, tuple[float, float]]:
+    """The twin's mean step time and exposed scoring per arm, on the same prompts and lengths."""
+    count = (warmup + steps + 2) * (w.batch_size * 3 // 2)
+    lengths, prompt_lens = _draws(w, count)
+    shape = MID if w.model == "mid" else None
+    actor = _shape_source(w.model, shape)
+    out = {}
+    for arm in ARMS:
+        mode, chunk, delta = arm
+        config = _config(w, mode, chunk, delta, max(prompt_lens) + max(lengths))
+        setting, _ = _setting(
+            actor, actor, None, None, device=profile, gpus=1, placement="cpu", batch_size=w.batch_size,
+            lengths=lengths, prompt_lengths=prompt_lens, config=config, reward_curve=None, epochs=2,
+            minibatch_size=8, weight_bytes=4, grad_bytes=4, optimizer_bytes=8, checkpointing=False,
+            fsdp=False, seed=0,
+        )  # fmt: skip
+        world = World(setting, mode, chunk_size=chunk, delta=config.overcommit if delta else None,
+                      steps=warmup + steps)  # fmt: skip
+        try:
+            records = world.run(warmup + steps)[warmup:]
+        finally:
+            world.close()
+        out[arm] = (statistics.median(r.rollout_s for r in records),
+                    statistics.median(r.exposed_scoring_s for r in records))  # fmt: skip
+    return out
+
+
+def _shape_source(name: str, mid: dict | None):
+    if mid is None:
+        return name
+    return Qwen2Config(**mid)
+
+
+def accuracy(args) -> int:
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    actor, reward = _models("small", 0)
+    profile = calibrate(actor, reward, path=args.out / "profile_cpu.json", threads=(1,))
+    calib_s = time.perf_counter() - t0
+    print(f"calibrated {profile.device} on the small actor + reward in {calib_s:.0f}s (fit error "
+          f"{profile.threads[1].fit_error:.1%}); profile: {args.out / 'profile_cpu.json'}")  # fmt: skip
+    rows = []
+    twin_s = 0.0
+    for w in WORKLOADS:
+        real = measure(w, args.warmup, args.steps)
+        t1 = time.perf_counter()
+        twin = predict(w, profile, args.warmup, args.steps)
+        twin_s += time.perf_counter() - t1
+        for arm in ARMS:
+            rows.append((w, arm, real[arm], twin[arm]))
+    header = (f"{'workload':<16}{'mode':<12}{'real s/step':>12}{'twin s/step':>12}{'error':>8}"
+              f"{'real exposed':>14}{'twin exposed':>14}{'split err':>10}")  # fmt: skip
+    print("\nCPU accuracy (the twin's numbers are predictions; real: the engine measured here)")
+    print(header)
+    step_err, split_err = [], []
+    for w, (mode, chunk, delta), (r_s, r_x), (t_s, t_x) in rows:
+        label = mode + (f"@{chunk}" if chunk else "") + (f" Δ={w.batch_size // 2}" if delta else "")
+        e = t_s / r_s - 1
+        x = (t_x - r_x) / r_s
+        step_err.append(abs(e))
+        split_err.append(abs(x))
+        print(f"{w.name:<16}{label:<12}{r_s:>12.3f}{t_s:>12.3f}{e:>+8.1%}{r_x:>14.3f}{t_x:>14.3f}{x:>+10.1%}")
+    print(f"s/step error: median {statistics.median(step_err):.1%}, worst {max(step_err):.1%} "
+          f"(goal: median <= 10%, worst <= 20%)")  # fmt: skip
+    print(f"exposed scoring error, as a share of the real step: median {statistics.median(split_err):.1%}, "
+          f"worst {max(split_err):.1%}")  # fmt: skip
+    print(f"twin: {twin_s:.1f}s for {len(rows)} predictions; calibration {calib_s:.0f}s; "
+          f"total {time.perf_counter() - t0:.0f}s")  # fmt: skip
+    return 0
+
+
+# -- the paper's setting, on paper ---------------------------------------------------------------------------
+
+PAPER = {  # Table (ablation): speed-up in time to reward against TRL's sequential PPO
+    "7b": {"intra": 1.2, "inter": 1.6, "oppo": 1.9},
+    "3b": {"intra": 1.3, "inter": 2.06, "oppo": 2.5},
+}
+STACK_EXCHANGE = "lognormal:median=250,sigma=0.9,cap=1024"  # long-tailed, Stack-Exchange-like (our choice)
+
+
+def paper(args) -> int:
+    config = EngineConfig(chunk=ChunkControl(candidates=(128, 256, 512)))
+    for actor in ("7b", "3b"):
+        t0 = time.perf_counter()
+        p = plan(actor, reward="7b", critic=actor, reference=actor, device="h200", gpus=8, placement="7+1",
+                 batch_size=112, lengths=STACK_EXCHANGE, prompt_lengths=128, steps=args.paper_steps,
+                 config=config)  # fmt: skip
+        wall = time.perf_counter() - t0
+        print(f"\n{actor} actor (value-head critic and reference of its shape), 7B reward, 8xH200 as 7+1, "
+              f"B=112, responses {STACK_EXCHANGE}, prompts 128, candidates 128/256/512; twin {wall:.0f}s")
+        print(p.table())
+        seq = p.modes["sequential"]
+        print(f"{'mode':<11}{'twin speed-up':>14}{'paper':>7}{'twin rollout speed-up':>23}"
+              f"{'time to reward':>16}")  # fmt: skip
+        for mode, m in p.modes.items():
+            paper_x = PAPER[actor].get(mode, 1.0)
+            print(f"{mode:<11}{m.speedup:>13.2f}x{paper_x:>6.2f}x{seq.rollout_s / m.rollout_s:>22.2f}x"
+                  f"{m.time_s / 3600:>14.1f} h")  # fmt: skip
+        share = seq.update_s / seq.s_per_step
+        exposed = seq.exposed_scoring_s / seq.s_per_step
+        print(f"terms: the update is {share:.0%} of sequential's predicted step, exposed scoring "
+              f"{exposed:.0%}; the rollout is {seq.rollout_s:.1f}s of it")  # fmt: skip
+        sweep = p.modes["oppo"].chunk_sweep
+        best = min(sweep, key=sweep.get)
+        print("oppo chunk sweep (s/step): " + ", ".join(f"{c}: {v:.2f}" for c, v in sweep.items())
+              + f"; fastest {best}; paper: 500 fastest (171 s/step), 100 and 3000 slower")
+        for name, prior in (("model", "model"), ("list", "list")):
+            q = plan(actor, reward="7b", critic=actor, reference=actor, device="h200", gpus=8,
+                     placement="7+1",
+                     batch_size=112, lengths=STACK_EXCHANGE, prompt_lengths=128, steps=args.paper_steps,
+                     modes=("oppo",), config=EngineConfig(chunk=ChunkControl(candidates=(128, 256, 512),
+                                                                            prior=prior)))  # fmt: skip
+            print(f"chunk controller, prior={name}: {exploration(q.modes['oppo'].chunk_history)}")
+    return 0
+
+
+def exploration(history: list) -> str:
+    """How a controller's arms went: the arm it settled on, the first step from which it never left it but
+    to explore, and the steps it spent on other arms over the run."""
+    if not history:
+        return "no arms"
+    final = max(set(history[-max(1, len(history) // 3) :]), key=history.count)
+    first = next(i for i, a in enumerate(history) if a == final)
+    away = sum(1 for a in history if a != final)
+    return f"settled on {final} from step {first}; {away} of {len(history)} steps on other arms"
+
+
+def host(args) -> int:
+    from oppo_engine.sim.twin import measure_host_costs  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    costs = [measure_host_costs() for _ in range(3)]
+    best = min(costs, key=lambda c: c.per_forward_s + 16 * c.per_row_s)
+    print(f"HostCosts(per_forward_s={best.per_forward_s:.2g}, per_row_s={best.per_row_s:.2g}, "
+          f"handoff_s={best.handoff_s:.2g})  # the fastest of 3 measurements")  # fmt: skip
+    return 0
+
+
+def device_check(args) -> int:
+    """The twin, on a profile calibrated on this GPU (``--calibrate``: now, from the preset's actor and
+    reward), against bench_e2e's measured steps (its CSV), on the same workload: ``twin_error_<mode>=``
+    lines."""
+    from bench.workloads import make_workload  # noqa: PLC0415
+    from oppo_engine.presets import PRESETS  # noqa: PLC0415
+
+    if args.calibrate:
+        t0 = time.perf_counter()
+        actor, reward = build_models(args.preset, torch.bfloat16, "cuda", 0)
+        profile = calibrate(actor, reward, path=args.profile)
+        del actor, reward
+        torch.cuda.empty_cache()
+        print(f"calibrated {profile.device} in {time.perf_counter() - t0:.0f}s (fit error "
+              f"{profile.threads[1].fit_error:.1%}); profile: {args.profile}")  # fmt: skip
+    profile = Profile.load(args.profile)
+    measured: dict[str, list[float]] = {}
+    with open(args.e2e / "steps.csv") as f:
+        for row in csv.DictReader(f):
+            measured.setdefault(row["mode"], []).append(float(row["wall_s"]))
+    steps = min(len(v) for v in measured.values())
+    warmup = 1
+    workload = make_workload("longtail", args.batch_size * (warmup + steps + 1), 128, args.response_len_cap,
+                             PRESETS[args.preset]["vocab_size"], 0)  # fmt: skip
+    for mode, walls in measured.items():
+        if mode not in ("sequential", "intra", "inter", "oppo"):
+            continue
+        placement = "cpu" if profile.kind == "cpu" else "colocated"
+        p = plan(args.preset, reward=args.preset, device=profile, gpus=1, placement=placement,
+                 batch_size=args.batch_size, lengths=workload.max_new_tokens,
+                 prompt_lengths=[len(x) for x in workload.prompts], steps=warmup + steps, modes=(mode,),
+                 config=EngineConfig(max_model_len=128 + args.response_len_cap),
+                 extrapolate=False)  # fmt: skip
+        twin = p.modes[mode].rollout_s
+        real = statistics.fmean(walls)
+        print(f"twin_error_{mode}={twin / real - 1:+.3f} (twin {twin:.3f}s, measured {real:.3f}s per step)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_twin", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--paper", action="store_true", help="the paper's settings on paper")
+    p.add_argument("--paper-steps", type=int, default=200, help="steps of the paper plans")
+    p.add_argument("--host", action="store_true", help="measure the engine's host time per forward")
+    p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
+    p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
+    p.add_argument("--profile", type=Path, default=None, help="this GPU's profile (--device-check)")
+    p.add_argument("--calibrate", action="store_true", help="calibrate this GPU into --profile first")
+    p.add_argument("--preset", default="0.5b", help="bench_e2e's --preset (--device-check)")
+    p.add_argument("--batch-size", type=int, default=8, help="bench_e2e's --batch-size (--device-check)")
+    p.add_argument("--response-len-cap", type=int, default=256, help="bench_e2e's cap (--device-check)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per arm (accuracy)")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per arm (accuracy)")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="where the CPU profile is written")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.paper:
+        return paper(args)
+    if args.host:
+        return host(args)
+    if args.device_check:
+        if args.profile is None:
+            p.error("--device-check needs --profile (written by --calibrate or oppo-engine calibrate)")
+        return device_check(args)
+    return accuracy(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,525 @@
+"""``calibrate``: time the local device and fit its :class:`~oppo_engine.sim.profile.Profile`.
+
+What is timed, per thread count on the CPU (one and the machine's default) or once on a GPU:
+
+- bare GEMMs over a grid of sizes (rows x weight shape): achieved FLOP/s against GEMM size;
+- one large copy: the memory bandwidth;
+- the engine's own forwards of each given model (its runner and, for the actor, its sampler; the scorers'
+  reward, reference and critic paths) over a grid of rows x new tokens x context;
+- the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
+- one training step (forward, backward, AdamW) of the actor.
+
+The forwards are fitted, after the GEMMs' share is taken out, with non-negative least squares on relative
+error, to device-level constants: a fixed cost per forward and per layer, attention per query-key pair and
+per KV byte read, elementwise work per token and hidden unit, and logit post-processing per element. None of
+them belongs to a model, so the profile prices models it was not calibrated on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from oppo_engine.sim.cost import Batch, CostModel, HostCosts
+from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts, local_device_id
+from oppo_engine.sim.shapes import ModelShape, attention_pairs
+
+
+def nnls(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """Non-negative least squares by active-set elimination: solve, drop the most negative coefficient,
+    solve again on the rest, until none is negative."""
+    import numpy as np  # noqa: PLC0415
+
+    a = np.asarray(rows, dtype=np.float64)
+    b = np.asarray(targets, dtype=np.float64)
+    active = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef.tolist()
+
+
+def _timer(device) -> Callable[[Callable[[], object], int], float]:
+    """``timed(fn, reps)``: the median of at least ``reps`` calls of ``fn`` (more, up to 50, until they
+    add up to 20 ms), after one warm-up call. Callers time in rounds and keep the fastest round: a burst of
+    other load slows a round, not the median of every one."""
+    import torch  # noqa: PLC0415
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn, reps: int) -> float:
+        fn()
+        sync()
+        samples = []
+        while len(samples) < reps or (sum(samples) < 0.02 and len(samples) < 50):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    return timed
+
+
+# Grids: (rows M) x (weight K, N) of the bare GEMMs; (rows, new tokens, context before) of the forwards.
+GEMM_ROWS = (1, 4, 16, 64, 256)
+GEMM_SHAPES_CPU = ((128, 128), (256, 256), (256, 704), (704, 256), (384, 1024), (1024, 384), (1024, 1024),
+                   (1024, 4096), (4096, 1024))  # fmt: skip
+GEMM_ROWS_GPU = (1, 16, 64, 256, 1024, 4096)
+GEMM_SHAPES_GPU = ((896, 896), (896, 4864), (4864, 896), (3584, 3584), (3584, 18944), (18944, 3584))
+ROUNDS = 3
+FORWARD_GRID = (
+    (1, 1, 16), (4, 1, 64), (16, 1, 256), (32, 1, 128), (1, 16, 0), (4, 16, 128),
+    (8, 64, 0), (4, 64, 256), (16, 16, 64), (1, 128, 256),
+)  # fmt: skip
+
+
+def _time_gemms(device, dtype, timed, gpu: bool) -> dict[int, list[tuple[int, float]]]:
+    """Achieved FLOP/s of the projections the models run: ``F.linear`` of ``[1, M, K]`` activations with
+    ``[N, K]`` weights (the layout of ``nn.Linear``; a ``[K, N]`` matmul takes another, faster path on the
+    CPU), per weight size ``K * N`` (the shapes of one size, both orientations, averaged)."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: N812, PLC0415
+
+    best: dict[tuple[int, int, int], float] = {}
+    shapes = GEMM_SHAPES_GPU if gpu else GEMM_SHAPES_CPU
+    weights = {(k, n): torch.randn(n, k, device=device, dtype=dtype) for k, n in shapes}
+    for _ in range(ROUNDS):  # rounds, the fastest kept (as for the forwards)
+        for (k, n), w in weights.items():
+            for m in GEMM_ROWS_GPU if gpu else GEMM_ROWS:
+                x = torch.randn(1, m, k, device=device, dtype=dtype)
+                seconds = timed(lambda x=x, w=w: F.linear(x, w), 3)
+                best[m, k, n] = min(seconds, best.get((m, k, n), seconds))
+    by_size: dict[tuple[int, int], list[float]] = {}
+    for (m, k, n), seconds in best.items():
+        by_size.setdefault((k * n, m), []).append(seconds)
+    out: dict[int, list[tuple[int, float]]] = {}
+    for (kn, m), times in sorted(by_size.items()):
+        out.setdefault(kn, []).append((m, 2.0 * m * kn / max(statistics.fmean(times), 1e-9)))
+    return out
+
+
+# Pairs of the engine's forwards run at once, as a streamed step runs them: an actor decode beside a reward
+# prefill chunk, ((rows, new tokens, context before) of each).
+CONTENTION_PAIRS = (
+    ((4, 1, 128), (4, 16, 128)),
+    ((16, 1, 256), (16, 8, 256)),
+    ((8, 1, 64), (8, 32, 64)),
+)
+
+
+def _run_concurrently(fns, seconds: float, device) -> list[float]:
+    """Each of ``fns`` looped on a thread of its own (and, on a GPU, a stream of its own), all at once,
+    for about ``seconds``: the mean time of one call of each."""
+    import threading  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    start = threading.Barrier(len(fns))
+    out = [0.0] * len(fns)
+
+    def loop(i: int, fn) -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            fn()
+            start.wait()
+            calls, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                fn()
+                calls += 1
+            if stream is not None:
+                stream.synchronize()
+            out[i] = (time.perf_counter() - t0) / calls
+
+    threads = [threading.Thread(target=loop, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fit_contention(pairs, profile: Profile, device) -> tuple[float, float]:
+    """``(cores, penalty)`` under which the contention rule (``sim/world.py``) best predicts the measured
+    slowdowns of the ``pairs`` run at once: ``(work_a, work_b, slowdown_a, slowdown_b)``. A grid search on
+    log error: two constants, a handful of pairs."""
+    import math  # noqa: PLC0415
+
+    from oppo_engine.sim.cost import contended_s  # noqa: PLC0415
+
+    best, best_err = (1.0, 1.0), math.inf
+    cap = 1.0 if device.type == "cuda" else float(profile.cores)
+    # At least one core: a lane alone runs at its timed speed; slower than serial is the interpreter's doing.
+    cores_grid = [1.0] if device.type == "cuda" else [round(0.25 * k, 2) for k in range(4, int(4 * cap) + 1)]
+    for cores in cores_grid:
+        for k in range(0, 31):
+            penalty = 1.0 + 0.1 * k
+            err = 0.0
+            for a, b, s_a, s_b in pairs:
+                cpu = device.type != "cuda"
+                p_a = contended_s(a, [(b, True)], cores, penalty, cpu) / a.alone_s
+                p_b = contended_s(b, [(a, True)], cores, penalty, cpu) / b.alone_s
+                err += math.log(p_a / s_a) ** 2 + math.log(p_b / s_b) ** 2
+            if err < best_err:
+                best, best_err = (cores, penalty), err
+    return best
+
+
+STREAMING_MB = (4, 16, 48, 128)
+STREAMING_ROWS = (1, 4, 16, 64)
+
+
+def _time_streaming(device, dtype, timed, gpu: bool) -> list[tuple[float, int, float]]:
+    """``(working set bytes, rows, bytes/s)``: how fast projections of ``rows`` rows read their weights when a
+    working set of that many bytes of them is cycled through, as a forward does through its layers (more
+    than the cache holds, and they come from memory; with more than one row the CPU's GEMMs also repack
+    them). The weights have one decoder layer's proportions (hidden ``h``: ``h x h`` twice, ``h/3 x h``
+    twice, ``8h/3 x h`` twice, ``h x 8h/3``), in ``nn.Linear``'s layout."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: N812, PLC0415
+
+    h = 1024 if gpu else 384
+    layer = [(h, h), (h // 3, h), (h // 3, h), (h, h), (8 * h // 3, h), (8 * h // 3, h), (h, 8 * h // 3)]
+    per_layer = sum(n * k for n, k in layer) * dtype.itemsize
+    out = []
+    for mb in STREAMING_MB if not gpu else (64, 256, 1024):
+        layers = max(1, (mb << 20) // per_layer)
+        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(layers) for n, k in layer]
+        for rows in STREAMING_ROWS:
+            xs = {k: torch.randn(1, rows, k, device=device, dtype=dtype) for _, k in layer}
+
+            def sweep(weights=weights, xs=xs) -> None:
+                for w in weights:
+                    F.linear(xs[w.shape[1]], w)
+
+            seconds = min(timed(sweep, 2) for _ in range(ROUNDS))
+            out.append((float(layers * per_layer), rows, layers * per_layer / seconds))
+        del weights
+    return out
+
+
+# The calibration pair's streamed step: batch, prompt and response tokens, chunk size.
+STREAMED_STEP = (4, 16, 48, 8)
+PENALTIES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
+
+
+def _fit_interpreter(actor, reward, profile: Profile) -> float:
+    """The interpreter penalty under which the twin's streamed step of the calibration pair takes what the
+    engine's own takes (``STREAMED_STEP``, measured here): two lanes of one process interleave Python and
+    kernels, and a lane waiting for the GIL waits for the other's next hand-over (the contention pairs time
+    forwards, not the step loop around them)."""
+    import math  # noqa: PLC0415
+
+    from oppo_engine import EngineConfig, RolloutEngine, SamplingParams  # noqa: PLC0415
+    from oppo_engine.sim.lengths import parse_lengths  # noqa: PLC0415
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+    from oppo_engine.sim.twin import Setting, World  # noqa: PLC0415
+
+    batch, prompt, response, chunk = STREAMED_STEP
+    config = EngineConfig(batch_size=batch, mode="intra", chunk_size=chunk, max_model_len=prompt + response)
+    engine = RolloutEngine(actor=actor, reward=reward, config=config, eos_token_id=(),
+                           sampling=SamplingParams(max_new_tokens=response, ignore_eos=True))  # fmt: skip
+    vocab = actor.config.vocab_size
+    engine.add_prompts([[5 + (i + j) % (vocab - 5) for j in range(prompt)] for i in range(4 * batch)])
+    try:
+        walls = [engine.step().metrics.wall_s for _ in range(3)][1:]
+    finally:
+        engine.close()
+    measured = statistics.fmean(walls)
+    itemsize = next(actor.parameters()).dtype.itemsize
+    shapes = {"actor": model_shape(actor, dtype_bytes=itemsize, name="actor"),
+              "reward": model_shape(reward, head="score", dtype_bytes=itemsize, name="reward")}  # fmt: skip
+    placement = "cpu" if profile.kind == "cpu" else "colocated"
+    best, best_err = 1.0, math.inf
+    for penalty in PENALTIES:
+        host = dataclasses.replace(profile.host, interpreter_penalty=penalty)
+        setting = Setting(
+            shapes=shapes, cost=CostModel(Calibrated(dataclasses.replace(profile, host=host))),
+            placement=placement, gpus=1, batch_size=batch, lengths=parse_lengths(response),
+            prompt_lengths=parse_lengths(prompt), config=config, cores=profile.cores,
+        )  # fmt: skip
+        world = World(setting, "intra", chunk_size=chunk, steps=3)
+        try:
+            twin = statistics.fmean(r.rollout_s for r in world.run(3)[1:])
+        finally:
+            world.close()
+        err = abs(math.log(twin / measured))
+        if err < best_err:
+            best, best_err = penalty, err
+    return best
+
+
+def _time_bandwidth(device, timed) -> float:
+    import torch  # noqa: PLC0415
+
+    numel = (256 << 20) // 4 if device.type == "cuda" else (64 << 20) // 4
+    src = torch.empty(numel, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() * 4 / seconds  # read and write
+
+
+class _RoleBench:
+    """The engine's forward path of one role over its own small arena, for timing."""
+
+    def __init__(self, role: str, model, device) -> None:
+        import torch  # noqa: PLC0415
+
+        from oppo_engine.cache import KVArena, KVCacheManager, KVSpec  # noqa: PLC0415
+        from oppo_engine.model.actor import ActorWorker  # noqa: PLC0415
+        from oppo_engine.model.runner import ModelRunner  # noqa: PLC0415
+        from oppo_engine.model.scorer import CriticScorer, ReferenceScorer, RewardScorer  # noqa: PLC0415
+
+        self.role, self.model = role, model
+        spec = KVSpec.from_hf_config(model.config, model.dtype)
+        need = max(r * (n + c) for r, n, c in FORWARD_GRID)
+        self.arena = KVArena({role: spec}, page_size=16, num_pages=need // 16 + 64, device=device)
+        self.cache = KVCacheManager(self.arena, role)
+        runner = ModelRunner(model, self.cache)
+        self.actor = ActorWorker(runner) if role == "actor" else None
+        scorers = {"reward": RewardScorer, "reference": ReferenceScorer, "critic": CriticScorer}
+        self.scorer = scorers[role](runner) if role != "actor" else None
+        self.vocab = model.config.vocab_size
+        self._torch = torch
+
+    def call(self, rows: int, new: int, ctx: int) -> Callable[[], object]:
+        """A function running one forward of ``rows`` chunks of ``new`` tokens after ``ctx`` cached ones."""
+        from oppo_engine.model.runner import SeqChunk  # noqa: PLC0415
+        from oppo_engine.model.sampler import SampleBatch  # noqa: PLC0415
+
+        counter = [0]
+
+        def run() -> None:
+            counter[0] += 1
+            ids = [(counter[0], i) for i in range(rows)]
+            chunks = []
+            for sid in ids:
+                if ctx:
+                    self.cache.append_slots(sid, ctx)
+                slots = self.cache.append_slots(sid, new)
+                chunks.append(SeqChunk(sid, [5 + (j % (self.vocab - 5)) for j in range(new)], slots))
+                if self.scorer is not None:
+                    self.scorer.begin(sid, ctx + 1, 1.0)
+            try:
+                if self.actor is not None:
+                    batch = SampleBatch(list(range(rows)), [1.0] * rows, [0] * rows, [1.0] * rows,
+                                        list(range(rows)), [ctx + new] * rows)  # fmt: skip
+                    self.actor.forward(chunks, batch)
+                else:
+                    self.scorer.prefill(chunks)
+            finally:
+                for sid in ids:
+                    if self.scorer is not None:
+                        self.scorer.release(sid)
+                    self.cache.free(sid)
+
+        return run
+
+
+def _head_rows(role: str, rows: int, new: int) -> int:
+    return rows if role in ("actor", "reward") else rows * new
+
+
+def _batch(role: str, rows: int, new: int, ctx: int) -> Batch:
+    return Batch(tuple((new, ctx + new) for _ in range(rows)), _head_rows(role, rows, new), rows)
+
+
+def _fit(points: list[tuple[ModelShape, str, tuple[int, int, int], float]], ts: ThreadCosts) -> ThreadCosts:
+    """Fit the per-forward constants to the timed forwards, the GEMMs' share as the bare GEMMs
+    (``ts.gemm``, ``ts.streaming``) price it taken out. Where that leaves the fit poor (a median error
+    over ``POOR_FIT``: the projections inside a forward do not run as the bare ones did, say two threads
+    thrashing on a loaded machine), a scale on the GEMMs' share is fitted with the rest, if that fits
+    better (it is left at 1 otherwise: fitted freely it trades off against the per-token costs and prices
+    other models worse)."""
+    fixed = _fit_with(points, ts, free_scale=False)
+    if fixed.fit_error <= POOR_FIT:
+        return fixed
+    free = _fit_with(points, ts, free_scale=True)
+    return free if free.fit_error < fixed.fit_error else fixed
+
+
+POOR_FIT = 0.2
+
+
+def _fit_with(points, ts: ThreadCosts, *, free_scale: bool) -> ThreadCosts:
+    probe = Calibrated(_probe_profile(ts))
+    design, target, totals = [], [], []
+    for shape, role, (rows, new, ctx), seconds in points:
+        batch = Batch(tuple((new, ctx + new) for _ in range(rows)), _head_rows(role, rows, new), rows)
+        weights = shape.weight_bytes
+
+        def gemm(m, k, n, weights=weights, shape=shape):
+            return max(probe.gemm(m, k, n, shape.dtype_bytes, 1, weights))
+
+        gemm_s = shape.layers * sum(gemm(batch.tokens, k, n) for k, n in shape.layer_gemms())
+        gemm_s += gemm(batch.head_rows, *shape.head_gemm())
+        kv = shape.kv_width * 2 * shape.dtype_bytes
+        logit_rows = batch.head_rows if shape.head == "lm" else 0
+        cols = [
+            gemm_s,
+            1.0,
+            shape.layers,
+            shape.layers * shape.q_width * sum(attention_pairs(n, c) for n, c in batch.chunks),
+            shape.layers * kv * sum(c for _, c in batch.chunks),
+            shape.layers * batch.tokens * shape.hidden,
+            logit_rows * shape.vocab,
+        ]
+        if not free_scale:
+            cols[0], fixed_s = 0.0, gemm_s
+        else:
+            fixed_s = 0.0
+        design.append([x / seconds for x in cols])
+        target.append(1.0 - fixed_s / seconds)
+        totals.append((cols, fixed_s, seconds))
+    coef = nnls(design, target)
+    scale, forward_s, layer_s, pair_s, kv_s, tok_s, logit_s = coef
+    scale = scale if free_scale else 1.0
+    errors = [abs(f + sum(a * b for a, b in zip(cols, coef, strict=True)) - s) / s for cols, f, s in totals]
+    return dataclasses.replace(
+        ts, gemm_scale=scale, forward_s=forward_s, layer_s=layer_s, pair_s=pair_s, kv_byte_s=kv_s,
+        token_hidden_s=tok_s, logit_s=logit_s, fit_error=statistics.median(errors),
+    )  # fmt: skip
+
+
+def _probe_profile(ts: ThreadCosts) -> Profile:
+    return Profile("probe", "cpu", {1: ts}, HostCosts(0.0, 0.0, 0.0), 1.0)
+
+
+def calibrate(
+    actor,
+    reward,
+    critic=None,
+    reference=None,
+    path: str | Path | None = None,
+    *,
+    threads: tuple[int, ...] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Time the local device (where ``actor`` lives) and return its :class:`Profile`; ``path``: also write it
+    there (JSON, whole or not at all).
+
+    ``actor`` (a causal LM), ``reward`` (a one-label sequence classifier) and the optional ``critic`` and
+    ``reference`` are HF models on one device; they are run through the engine's own forwards, never
+    changed. ``threads``: the CPU thread counts to calibrate (default: 1 and the current torch setting);
+    ignored on a GPU. ``progress`` is called with a line per stage.
+    """
+    import torch  # noqa: PLC0415
+
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+    from oppo_engine.sim.twin import measure_host_costs  # noqa: PLC0415
+
+    models = {"actor": actor, "reward": reward, "critic": critic, "reference": reference}
+    models = {role: m for role, m in models.items() if m is not None}
+    devices = {str(next(m.parameters()).device) for m in models.values()}
+    if len(devices) != 1:
+        raise ValueError(f"calibrate: the models must share one device, got {sorted(devices)}")
+    device = torch.device(devices.pop())
+    gpu = device.type == "cuda"
+    dtype = next(actor.parameters()).dtype
+    timed = _timer(device)
+    say = progress or (lambda _line: None)
+    heads = {"actor": "lm", "reference": "lm", "reward": "score", "critic": "value"}
+    shapes = {
+        role: model_shape(m, head=heads[role], dtype_bytes=dtype.itemsize, name=role)
+        for role, m in models.items()
+    }
+    counts = (1,) if gpu else tuple(sorted(set(threads or (1, torch.get_num_threads()))))
+    saved = torch.get_num_threads()
+    per_thread: dict[int, ThreadCosts] = {}
+    try:
+        for count in counts:
+            if not gpu:
+                torch.set_num_threads(count)
+            say(f"calibrate: GEMMs and bandwidth at {count} thread(s)")
+            ts = ThreadCosts(_time_gemms(device, dtype, timed, gpu), _time_bandwidth(device, timed),
+                             0, 0, 0, 0, 0, 0, 0, _time_streaming(device, dtype, timed, gpu))  # fmt: skip
+            say(f"calibrate: forwards of {', '.join(models)} at {count} thread(s)")
+            benches = {role: _RoleBench(role, model, device) for role, model in models.items()}
+            best: dict = {}
+            # NOTE: rounds over the whole grid, the fastest of each point kept: a burst of other load on
+            # the machine then slows one round of a point, not all of them.
+            for _ in range(ROUNDS):
+                for role, bench in benches.items():
+                    for point in FORWARD_GRID:
+                        seconds = timed(bench.call(*point), 2)
+                        best[role, point] = min(seconds, best.get((role, point), seconds))
+            points = [(shapes[role], role, point, seconds) for (role, point), seconds in best.items()]
+            per_thread[count] = _fit(points, ts)
+        say("calibrate: host time per iteration, two lanes at once, and the update")
+        host = measure_host_costs()
+        if not gpu:
+            torch.set_num_threads(1)  # a streamed step's lanes run on one thread each
+        probe = Profile("probe", "gpu" if gpu else "cpu", {1: per_thread[min(per_thread)]}, host, 1.0,
+                        cores=float(os.cpu_count() or 1))  # fmt: skip
+        cost = CostModel(Calibrated(probe))
+        pairs = []
+        for a, b in CONTENTION_PAIRS:
+            fa, fb = benches["actor"].call(*a), benches["reward"].call(*b)
+            alone = (timed(fa, 3), timed(fb, 3))
+            both = _run_concurrently([fa, fb], 0.3, device)
+            wa = cost.forward(shapes["actor"], _batch("actor", *a))
+            wb = cost.forward(shapes["reward"], _batch("reward", *b))
+            pairs.append((wa, wb, both[0] / alone[0], both[1] / alone[1]))
+        cores, penalty = _fit_contention(pairs, probe, device)
+        host = dataclasses.replace(host, interpreter_penalty=penalty)
+        training = _time_training(actor, device, timed)
+        say("calibrate: a streamed step of the engine, for its lanes' interpreter")
+        profile = Profile(local_device_id(device), "gpu" if gpu else "cpu", per_thread, host, training,
+                          cores=1.0 if gpu else cores)  # fmt: skip
+        host = dataclasses.replace(host, interpreter_penalty=_fit_interpreter(actor, reward, profile))
+    finally:
+        torch.set_num_threads(saved)
+    profile = Profile(
+        device=profile.device,
+        kind=profile.kind,
+        cores=profile.cores,
+        threads=per_thread,
+        host=host,
+        training_flops=training,
+        torch_version=torch.__version__,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        models={role: dataclasses.asdict(s) for role, s in shapes.items()},
+    )
+    if path is not None:
+        profile.save(path)
+    return profile
+
+
+def _time_training(actor, device, timed) -> float:
+    """Achieved FLOP/s of a training step (forward, backward, AdamW) of a copy of ``actor``."""
+    import copy  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+
+    model = copy.deepcopy(actor).train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rows, width = 4, 64
+    ids = torch.randint(5, model.config.vocab_size, (rows, width), device=device)
+
+    def step() -> None:
+        loss = model(input_ids=ids).logits.float().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    seconds = timed(step, 2)
+    params = model_shape(actor, dtype_bytes=None).params
+    return 6.0 * params * rows * width / seconds

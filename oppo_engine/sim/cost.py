@@ -1,0 +1,300 @@
+"""The time of each piece of work of a PPO step, on a device.
+
+A forward is priced from the model's shape and the batch's composition: the chunks it runs (new tokens and
+the context each reaches), the rows its head reads, whether its kernels are captured in a graph, and how
+many CPU threads run them. The result is a :class:`Work`: what the forward costs when it runs alone, split
+into the terms the contention rule (``sim/world.py``) needs -- host time on the lane's thread, kernel
+launch latency, and per class of kernels a compute term and a memory term.
+
+Two sources price the classes:
+
+- :class:`Roofline` (a device of ``sim/devices.py``): each GEMM, attention and elementwise class takes
+  ``max(FLOPs / (peak * achieved), bytes / (bandwidth * achieved))`` with the cited achieved fractions; an
+  eager forward cannot take less than its kernel launches; the host's per-iteration time (scheduler,
+  sampler, metadata) is the engine's own, measured (:data:`HOST`).
+- :class:`Calibrated` (a :class:`~oppo_engine.sim.profile.Profile` from ``oppo-engine calibrate``): GEMM
+  FLOP/s interpolated against GEMM size from timed bare GEMMs, attention and elementwise costs per pair,
+  per KV byte and per token, fixed costs per forward and per layer, host time per iteration: device-level
+  constants, so the profile prices models it never ran.
+
+The PPO update (actor and critic forward and backward over the batch's padded tokens, with activation
+recomputation, and the optimizer), FSDP's collectives and the weight sync of the rollout replicas are priced
+in seconds by :meth:`CostModel.update`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from oppo_engine.sim.devices import Device
+from oppo_engine.sim.shapes import ModelShape, attention_pairs
+
+# Kernels one eager Qwen2 decoder layer launches: the aten ops its forward dispatches, views aside
+# (``tests/sim/test_twin.py::test_kernels_per_layer_is_what_a_qwen2_layer_launches`` counts them).
+KERNELS_PER_LAYER = 38
+
+
+@dataclass(frozen=True, slots=True)
+class HostCosts:
+    """The engine's host time per forward: ``per_forward_s`` plus ``per_row_s`` per sequence in it (the
+    scheduler's pass, the sampler's bookkeeping, the runner's metadata), and ``handoff_s`` per hand-off of
+    a chunk to the scorers. ``interpreter_penalty``: how much longer two interpreter-bound threads of one
+    process take together than one after the other (the GIL's hand-overs; 1 would be a clean
+    serialisation)."""
+
+    per_forward_s: float
+    per_row_s: float
+    handoff_s: float
+    interpreter_penalty: float = 1.0
+
+
+def interpreter_load(demand: float, penalty: float) -> float:
+    """The oversubscription of a process's interpreter under a total ``demand`` of its threads (the rule of
+    ``sim/world.py``): none up to one; past it, ``demand`` with the measured ``penalty`` phased in as the
+    threads overlap more."""
+    if demand <= 1.0:
+        return 1.0
+    return demand * (1.0 + (penalty - 1.0) * min(1.0, demand - 1.0))
+
+
+# Measured on the development machine (2 cores, Python 3.11) with the engine's real scheduler and runner
+# bookkeeping around forwards that cost nothing: ``python -m bench.bench_twin --host``. A GPU host's CPU is
+# another; its interpreter penalty (two lanes' Python interleaving) is not measured for the roofline: 1, a
+# clean serialisation. A profile calibrated on the GPU's host measures both.
+HOST = HostCosts(per_forward_s=2.3e-5, per_row_s=2.7e-6, handoff_s=3.8e-5)
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One piece of work as it would run alone. ``host_s``: Python on the lane's thread before its kernels
+    (it holds the GIL); ``launch_s``: launching the kernels, also under the GIL, while they run (the device
+    part takes at least this long); ``phases``: per class of kernels ``(compute_s, memory_s)``, taking
+    ``max`` of the two alone; ``threads``: CPU threads its kernels occupy (1 on a GPU)."""
+
+    host_s: float
+    launch_s: float
+    phases: tuple[tuple[float, float], ...]
+    threads: int = 1
+
+    def kernels_s(self, compute_slowdown: float = 1.0, memory_slowdown: float = 1.0) -> float:
+        """The kernels' time with the device's arithmetic and bandwidth oversubscribed by these factors."""
+        return sum(max(f * compute_slowdown, m * memory_slowdown) for f, m in self.phases)
+
+    def duration(
+        self, compute: float = 1.0, memory: float = 1.0, interpreter: float = 1.0, cores: float = 1.0
+    ) -> float:
+        """Its time with the device's arithmetic, its bandwidth, the process's interpreter and (a CPU's)
+        cores oversubscribed by these factors (each at least 1). On a CPU the Python runs on its cores too,
+        and a kernel holds its core while it waits on memory as while it computes: its memory-bound phases
+        stretch with the cores' oversubscription as well as with the bandwidth's."""
+        python = max(interpreter, cores)
+        return self.host_s * python + max(self.launch_s * python, self.kernels_s(compute, max(memory, cores)))
+
+    def device_s(self) -> float:
+        """The part of its time the device is busy with it, alone."""
+        return self.kernels_s()
+
+    @property
+    def alone_s(self) -> float:
+        return self.duration()
+
+    @property
+    def compute_s(self) -> float:
+        return sum(f for f, _ in self.phases)
+
+    @property
+    def memory_s(self) -> float:
+        return sum(m for _, m in self.phases)
+
+
+def demands(work: Work, cores: float = 1.0, cpu: bool = False) -> tuple[float, float, float]:
+    """What ``work`` demands over its duration alone, of its device's arithmetic (of ``cores``), of its
+    memory bandwidth and of its process's interpreter: ``(a_f, a_m, a_h)`` (the contention rule of
+    ``sim/world.py``). On a ``cpu`` every part runs on the cores: its kernels on ``threads`` of them, its
+    Python on one."""
+    alone = work.alone_s
+    if alone <= 0:
+        return 0.0, 0.0, 0.0
+    python = work.host_s + work.launch_s
+    if cpu:
+        busy = work.threads * work.kernels_s() + python
+    else:
+        busy = work.threads * work.compute_s
+    return busy / (cores * alone), work.memory_s / alone, python / alone
+
+
+def contended_s(
+    work: Work,
+    others: list[tuple[Work, bool]],
+    cores: float = 1.0,
+    penalty: float = 1.0,
+    cpu: bool = False,
+) -> float:
+    """How long ``work`` takes while ``others`` run beside it on its device throughout: ``(work, same
+    process)`` pairs (the contention rule of ``sim/world.py``)."""
+    a_f, a_m, a_h = demands(work, cores, cpu)
+    for other, same_process in others:
+        f, m, h = demands(other, cores, cpu)
+        a_f, a_m = a_f + f, a_m + m
+        a_h += h if same_process else 0.0
+    s_f = max(1.0, a_f)
+    return work.duration(s_f, max(1.0, a_m), interpreter_load(a_h, penalty), s_f if cpu else 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A forward's composition: per sequence ``(new tokens, context after them)``, the rows its head reads
+    and, for the actor, the rows it samples."""
+
+    chunks: tuple[tuple[int, int], ...]
+    head_rows: int
+    sampled: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for n, _ in self.chunks)
+
+
+class Roofline:
+    """Prices a forward's kernels on a table device (module docstring)."""
+
+    kind = "gpu"
+
+    def __init__(self, device: Device, host: HostCosts = HOST) -> None:
+        self.device, self.host = device, host
+        f = device.fractions
+        self._flops = device.bf16_flops * f.gemm
+        self._stream = device.hbm_bandwidth * f.stream
+        self._kv = device.hbm_bandwidth * f.decode_attention
+        self._attn_flops = device.bf16_flops * f.prefill_attention
+
+    @property
+    def name(self) -> str:
+        return self.device.key
+
+    def gemm(
+        self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1, working_set: float = 0.0
+    ) -> tuple[float, float]:
+        flops = 2.0 * m * k * n
+        moved = (k * n + m * k + m * n) * dtype_bytes
+        return flops / self._flops, moved / self._stream
+
+    def attention(self, shape: ModelShape, batch: Batch, threads: int = 1) -> tuple[float, float]:
+        flops = moved = 0.0
+        kv = shape.kv_width * 2 * shape.dtype_bytes
+        for new, ctx in batch.chunks:
+            flops += 4.0 * shape.q_width * attention_pairs(new, ctx)
+            # Each tile of 128 queries reads the context's K and V once.
+            moved += kv * ctx * math.ceil(new / 128)
+        return flops / self._attn_flops, moved / self._kv
+
+    def elementwise(self, shape: ModelShape, tokens: int, logit_rows: int, threads: int = 1) -> float:
+        # Norms, rotary, residuals and the gated activation read and write the activations of each layer;
+        # the sampler or log-softmax reads the logits a few times.
+        per_token = 10 * shape.hidden + 2 * shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate
+        moved = shape.layers * tokens * per_token * shape.dtype_bytes + 3 * logit_rows * shape.vocab * 4
+        return moved / self._stream
+
+    def fixed(self, shape: ModelShape, captured: bool, threads: int = 1) -> tuple[float, float]:
+        """(host seconds, launch seconds) of one forward."""
+        kernels = 1 if captured else shape.layers * KERNELS_PER_LAYER + 4
+        return 0.0, kernels * self.device.launch_s
+
+    def host_s(self, rows: int) -> float:
+        return self.host.per_forward_s + self.host.per_row_s * rows
+
+    def training_s(self, flops: float) -> float:
+        return flops / (self.device.bf16_flops * self.device.fractions.training_mfu)
+
+    def collective_s(self, nbytes: float, gpus: int) -> float:
+        if gpus <= 1:
+            return 0.0
+        # A ring all-gather or reduce-scatter moves (n - 1) / n of the data through each GPU's links.
+        return nbytes * (gpus - 1) / gpus / self.device.fractions.collective_busbw
+
+    def stream_s(self, nbytes: float) -> float:
+        return nbytes / self._stream
+
+
+class CostModel:
+    """The time of each piece of work of a PPO step from one source (:class:`Roofline` or
+    :class:`~oppo_engine.sim.profile.Calibrated`)."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+
+    @property
+    def kind(self) -> str:
+        """``"gpu"`` or ``"cpu"``: what the source prices."""
+        return self.source.kind
+
+    def forward(self, shape: ModelShape, batch: Batch, *, captured: bool = False, threads: int = 1) -> Work:
+        """One packed forward of ``shape`` over ``batch`` (its host bookkeeping included)."""
+        src = self.source
+        tokens = batch.tokens
+        phases = []
+        weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
+        for k, n in shape.layer_gemms():
+            f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights)
+            phases.append((shape.layers * f, shape.layers * m))
+        f, m = src.attention(shape, batch, threads)
+        phases.append((shape.layers * f, shape.layers * m))
+        if batch.head_rows:
+            k, n = shape.head_gemm()
+            phases.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights))
+        logit_rows = batch.head_rows if shape.head == "lm" else 0
+        phases.append((0.0, src.elementwise(shape, tokens, logit_rows, threads)))
+        host, launch = src.fixed(shape, captured, threads)
+        return Work(host + src.host_s(len(batch.chunks)), launch, tuple(phases), threads)
+
+    def handoff(self) -> Work:
+        """The actor's host time for one hand-off of a chunk to the scorers."""
+        return Work(self.source.host.handoff_s, 0.0, (), 1)
+
+    # -- the update and its collectives -------------------------------------------------------------------
+
+    def update(
+        self,
+        trained: list[ModelShape],
+        minibatches: list[tuple[int, int]],
+        *,
+        gpus: int,
+        epochs: int,
+        checkpointing: bool = True,
+        recompute: list[tuple[int, int]] = (),
+    ) -> float:
+        """Seconds of the PPO update on each training GPU.
+
+        ``epochs`` passes over ``minibatches`` (``(rows, width)``: each minibatch padded to its longest
+        row) of forward and backward of the ``trained`` models (actor, critic), split over ``gpus`` under
+        FSDP: per minibatch an all-gather of the weights for the forward and one for the backward and a
+        reduce-scatter of the gradients, hidden behind compute where shorter; the optimizer once per
+        minibatch; then the all-gather that refreshes the rollout replicas. ``recompute``: ``(rows, width)``
+        of the rows whose stale log-probs one actor forward recomputes first (``off_policy="recompute"``).
+        """
+        src = self.source
+
+        def flops(shape: ModelShape, batches, per_param: float) -> float:
+            tokens = sum(r * w for r, w in batches)
+            pairs = sum(r * w * (w + 1) / 2 for r, w in batches)
+            attention = 4.0 * shape.layers * shape.q_width * pairs  # one forward's QK^T and PV
+            return per_param * shape.params * tokens + per_param / 2 * attention
+
+        # Forward and backward are 2 + 4 FLOPs per parameter and token; recomputed activations add a forward.
+        per_param = 8.0 if checkpointing else 6.0
+        total = epochs * sum(flops(s, minibatches, per_param) for s in trained)
+        total += flops(trained[0], list(recompute), 2.0)
+        compute = src.training_s(total / gpus)
+        steps = len(minibatches) * epochs
+        params = sum(s.params for s in trained)
+        gather = src.collective_s(sum(s.weight_bytes for s in trained), gpus)
+        comm = 3 * gather * steps
+        # Adam: read the bf16 gradient, read and write both fp32 moments and the bf16 weight, per parameter.
+        optimizer = steps * src.stream_s(params / gpus * (2 + 16 + 4))
+        return max(compute, comm) + optimizer + gather
+
+
+def roofline(device: Device) -> CostModel:
+    """A cost model over a table device."""
+    return CostModel(Roofline(device))

@@ -1,0 +1,534 @@
+"""``plan``: what a PPO run on N GPUs gains per mode, with which chunk size and Δ, and whether it fits --
+predicted by the twin (the real engine on the cost model's clock, ``sim/twin.py``). Every number a plan
+holds is a prediction.
+
+How a plan extrapolates (``extrapolate=True``, the default). A step of a mode depends on the arm it runs
+(a chunk size, or "off") and on the state carried over from earlier steps; the twin reaches steady state in
+a few steps. So each arm a mode can run is simulated on its own world -- the non-streamed modes once; the
+streamed ones at every chunk size of the sweep (32 to 4096) and every candidate of ``config.chunk``, "off"
+being the non-streamed mode's steps -- for ``warmup`` unmeasured steps (2 with overcommit, whose carried
+sequences need them; none otherwise) and ``measure`` measured ones. The chunk-size controller then runs for
+real over the plan's ``steps``: the engine's own :class:`~oppo_engine.control.ChunkSizeController`, fed
+each step the time of the arm it chose (that arm's measured steps in turn) and the switch-cost profile the
+engine's profiler measured on that arm's world, its prior (``prior="model"``) predicted from the same
+cost model. A mode's s/step is the mean over the steps of its arms' times. Δ follows the Δ controller fed
+``reward_curve`` (without one it stays at its initial value); the mode's chosen arm is simulated at each
+value Δ takes. ``extrapolate=False`` runs every mode live for all ``steps`` (the controllers inside the
+engines), which agrees with the extrapolation (``tests/sim/test_twin.py``) and takes ``steps`` times longer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oppo_engine.config import MODES, EngineConfig
+from oppo_engine.control import OFF, ChunkSizeController, DeltaController, SwitchProfile
+from oppo_engine.sim.cost import CostModel, Roofline
+from oppo_engine.sim.devices import device as table_device
+from oppo_engine.sim.lengths import Lengths, parse_lengths
+from oppo_engine.sim.memory import MemoryPlan, memory_plan
+from oppo_engine.sim.prior import predicted_profile
+from oppo_engine.sim.profile import Calibrated, Profile
+from oppo_engine.sim.shapes import ModelShape, model_shape
+from oppo_engine.sim.twin import PLACEMENTS, Setting, StepRecord, World, mode_config
+
+SWEEP = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+STREAMED = ("intra", "oppo")
+OVERCOMMITTED = ("inter", "oppo")
+UNSTREAMED = {"intra": "sequential", "oppo": "inter"}  # the "off" arm of a streamed mode
+
+
+@dataclass
+class ModePlan:
+    """One mode's predictions (seconds per step unless named otherwise).
+
+    ``s_per_step = rollout_s + update_s``; ``rollout_s`` is the engine's ``step()`` of the slowest rank;
+    ``exposed_scoring_s`` the part of it after the batch's last token; ``speedup`` sequential's s/step over
+    this mode's; ``chunk_sweep`` s/step at each fixed chunk size (streamed modes); ``chunk_chosen`` the arm
+    the controller settles on (an int or "off"; None for the modes that do not stream); ``chunk_history``
+    the arm of every step; ``delta`` Δ of every step (per actor rank); ``utilisation`` the predicted
+    fraction of GPU time with kernels running; ``time_s`` the plan's steps in all."""
+
+    mode: str
+    s_per_step: float
+    rollout_s: float
+    exposed_scoring_s: float
+    update_s: float
+    speedup: float = 1.0
+    chunk_sweep: dict[int, float] = field(default_factory=dict)
+    chunk_chosen: int | str | None = None
+    chunk_history: list = field(default_factory=list)
+    delta: list[int] = field(default_factory=list)
+    utilisation: float = 0.0
+    time_s: float = 0.0
+    timeline: list = field(default_factory=list, repr=False)  # one step's lane spans (lane, what, start, end)
+
+
+@dataclass
+class Plan:
+    """A plan's predictions: per mode (:class:`ModePlan`), memory per GPU (bytes, by part: the GPU that
+    needs most), whether it fits (and if not, ``why``), and what was simulated."""
+
+    modes: dict[str, ModePlan]
+    memory: MemoryPlan
+    setting: dict
+    steps: int
+    wall_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def memory_per_gpu(self) -> dict[str, int]:
+        return self.memory.per_gpu
+
+    @property
+    def why(self) -> str | None:
+        return self.memory.verdict()
+
+    def to_json(self) -> dict:
+        return {
+            "prediction": True,
+            "note": "every number here is predicted by oppo_engine's twin, none is measured",
+            "setting": self.setting,
+            "steps": self.steps,
+            "fits": self.fits,
+            "why": self.why,
+            "memory_per_gpu": self.memory_per_gpu,
+            "memory_by_gpu": self.memory.by_gpu,
+            "gpu_capacity": self.memory.capacity,
+            "modes": {m: _mode_json(p) for m, p in self.modes.items()},
+            "wall_s": self.wall_s,
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``plan.json`` (whole or not at all)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.to_json(), indent=1, default=str))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    def table(self) -> str:
+        """The predictions as a table (every number a prediction)."""
+        s = self.setting
+        where = "the CPU" if s["placement"] == "cpu" else f"{s['gpus']} GPU(s) as {s['placement']}"
+        lines = [
+            f"PREDICTED by the twin ({s['cost_model']}; {where}, "
+            f"B={s['batch_size']}, responses {s['lengths']}, prompts {s['prompt_lengths']}, "
+            f"{self.steps} steps)",
+            f"{'mode':<11}{'s/step':>8}{'rollout':>9}{'exposed':>9}{'update':>8}{'speed-up':>9}"
+            f"{'chunk':>7}{'Δ':>4}{'util':>6}{'total h':>9}",
+        ]
+        for m in self.modes.values():
+            chunk = "-" if m.chunk_chosen is None else str(m.chunk_chosen)
+            delta = statistics.median(m.delta) if m.delta else 0
+            lines.append(
+                f"{m.mode:<11}{m.s_per_step:>8.2f}{m.rollout_s:>9.2f}{m.exposed_scoring_s:>9.2f}"
+                f"{m.update_s:>8.2f}{m.speedup:>8.2f}x{chunk:>7}{delta:>4g}{m.utilisation:>6.2f}"
+                f"{m.time_s / 3600:>9.2f}"
+            )
+        gb = {k: v / 1e9 for k, v in self.memory_per_gpu.items()}
+        lines.append(
+            "memory per device (GB, the fullest): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in gb.items())
+            + f" of {self.memory.capacity / 1e9:.0f}: "
+            + ("fits" if self.fits else f"DOES NOT FIT: {self.why}")
+        )
+        return "\n".join(lines)
+
+
+def plan(
+    actor,
+    reward=None,
+    critic=None,
+    reference=None,
+    *,
+    device: str | Profile = "h200",
+    gpus: int = 8,
+    placement: str = "7+1",
+    batch_size: int = 112,
+    lengths="lognormal:median=250,sigma=0.9,cap=1024",
+    prompt_lengths=128,
+    steps: int = 50,
+    modes: Sequence[str] = MODES,
+    config: EngineConfig | None = None,
+    reward_curve: Sequence[float] | None = None,
+    epochs: int | None = None,
+    minibatch_size: int | None = None,
+    weight_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_bytes: int = 8,
+    activation_checkpointing: bool = True,
+    fsdp: bool = True,
+    sweep: Sequence[int] = SWEEP,
+    extrapolate: bool = True,
+    warmup: int | None = None,
+    measure: int = 2,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> Plan:
+    """Predict a PPO run (module docstring). ``actor``, ``reward``, ``critic``, ``reference``: a preset
+    name, a ``config.json`` path or an HF config (``reward=None``: the actor's shape; ``critic`` and
+    ``reference`` optional). ``device``: a key of the roofline table (``sim/devices.py``) or a calibrated
+    :class:`Profile`; ``placement``: ``"7+1"``, ``"colocated"`` or ``"cpu"`` (a CPU profile). ``batch_size``
+    is the global batch (split over the actor ranks). ``lengths``/``prompt_lengths``: an int, a list (used
+    in order, one per prompt, cycled), a file of lengths or a ``records.json``, or a law like
+    ``"lognormal:median=250,sigma=0.9,cap=1024"`` (``sim/lengths.py``). ``config``: one ``EngineConfig``
+    for every mode (its ``mode`` replaced by each of ``modes``; what a mode does not use is ignored).
+    ``reward_curve``: mean reward per step for the Δ controller. ``epochs`` and ``minibatch_size`` (per
+    rank) shape the update (default: the reference trainer's ``PPOConfig``); the memory defaults are bf16
+    weights and gradients, fp32 Adam moments, activation checkpointing and FSDP over the training GPUs.
+    A plan that does not fit returns ``fits=False`` with the numbers; it does not raise. ``progress(done,
+    total)`` is called after each simulated world.
+    """
+    t0 = time.perf_counter()
+    from oppo_engine.ppo.config import PPOConfig  # noqa: PLC0415
+
+    ppo = PPOConfig()
+    setting, memory = _setting(
+        actor, reward, critic, reference, device=device, gpus=gpus, placement=placement,
+        batch_size=batch_size, lengths=lengths, prompt_lengths=prompt_lengths,
+        config=config or EngineConfig(), reward_curve=reward_curve, epochs=epochs or ppo.epochs,
+        minibatch_size=minibatch_size or ppo.minibatch_size, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes, checkpointing=activation_checkpointing, fsdp=fsdp, seed=seed,
+    )  # fmt: skip
+    modes = tuple(modes)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"modes: each one of {MODES}, got {list(modes) or 'none'}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    sweep = tuple(sorted(set(sweep)))
+    planner = _Planner(setting, steps, sweep, warmup, measure, progress)
+    results = planner.run(modes) if extrapolate else planner.run_live(modes)
+    base = results.get("sequential")
+    for m in results.values():
+        m.speedup = base.s_per_step / m.s_per_step if base and m.s_per_step > 0 else float("nan")
+    describe = {
+        "actor": setting.shapes["actor"].name,
+        "models": {r: dataclasses.asdict(s) for r, s in setting.shapes.items()},
+        "cost_model": _describe(setting.cost),
+        "gpus": gpus,
+        "placement": placement,
+        "batch_size": batch_size,
+        "lengths": setting.lengths.describe(),
+        "prompt_lengths": setting.prompt_lengths.describe(),
+        "epochs": setting.epochs,
+        "minibatch_size": setting.minibatch_size,
+        "extrapolated": extrapolate,
+        "config": repr(setting.config),
+    }
+    return Plan(results, memory, describe, steps, time.perf_counter() - t0)
+
+
+def _mode_json(m: ModePlan) -> dict:
+    out = dataclasses.asdict(m)
+    out.pop("timeline")
+    out["chunk_sweep"] = {str(k): v for k, v in m.chunk_sweep.items()}
+    return out
+
+
+def _describe(cost: CostModel) -> str:
+    src = cost.source
+    if isinstance(src, Roofline):
+        return f"roofline {src.device.key} ({src.device.name})"
+    return f"calibrated profile of {src.profile.device}"
+
+
+def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch_size, lengths,
+             prompt_lengths, config, reward_curve, epochs, minibatch_size, weight_bytes, grad_bytes,
+             optimizer_bytes, checkpointing, fsdp, seed) -> tuple[Setting, MemoryPlan]:  # fmt: skip
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if isinstance(device, Profile):
+        cost = CostModel(Calibrated(device))
+        want = "cpu" if placement == "cpu" else "gpu"
+        if device.kind != want:
+            raise ValueError(
+                f"device: a profile calibrated on {device.device!r} ({device.kind}) cannot plan placement "
+                f"{placement!r} ({want})"
+            )
+        capacity = _host_memory() if placement == "cpu" else None
+    else:
+        if placement == "cpu":
+            raise ValueError(
+                "placement 'cpu' plans with a calibrated CPU Profile as device (oppo-engine calibrate)"
+            )
+        dev = table_device(device)
+        cost = CostModel(Roofline(dev))
+        capacity = int(dev.memory)
+    least = 2 if placement == "7+1" else 1
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < least:
+        raise ValueError(f"gpus must be an int >= {least} for placement {placement!r}, got {gpus!r}")
+    if placement == "cpu":
+        gpus = 1
+    scored = reward if reward is not None else actor
+    shapes = {
+        "actor": model_shape(actor, name="actor"),
+        "reward": model_shape(scored, head="score", name="reward"),
+    }
+    if critic is not None:
+        shapes["critic"] = model_shape(critic, head="value", name="critic")
+    if reference is not None:
+        shapes["reference"] = model_shape(reference, name="reference")
+    if placement == "cpu":  # the engine's CPU models are float32
+        shapes = {r: s.with_head(s.head, 4) for r, s in shapes.items()}
+    setting = Setting(
+        shapes=shapes, cost=cost, placement=placement, gpus=gpus, batch_size=batch_size,
+        lengths=parse_lengths(lengths, what="lengths", seed=seed),
+        prompt_lengths=parse_lengths(prompt_lengths, what="prompt_lengths", seed=seed + 1),
+        config=config, epochs=epochs, minibatch_size=minibatch_size, checkpointing=checkpointing,
+        reward_curve=list(reward_curve) if reward_curve is not None else None,
+        cores=device.cores if isinstance(device, Profile) else 1, seed=seed,
+    )  # fmt: skip
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < setting.ranks:
+        raise ValueError(f"batch_size must be an int >= the {setting.ranks} actor ranks, got {batch_size!r}")
+    if batch_size % setting.ranks:
+        raise ValueError(
+            f"batch_size={batch_size} is the global batch: it must split evenly over the {setting.ranks} "
+            f"actor ranks of {gpus} GPU(s) as {placement!r}"
+        )
+    rank_cfg = mode_config(config, "oppo", batch_size=setting.per_rank)
+    in_flight = setting.per_rank + World._max_delta(rank_cfg)
+    memory = memory_plan(
+        shapes, placement=placement, training_gpus=setting.training_gpus, ranks=setting.ranks,
+        in_flight=in_flight, max_model_len=setting.max_model_len, minibatch_rows=minibatch_size,
+        page_size=config.page_size, capacity=capacity, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes, checkpointing=checkpointing, fsdp=fsdp,
+    )  # fmt: skip
+    return setting, memory
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class _ArmRun:
+    """The measured steps of one arm's world (and the switch profile its profiler measured)."""
+
+    records: list[StepRecord]
+    profile: SwitchProfile | None
+    timeline: list = field(default_factory=list)
+
+
+class _Planner:
+    def __init__(self, setting: Setting, steps: int, sweep, warmup, measure: int, progress) -> None:
+        self.s, self.steps, self.sweep = setting, steps, sweep
+        self.warmup, self.measure, self.progress = warmup, max(1, measure), progress
+        self.done = 0
+        self.total = 0
+        self.runs: dict[tuple, _ArmRun] = {}
+        cfg = setting.config
+        self.candidates = tuple(cfg.chunk.candidates)
+        self.delta0 = self._initial_delta()
+
+    # -- the arms ---------------------------------------------------------------------------------------
+
+    def _initial_delta(self) -> int:
+        cfg = mode_config(self.s.config, "oppo", batch_size=self.s.per_rank)
+        if isinstance(cfg.overcommit, int):
+            return cfg.overcommit
+        return cfg.delta.resolve(cfg.batch_size).init
+
+    def _deltas(self, mode: str) -> list[int]:
+        """Δ of every step: the controller fed the reward curve, or the initial Δ throughout."""
+        if mode not in OVERCOMMITTED:
+            return [0] * self.steps
+        curve = self.s.reward_curve
+        cfg = mode_config(self.s.config, mode, batch_size=self.s.per_rank)
+        if not curve or isinstance(cfg.overcommit, int):
+            return [self.delta0] * self.steps
+        ctrl = DeltaController(cfg.delta.resolve(cfg.batch_size))
+        out = []
+        for t in range(self.steps):
+            out.append(ctrl.delta())
+            ctrl.observe_reward(float(curve[min(t, len(curve) - 1)]))
+        return out
+
+    def _prior(self, mode: str) -> SwitchProfile | None:
+        cfg = mode_config(self.s.config, mode, batch_size=self.s.per_rank)
+        if cfg.chunk.prior != "model":
+            return None
+        s = self.s
+        local = {r for r in s.shapes if r != "actor" and not s.remote(r)}
+        delta = self.delta0 if mode in OVERCOMMITTED else 0
+        return predicted_profile(
+            s.cost, s.shapes, self.candidates, batch_size=s.per_rank, running=s.per_rank + delta,
+            prompt_len=s.prompt_lengths.mean(256), response_len=s.lengths.mean(256), local=local,
+            captured=s.placement != "cpu" and s.config.graph in ("auto", True), threads=1, cores=s.cores,
+        )  # fmt: skip
+
+    def _arm(self, mode: str, chunk: int | None, delta: int | None) -> _ArmRun:
+        key = (mode, chunk, delta)
+        if key not in self.runs:
+            warmup = self.warmup if self.warmup is not None else (2 if mode in OVERCOMMITTED else 0)
+            world = World(self.s, mode, chunk_size=chunk, delta=delta, steps=warmup + self.measure)
+            try:
+                records = world.run(warmup + self.measure)[warmup:]
+                profiler = world.engines[0]._profiler
+                profile = profiler.profile() if profiler is not None else None
+                self.runs[key] = _ArmRun(records, profile, world.timeline())
+            finally:
+                world.close()
+            self.done += 1
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+        return self.runs[key]
+
+    def _arms(self, mode: str) -> list[int | None]:
+        if mode not in STREAMED:
+            return [None]
+        cfg = self.s.config
+        fixed = cfg.chunk_size if isinstance(cfg.chunk_size, int) else None
+        return sorted(set(self.sweep) | set(self.candidates) | ({fixed} if fixed else set()))
+
+    # -- extrapolated -----------------------------------------------------------------------------------
+
+    def run(self, modes: tuple[str, ...]) -> dict[str, ModePlan]:
+        needed = set(modes) | {UNSTREAMED[m] for m in modes if m in STREAMED}
+        self.total = sum(len(self._arms(m)) for m in needed)
+        results = {}
+        for mode in sorted(needed, key=MODES.index):
+            results[mode] = self._mode(mode)
+        return {m: results[m] for m in modes}
+
+    def _mode(self, mode: str) -> ModePlan:
+        deltas = self._deltas(mode)
+        d0 = self.delta0 if mode in OVERCOMMITTED else None
+        if mode not in STREAMED:
+            arms = [None] * self.steps
+        else:
+            arms = self._replay(mode, d0)
+        per_delta = sorted(set(deltas)) if mode in OVERCOMMITTED else [None]
+        records: list[StepRecord] = []
+        counters: dict = {}
+        for t, (arm, delta) in enumerate(zip(arms, deltas, strict=True)):
+            chunk = None if arm in (None, OFF) else arm
+            run_mode = UNSTREAMED[mode] if arm == OFF else mode
+            d = delta if mode in OVERCOMMITTED and len(per_delta) > 1 else d0
+            run = self._arm(run_mode, chunk, d)
+            i = counters.get((run_mode, chunk, d), 0)
+            counters[(run_mode, chunk, d)] = i + 1
+            records.append(run.records[i % len(run.records)])
+            del t
+        sweep = {}
+        if mode in STREAMED:
+            for c in self._arms(mode):
+                recs = self._arm(mode, c, d0).records
+                sweep[c] = statistics.fmean(r.s_per_step for r in recs)
+        chosen = None
+        if mode in STREAMED:
+            fixed = self.s.config.chunk_size
+            chosen = fixed if isinstance(fixed, int) else self._settled(arms)
+        out = _summary(mode, records, arms if mode in STREAMED else [], deltas, sweep, chosen, self.steps)
+        shown = (UNSTREAMED[mode], None) if chosen == OFF else (mode, chosen)
+        out.timeline = self._arm(*shown, d0).timeline
+        return out
+
+    def _replay(self, mode: str, delta: int | None) -> list:
+        """The arm of every step, chosen by the engine's chunk-size controller (module docstring)."""
+        cfg = mode_config(self.s.config, mode, batch_size=self.s.per_rank)
+        if isinstance(cfg.chunk_size, int):
+            return [cfg.chunk_size] * self.steps
+        ctrl = ChunkSizeController(cfg.chunk)
+        prior = self._prior(mode)
+        if prior is not None:
+            ctrl.set_prior(prior)
+        used: dict = {}
+        slowdowns: dict = {}
+        arms = []
+        for _ in range(self.steps):
+            arm = ctrl.chunk_size()
+            if arm == OFF:
+                run = self._arm(UNSTREAMED[mode], None, delta)
+            else:
+                run = self._arm(mode, arm, delta)
+            i = used.get(arm, 0)
+            used[arm] = i + 1
+            rec = run.records[i % len(run.records)]
+            ctrl.observe(arm, rec.rollout_s, max(1, rec.tokens))
+            if run.profile is not None:
+                # What the engine's profiler holds after this step: its slowdowns so far, this arm's added.
+                slowdowns.update({k: v for k, v in run.profile.slowdown.items() if k == arm})
+                ctrl.set_profile(dataclasses.replace(run.profile, slowdown=dict(slowdowns)))
+            arms.append(arm)
+        return arms
+
+    @staticmethod
+    def _settled(arms: list):
+        """The arm of the last third of the steps (the incumbent; explorations aside)."""
+        tail = arms[-max(1, len(arms) // 3) :]
+        return max(set(tail), key=tail.count)
+
+    # -- live -------------------------------------------------------------------------------------------
+
+    def run_live(self, modes: tuple[str, ...]) -> dict[str, ModePlan]:
+        self.total = len(modes) + sum(len(self._arms(m)) for m in modes if m in STREAMED)
+        out = {}
+        for mode in modes:
+            prior = self._prior(mode) if mode in STREAMED else None
+            # Without a reward curve Δ stays at its initial value (module docstring); with one, the engine's
+            # Δ controller is fed it.
+            fixed = self.delta0 if mode in OVERCOMMITTED and not self.s.reward_curve else None
+            world = World(self.s, mode, prior=prior, delta=fixed, steps=self.steps)
+            try:
+                records = world.run(self.steps)
+                timeline = world.timeline()
+            finally:
+                world.close()
+            self.done += 1
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+            arms = [r.chunk_size for r in records] if mode in STREAMED else []
+            sweep = {}
+            d0 = self.delta0 if mode in OVERCOMMITTED else None
+            if mode in STREAMED:
+                for c in self._arms(mode):
+                    sweep[c] = statistics.fmean(r.s_per_step for r in self._arm(mode, c, d0).records)
+            fixed = self.s.config.chunk_size
+            chosen = (fixed if isinstance(fixed, int) else self._settled(arms)) if mode in STREAMED else None
+            out[mode] = _summary(mode, records, arms, [r.delta for r in records], sweep, chosen, self.steps)
+            out[mode].timeline = timeline
+        return out
+
+
+def _summary(mode, records, arms, deltas, sweep, chosen, steps) -> ModePlan:
+    rollout = statistics.fmean(r.rollout_s for r in records)
+    update = statistics.fmean(r.update_s for r in records)
+    busy = sum(r.busy_s for r in records)
+    gpu_s = sum(r.gpu_seconds for r in records)
+    return ModePlan(
+        mode=mode,
+        s_per_step=rollout + update,
+        rollout_s=rollout,
+        exposed_scoring_s=statistics.fmean(r.exposed_scoring_s for r in records),
+        update_s=update,
+        chunk_sweep=sweep,
+        chunk_chosen=chosen,
+        chunk_history=list(arms),
+        delta=list(deltas),
+        utilisation=busy / gpu_s if gpu_s > 0 else 0.0,
+        time_s=(rollout + update) * steps,
+    )
+
+
+def shapes_of(plan_: Plan) -> dict[str, ModelShape]:
+    """The model shapes a plan simulated."""
+    return {r: ModelShape(**d) for r, d in plan_.setting["models"].items()}
+
+
+__all__ = ["SWEEP", "Lengths", "ModePlan", "Plan", "plan", "shapes_of"]

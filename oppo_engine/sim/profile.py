@@ -1,0 +1,248 @@
+"""A calibrated profile of a device: what ``calibrate`` (``sim/calibration.py``) found, and ``Calibrated``,
+which prices work from it (``sim/cost.py``).
+
+A profile records its device and format version; ``Profile.load`` refuses another version, and a profile
+is refused where another device's is expected (``device=``). ``default_profile_path`` is where
+``oppo-engine calibrate`` writes a device's profile and where the engine looks for it (the chunk
+controller's prior): ``$OPPO_ENGINE_PROFILES`` or ``~/.cache/oppo_engine/profiles``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oppo_engine.sim.cost import Batch, HostCosts
+from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
+
+VERSION = 1
+ROLES = ("actor", "reward", "reference", "critic")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadCosts:
+    """The fitted constants at one thread count. ``gemm``: ``{K*N: [(M, FLOP/s), ...]}`` timed with the
+    weights in cache; ``streaming``: ``[(working set bytes, rows, bytes/s), ...]``, the bandwidth at which a
+    forward's projections of that many rows read weights out of a working set of that many bytes (more
+    than stays in cache); ``bandwidth``: bytes/s of a
+    large copy; per-unit costs in seconds (see ``sim/calibration.py``); ``gemm_scale``: how much longer the
+    projections take inside a forward than the bare GEMMs predict (fitted); ``fit_error``: the median
+    relative error of the fit over the timed forwards."""
+
+    gemm: dict[int, list[tuple[int, float]]]
+    bandwidth: float
+    forward_s: float
+    layer_s: float
+    pair_s: float
+    kv_byte_s: float
+    token_hidden_s: float
+    logit_s: float
+    fit_error: float
+    streaming: list[tuple[float, int, float]] = field(default_factory=list)
+    gemm_scale: float = 1.0
+
+    def streaming_bandwidth(self, working_set: float, rows: int = 1) -> float:
+        """Bytes/s at which projections of ``rows`` rows read weights out of a working set of
+        ``working_set`` bytes (interpolated in log size and log rows)."""
+        if not self.streaming:
+            return self.bandwidth
+        by_rows: dict[int, list[tuple[float, float]]] = {}
+        for size, r, bps in self.streaming:
+            by_rows.setdefault(r, []).append((size, bps))
+        at = [(r, log_interp(sorted(points), max(1.0, working_set))) for r, points in sorted(by_rows.items())]
+        return log_interp(at, max(1, rows))
+
+    def gemm_s(self, m: int, kn: int) -> float:
+        """Seconds of an ``[m, K] @ [K, N]`` GEMM with ``K * N = kn``: at each timed weight size, the timed
+        rows' seconds made non-decreasing and interpolated linearly in ``m`` (past the last, at its
+        FLOP/s); across sizes, seconds per weight element interpolated in log size. Never less for more
+        rows."""
+        per_element = [(size, self._at(size, m) / size) for size in sorted(self.gemm)]
+        return log_interp(per_element, kn) * kn
+
+    def _at(self, size: int, m: int) -> float:
+        points = sorted(self.gemm[size])
+        rows = [r for r, _ in points]
+        seconds, slowest = [], 0.0
+        for r, flops in points:
+            slowest = max(slowest, 2.0 * r * size / flops)
+            seconds.append(slowest)
+        if m >= rows[-1]:
+            return seconds[-1] * m / rows[-1]
+        if m <= rows[0]:
+            return seconds[0]
+        i = next(i for i, r in enumerate(rows) if r >= m)
+        w = (m - rows[i - 1]) / (rows[i] - rows[i - 1])
+        return seconds[i - 1] + w * (seconds[i] - seconds[i - 1])
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A device's calibrated constants (``calibrate``). ``device``: what ``local_device_id`` called it;
+    ``kind``: ``"cpu"`` or ``"gpu"``; ``threads``: :class:`ThreadCosts` per thread count (``{1: ...}`` on a
+    GPU); ``host``: the engine's host time per forward; ``training_flops``: achieved FLOP/s of a training
+    step; ``cores``: the cores two busy lanes of the engine got when it was timed (two single-threaded GEMM
+    loops at once against one; at most the CPU's, 1 on a GPU); ``models``: the shapes it was timed on (a
+    record, not used to price)."""
+
+    device: str
+    kind: str
+    threads: dict[int, ThreadCosts]
+    host: HostCosts
+    training_flops: float
+    cores: float = 1.0
+    torch_version: str = ""
+    created: str = ""
+    models: dict[str, dict] = field(default_factory=dict)
+    version: int = VERSION
+
+    def costs_at(self, threads: int) -> ThreadCosts:
+        """The constants of the nearest calibrated thread count."""
+        best = min(self.threads, key=lambda t: (abs(t - threads), -t))
+        return self.threads[best]
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["threads"] = {
+            str(t): {**dataclasses.asdict(c), "gemm": {str(k): v for k, v in c.gemm.items()}}
+            for t, c in self.threads.items()
+        }
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "profile") -> Profile:
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            found = data.get("version") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(
+                f"{where}: profile format version {found!r}, this oppo_engine reads version {VERSION}; "
+                "calibrate again (oppo-engine calibrate)"
+            )
+        try:
+            threads = {
+                int(t): ThreadCosts(
+                    **{**c, "gemm": {int(k): [tuple(p) for p in v] for k, v in c["gemm"].items()},
+                       "streaming": [(float(w), int(r), float(b)) for w, r, b in c.get("streaming", [])]}
+                )
+                for t, c in data["threads"].items()
+            }
+            return cls(
+                device=data["device"], kind=data["kind"], threads=threads, host=HostCosts(**data["host"]),
+                training_flops=data["training_flops"], cores=data.get("cores", 1),
+                torch_version=data.get("torch_version", ""),
+                created=data.get("created", ""), models=data.get("models", {}), version=data["version"],
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON; the file appears whole or not at all."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.to_json(), indent=1))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str | None = None) -> Profile:
+        """The profile at ``path``; ``ValueError`` if it is of another format version, or (``device``
+        given) was calibrated on another device."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            where = str(path)
+            raise ValueError(f"profile {where!r} does not exist (oppo-engine calibrate writes one)") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"profile {str(path)!r} is not JSON ({e})") from None
+        profile = cls.from_json(data, where=f"profile {str(path)!r}")
+        if device is not None and profile.device != device:
+            raise ValueError(
+                f"profile {str(path)!r} was calibrated on {profile.device!r}, not on this device "
+                f"({device!r}); calibrate this device (oppo-engine calibrate)"
+            )
+        return profile
+
+
+class Calibrated:
+    """Prices a forward's kernels from a :class:`Profile` (``sim/cost.py``)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.kind = profile.kind
+        self.host = profile.host
+
+    @property
+    def name(self) -> str:
+        return self.profile.device
+
+    def gemm(
+        self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1, working_set: float = 0.0
+    ) -> tuple[float, float]:
+        c = self.profile.costs_at(threads)
+        # The timed GEMMs kept their weights in cache; a forward through ``working_set`` bytes of weights
+        # reads them at the streaming bandwidth of that working set.
+        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set, m)
+        return c.gemm_scale * c.gemm_s(m, k * n), c.gemm_scale * moved
+
+    def attention(self, shape: ModelShape, batch: Batch, threads: int = 1) -> tuple[float, float]:
+        c = self.profile.costs_at(threads)
+        kv = shape.kv_width * 2 * shape.dtype_bytes
+        pairs = sum(attention_pairs(n, ctx) for n, ctx in batch.chunks)
+        read = sum(kv * ctx for _, ctx in batch.chunks)
+        compute = c.pair_s * shape.q_width * pairs
+        memory = c.kv_byte_s * read
+        return compute + memory, memory
+
+    def elementwise(self, shape: ModelShape, tokens: int, logit_rows: int, threads: int = 1) -> float:
+        c = self.profile.costs_at(threads)
+        return c.token_hidden_s * shape.layers * tokens * shape.hidden + c.logit_s * logit_rows * shape.vocab
+
+    def fixed(self, shape: ModelShape, captured: bool, threads: int = 1) -> tuple[float, float]:
+        c = self.profile.costs_at(threads)
+        return c.forward_s + c.layer_s * shape.layers, 0.0
+
+    def host_s(self, rows: int) -> float:
+        return self.host.per_forward_s + self.host.per_row_s * rows
+
+    def training_s(self, flops: float) -> float:
+        return flops / self.profile.training_flops
+
+    def collective_s(self, nbytes: float, gpus: int) -> float:
+        return 0.0  # a calibrated profile is one device: no collectives
+
+    def stream_s(self, nbytes: float) -> float:
+        return nbytes / self.profile.costs_at(1).bandwidth
+
+
+def local_device_id(device) -> str:
+    """A name for ``device`` that another machine does not share: the CPU model and core count, or the
+    GPU's name."""
+    import torch  # noqa: PLC0415
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{model}:{os.cpu_count()} cores"
+
+
+def default_profile_path(device_id: str) -> Path:
+    """Where the profile of the device named ``device_id`` is written and looked for."""
+    root = os.environ.get("OPPO_ENGINE_PROFILES") or Path.home() / ".cache" / "oppo_engine" / "profiles"
+    slug = "".join(c if c.isalnum() else "-" for c in device_id).strip("-").lower()
+    return Path(root) / f"{slug}.json"
