@@ -157,7 +157,7 @@ class RolloutEngine:
         self._counters = StepCounters()
         self._closed = False
         self._host: HostPages | None = None  # retained pages while the arena is released
-        self._swap_buffer: torch.Tensor | None = None  # the last release's host buffer, reused by the next
+        self._swap_buffer: list[torch.Tensor] = []  # the last release's host buffer, reused by the next
         self._trainer_reward = False  # report_reward() was called: it feeds the Δ controller from now on
         self._stale_warning = StaleBatchWarning()
         built = build_step_loop(
@@ -284,8 +284,7 @@ class RolloutEngine:
             self._counters = start.counters
             start.roll_back(self._loop, self._buffer, self._prompts, committed=True)
             raise
-        self._counters.swapped_tokens = {}  # the metrics keep this step's
-        self._counters.step_index += 1
+        self._counters.advance()
         return result
 
     def report_reward(self, reward: float) -> None:
@@ -357,9 +356,7 @@ class RolloutEngine:
         if weights:
             self._replicas.release()
         if self._host is None:
-            reuse, self._swap_buffer = self._swap_buffer, None
-            self._host = swap_out(self._arena, self._caches, reuse)
-            del reuse
+            self._host = swap_out(self._arena, self._caches, self._swap_buffer)  # takes the buffer out
             self._arena.release()
             if self._captured is not None:
                 self._captured.arena_released(self._arena.fixed_address)
@@ -378,7 +375,7 @@ class RolloutEngine:
         swapped = self._counters.swapped_tokens
         for name, n in swap_in(self._host, self._arena, self._caches).items():
             swapped[name] = swapped.get(name, 0) + n
-        self._swap_buffer = self._host.whole  # the next release writes it again (its copy is ordered first)
+        self._swap_buffer = [self._host.whole]  # the next release writes it (its copy is ordered first)
         self._host = None
 
     def cache_stats(self) -> CacheStats:
@@ -435,7 +432,7 @@ class RolloutEngine:
             if self._captured is not None:
                 self._captured.close()
                 self._captured = None
-            self._arena, self._caches, self._loop, self._host, self._swap_buffer = None, {}, None, None, None
+            self._arena, self._caches, self._loop, self._host, self._swap_buffer = None, {}, None, None, []
             self._replicas.release()
             if arena is not None and not arena.released:
                 arena.release()

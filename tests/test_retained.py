@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+import weakref
 from collections import Counter
 
 import pytest
@@ -351,6 +352,38 @@ def test_each_release_reuses_the_last_host_buffer_where_it_holds_the_pages():
         previous = whole
         del host
     assert reused >= 1
+    assert_all_pages_free(engine)
+
+
+def test_a_host_buffer_too_small_for_a_release_is_freed_before_the_larger_one_is_allocated(monkeypatch):
+    """The engine hands its last host buffer to the swap-out without keeping a reference: where the buffer is
+    too small, its memory goes back before the larger one is taken (on CUDA that is what lets the caching
+    host allocator unpin it, rather than keep a pinned block of every size a run retained)."""
+    import oppo_engine.cache.swap as swap
+
+    prompts = random_prompts(10, seed=65, max_len=13)
+    sampling = lengths_sampling([random.Random(i).choice([2, 4, 20]) for i in range(10)])
+    engine = _with(make_engine(_models_once()), prompts, sampling)
+    engine.step()
+    small = torch.empty((1, engine._arena.page_bytes), dtype=torch.uint8)
+    alive = weakref.ref(small)
+    engine._swap_buffer = [small]
+    del small
+    seen = []
+    real_empty = swap.torch.empty
+
+    def empty(*args, **kwargs):
+        seen.append(alive() is None)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(swap.torch, "empty", empty)
+    engine.release_memory()
+    monkeypatch.setattr(swap.torch, "empty", real_empty)
+    assert engine._host.num_pages() > 1  # the one-page buffer could not hold them
+    assert seen == [True]  # one allocation, made after the small buffer was gone
+    engine.resume()
+    assert len(engine._swap_buffer) == 1 and engine._swap_buffer[0].shape[0] > 1  # kept for the next release
+    drain(engine)
     assert_all_pages_free(engine)
 
 

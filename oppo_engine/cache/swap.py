@@ -44,14 +44,16 @@ class HostPages:
 
 
 def swap_out(
-    arena: KVArena, caches: dict[str, KVCacheManager], reuse: torch.Tensor | None = None
+    arena: KVArena, caches: dict[str, KVCacheManager], reuse: list[torch.Tensor] | None = None
 ) -> HostPages:
     """Copy every page the managers hold to host memory and detach it from them (one ``copy_pages``).
 
-    ``reuse``: the previous swap-out's ``whole`` buffer (the caller holds no other reference to it). Where it
-    holds the pages it is written again; otherwise it is dropped and, on CUDA, unpinned before a larger one
-    is pinned: torch's caching host allocator rounds a pinned block up to a power of two and keeps every
-    freed one pinned, so a fresh buffer per release would pin one block per size class a run ever retained.
+    ``reuse``: a list holding the previous swap-out's ``whole`` buffer (or empty); the buffer is taken out of
+    it, so that this function holds its last reference (the caller keeps none: a variable of the caller's
+    would keep it alive through the call). Where it holds the pages it is written again; otherwise it is
+    dropped and, on CUDA, unpinned before a larger one is pinned: torch's caching host allocator rounds a
+    pinned block up to a power of two and keeps every freed one pinned, so a fresh buffer per release would
+    pin one block per size class a run ever retained.
 
     NOTE: the managers forget their sequences and the arena's pages are not freed one by one: the caller
     releases the whole arena next. They forget them only once the copy is done: a failed host allocation
@@ -76,15 +78,13 @@ def swap_out(
             entries[name][seq_id] = ([row_of[p] for p in pages], num_tokens)
     pin = arena.device.type == "cuda"
     rows = max(1, len(src))
-    if reuse is not None and (reuse.shape[0] < rows or reuse.shape[1] != arena.page_bytes):
-        reuse = None  # the caller's was the last reference: its block goes back to the host allocator
+    whole = reuse.pop() if reuse else None
+    if whole is not None and (whole.shape[0] < rows or whole.shape[1] != arena.page_bytes):
+        whole = None  # the last reference: its block goes back to the host allocator
         if pin:
             torch._C._host_emptyCache()  # and is unpinned now (blocks still in flight are kept)
-    whole = (
-        reuse
-        if reuse is not None
-        else torch.empty((rows, arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
-    )
+    if whole is None:
+        whole = torch.empty((rows, arena.page_bytes), dtype=torch.uint8, pin_memory=pin)
     buffer = whole[:rows]
     if src:
         ops.copy_pages(arena.page_view(), buffer, torch.tensor(src), torch.arange(len(src)))

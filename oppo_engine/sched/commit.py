@@ -48,6 +48,11 @@ class StepCounters:
     def copy(self) -> StepCounters:
         return dataclasses.replace(self, swapped_tokens=dict(self.swapped_tokens))
 
+    def advance(self) -> None:
+        """A step was committed; its metrics keep the swapped tokens counted until now."""
+        self.swapped_tokens = {}
+        self.step_index += 1
+
     def length_bias(self, batch: list[Sequence]) -> float | None:
         """Mean response length of ``batch`` over that of every sequence finished so far."""
         if not batch or not self.finished_tokens:
