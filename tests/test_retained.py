@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+import time
 import weakref
 from collections import Counter
 
@@ -148,12 +149,35 @@ def _fresh_models():
 
 
 def _one_long_carried(retained_kv: str):
-    """An oppo engine (greedy) that returned a short rollout and carries a long one, and its models."""
+    """An oppo engine (greedy) that returned a short rollout and carries a long one, and its models.
+
+    The step ends once the short one is scored; the actor waits for that score before its next forward (on
+    a loaded machine the scorer lane could otherwise lag until the long one had finished too)."""
     models = _fresh_models()
     engine = make_engine(models, "oppo", batch_size=1, overcommit=1, temperature=0.0, retained_kv=retained_kv)
     prompts = random_prompts(2, seed=61)
     _with(engine, prompts, lengths_sampling([2, 24], temperature=0.0))
-    assert [len(r.response_ids) for r in engine.step().rollouts] == [2]
+    lane, actor = engine._loop.scorer_lane, engine._loop.actor
+    finished = []
+    real_hand_off, real_forward = lane.hand_off, actor.forward
+
+    def hand_off(seq, upto, final):
+        if final:
+            finished.append(seq)
+        real_hand_off(seq, upto, final)
+
+    def forward(chunks, batch):
+        deadline = time.monotonic() + 60
+        while any(s.status is not SeqStatus.SCORED for s in finished) and time.monotonic() < deadline:
+            lane.check()
+            time.sleep(0.001)
+        return real_forward(chunks, batch)
+
+    lane.hand_off, actor.forward = hand_off, forward
+    try:
+        assert [len(r.response_ids) for r in engine.step().rollouts] == [2]
+    finally:
+        del lane.hand_off, actor.forward
     (seq,) = engine._buffer.carried
     assert 0 < len(seq.response_ids) < 24 and seq.status is SeqStatus.RUNNING
     return engine, models, seq

@@ -131,7 +131,7 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
             )
             assert len(r.values) == len(r.ref_logprobs) == len(r.response_ids) == len(r.logprobs)
             assert r.reward == r.reward  # a number, read by the reward model (NaN never)
-        if not result.rollouts:
+        if not result.rollouts and not result.failed:  # a step whose groups were all quarantined went on
             break
         if rng.random() < 0.3:
             engine.release_memory()
@@ -148,7 +148,7 @@ def test_soak_every_prompt_once_exactly_b_per_step_bounded_deferrals_no_leak(mod
     # Exactly B per step until the supply ends, then the remainder, then an empty step.
     # (fewer only in a step that quarantined a group, which needs a flake to fail alone twice: rare)
     assert all(k == batch or q for k, q in zip(sizes[:-2], quarantined[:-2], strict=True))
-    assert sizes[-2] in range(1, batch + 1) and sizes[-1] == 0
+    assert (sizes[-2] in range(1, batch + 1) or quarantined[-2]) and sizes[-1] == 0
     assert seen == {(*p, -j - 1): 1 for p in prompts for j in range(n)}  # every sample exactly once
     assert failures >= 3 and releases > 20 and updates > 20 and preemptions > 0
     stats = engine.cache_stats()
