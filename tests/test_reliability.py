@@ -313,10 +313,12 @@ def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_
     landed = []
 
     def slow_reward(prompt_ids, response_ids):
+        calls.append(threading.current_thread().name)
         if not landed:
             # The actor is done once the main thread waits in the lane's join: the interrupt lands there,
             # while this reward still runs, and the reward returns only after the main thread has it.
             assert watch.joining.wait(60), "the main thread never waited for the scorer lane"
+            before.append(f"handler={signal.getsignal(signal.SIGINT)} {_where(main)}")
             signal.pthread_kill(main, signal.SIGINT)
             landed.append(watch.interrupted.wait(10) or _where(main))
         return rule(prompt_ids, response_ids)
@@ -324,8 +326,23 @@ def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_
     engine = _with(make_engine(dict(models, reward=slow_reward), mode, batch_size=6), prompts)
     engine._loop.use_runtime(time.perf_counter, watch)
     threads = torch.get_num_threads()
-    with pytest.raises(KeyboardInterrupt):
-        engine.step()
+    before: list[str] = []  # for a failure's message: where the main thread was, and its SIGINT handler
+    calls: list[str] = []  # the threads the reward ran on
+    unraisable = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        result = engine.step()
+    except KeyboardInterrupt:
+        pass
+    else:
+        lost = [(u.exc_type, u.object, u.err_msg) for u in unraisable]
+        failed = [(r.finish_reason, r.error) for r in result.failed]
+        pytest.fail(
+            f"step() returned: the interrupt was lost. At the kill: {before}; after it: {landed}; reward "
+            f"calls on {sorted(set(calls))} ({len(calls)}); unraisable: {lost}; failed: {failed}"
+        )
+    finally:
+        sys.unraisablehook = hook
     assert landed == [True], f"the interrupt did not reach the main thread's wait for the lane: {landed}"
     assert not any(t.name == "oppo-scorer-lane" for t in threading.enumerate())
     assert engine._loop.scorer_lane._thread is None
