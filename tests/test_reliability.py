@@ -5,6 +5,7 @@ errors that name their role. Each test here fails on the engine before these fix
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
@@ -14,6 +15,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -303,6 +305,22 @@ def _where(thread_id: int) -> str:
     return f"{status} syscall={(task / 'syscall').read_text().split()[:1]} stack:\n{stack}"
 
 
+@contextlib.contextmanager
+def _ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` in the main thread, as in a terminal, whatever this process was
+    started with.
+
+    NOTE: a process started with SIGINT ignored (a background job of a non-interactive shell, ``nohup``,
+    some CI runners) keeps it ignored: Python installs its handler only over the default. There a Ctrl-C
+    is rightly lost -- the engine leaves the process's signals alone -- and this test, run that way, saw
+    no interrupt at all."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("mode", ["intra", "oppo"])
 def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_is_exact(models, mode):
     prompts = random_prompts(6, seed=45)
@@ -331,7 +349,8 @@ def test_a_real_sigint_while_the_scorer_lane_works_rolls_back_and_the_next_step_
     unraisable = []
     hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
     try:
-        result = engine.step()
+        with _ctrl_c_raises():
+            result = engine.step()
     except KeyboardInterrupt:
         pass
     else:
