@@ -282,6 +282,9 @@ def _kill_service_rank(rank: int, world_size: int):
     import torch.distributed as dist
 
     pg = dist.group.WORLD
+    # The clients start stepping together: one whose process came up seconds before the other's could
+    # otherwise finish its whole run before the other connects, and the service would never see both mid-run.
+    clients = dist.new_group(list(CLIENTS))  # every rank of the world takes part in making a group
     if rank == SERVICE:
         service = _service(pg)
 
@@ -294,6 +297,7 @@ def _kill_service_rank(rank: int, world_size: int):
         return None
     engine = _client_engine(pg, "oppo")
     engine.add_prompts(_prompts(rank))
+    dist.barrier(group=clients)
     returned, error = [], None
     for _ in range(20):
         try:
