@@ -1,4 +1,4 @@
-// CPU kernel of torch.ops.oppo.sample: Gumbel-max sampling with the counter-based noise of kernels/sample.py
+// CPU kernel of torch.ops.oppo.sample: Gumbel-max sampling with the counter-based noise of oppo_engine/kernels/sample.py
 // (see its docstring for the hash), returning each row's token and its log-prob.
 //
 // A row is cut into fixed tiles of the vocabulary; each (row, tile) is one work item that reads its logits
@@ -40,7 +40,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Aim for ~32K logits per parallel chunk so small batches with small vocabularies stay on one thread.
 constexpr int64_t kElementsPerChunk = 32768;
 
-// Chris Wellons' lowbias32, exactly as _mix32 in kernels/sample.py.
+// Chris Wellons' lowbias32, exactly as _mix32 in oppo_engine/kernels/sample.py.
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;

@@ -22,7 +22,7 @@ TORCH_LIBRARY(oppo, m) {
       "paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, Tensor context_lens, "
       "Tensor cu_seqlens_q, float scale, int sliding_window, float softcap, Tensor(a!) out) -> ()");
   // logits: [N, V] fp32/bf16/fp16 (may hold -inf); temperature: [N] fp32, <= 0 = greedy; seeds, positions:
-  // [N] int64. Gumbel-max with noise keyed by (seed, position), as kernels/sample.py (the CUDA path);
+  // [N] int64. Gumbel-max with noise keyed by (seed, position), as oppo_engine/kernels/sample.py (the CUDA path);
   // returns tokens [N] int64 and logprobs [N] fp32 (log_softmax(logits / T) at the token). CPU only: CUDA
   // samples with the Triton kernel.
   m.def("sample(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> (Tensor, Tensor)");

@@ -32,7 +32,7 @@ ATTENTION_BACKENDS = ("triton", "flash_attn")
 CPU_OPS_PARALLEL: bool = _C.intra_op_parallel
 
 # Whether the extension was built with its CUDA cache kernels (nvcc at build time). Without them, CUDA
-# tensors take the Triton/torch fallbacks of kernels/cache_ops.py: the engine needs no nvcc.
+# tensors take the Triton/torch fallbacks of oppo_engine/kernels/cache_ops.py: the engine needs no nvcc.
 CUDA_CACHE_OPS = torch._C._dispatch_has_kernel_for_dispatch_key("oppo::reshape_and_cache", "CUDA")
 
 
@@ -197,7 +197,7 @@ def plan_forward(
     """The once-per-forward plan of the attention path the tensors will take (checks included), or None
     where that path needs none (the C++ CPU op checks its inputs itself, cheaply, in every call).
     ``q_lens`` (host ints) builds the kernel's work list without reading the device; ``scratch`` (flat
-    float32 buffers) holds the split-KV partials in place of new ones (``kernels/paged_attention.py``)."""
+    float32 buffers) holds the split-KV partials in place of new ones (``oppo_engine/kernels/paged_attention.py``)."""
     if not (kv_cache.is_cuda or _triton_on_cpu):
         return None
     return plan_attention(

@@ -1,10 +1,12 @@
 """The package's shape: no import circle (function-level imports count), ``engine.py`` a facade, no package
-named ``dist``, the renamed modules importable under their old names for one release (with a warning), and
-the PPO rank helpers free of the demo."""
+named ``dist``, no top-level name of the repository that hides an installed package, the renamed modules
+importable under their old names for one release (with a warning), and the PPO rank helpers free of the
+demo."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -117,6 +119,31 @@ def test_engine_py_is_a_facade():
 def test_no_package_is_named_like_build_output():
     assert not (PACKAGE / "dist").exists()
     assert not [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name in ("dist", "build")]
+
+
+def _shadowing(root: Path, provided: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The modules and regular packages at the top of ``root`` that share a name with a top-level module of
+    an installed distribution other than this project (``provided``: module -> distributions)."""
+    ours = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    ours |= {p.stem for p in root.glob("*.py")}
+    return {name: provided[name] for name in sorted(ours - {"oppo_engine"}) if name in provided}
+
+
+def test_no_top_level_name_of_the_repository_shadows_an_installed_package():
+    """pytest (``pythonpath = ["."]``) and ``python -m`` put the repository root first on ``sys.path``, so a
+    package there hides an installed one of the same name: a top-level ``kernels/`` hid Hugging Face's
+    ``kernels``, which transformers 5.25 requires and imports, and every test failed to collect."""
+    provided = importlib.metadata.packages_distributions()
+    assert _shadowing(ROOT, provided) == {}
+
+
+def test_the_shadowing_check_finds_a_package_named_like_an_installed_one(tmp_path):
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("")
+    (tmp_path / "yaml.py").write_text("")
+    (tmp_path / "docs").mkdir()  # not a package: an installed one of the name would still win
+    found = _shadowing(tmp_path, importlib.metadata.packages_distributions())
+    assert set(found) == {"numpy", "yaml"} and "numpy" in found["numpy"]
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -181,7 +181,7 @@ def compile_all(full: bool = False) -> list[Variant]:
     sys.path.insert(0, str(Path(__file__).parent))
     from paged_cases import make_case
 
-    from kernels import cache_ops, paged_attention, sample
+    from oppo_engine.kernels import cache_ops, paged_attention, sample
 
     # The wrappers refuse CPU tensors unless interpreting; the kernels, already decorated, stay compiled.
     os.environ["TRITON_INTERPRET"] = "1"
