@@ -155,6 +155,16 @@ FAMILIES: dict[str, Family] = {
             frozenset({"partial_rotary"}),
             routed_since="5.24",
         ),
+        # Falcon moved in 5.25: Falcon-7B's layout (one K/V head, attention and MLP in parallel) and
+        # Falcon-40B's (grouped K/V heads, the queries of a group beside their key and value). Its ALiBi
+        # variant is refused (test_model_families.py, REFUSED).
+        Family("falcon", "FalconConfig", dict(hidden_size=48, num_attention_heads=4), routed_since="5.25"),
+        Family(
+            "falcon_new",
+            "FalconConfig",
+            dict(hidden_size=48, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True),
+            routed_since="5.25",
+        ),
         Family(
             "opt",
             "OPTConfig",

@@ -131,7 +131,9 @@ def assert_rewards_equal_hf(reward, rollouts, atol: float) -> None:
 
 # -- every accepted family equals HF --------------------------------------------------------------------
 
-NAMES = ROUTED  # every family, on transformers >= 5.24 (older ones refuse two: see below)
+# Every family on transformers >= 5.25; older releases refuse Falcon (before 5.25), GPT-J and CodeGen
+# (before 5.24): see test_a_family_runs_from_the_release_that_routes_its_attention_and_is_refused_before.
+NAMES = ROUTED
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -390,13 +392,20 @@ _RECURRENT_GEMMA = dict(
 )
 # name: (config class, its tiny arguments, what the refusal must name)
 REFUSED = {
-    "bloom": ("BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4), "AttentionInterface"),
-    "falcon": (
+    # ALiBi: HF adds the bias to the attention mask, which the paged kernels do not take (every release).
+    "bloom": ("BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4), "ALiBi"),
+    "falcon_alibi": (
         "FalconConfig",
-        dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+        dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True),
+        "ALiBi",
+    ),
+    "mpt": ("MptConfig", dict(d_model=32, n_layers=2, n_heads=4), "ALiBi"),
+    # MPT without ALiBi still runs its own attention, outside AttentionInterface.
+    "mpt_no_alibi": (
+        "MptConfig",
+        dict(d_model=32, n_layers=2, n_heads=4, attn_config=dict(alibi=False)),
         "AttentionInterface",
     ),
-    "mpt": ("MptConfig", dict(d_model=32, n_layers=2, n_heads=4), "AttentionInterface"),
     "mamba": ("MambaConfig", dict(hidden_size=32, num_hidden_layers=2, state_size=4), "(?i)attention"),
     "recurrent_gemma": ("RecurrentGemmaConfig", _RECURRENT_GEMMA, "(?i)attention"),
     "gpt_oss": ("GptOssConfig", _GPT_OSS, "(?i)sink"),
@@ -411,3 +420,45 @@ def test_models_the_engine_cannot_run_are_refused_at_construction(name):
     actor = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with pytest.raises(ValueError, match=feature):
         make_engine(actor, reward_of("llama"), batch_size=4)
+
+
+def test_an_alibi_model_let_through_fails_its_rollouts_rather_than_running_without_its_bias(monkeypatch):
+    """Behind the ALiBi refusal: with no mask function registered for the engine's attention, HF builds no
+    mask, and Falcon's ALiBi path fails on it; its rollouts come back failed, none scored. Were a release
+    to run that path without the bias, this test would see rollouts and fail."""
+    from oppo_engine.model import support
+
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        **_COMMON, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True
+    )
+    actor = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    monkeypatch.setattr(support, "uses_alibi", lambda model: False)
+    engine = make_engine(actor, reward_of("llama"), batch_size=2)
+    try:
+        engine.add_prompts(prompts((3, 5), seed=0))
+        result = engine.step()
+        assert result.rollouts == [] and len(result.failed) == 2
+        assert all(r.finish_reason == "error" and r.error.startswith("actor: ") for r in result.failed)
+    finally:
+        engine.close()
+
+
+def test_a_mask_passed_to_the_engines_attention_is_refused_not_ignored():
+    """A mask reaching the paged attention was built by the model itself (a bias, a custom pattern): the
+    kernel masks causally from the cache's metadata and would silently drop it, so the call raises."""
+    from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_forward
+
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    q = k = v = torch.zeros(1, 1, 2, 4)
+    meta = AttentionMetadata(
+        kv_cache=torch.zeros(1, 1, 2, 8, 1, 4), slot_mapping=torch.arange(2),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32), context_lens=torch.tensor([2], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 2], dtype=torch.int32), max_q_len=2, max_context_len=2, backend="cpu",
+    )  # fmt: skip
+    with bound_metadata(meta):
+        out, _ = paged_attention_forward(layer, q, k, v, None)
+        assert out.shape == (1, 2, 1, 4)
+        with pytest.raises(ValueError, match="its own attention mask"):
+            paged_attention_forward(layer, q, k, v, torch.zeros(1, 1, 2, 2))

@@ -82,7 +82,7 @@ def paged_attention_forward(
     the runner (``bound_metadata``) says. ``sliding_window`` and ``softcap`` come from the model's attention
     module, so they apply per layer. A call with no metadata bound (the model called outside the engine's
     forward while the engine holds its attention switch) raises: plain attention over the new tokens alone
-    would be silently wrong from the first decode token on.
+    would be silently wrong from the first decode token on. So does a mask the model built itself.
     """
     meta: AttentionMetadata | None = getattr(_bound, "meta", None)
     if meta is None:
@@ -90,6 +90,13 @@ def paged_attention_forward(
             f"{type(module).__name__}: the model is switched to the engine's paged attention (a "
             "RolloutEngine step is running, or a paged_attention_enabled block is open) and was called "
             "outside the engine's forward; call it once the step has returned"
+        )
+    if attention_mask is not None:
+        # No mask function is registered for ATTN_IMPL, so a mask here was built by the model itself: a
+        # bias (ALiBi) or a pattern the paged kernel would silently not apply.
+        raise ValueError(
+            f"{type(module).__name__}: the model passed its own attention mask (a position bias or a custom "
+            "pattern); the engine's paged attention masks causally from the cache and cannot apply it"
         )
     if dropout:
         raise ValueError(f"oppo_paged attention has no dropout (got {dropout}); run the model in eval mode")

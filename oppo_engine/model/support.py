@@ -27,6 +27,7 @@ def text_config(model: nn.Module):
 def check_model(model: nn.Module, *, role: str, max_model_len: int) -> None:
     """Raise ``ValueError`` naming the feature if ``model`` (the engine's ``role``) cannot be run exactly."""
     _check_attention_layers(model, role)
+    _check_position_bias(model, role)
     _check_not_sharded(model, role)
     _check_rope(model, role, max_model_len)
 
@@ -52,6 +53,34 @@ def _check_attention_layers(model: nn.Module, role: str) -> None:
             )
     if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in model.modules()):
         raise ValueError(f"{role}: {type(model).__name__} uses attention sinks, which the engine lacks")
+
+
+# Families whose attention always carries ALiBi, with no config flag to say so.
+_ALIBI_MODEL_TYPES = frozenset({"bloom"})
+
+
+def uses_alibi(model: nn.Module) -> bool:
+    """Whether ``model`` adds ALiBi's per-head linear bias to its attention scores (Falcon's ``alibi``, MPT's
+    ``attn_config.alibi``, BLOOM always)."""
+    config = text_config(model)
+    if getattr(config, "model_type", None) in _ALIBI_MODEL_TYPES:
+        return True
+    attn = getattr(config, "attn_config", None)
+    nested = attn.get("alibi") if isinstance(attn, dict) else getattr(attn, "alibi", None)
+    flags = (getattr(config, "alibi", None), getattr(config, "use_alibi", None), nested)
+    return any(bool(flag) for flag in flags)
+
+
+def _check_position_bias(model: nn.Module, role: str) -> None:
+    """HF gives ALiBi models their position bias through the attention mask, and the paged kernels take no
+    mask (they mask causally from the cache's metadata): such a model would run with no position
+    information at all. Falcon routes its attention through ``AttentionInterface`` from transformers 5.25,
+    its ALiBi variant too."""
+    if uses_alibi(model):
+        raise ValueError(
+            f"{role}: {type(model).__name__} uses ALiBi position biases, which HF adds to the attention "
+            "mask; the engine's paged attention takes no mask, so it cannot run them"
+        )
 
 
 def _check_not_sharded(model: nn.Module, role: str) -> None:
