@@ -41,6 +41,7 @@ sim: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check oppo_engine tests bench
+	$(VENV)/bin/ruff format --check oppo_engine tests bench
 
 # The docs site (mkdocs.yml, docs/) into site/: --strict fails on any warning (a broken link or anchor, a
 # page outside the nav, a docstring mkdocstrings cannot read), then every internal link of the site and of

@@ -210,8 +210,10 @@ def paper(args) -> int:
                  batch_size=112, lengths=STACK_EXCHANGE, prompt_lengths=128, steps=args.paper_steps,
                  config=config)  # fmt: skip
         wall = time.perf_counter() - t0
-        print(f"\n{actor} actor (value-head critic and reference of its shape), 7B reward, 8xH200 as 7+1, "
-              f"B=112, responses {STACK_EXCHANGE}, prompts 128, candidates 128/256/512; twin {wall:.0f}s")
+        print(
+            f"\n{actor} actor (value-head critic and reference of its shape), 7B reward, 8xH200 as 7+1, "
+            f"B=112, responses {STACK_EXCHANGE}, prompts 128, candidates 128/256/512; twin {wall:.0f}s"
+        )
         print(p.table())
         seq = p.modes["sequential"]
         print(f"{'mode':<11}{'twin speed-up':>14}{'paper':>7}{'twin rollout speed-up':>23}"
@@ -226,8 +228,11 @@ def paper(args) -> int:
               f"{exposed:.0%}; the rollout is {seq.rollout_s:.1f}s of it")  # fmt: skip
         sweep = p.modes["oppo"].chunk_sweep
         best = min(sweep, key=sweep.get)
-        print("oppo chunk sweep (s/step): " + ", ".join(f"{c}: {v:.2f}" for c, v in sweep.items())
-              + f"; fastest {best}; paper: 500 fastest (171 s/step), 100 and 3000 slower")
+        print(
+            "oppo chunk sweep (s/step): "
+            + ", ".join(f"{c}: {v:.2f}" for c, v in sweep.items())
+            + f"; fastest {best}; paper: 500 fastest (171 s/step), 100 and 3000 slower"
+        )
         for name, prior in (("model", "model"), ("list", "list")):
             q = plan(actor, reward="7b", critic=actor, reference=actor, device="h200", gpus=8,
                      placement="7+1",

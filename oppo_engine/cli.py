@@ -107,6 +107,8 @@ def launch_demo(nproc: int, argv: list[str]) -> int:
     except ChildFailedError:  # torchrun has printed which rank failed and its traceback
         return 1
     return 0
+
+
 def _policy_lag(text: str) -> int | None:
     """``--max-policy-lag``: an int, or ``none`` (no lag bound)."""
     if text.lower() == "none":

@@ -197,7 +197,8 @@ def plan_forward(
     """The once-per-forward plan of the attention path the tensors will take (checks included), or None
     where that path needs none (the C++ CPU op checks its inputs itself, cheaply, in every call).
     ``q_lens`` (host ints) builds the kernel's work list without reading the device; ``scratch`` (flat
-    float32 buffers) holds the split-KV partials in place of new ones (``oppo_engine/kernels/paged_attention.py``)."""
+    float32 buffers) holds the split-KV partials in place of new ones
+    (``oppo_engine/kernels/paged_attention.py``)."""
     if not (kv_cache.is_cuda or _triton_on_cpu):
         return None
     return plan_attention(

@@ -55,16 +55,23 @@ def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, threads, args
     # stderr), so a hang shows where it is before the parent kills it.
     faulthandler.dump_traceback_later(dump_after_s, exit=False)
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         if backend is not None:
-            dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=pg_timeout_s))
+            dist.init_process_group(
+                backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
+            )
         try:
             value = fn(rank, world_size, *args)
         except BaseException:
@@ -82,9 +89,17 @@ def _child(fn, rank, world_size, port, backend, pg_timeout_s, env, threads, args
         results.put(RankOutcome(rank, False, error=traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str | None = "gloo",
-              pg_timeout_s: float = 60.0, env: dict[str, str] | None = None, threads: int = 1,
-              check: bool = True) -> list:
+def run_ranks(
+    fn,
+    world_size: int,
+    *args,
+    timeout_s: float = 180.0,
+    backend: str | None = "gloo",
+    pg_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+    check: bool = True,
+) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their values in rank order.
 
     ``backend=None`` starts the processes without a default process group (for tests that form their own,
@@ -95,10 +110,26 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, daemon=True,
-                         args=(fn, r, world_size, port, backend, pg_timeout_s, dict(env or {}), threads,
-                               args, results, max(1.0, timeout_s - 15.0)))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            daemon=True,
+            args=(
+                fn,
+                r,
+                world_size,
+                port,
+                backend,
+                pg_timeout_s,
+                dict(env or {}),
+                threads,
+                args,
+                results,
+                max(1.0, timeout_s - 15.0),
+            ),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes: dict[int, RankOutcome] = {}
@@ -130,8 +161,12 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 180.0, backend: str
         results.close()
     for r, p in enumerate(procs):
         if r not in outcomes:
-            outcomes[r] = RankOutcome(r, False, error=f"rank {r} did not finish within {timeout_s:.0f} s "
-                                                       "(killed)", exitcode=p.exitcode)
+            outcomes[r] = RankOutcome(
+                r,
+                False,
+                error=f"rank {r} did not finish within {timeout_s:.0f} s (killed)",
+                exitcode=p.exitcode,
+            )
         else:
             outcomes[r].exitcode = p.exitcode
     ordered = [outcomes[r] for r in range(world_size)]

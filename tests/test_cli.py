@@ -45,7 +45,11 @@ def test_bare_command_prints_help_not_an_argparse_error(capsys):
         (["demo", "--help"], "usage: oppo-engine demo", ["(default: 30)", "(default: 32)", "torch device"]),
         (["bench", "--help"], "usage: oppo-engine bench", ["(default: tiny)", "(default: 3)"]),
         (["trace", "--help"], "usage: oppo-engine trace", ["(default: longtail)"]),
-        (["serve-scorers", "--help"], "usage: oppo-engine serve-scorers", ["(default: 16)", "tcp://HOST:PORT"]),
+        (
+            ["serve-scorers", "--help"],
+            "usage: oppo-engine serve-scorers",
+            ["(default: 16)", "tcp://HOST:PORT"],
+        ),
     ],
 )
 def test_every_help_shows_its_program_name_and_defaults(capsys, args, prog, defaults):

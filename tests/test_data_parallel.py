@@ -257,8 +257,15 @@ def _rank_mismatches(rank, world_size):
     except GroupFailed as e:
         messages.append(str(e))
     refused = []
-    for call in (engine.step, engine.update_policy, engine.resume, engine.release_memory, engine.cache_stats,
-                 lambda: engine.add_prompts([[5, 6]]), lambda: engine.report_reward(0.0)):
+    for call in (
+        engine.step,
+        engine.update_policy,
+        engine.resume,
+        engine.release_memory,
+        engine.cache_stats,
+        lambda: engine.add_prompts([[5, 6]]),
+        lambda: engine.report_reward(0.0),
+    ):
         try:
             call()
         except GroupFailed:

@@ -14,7 +14,15 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "device_check.sh"
 GPU_STEPS = (
-    "build", "cuda-tests", "e2e", "twin", "decode", "kernel-tests", "groups", "fsdp-replica", "remote"
+    "build",
+    "cuda-tests",
+    "e2e",
+    "twin",
+    "decode",
+    "kernel-tests",
+    "groups",
+    "fsdp-replica",
+    "remote",
 )
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without CUDA")

@@ -180,7 +180,11 @@ def test_auto_chunk_size_explores_measured_candidates_and_profiles_the_lanes(mod
     from oppo_engine.control import ChunkControl
 
     control = ChunkControl(  # nothing hopeless: every exploration tries sizes, whatever the profile says
-        candidates=(2, 4, 8), explore_period=2, explore_top=2, min_samples=2, noise_window=4,
+        candidates=(2, 4, 8),
+        explore_period=2,
+        explore_top=2,
+        min_samples=2,
+        noise_window=4,
         hopeless_margin=1e9,
     )
     engine = make_engine(models, "intra", batch_size=3, chunk=control)

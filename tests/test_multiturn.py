@@ -567,7 +567,6 @@ def test_close_cancels_the_calls_pending(actor):
     assert engine._loop is None
 
 
-
 def test_scorers_read_the_whole_transcript_observations_included(actor, reward):
     reference = make_actor(seed=5)
     critic = make_reward(seed=6)

@@ -259,6 +259,8 @@ def test_the_trainer_logs_quarantined_rollouts_and_trains_without_them(task_dir,
     assert all(math.isfinite(v) for v in (stats.reward, stats.kl, stats.policy_loss, stats.value_loss))
     assert trainer.engine.policy_version == 1  # the update ran
     trainer.close()
+
+
 def test_oppo_reward_curve_matches_sequential_on_the_same_seeds(task_dir):
     """Convergence parity (the paper's claim: the step-to-reward curves coincide). The same seeds, 8 PPO
     steps of B=8: the mean reward of the last K=4 steps of ``oppo`` (Δ=4, at most 2 deferrals) and of

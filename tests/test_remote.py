@@ -649,7 +649,8 @@ def test_protocol_round_trips_hand_offs_and_results_exactly():
     spans = [(0, 12, 1.25, 1.5), (1, 3, 1.5, 1.625)]
     ints, floats = protocol.encode_spans(5, spans)
     assert ints[0] == 5 and list(protocol.decode_spans(ints, floats)) == [
-        ("reward", 12, 1.25, 1.5), ("reference", 3, 1.5, 1.625)
+        ("reward", 12, 1.25, 1.5),
+        ("reference", 3, 1.5, 1.625),
     ]
     with pytest.raises(ValueError, match="unknown item"):
         list(protocol.decode_handoffs([0, 9, 1], []))

@@ -75,7 +75,6 @@ class DeltaControl:
                 f"error three), got {self.window!r}"
             )
 
-
     def resolve(self, batch_size: int, group: int = 1) -> DeltaControl:
         """These settings with ``init=None`` and ``max=None`` resolved for batch size B and groups of
         ``group``: ``init`` = B/8 and ``max`` = B/4, rounded up to whole groups, at least one group, and

@@ -143,9 +143,12 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
         "rollout share of the step": f"{rollout_s / sum(r.step_s for r in recs):.0%}",
         "exposed scoring s/step": f"{mean(r.exposed_scoring_s for r in recs):.3f}",
         **(
-            {"tool calls/step": f"{mean(r.env_calls for r in recs):.1f}",
-             "exposed tool s/step": f"{mean(r.exposed_env_s for r in recs):.3f}"}
-            if any(r.env_calls for r in base.records) else {}
+            {
+                "tool calls/step": f"{mean(r.env_calls for r in recs):.1f}",
+                "exposed tool s/step": f"{mean(r.exposed_env_s for r in recs):.3f}",
+            }
+            if any(r.env_calls for r in base.records)
+            else {}
         ),  # fmt: skip
         "mean overcommit (Δ)": f"{mean(r.overcommit for r in recs):.1f}",
         "chunk size chosen": chunk_choice(run),

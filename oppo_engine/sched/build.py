@@ -117,7 +117,8 @@ def build_step_loop(
         pages_in_use=pages_in_use,
         envs=EnvDriver(
             EnvPool(config.env_workers or max_in_flight, config.env_timeout_s),
-            vocab_size=vocab_size, max_model_len=max_model_len,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
         ),  # fmt: skip
     )
     if device.type == "cuda":  # compile the Triton variants here, not on two lanes at once

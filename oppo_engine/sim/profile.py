@@ -124,8 +124,11 @@ class Profile:
         try:
             threads = {
                 int(t): ThreadCosts(
-                    **{**c, "gemm": {int(k): [tuple(p) for p in v] for k, v in c["gemm"].items()},
-                       "streaming": [(float(w), int(r), float(b)) for w, r, b in c.get("streaming", [])]}
+                    **{
+                        **c,
+                        "gemm": {int(k): [tuple(p) for p in v] for k, v in c["gemm"].items()},
+                        "streaming": [(float(w), int(r), float(b)) for w, r, b in c.get("streaming", [])],
+                    }
                 )
                 for t, c in data["threads"].items()
             }

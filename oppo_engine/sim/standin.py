@@ -99,7 +99,6 @@ class Oracle:
             if len(response) >= max_new_tokens or pos + 1 >= max_model_len or tok == self.eos:
                 return response, logprobs
 
-
     def episode(self, prompt_ids: list[int], seed: int, params, max_model_len: int, env: EnvSpec):
         """The transcript the engine must return for a multi-turn episode: ``(response, logprobs,
         action_mask, finish_reason)``, finish reason ``"error"`` when its environment fails or hangs.
