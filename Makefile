@@ -7,18 +7,22 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test bench lint docs cuda-compile clean sim h200-stack
+.PHONY: demo test bench lint docs cuda-compile clean sim h200-stack lock
+
+# constraints.txt locks every other package of the venv (`make lock` refreshes it): a release upstream does
+# not change what `make test` runs until the lock moves. pyproject.toml's ranges are what users get.
+LOCK := constraints.txt
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	# Pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q "scikit-build-core>=0.10" cmake ninja
+	$(PY) -m pip install -q -c $(LOCK) "scikit-build-core>=0.10" cmake ninja
 	touch $@
 
-$(VENV)/.installed: $(VENV)/.torch $(EXT_SOURCES)
-	$(PY) -m pip install -q --no-build-isolation -e ".[dev,trl]" "torch==$(TORCH_VERSION)"
+$(VENV)/.installed: $(VENV)/.torch $(EXT_SOURCES) $(LOCK)
+	$(PY) -m pip install -q --no-build-isolation -c $(LOCK) -e ".[dev,trl]" "torch==$(TORCH_VERSION)"
 	$(PY) -c "import oppo_engine.ops"
 	touch $@
 
@@ -76,6 +80,17 @@ h200-stack:
 	$(H200_PY) -c "import oppo_engine.ops as ops; assert ops.CUDA_CACHE_OPS, 'CUDA cache ops missing'; print('CUDA cache ops registered')"
 	$(H200_PY) -m tests.kernels.sm90_compile
 	$(H200_PY) -m pytest -q -m "not slow" tests --ignore=tests/kernels --ignore=tests/test_triton_engine.py
+
+# Re-resolve the lock: the newest versions pyproject.toml's ranges allow (a dry run: nothing is installed),
+# torch left to TORCH_VERSION and this project left out. Then `make test` installs and tests them.
+lock: $(VENV)/.torch
+	mkdir -p build
+	$(PY) -m pip install -q --dry-run --ignore-installed --no-build-isolation --report build/lock.json \
+		".[dev,trl]" "torch==$(TORCH_VERSION)" "scikit-build-core>=0.10" cmake ninja
+	$(PY) -c 'import json, sys; r = json.load(open("build/lock.json")); \
+		pins = sorted((i["metadata"]["name"], i["metadata"]["version"]) for i in r["install"]); \
+		print("# make lock: every package of the development venv but torch (TORCH_VERSION) and oppo-engine"); \
+		[print(f"{n}=={v}") for n, v in pins if n.lower() not in ("torch", "oppo-engine", "oppo_engine")]' > $(LOCK)
 
 clean:
 	rm -rf build site $(VENV) $(H200_VENV) *.egg-info
