@@ -428,6 +428,8 @@ def test_an_alibi_model_let_through_fails_its_rollouts_rather_than_running_witho
     to run that path without the bias, this test would see rollouts and fail."""
     from oppo_engine.model import support
 
+    if not FAMILIES["falcon"].routed:
+        pytest.skip(f"transformers {transformers.__version__} keeps Falcon outside AttentionInterface")
     torch.manual_seed(0)
     config = transformers.FalconConfig(
         **_COMMON, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True
