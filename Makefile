@@ -12,17 +12,20 @@ EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') C
 # constraints.txt locks every other package of the venv (`make lock` refreshes it): a release upstream does
 # not change what `make test` runs until the lock moves. pyproject.toml's ranges are what users get.
 LOCK := constraints.txt
+# What the venv installs besides torch: the build's own tools, then the package with its extras.
+BUILD_DEPS := "scikit-build-core>=0.10" cmake ninja
+PACKAGE := ".[dev,trl]"
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip>=24"
 	# Pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -c $(LOCK) "scikit-build-core>=0.10" cmake ninja
+	$(PY) -m pip install -q -c $(LOCK) $(BUILD_DEPS)
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.torch $(EXT_SOURCES) $(LOCK)
-	$(PY) -m pip install -q --no-build-isolation -c $(LOCK) -e ".[dev,trl]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q --no-build-isolation -c $(LOCK) -e $(PACKAGE) "torch==$(TORCH_VERSION)"
 	$(PY) -c "import oppo_engine.ops"
 	touch $@
 
@@ -86,7 +89,7 @@ h200-stack:
 lock: $(VENV)/.torch
 	mkdir -p build
 	$(PY) -m pip install -q --dry-run --ignore-installed --no-build-isolation --report build/lock.json \
-		".[dev,trl]" "torch==$(TORCH_VERSION)" "scikit-build-core>=0.10" cmake ninja
+		$(PACKAGE) "torch==$(TORCH_VERSION)" $(BUILD_DEPS)
 	$(PY) -c 'import json, sys; r = json.load(open("build/lock.json")); \
 		pins = sorted((i["metadata"]["name"], i["metadata"]["version"]) for i in r["install"]); \
 		print("# make lock: every package of the development venv but torch (TORCH_VERSION) and oppo-engine"); \
