@@ -4,6 +4,7 @@ equal padded ones, and bad settings are refused when the trainer is built."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -148,3 +149,32 @@ def test_bad_packing_settings_are_refused_at_build():
     critic.set_attn_implementation("leaky_sdpa")
     with pytest.raises(ValueError, match="the critic's attention crosses the boundary"):
         make_trainer((tokenizer, actor, critic, reference, reward, prompts), max_tokens_per_microbatch=64)
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_one_lora_ppo_step_trains_the_adapters_and_the_value_head(budget):
+    """PEFT-wrapped actor and critic (LoRA): the trainer's forwards unwrap them as the engine does; the
+    adapters and the critic's score head (``modules_to_save``) train, the base weights stay."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer, actor, critic, reference, reward, prompts = ppo_models()
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", **lora))
+    critic = get_peft_model(critic, LoraConfig(task_type="SEQ_CLS", **lora))
+    trained = {
+        role: {n: p.detach().clone() for n, p in model.named_parameters()}
+        for role, model in (("actor", actor), ("critic", critic))
+    }
+    trainer = make_trainer(
+        (tokenizer, actor, critic, reference, reward, prompts), max_tokens_per_microbatch=budget
+    )
+    stats = trainer.step()
+    trainer.close()
+    assert math.isfinite(stats.policy_loss) and stats.agreement["fresh"].max_abs < 1e-4
+    for role, model in (("actor", actor), ("critic", critic)):
+        for name, p in model.named_parameters():
+            moved = not torch.equal(p, trained[role][name])
+            assert moved == p.requires_grad, (role, name)
+    heads = [n for n, p in critic.named_parameters() if p.requires_grad and "score" in n]
+    assert heads and all("modules_to_save" in n for n in heads)  # the trainable copy of the head moved
+    assert any("lora_" in n for n, p in critic.named_parameters() if p.requires_grad)
