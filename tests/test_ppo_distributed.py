@@ -45,9 +45,12 @@ def _models():
 
 
 def _trainer(world_size: int, group, models, mode: str = "sequential", lr: float = 1e-3):
+    """``mode`` is the engine's; ``mode+N``: packed updates, packs of at most ``N`` tokens."""
     from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
 
+    mode, _, packed = mode.partition("+")
     cfg = PPOConfig(
+        max_tokens_per_microbatch=int(packed) if packed else None,
         batch_size=BATCH * world_size if group is None else BATCH,
         minibatch_size=MINIBATCH * world_size if group is None else MINIBATCH,
         epochs=2,
@@ -72,7 +75,8 @@ def _full_weights(model) -> dict[str, list]:
 def _record(stats) -> list[list[float]]:
     fields = ("reward", "kl", "policy_loss", "value_loss", "clipfrac", "approx_kl", "grad_norm")
     fields += ("stale_tokens",)
-    return [[float(getattr(s, f)) for f in fields] for s in stats]
+    gap = [[s.agreement[c].tokens for c in ("fresh", "carried_current", "stale")] for s in stats]
+    return [[float(getattr(s, f)) for f in fields] + g for s, g in zip(stats, gap, strict=True)]
 
 
 def _ppo_rank(rank: int, world_size: int, modes: tuple[str, ...]):
@@ -103,7 +107,7 @@ def _ppo_rank(rank: int, world_size: int, modes: tuple[str, ...]):
 @pytest.fixture(scope="module")
 def two_ranks():
     """One 2-rank job for every test here (spawning ranks costs more than their PPO steps)."""
-    return run_ranks(_ppo_rank, 2, ("sequential", "oppo"), timeout_s=400, pg_timeout_s=120)
+    return run_ranks(_ppo_rank, 2, ("sequential", "oppo", "sequential+20"), timeout_s=400, pg_timeout_s=120)
 
 
 def _one_rank(mode: str):
@@ -130,9 +134,13 @@ def test_prompt_stream_is_dealt_rank_major_with_world_invariant_seeds():
     assert distributed.prompt_seed(5, 11) == derive_seed(5, 11)
 
 
-def test_ppo_on_two_ranks_equals_one_rank_over_the_global_batch(two_ranks):
+@pytest.mark.parametrize("update", ["sequential", "sequential+20"])
+def test_ppo_on_two_ranks_equals_one_rank_over_the_global_batch(two_ranks, update):
+    """Padded updates, or packed ones on the 2 ranks (packs of at most 20 tokens: one or two per rank's
+    share of a minibatch, so the ranks run unequal counts and pad them with weight-0 fillers), against the
+    padded update of one rank."""
     one_stats, one_batches, one_actor, one_critic = _one_rank("sequential")
-    rank0, rank1 = (r["sequential"] for r in two_ranks)
+    rank0, rank1 = (r[update] for r in two_ranks)
     (stats0, local0, actor0, critic0), (stats1, local1, actor1, critic1) = rank0, rank1
     # Each rank rolled out its own half of every global batch; together, the one-rank batch.
     for step in range(STEPS):

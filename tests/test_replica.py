@@ -7,6 +7,7 @@ copies anything; ``release_memory(weights=True)`` frees the replicas and ``resum
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 import pytest
@@ -445,8 +446,12 @@ def test_weights_are_cast_to_the_rollout_dtype(meta_pair):
             r"'lm_head.weight'\] has shape \(3, 48\)",
         ),
         (lambda w: w.update({"model.norm.weight": torch.empty(48, device="meta")}), "on the meta device"),
+        (
+            lambda w: w["model.norm.weight"].__setitem__(7, math.nan),
+            r"'model.norm.weight'\] holds non-finite",
+        ),
     ],
-    ids=["missing", "unknown", "shape", "meta"],
+    ids=["missing", "unknown", "shape", "meta", "nan"],
 )
 def test_bad_weights_raise_naming_the_parameter_and_change_nothing(meta_pair, corrupt, message):
     meta, real = meta_pair

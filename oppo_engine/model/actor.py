@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from oppo_engine.model.finite import check_finite
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 from oppo_engine.model.sampler import SampleBatch, Sampler
 
@@ -14,7 +15,8 @@ class ActorWorker:
     """Runs the actor over packed chunks and samples; hands back Python ints and floats.
 
     This is where tensor contents become host values (one device sync per iteration), so the schedulers
-    above work on token ids alone. Per forward, the sampling parameters reach the device with the forward's
+    above work on token ids alone. A row whose logits are not finite has a non-finite log-prob: it fails its
+    sequence (``model/finite.py``). Per forward, the sampling parameters reach the device with the forward's
     metadata (one host-to-device copy for both), and tokens and log-probs come back in one copy.
     """
 
@@ -33,7 +35,7 @@ class ActorWorker:
             logits = logits.index_select(0, packed[: len(batch)])
         tokens, logprobs = self.sampler.sample(logits, batch, packed)
         if not tokens.is_cuda:
-            return tokens.tolist(), logprobs.tolist()
+            return tokens.tolist(), self._checked(logprobs.tolist(), chunks, batch)
         # One non-blocking device-to-host copy of both into pinned memory, then one wait for it.
         out = torch.stack((tokens.double(), logprobs.double()))
         host = self._host_out
@@ -45,4 +47,9 @@ class ActorWorker:
         staged.copy_(out, non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()
         packed_host = staged.tolist()
-        return [int(t) for t in packed_host[0]], packed_host[1]
+        return [int(t) for t in packed_host[0]], self._checked(packed_host[1], chunks, batch)
+
+    @staticmethod
+    def _checked(logprobs: list[float], chunks: Sequence[SeqChunk], batch: SampleBatch) -> list[float]:
+        check_finite("actor", "logits", logprobs, [chunks[r].seq_id for r in batch.rows], batch.positions)
+        return logprobs

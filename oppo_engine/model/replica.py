@@ -261,8 +261,9 @@ class RolloutReplica:
         """``weights`` (a mapping, or an iterable of ``(name, full tensor)``) checked against the replica's
         parameters: each exactly once, with its shape. A mapping's tensors are used as they are; an
         iterable's are staged on the host in the replica's dtype as they come (one full copy of the model
-        in host memory), since an iterator's tensors may be gone once it moves on. Raises ``ValueError``
-        naming the parameter; nothing is copied into the replica."""
+        in host memory), since an iterator's tensors may be gone once it moves on. Every floating tensor must
+        be finite (one read of it, as the copy makes). Raises ``ValueError`` naming the parameter; nothing is
+        copied into the replica."""
         if isinstance(weights, Mapping):
             items, staged = weights.items(), False
         elif isinstance(weights, Iterable) and not isinstance(weights, str | bytes | torch.Tensor):
@@ -300,6 +301,8 @@ class RolloutReplica:
             want = tuple(self.params[name].shape)
             if tuple(tensor.shape) != want:
                 raise ValueError(f"{where} has shape {tuple(tensor.shape)}, the replica's is {want}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{where} holds non-finite values (NaN or inf): a diverged update?")
             if staged:
                 tensor = tensor.detach().to("cpu", self.dtype, copy=True)
             got[name] = tensor

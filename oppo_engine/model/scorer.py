@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from oppo_engine.cache.manager import KVCacheManager
+from oppo_engine.model.finite import check_finite
 from oppo_engine.model.rewards import BatchedReward, check_reward_value, reward_name
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 from oppo_engine.model.support import text_config
@@ -92,17 +93,20 @@ class RewardScorer(Scorer):
         """Prefill the chunks, keeping each sequence's score at its latest non-pad token."""
         rows: list[int] = []
         owners: list[Hashable] = []
+        positions: list[int] = []
         offset = 0
         for c in chunks:
             row = self._score_row(c)
             if row is not None:
                 rows.append(offset + row)
                 owners.append(c.seq_id)
+                positions.append(self.cache.num_tokens(c.seq_id) - len(c.token_ids) + row)
             offset += len(c.token_ids)
         if not rows:  # every new token is pad: the forward still writes their KV
             self.runner.forward(chunks)
             return
         scores = self.runner.score_at(chunks, rows).tolist()
+        check_finite(self.name, "score", scores, owners, positions)
         self._scores.update(zip(owners, scores, strict=True))
 
     def fork(self, src: Hashable, dst: Hashable) -> None:
@@ -240,6 +244,7 @@ class ReferenceScorer(_PerTokenScorer):
         if rows_picked:
             index = torch.tensor([rows_picked, tokens_picked], device=logits.device)
             from_rows = picked_logprobs(logits, inv_t, lse, index[0], index[1]).tolist()
+        check_finite(self.name, "log-probs", from_carries + from_rows, *_owners(spans, self.cache, layout))
         next_carry = next_row = 0
         for progress, use_carry, n in layout:
             if use_carry:
@@ -256,6 +261,23 @@ class ReferenceScorer(_PerTokenScorer):
         return self.cache.num_tokens(chunk.seq_id)
 
 
+def _owners(
+    spans: list[_Span], cache: KVCacheManager, layout: list[tuple[_Progress, bool, int]]
+) -> tuple[list[Hashable], list[int]]:
+    """The sequence and position of each reference log-prob read (the carries first, then the picks from
+    rows, as ``ReferenceScorer._read`` lists them): a pick at row ``p`` is the log-prob of token ``p + 1``."""
+    carried: tuple[list[Hashable], list[int]] = ([], [])
+    picked: tuple[list[Hashable], list[int]] = ([], [])
+    for (c, first, _), (_, use_carry, n) in zip(spans, layout, strict=True):
+        start = cache.num_tokens(c.seq_id) - len(c.token_ids)
+        if use_carry:
+            carried[0].append(c.seq_id)
+            carried[1].append(start)
+        picked[0].extend([c.seq_id] * n)
+        picked[1].extend(range(first + 1, first + 1 + n))
+    return carried[0] + picked[0], carried[1] + picked[1]
+
+
 class CriticScorer(_PerTokenScorer):
     """A one-label value model: ``values[i]`` = its score head on the hidden state of the token before
     ``response_ids[i]`` (TRL's convention)."""
@@ -269,6 +291,9 @@ class CriticScorer(_PerTokenScorer):
 
     def _read(self, chunks: Sequence[SeqChunk], rows: list[int], spans: list[_Span]) -> None:
         values = self.runner.score_at(chunks, rows).tolist()
+        owners = [c.seq_id for c, first, _ in spans for _ in range(first, self.cache.num_tokens(c.seq_id))]
+        positions = [p for c, first, _ in spans for p in range(first, self.cache.num_tokens(c.seq_id))]
+        check_finite(self.name, "values", values, owners, positions)
         for c, first, row0 in spans:
             n = max(0, self.cache.num_tokens(c.seq_id) - first)  # 0 for a chunk before the response
             self._progress[c.seq_id].out.extend(values[row0 : row0 + n])

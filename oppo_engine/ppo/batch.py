@@ -26,6 +26,7 @@ class RolloutBatch:
     values: torch.Tensor  # [N, L-1] critic values streamed by the engine
     versions: torch.Tensor  # [N, L-1] int64 policy version that sampled each token (-1 elsewhere)
     scores: torch.Tensor  # [N] reward model scores
+    carried: torch.Tensor  # [N] bool: the sequence was carried over at least one step (deferred)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -37,11 +38,14 @@ class RolloutBatch:
     def trim(self, width: int) -> RolloutBatch:
         """The first ``width`` columns (``width - 1`` per token): right padding beyond the longest row is
         dropped, which changes nothing a causal model computes for the other columns."""
-        return RolloutBatch(
-            *(getattr(self, f)[:, : width if f in ("input_ids", "attention_mask") else width - 1]
-              for f in self.__slots__[:-1]),
-            self.scores,
-        )  # fmt: skip
+
+        def cut(f: str) -> torch.Tensor:
+            t = getattr(self, f)
+            if t.dim() == 1:  # per row
+                return t
+            return t[:, : width if f in ("input_ids", "attention_mask") else width - 1]
+
+        return RolloutBatch(*map(cut, self.__slots__))
 
 
 def canonical_order(rollouts: Sequence[Rollout]) -> list[Rollout]:
@@ -73,10 +77,12 @@ def collate(rollouts: Sequence[Rollout], pad_token_id: int, device: torch.device
         per_token["values"][i, cols] = torch.tensor(r.values)
         versions[i, cols] = torch.tensor(r.policy_versions)
     scores = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    carried = torch.tensor([r.deferred_steps > 0 for r in rollouts], dtype=torch.bool)
     return RolloutBatch(
         input_ids.to(device),
         attention_mask.to(device),
         versions=versions.to(device),
         scores=scores.to(device),
+        carried=carried.to(device),
         **{k: v.to(device) for k, v in per_token.items()},
     )

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OFF_POLICY_CORRECTIONS = ("recompute", "truncated_is")
+ROLLOUT_CORRECTIONS = (None, "tis", "mis")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+ON_NONFINITE = ("raise", "skip")
 
 
 @dataclass(slots=True)
@@ -25,6 +28,23 @@ class PPOConfig:
     cannot dominate the update). ``release_memory`` frees the engine's KV arena during the update.
     ``group_by_length`` puts rows of similar length in one minibatch (the minibatches in random order):
     each is padded only to its own longest row, which saves most of the update under long-tailed lengths.
+
+    ``max_tokens_per_microbatch`` (``None``: one padded forward per minibatch) splits each minibatch into
+    padding-free packs of at most this many tokens whose gradients accumulate into the minibatch's one
+    optimizer step (``ppo/packing.py``); it must hold the longest sequence a step can return.
+
+    ``measure_agreement`` runs one no-grad forward of the actor before the first optimizer step and
+    reports the gap between its log-probs and the engine's (``PPOStepStats.agreement``).
+    ``rollout_correction`` corrects that gap: ``"tis"`` (truncated importance sampling, Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training") scales each token's policy
+    loss by ``min(pi_trainer / pi_behaviour, rollout_correction_cap)``; ``"mis"`` (masked importance
+    sampling, Liu et al. 2025, "When speed kills stability: demystifying RL collapse from the
+    training-inference mismatch") drops the tokens whose ratio leaves ``[1/cap, cap]`` from the loss (its
+    denominator kept); ``rollout_correction_level="sequence"`` takes the ratio ``exp(sum of the log-ratio)``
+    over each sequence. With a correction the PPO ratio is taken against the trainer's own log-probs.
+
+    ``on_nonfinite``: a minibatch whose loss or gradient norm is not finite is never stepped: ``"raise"``
+    (a ``RuntimeError``) or ``"skip"`` (skipped, warned and counted in ``PPOStepStats.skipped_minibatches``).
     """
 
     batch_size: int = 16
@@ -47,6 +67,12 @@ class PPOConfig:
     release_memory: bool = False
     seed: int = 0
     group_by_length: bool = False
+    max_tokens_per_microbatch: int | None = None
+    measure_agreement: bool = True
+    rollout_correction: str | None = None
+    rollout_correction_cap: float = 2.0
+    rollout_correction_level: str = "token"
+    on_nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "minibatch_size", "epochs", "max_new_tokens")
@@ -72,3 +98,26 @@ class PPOConfig:
             )
         if not self.is_truncation >= 1:
             raise ValueError(f"PPOConfig.is_truncation must be >= 1, got {self.is_truncation!r}")
+        budget = self.max_tokens_per_microbatch
+        if budget is not None and not (isinstance(budget, int) and budget >= 2):
+            raise ValueError(
+                f"PPOConfig.max_tokens_per_microbatch must be None or an int >= 2, got {budget!r}"
+            )
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(
+                f"PPOConfig.rollout_correction must be one of {ROLLOUT_CORRECTIONS}, got "
+                f"{self.rollout_correction!r}"
+            )
+        if self.rollout_correction_level not in ROLLOUT_CORRECTION_LEVELS:
+            raise ValueError(
+                f"PPOConfig.rollout_correction_level must be one of {ROLLOUT_CORRECTION_LEVELS}, got "
+                f"{self.rollout_correction_level!r}"
+            )
+        if not self.rollout_correction_cap > 1:
+            raise ValueError(
+                f"PPOConfig.rollout_correction_cap must be > 1, got {self.rollout_correction_cap!r}"
+            )
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"PPOConfig.on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}"
+            )

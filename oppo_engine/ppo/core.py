@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from oppo_engine.model.runner import unwrap_model
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
     """The mean of ``x`` over the masked entries; with ``count``, their sum over ``count`` instead (one
@@ -23,32 +25,50 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs(
-    actor: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    actor: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    temperature: float,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N, L-1]`` log-prob of each next token under ``actor``'s logits over ``temperature`` (the
-    distribution the engine samples from without top-k/top-p)."""
-    logits = actor(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    distribution the engine samples from without top-k/top-p). A pack (``packing.py``) passes
+    ``attention_mask=None`` and ``position_ids`` that restart at every sequence."""
+    logits = actor(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits[:, :-1]
     logprobs = (logits.float() / temperature).log_softmax(-1)
     return logprobs.gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
-def token_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_values(
+    critic: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``[N, L-1]`` the critic's score head on every position's hidden state: column ``p`` is the value of
     the state before token ``p + 1`` (the convention of the engine's streamed ``values``).
 
-    An FSDP2 root gathers its own weights (embeddings, the head) only in its own forward, so a sharded
-    critic runs whole, and the head's output at every position is read by a hook (HF's sequence
-    classifiers apply ``score`` to every position, then pool)."""
+    A PEFT-wrapped critic is unwrapped to the HF model its adapters are injected into (as the engine does):
+    its adapters and its trainable score head (``modules_to_save``) take part. An FSDP2 root gathers its own
+    weights (embeddings, the head) only in its own forward, so a sharded critic runs whole, and the head's
+    output at every position is read by a hook (HF's sequence classifiers apply ``score`` to every position,
+    then pool)."""
+    inputs = dict(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
     if isinstance(critic, FSDPModule):
         scores: list[torch.Tensor] = []
         handle = critic.score.register_forward_hook(lambda _m, _i, out: scores.append(out))
         try:
-            critic(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            critic(**inputs)
         finally:
             handle.remove()
         return scores[0][:, :-1].float()[..., 0]
-    hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return critic.score(hidden.last_hidden_state[:, :-1]).float()[..., 0]
+    model = unwrap_model(critic)
+    hidden = getattr(model, model.base_model_prefix)(**inputs)
+    return model.score(hidden.last_hidden_state[:, :-1]).float()[..., 0]
 
 
 def kl_penalized_rewards(
@@ -101,8 +121,12 @@ def policy_loss(
     clip_range: float,
     truncation: float | None = None,
     count: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate ``max(-A r, -A clip(r, 1-e, 1+e))`` with ``r = exp(logprobs - old)``.
+
+    ``weights`` (detached, per token) scale each token's surrogate: the rollout correction's importance
+    weights (``agreement.correction_weights``); the clip fraction and approx KL are not weighted.
 
     With ``truncation=c`` the unclipped ratio is first truncated at ``c`` (a truncated importance weight):
     when ``old_logprobs`` are those of an older behaviour policy, a token it made unlikely cannot blow up the
@@ -111,6 +135,8 @@ def policy_loss(
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio if truncation is None else ratio.clamp(max=truncation)
     losses = torch.maximum(-advantages * unclipped, -advantages * ratio.clamp(1 - clip_range, 1 + clip_range))
+    if weights is not None:
+        losses = losses * weights
     clipfrac = masked_mean(((ratio - 1).abs() > clip_range).float(), mask, count)
     approx_kl = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask, count)
     return masked_mean(losses, mask, count), clipfrac.detach(), approx_kl.detach()

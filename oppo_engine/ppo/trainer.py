@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,9 +34,11 @@ from torch import nn
 from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.engine import RolloutEngine
 from oppo_engine.model.support import text_config
-from oppo_engine.ppo import core, ranks
+from oppo_engine.ppo import agreement, core, ranks
+from oppo_engine.ppo.agreement import Agreement
 from oppo_engine.ppo.batch import RolloutBatch, canonical_order, collate
 from oppo_engine.ppo.config import PPOConfig
+from oppo_engine.ppo.packing import check_packing, pack_logprobs, pack_rows, pack_values, plan_packs
 from oppo_engine.sched.results import StepResult
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,13 @@ class PPOStepStats:
     update_s: float  # everything after it
     rollout: StepResult  # this rank's
     grad_norm: float = float("nan")  # the actor's gradient norm before clipping, mean over minibatches
+    # The gap between the engine's behaviour log-probs and the trainer's forward before the first optimizer
+    # step, per token class (agreement.CLASSES); None with measure_agreement=False.
+    agreement: dict[str, Agreement] | None = None
+    agreement_s: float = 0.0  # that no-grad forward and its statistics (part of update_s)
+    truncated_sampling: bool = False  # top-k/top-p: the behaviour log-probs are of a truncated law
+    rollout_weight: float = float("nan")  # mean rollout-correction weight over sampled tokens
+    skipped_minibatches: int = 0  # minibatches not stepped: non-finite loss or gradient norm
 
 
 def _check_one_label(model: nn.Module, role: str) -> None:
@@ -170,6 +180,14 @@ class PPOTrainer:
                 f"a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds "
                 f"max_model_len={self.engine.max_model_len}"
             )
+        if cfg.max_tokens_per_microbatch is not None:
+            try:
+                _check_packing_budget(cfg, longest, self.engine.max_model_len, env is not None)
+                check_packing(actor, "actor", prompts[0], lambda m, pack: pack_logprobs(m, pack, 1.0))
+                check_packing(critic, "critic", prompts[0], pack_values)
+            except ValueError:
+                self.engine.close()
+                raise
         self._prompts = ranks.rank_prompts(
             prompts, rank=self.rank, world_size=self.world_size, block=cfg.batch_size
         )
@@ -240,36 +258,104 @@ class PPOTrainer:
         mine = torch.tensor_split(rows, self.world_size)[self.rank]
         return (mine, 1.0) if len(mine) else (rows[:1], 0.0)
 
-    def old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """The log-probs the PPO ratio is taken against. Tokens sampled by the current policy keep their
-        behaviour log-probs; with ``off_policy="recompute"`` the stale ones (sampled before the last
-        ``update_policy()``) get the current actor's, so the update starts on-policy."""
-        stale = (batch.versions < self.engine.policy_version) & (batch.mask > 0)
-        if self.config.off_policy != "recompute" or not stale.any():
-            return batch.logprobs
-        # Only the rows with stale tokens, in chunks of similar length, each trimmed to its longest row
-        # (exact: right padding, causal model): under long-tailed lengths the padded batch is mostly padding.
-        # Data-parallel ranks split each chunk's rows and sum what they computed.
-        fresh = torch.zeros_like(batch.logprobs)
-        rows = stale.any(1).nonzero().flatten()
+    def _micro_batches(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
+        """This rank's forwards over the global ``rows`` as ``(row indices, loss weight)``: its share in one
+        padded micro-batch, or (``max_tokens_per_microbatch``) its share's packs. FSDP runs every forward on
+        every rank, so every rank gets as many: the ranks' packs are planned alike on every rank (each holds
+        the global batch), and a rank with fewer runs the first row of ``rows`` with weight 0."""
+        budget = self.config.max_tokens_per_microbatch
+        if budget is None:
+            return [self._my_rows(rows)]
+        shares = torch.tensor_split(rows, self.world_size)
+        plans = [plan_packs(lengths[share].tolist(), budget) for share in shares]
+        mine = shares[self.rank]
+        packs = [(mine[torch.tensor(p, device=mine.device)], 1.0) for p in plans[self.rank]]
+        return packs + [(rows[:1], 0.0)] * (max(map(len, plans)) - len(packs))
+
+    def _forward(
+        self, batch: RolloutBatch, rows: torch.Tensor, lengths: torch.Tensor, values: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """``(log-probs, values or None, w)``, each ``[n, w-1]``, of ``rows`` (``w``: their longest): one
+        forward per model, padded to ``w`` (exact: right padding, causal models) or packed."""
+        cfg = self.config
+        width = int(lengths[rows].max())
+        if cfg.max_tokens_per_microbatch is not None:
+            pack = pack_rows(batch.input_ids[rows], lengths[rows].tolist())
+            logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
+            return logprobs, pack_values(self.critic, pack) if values else None, width
+        ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
+        logprobs = core.token_logprobs(self.actor, ids, attention_mask, cfg.temperature)
+        return logprobs, core.token_values(self.critic, ids, attention_mask) if values else None, width
+
+    def trainer_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, L-1]`` the current actor's log-probs (pi_trainer) of ``rows`` (default: every row; 0
+        elsewhere) from no-grad forwards: packs, or chunks of rows of similar length each trimmed to its
+        longest (under long-tailed lengths a padded batch is mostly padding). Data-parallel ranks split the
+        rows and sum what they computed, so every rank holds the whole tensor. Collective."""
+        out = torch.zeros_like(batch.logprobs)
         lengths = batch.attention_mask.sum(1)
-        chunk = self.config.minibatch_size * self.world_size
+        rows = torch.arange(len(batch), device=lengths.device) if rows is None else rows
+        if self.config.max_tokens_per_microbatch is not None:
+            groups = [rows]
+        else:
+            chunk = self.config.minibatch_size * self.world_size
+            groups = rows[torch.argsort(lengths[rows], stable=True)].split(chunk)
         with torch.no_grad():
-            for idx in rows[torch.argsort(lengths[rows], stable=True)].split(chunk):
-                mine, weight = self._my_rows(idx)
-                width = int(lengths[mine].max())
-                ids, mask = batch.input_ids[mine, :width], batch.attention_mask[mine, :width]
-                logprobs = core.token_logprobs(self.actor, ids, mask, self.config.temperature)
-                if weight:
-                    fresh[mine, : width - 1] = logprobs
-        ranks.all_reduce_sum(fresh, self.group)
-        return torch.where(stale, fresh, batch.logprobs)
+            for group in groups:
+                for idx, weight in self._micro_batches(group, lengths):
+                    logprobs, _, width = self._forward(batch, idx, lengths, values=False)
+                    if weight:
+                        out[idx, : width - 1] = logprobs
+        ranks.all_reduce_sum(out, self.group)
+        return out
+
+    def old_logprobs(self, batch: RolloutBatch, trainer_logprobs: torch.Tensor | None = None) -> torch.Tensor:
+        """The log-probs the PPO ratio is taken against (``trainer_logprobs``: pi_trainer of every row,
+        computed here when needed and not given).
+
+        Without a rollout correction, tokens sampled by the current policy keep their behaviour log-probs;
+        with ``off_policy="recompute"`` the stale ones (sampled before the last ``update_policy()``) get the
+        current actor's, so the update starts on-policy. With a rollout correction every token's is the
+        trainer's (the correction weights carry pi_trainer / pi_behaviour), except stale tokens under
+        ``off_policy="truncated_is"``, which keep their behaviour log-probs and a truncated PPO ratio."""
+        cfg = self.config
+        stale = (batch.versions < self.engine.policy_version) & (batch.mask > 0)
+        if cfg.rollout_correction is not None:
+            trainer = self.trainer_logprobs(batch) if trainer_logprobs is None else trainer_logprobs
+            keep = stale if cfg.off_policy == "truncated_is" else torch.zeros_like(stale)
+            return torch.where(keep, batch.logprobs, trainer)
+        if cfg.off_policy != "recompute" or not stale.any():
+            return batch.logprobs
+        if trainer_logprobs is None:
+            trainer_logprobs = self.trainer_logprobs(batch, stale.any(1).nonzero().flatten())
+        return torch.where(stale, trainer_logprobs, batch.logprobs)
+
+    def _correction(self, batch: RolloutBatch, trainer_logprobs: torch.Tensor, stale: torch.Tensor):
+        """The rollout correction's per-token weights (``agreement.correction_weights``); stale tokens under
+        ``off_policy="truncated_is"`` are not corrected (their PPO ratio is against the behaviour policy)."""
+        cfg = self.config
+        corrected = batch.mask > 0
+        if cfg.off_policy == "truncated_is":
+            corrected = corrected & ~stale
+        delta = torch.where(corrected, trainer_logprobs - batch.logprobs, 0.0)
+        return agreement.correction_weights(
+            delta, corrected, cfg.rollout_correction, cfg.rollout_correction_cap, cfg.rollout_correction_level
+        )
 
     def _update(self, batch: RolloutBatch) -> dict:
         cfg = self.config
         mask = batch.mask
-        stale = int(((batch.versions < self.engine.policy_version) & (mask > 0)).sum())
-        old_logprobs = self.old_logprobs(batch)
+        stale_mask = (batch.versions < self.engine.policy_version) & (mask > 0)
+        t0 = time.perf_counter()
+        trainer = None
+        if cfg.measure_agreement or cfg.rollout_correction is not None:
+            trainer = self.trainer_logprobs(batch)  # before the first optimizer step of this update
+        gap = None
+        if cfg.measure_agreement:
+            gap = agreement.measure(trainer, batch.logprobs, mask, stale_mask, batch.carried)
+        agreement_s = time.perf_counter() - t0
+        old_logprobs = self.old_logprobs(batch, trainer)
+        weights = self._correction(batch, trainer, stale_mask) if cfg.rollout_correction is not None else None
         rewards, kl = core.kl_penalized_rewards(
             batch.scores, old_logprobs, batch.ref_logprobs, mask, cfg.kl_coef
         )
@@ -281,45 +367,82 @@ class PPOTrainer:
         names = ("policy_loss", "value_loss", "clipfrac", "approx_kl")
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # this rank's shares
         grad_norm = 0.0
-        n_minibatches = 0
+        n_minibatches = skipped = 0
         lengths = batch.attention_mask.sum(1)
         for _ in range(cfg.epochs):
             for minibatch in self._minibatches(lengths, g):
                 minibatch = minibatch.to(self.device)
                 count = mask[minibatch].sum()  # the whole minibatch's tokens, over every rank's share
-                idx, weight = self._my_rows(minibatch)
-                width = int(lengths[idx].max())  # NOTE: right-padded rows: trimming is exact (causal)
-                mb = batch.select(idx).trim(width)
-                old, adv, ret = (t[idx, : width - 1] for t in (old_logprobs, advantages, returns))
-                m = mb.mask
-                new_logprobs = core.token_logprobs(
-                    self.actor, mb.input_ids, mb.attention_mask, cfg.temperature
-                )
-                pg_loss, clipfrac, approx_kl = core.policy_loss(
-                    new_logprobs, old, adv, m, cfg.clip_range, truncation, count
-                )
-                new_values = core.token_values(self.critic, mb.input_ids, mb.attention_mask)
-                vf_loss = core.value_loss(new_values, mb.values, ret, m, cfg.clip_range_value, count)
                 self.actor_optim.zero_grad(set_to_none=True)
                 self.critic_optim.zero_grad(set_to_none=True)
-                # FSDP averages the ranks' gradients: scaled by W, the average is the minibatch loss's.
-                ((pg_loss + cfg.value_coef * vf_loss) * (weight * self.world_size)).backward()
-                norm = nn.utils.clip_grad_norm_(self.actor.parameters(), cfg.max_grad_norm)
-                nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
+                shares = torch.zeros_like(sums)
+                # One forward and backward per micro-batch, the gradients accumulated: each one's losses are
+                # its tokens' sums over the minibatch's count, so together they are the minibatch's means.
+                for idx, weight in self._micro_batches(minibatch, lengths):
+                    new_logprobs, new_values, width = self._forward(batch, idx, lengths, values=True)
+                    old, adv, ret, m, values = (
+                        t[idx, : width - 1] for t in (old_logprobs, advantages, returns, mask, batch.values)
+                    )
+                    w = weights[idx, : width - 1] if weights is not None else None
+                    pg_loss, clipfrac, approx_kl = core.policy_loss(
+                        new_logprobs, old, adv, m, cfg.clip_range, truncation, count, w
+                    )
+                    vf_loss = core.value_loss(new_values, values, ret, m, cfg.clip_range_value, count)
+                    # FSDP averages the ranks' gradients: scaled by W, the average is the minibatch loss's.
+                    ((pg_loss + cfg.value_coef * vf_loss) * (weight * self.world_size)).backward()
+                    if weight:
+                        shares += (
+                            weight * torch.stack([pg_loss, vf_loss, clipfrac, approx_kl]).detach().double()
+                        )
+                norm = _full(nn.utils.clip_grad_norm_(self.actor.parameters(), cfg.max_grad_norm))
+                critic_norm = _full(nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm))
+                if self._refuse_nonfinite(shares, norm, critic_norm):
+                    skipped += 1
+                    continue
                 self.actor_optim.step()
                 self.critic_optim.step()
-                sums += weight * torch.stack([pg_loss, vf_loss, clipfrac, approx_kl]).detach().double()
-                grad_norm += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                sums += shares
+                grad_norm += norm
                 n_minibatches += 1
         ranks.all_reduce_sum(sums, self.group)
+        means = sums / n_minibatches if n_minibatches else torch.full_like(sums, math.nan)
+        sampled = mask > 0
         return dict(
             reward=float(batch.scores.mean()),
             kl=float(kl.sum(1).mean()),
             response_len=float(mask.sum(1).mean()),
-            stale_tokens=stale,
-            grad_norm=grad_norm / n_minibatches,
-            **dict(zip(names, (sums / n_minibatches).tolist(), strict=True)),
+            stale_tokens=int(stale_mask.sum()),
+            grad_norm=grad_norm / n_minibatches if n_minibatches else math.nan,
+            agreement=gap,
+            agreement_s=agreement_s,
+            truncated_sampling=self._sampling.top_k > 0 or self._sampling.top_p < 1,
+            rollout_weight=float(weights[sampled].mean()) if weights is not None else math.nan,
+            skipped_minibatches=skipped,
+            **dict(zip(names, means.tolist(), strict=True)),
         )
+
+    def _refuse_nonfinite(self, shares: torch.Tensor, actor_norm: float, critic_norm: float) -> bool:
+        """Whether a minibatch must not be stepped: its loss (this rank's share, any rank's) or a gradient
+        norm is not finite. ``on_nonfinite="raise"`` raises ``RuntimeError`` instead; either way the
+        gradients are dropped and nothing reaches the weights (nor, through them, ``update_policy()``)."""
+        bad = torch.tensor(
+            [float(not (torch.isfinite(shares[:2]).all() and math.isfinite(actor_norm + critic_norm)))],
+            device=self.device,
+        )
+        ranks.all_reduce_sum(bad, self.group)
+        if not bad.item():
+            return False
+        self.actor_optim.zero_grad(set_to_none=True)
+        self.critic_optim.zero_grad(set_to_none=True)
+        message = (
+            f"PPO step {self.steps + 1}: a minibatch's loss or gradient norm is not finite (policy loss "
+            f"{float(shares[0])}, value loss {float(shares[1])} on rank {self.rank}; gradient norms: actor "
+            f"{actor_norm}, critic {critic_norm}): the optimizer step is refused"
+        )
+        if self.config.on_nonfinite == "raise":
+            raise RuntimeError(message)
+        logger.warning("%s; skipped (on_nonfinite='skip')", message)
+        return True
 
     def _minibatches(self, lengths: torch.Tensor, g: torch.Generator) -> list[torch.Tensor]:
         """One epoch's minibatches of global row indices (``W * minibatch_size`` rows each): random, or
@@ -368,6 +491,28 @@ def _check_sharding(actor, critic, reference, reward, world_size: int) -> None:
                 f"{role} is sharded over {ranks.shard_count(model)} ranks: pass process_group= "
                 "(the same group) so that rollouts, advantages and minibatches span them"
             )
+
+
+def _full(norm: torch.Tensor) -> float:
+    """A gradient norm as a float (an FSDP2 norm is a DTensor: its full value)."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _check_packing_budget(cfg: PPOConfig, longest_prompt: int, max_model_len: int, episodes: bool) -> None:
+    """ValueError unless a pack of ``max_tokens_per_microbatch`` tokens holds the longest sequence a step
+    can return: the longest prompt plus ``max_new_tokens``, or ``max_model_len`` for multi-turn episodes."""
+    budget = cfg.max_tokens_per_microbatch
+    longest = max_model_len if episodes else longest_prompt + cfg.max_new_tokens
+    if budget < longest:
+        what = (
+            f"max_model_len={max_model_len} (an episode's length)"
+            if episodes
+            else f"the longest prompt ({longest_prompt}) plus max_new_tokens={cfg.max_new_tokens}"
+        )
+        raise ValueError(
+            f"PPOConfig.max_tokens_per_microbatch={budget} is smaller than {what}: a sequence must fit in "
+            "one pack"
+        )
 
 
 def _overcommit_bound(config: EngineConfig) -> int:

@@ -12,8 +12,9 @@ A forward packs many sequences, so a failure has no single culprit at first. The
    is for). That group leaves the step (quarantined, with its error) and the rest runs again; a further
    failure of the same kind is isolated the same way.
 3. Anything else propagates after the rollback: a ``BaseException`` that is not an ``Exception``
-   (``KeyboardInterrupt``), an out-of-memory error, an error the engine raised itself, a retry failing
-   with another type, or a reproducing failure that no single group explains.
+   (``KeyboardInterrupt``), an out-of-memory error, an error the engine raised itself, an error whose
+   ``retryable`` attribute is false (a model whose every output is non-finite, ``model/finite.py``), a
+   retry failing with another type, or a reproducing failure that no single group explains.
 
 Every call here runs before any collective of a process group: the step's result, once this returns, is
 what the ranks would agree on.
@@ -61,8 +62,11 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def is_retryable(error: BaseException) -> bool:
-    """An ``Exception`` from a model forward or a reward call, and not out of memory."""
-    return isinstance(error, Exception) and failed_in(error) is not None and not is_out_of_memory(error)
+    """An ``Exception`` from a model forward or a reward call, not out of memory, not marked
+    ``retryable = False``."""
+    if not isinstance(error, Exception) or not getattr(error, "retryable", True):
+        return False
+    return failed_in(error) is not None and not is_out_of_memory(error)
 
 
 def describe(error: BaseException) -> str:

@@ -1,0 +1,180 @@
+"""Packed (padding-free) PPO updates: sequences of a pack never see each other, packed losses and gradients
+equal padded ones, and bad settings are refused when the trainer is built."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
+from oppo_engine.ppo.packing import pack_logprobs, pack_rows, plan_packs
+from oppo_engine.ppo.task import model_config, train_tokenizer
+
+WORDS = "please list three red things thank you the cat sat on a mat dog ran far away home now".split()
+
+
+def ppo_models(seed: int = 0):
+    """A tokenizer and random actor, critic, reference and reward (fp32) on its vocabulary."""
+    tokenizer = train_tokenizer([" ".join(WORDS)])
+    torch.manual_seed(seed)
+    actor = AutoModelForCausalLM.from_config(model_config(tokenizer))
+    reference = copy.deepcopy(actor).eval().requires_grad_(False)
+    reward = AutoModelForSequenceClassification.from_config(model_config(tokenizer, num_labels=1)).eval()
+    critic = copy.deepcopy(reward).train()
+    prompts = [tokenizer.encode(" ".join(WORDS[i : i + 1 + i % 5])) for i in range(12)]
+    return tokenizer, actor, critic, reference, reward, prompts
+
+
+def make_trainer(models, **cfg_kwargs) -> PPOTrainer:
+    tokenizer, actor, critic, reference, reward, prompts = models
+    cfg = PPOConfig(
+        **{"batch_size": 8, "minibatch_size": 4, "epochs": 1, "max_new_tokens": 24, "seed": 3, **cfg_kwargs}
+    )
+    engine_config = engine_config_for(cfg, mode="sequential", max_model_len=64)
+    return PPOTrainer(actor, critic, reference, reward, tokenizer, prompts, cfg, engine_config)
+
+
+def test_packs_hold_every_row_once_within_the_budget():
+    lengths = [5, 17, 3, 9, 9, 1, 12, 20]
+    packs = plan_packs(lengths, 20)
+    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in p) <= 20 for p in packs)
+    assert packs == [[7], [1, 2], [6, 0, 5], [3, 4]]  # first-fit decreasing: 20 | 17+3 | 12+5+1 | 9+9
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch=16"):
+        plan_packs(lengths, 16)
+
+
+def test_changing_one_sequence_leaves_the_others_logits_in_the_pack_bitwise_equal():
+    _, actor, *_ = ppo_models()
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 11, 5]
+    vocab = actor.config.vocab_size
+    rows = torch.randint(3, vocab, (3, max(lengths)), generator=g)
+    changed = rows.clone()
+    changed[1] = torch.randint(3, vocab, (max(lengths),), generator=g)
+    with torch.no_grad():
+        logits = []
+        for ids in (rows, changed):
+            pack = pack_rows(ids, lengths)
+            logits.append(
+                actor(input_ids=pack.input_ids, position_ids=pack.position_ids, use_cache=False).logits
+            )
+    starts = [0, 7, 18]
+    for k in (0, 2):
+        span = slice(starts[k], starts[k] + lengths[k])
+        assert torch.equal(logits[0][0, span], logits[1][0, span])
+    middle = slice(starts[1], starts[1] + lengths[1])
+    assert not torch.equal(logits[0][0, middle], logits[1][0, middle])
+    # And each sequence's packed log-probs are its own forward's (positions restart at every sequence).
+    with torch.no_grad():
+        packed = pack_logprobs(actor, pack_rows(rows, lengths), 1.0)
+        for k, n in enumerate(lengths):
+            alone = actor(input_ids=rows[k : k + 1, :n], use_cache=False).logits[0, :-1].log_softmax(-1)
+            expect = alone.gather(-1, rows[k, 1:n, None])[:, 0]
+            torch.testing.assert_close(packed[k, : n - 1], expect, rtol=1e-5, atol=1e-6)
+            assert (packed[k, n - 1 :] == 0).all()
+
+
+def _record_steps(trainer: PPOTrainer) -> list[dict[str, torch.Tensor]]:
+    """Each optimizer step's gradients (actor and critic), recorded instead of applied: the weights stay
+    those the rollouts were sampled with, so every minibatch of two trainers compares like with like."""
+    steps: list[dict[str, torch.Tensor]] = []
+
+    def record():
+        grads = {}
+        for role, model in (("actor", trainer.actor), ("critic", trainer.critic)):
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    grads[f"{role}.{name}"] = p.grad.clone()
+        steps.append(grads)
+
+    trainer.actor_optim.step = record
+    trainer.critic_optim.step = lambda: None
+    return steps
+
+
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_packed_losses_and_gradients_equal_padded(group_by_length):
+    runs = {}
+    for budget in (None, 40):  # 40 tokens: several packs per minibatch of 4 rows of up to 30 tokens
+        trainer = make_trainer(
+            ppo_models(), max_tokens_per_microbatch=budget, group_by_length=group_by_length, epochs=2
+        )
+        grads = _record_steps(trainer)
+        stats = trainer.step()
+        trainer.close()
+        runs[budget] = (stats, grads)
+    (padded, padded_grads), (packed, packed_grads) = runs[None], runs[40]
+    assert padded.response_len > 5
+    for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "grad_norm", "kl", "reward"):
+        torch.testing.assert_close(getattr(packed, name), getattr(padded, name), rtol=1e-5, atol=1e-6)
+    assert len(packed_grads) == len(padded_grads) == 4
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        assert a.keys() == b.keys() and len(a) > 10
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _leaky_attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa that ignores the mask it is given (causal over the whole row): packed sequences see each other."""
+    return sdpa_attention_forward(module, query, key, value, None, **{**kwargs, "is_causal": True})
+
+
+def test_bad_packing_settings_are_refused_at_build():
+    models = ppo_models()
+    longest = max(map(len, models[-1]))
+    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch=20 is smaller than the longest prompt"):
+        make_trainer(models, max_tokens_per_microbatch=20)
+    make_trainer(models, max_tokens_per_microbatch=longest + 24).close()  # exactly the longest: accepted
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
+        PPOConfig(max_tokens_per_microbatch=1)
+    AttentionInterface.register("leaky_sdpa", _leaky_attention)
+    AttentionMaskInterface.register("leaky_sdpa", sdpa_mask)
+    tokenizer, actor, critic, reference, reward, prompts = ppo_models()
+    actor.set_attn_implementation("leaky_sdpa")
+    with pytest.raises(ValueError, match="the actor's attention crosses the boundary"):
+        make_trainer((tokenizer, actor, critic, reference, reward, prompts), max_tokens_per_microbatch=64)
+    actor.set_attn_implementation("sdpa")
+    critic.set_attn_implementation("leaky_sdpa")
+    with pytest.raises(ValueError, match="the critic's attention crosses the boundary"):
+        make_trainer((tokenizer, actor, critic, reference, reward, prompts), max_tokens_per_microbatch=64)
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_one_lora_ppo_step_trains_the_adapters_and_the_value_head(budget):
+    """PEFT-wrapped actor and critic (LoRA): the trainer's forwards unwrap them as the engine does; the
+    adapters and the critic's score head (``modules_to_save``) train, the base weights stay."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer, actor, critic, reference, reward, prompts = ppo_models()
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", **lora))
+    critic = get_peft_model(critic, LoraConfig(task_type="SEQ_CLS", **lora))
+    trained = {
+        role: {n: p.detach().clone() for n, p in model.named_parameters()}
+        for role, model in (("actor", actor), ("critic", critic))
+    }
+    trainer = make_trainer(
+        (tokenizer, actor, critic, reference, reward, prompts), max_tokens_per_microbatch=budget
+    )
+    stats = trainer.step()
+    trainer.close()
+    assert math.isfinite(stats.policy_loss) and stats.agreement["fresh"].max_abs < 1e-4
+    for role, model in (("actor", actor), ("critic", critic)):
+        for name, p in model.named_parameters():
+            moved = not torch.equal(p, trained[role][name])
+            assert moved == p.requires_grad, (role, name)
+    heads = [n for n, p in critic.named_parameters() if p.requires_grad and "score" in n]
+    assert heads and all("modules_to_save" in n for n in heads)  # the trainable copy of the head moved
+    assert any("lora_" in n for n, p in critic.named_parameters() if p.requires_grad)
