@@ -4,6 +4,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin              # CPU accuracy: calibrate once, predict the real engine (minutes)
     python -m bench.bench_twin --paper      # the paper's 7B and 3B settings on 8xH200 as 7+1, beside it
     python -m bench.bench_twin --host       # the engine's host time per forward (sim/cost.py: HOST)
+    python -m bench.bench_twin --published  # the twin against public GPU measurements (bench/published.py)
     python -m bench.bench_twin --device-check --e2e DIR --profile P.json   # on a GPU: vs bench_e2e's steps
 
 CPU accuracy. The machine is calibrated once (``calibrate`` on one model pair: the ``small`` preset's actor
@@ -304,12 +305,49 @@ def device_check(args) -> int:
     return 0
 
 
+def published(args) -> int:
+    """Every row of ``bench/published.py``: setting, published figure, the twin's prediction, their ratio
+    and the source; refused rows name why. The goals count only check rows."""
+    from bench.published import table  # noqa: PLC0415
+
+    rows = table()
+    print("The twin against published GPU measurements (every twin number a prediction)")
+    print(f"{'row':<34}{'role':<7}{'published':>12}{'predicted':>12}{'ratio':>7}  unit / setting / source")
+    errors = []
+    for r in rows:
+        row = r["row"]
+        pub = f"{row.figure:.4g}"
+        if r["prediction"] is None:
+            print(f"{row.key:<34}{row.role:<7}{pub:>12}{'refused':>12}{'':>7}  {row.unit}; {row.gpu}")
+            print(f"{'':<41}REFUSED: {r['refused']}")
+        else:
+            pred, ratio = r["prediction"], r["ratio"]
+            print(f"{row.key:<34}{row.role:<7}{pub:>12}{pred:>12.4g}{ratio:>7.3f}  {row.unit}; "
+                  f"{row.gpu}; {row.software}")  # fmt: skip
+            if row.role == "check":
+                errors.append(abs(r["ratio"] - 1))
+        print(f"{'':<41}source: {row.url}")
+        print(f"{'':<41}quote: {row.quote}")
+        if row.constant:
+            print(f"{'':<41}fixes: {row.constant}")
+    if errors:
+        errors.sort()
+        within = sum(e <= 0.25 for e in errors)
+        print(f"check rows priced: {len(errors)}; within 25%: {within}; median error "
+              f"{statistics.median(errors):.1%}; worst {errors[-1]:.1%} (goal: every one within 25%, median "
+              f"within 15%)")  # fmt: skip
+    refused = sum(r["prediction"] is None for r in rows)
+    print(f"rows refused by name: {refused} of {len(rows)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_twin", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--paper", action="store_true", help="the paper's settings on paper")
     p.add_argument("--paper-steps", type=int, default=200, help="steps of the paper plans")
     p.add_argument("--host", action="store_true", help="measure the engine's host time per forward")
+    p.add_argument("--published", action="store_true", help="the twin against public GPU measurements")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
     p.add_argument("--profile", type=Path, default=None, help="this GPU's profile (--device-check)")
@@ -326,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         return paper(args)
     if args.host:
         return host(args)
+    if args.published:
+        return published(args)
     if args.device_check:
         if args.profile is None:
             p.error("--device-check needs --profile (written by --calibrate or oppo-engine calibrate)")
