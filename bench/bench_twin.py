@@ -200,16 +200,23 @@ PAPER = {  # Table (ablation): speed-up in time to reward against TRL's sequenti
     "7b": {"intra": 1.2, "inter": 1.6, "oppo": 1.9},
     "3b": {"intra": 1.3, "inter": 2.06, "oppo": 2.5},
 }
+# Minutes to reward of TRL and OPPO as the seed gives them (/work/shared/seeds/000_0e21a575d220e76b.txt):
+# the main table gives TRL 7B 4,300 min, the ablation table 4,200 min; both are quoted, neither is chosen.
+PAPER_MINUTES = {
+    "7b": {"trl": (4300, 4200), "oppo": 2300, "reward": 4.17},
+    "3b": {"trl": (13000, 13000), "oppo": 5200, "reward": 5.12},
+}
 STACK_EXCHANGE = "lognormal:median=250,sigma=0.9,cap=1024"  # long-tailed, Stack-Exchange-like (our choice)
 
 
 def paper(args) -> int:
     config = EngineConfig(chunk=ChunkControl(candidates=(128, 256, 512)))
+    print(paper_two_node())
     for actor in ("7b", "3b"):
         t0 = time.perf_counter()
         p = plan(actor, reward="7b", critic=actor, reference=actor, device="h200", gpus=8, placement="7+1",
                  batch_size=112, lengths=STACK_EXCHANGE, prompt_lengths=128, steps=args.paper_steps,
-                 config=config)  # fmt: skip
+                 config=config, modes=("sequential", "intra", "inter", "oppo", "trl", "sync"))  # fmt: skip
         wall = time.perf_counter() - t0
         print(
             f"\n{actor} actor (value-head critic and reference of its shape), 7B reward, 8xH200 as 7+1, "
@@ -223,6 +230,19 @@ def paper(args) -> int:
             paper_x = PAPER[actor].get(mode, 1.0)
             print(f"{mode:<11}{m.speedup:>13.2f}x{paper_x:>6.2f}x{seq.rollout_s / m.rollout_s:>22.2f}x"
                   f"{m.time_s / 3600:>14.1f} h")  # fmt: skip
+        trl, minutes = p.modes["trl"], PAPER_MINUTES[actor]
+        print(
+            "against the TRL-like arm (sim/baselines.py), s/step ratios beside the paper's time-to-reward "
+            "ratios -- comparable only if both reach the reward in the same number of steps (an assumption):"
+        )
+        for mode in ("intra", "inter", "oppo"):
+            print(
+                f"  {mode:<6} twin {p.modes[mode].speedup_vs['trl']:>6.2f}x   paper {PAPER[actor][mode]:.2f}x"
+            )
+        print(f"  paper: TRL {minutes['trl'][0]:,} min (main table) / {minutes['trl'][1]:,} min (ablation), "
+              f"OPPO {minutes['oppo']:,} min to reward {minutes['reward']}; the paper's OPPO wraps TRL (its "
+              "generation is TRL's), the twin's 'oppo' is this engine")  # fmt: skip
+        print("  TRL-like step by phase (s): " + ", ".join(f"{k} {v:.1f}" for k, v in trl.phases.items()))
         share = seq.update_s / seq.s_per_step
         exposed = seq.exposed_scoring_s / seq.s_per_step
         print(f"terms: the update is {share:.0%} of sequential's predicted step, exposed scoring "
@@ -242,6 +262,20 @@ def paper(args) -> int:
                                                                             prior=prior)))  # fmt: skip
             print(f"chunk controller, prior={name}: {exploration(q.modes['oppo'].chunk_history)}")
     return 0
+
+
+def paper_two_node() -> str:
+    """The paper's two-node step latency row, refused by name (bench/published.py)."""
+    from bench.published import ROWS, Refused, predict  # noqa: PLC0415
+
+    row = next(r for r in ROWS if r.key == "oppo-paper-2node")
+    try:
+        predict(row)
+    except Refused as e:
+        return (
+            f"paper: TRL {row.figure} s/step, OPPO {row.settings['oppo']} s/step on 2x4 A100: REFUSED ({e})"
+        )
+    raise AssertionError("the two-node row must be refused")
 
 
 def exploration(history: list) -> str:
