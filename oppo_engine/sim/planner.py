@@ -486,11 +486,24 @@ class _Planner:
 
     def run(self, modes: tuple[str, ...]) -> dict[str, ModePlan]:
         needed = set(modes) | {UNSTREAMED[m] for m in modes if m in STREAMED}
+        silent = self.nothing_streams()
+        if silent:
+            needed -= set(STREAMED)
         self.total = sum(len(self._arms(m)) for m in needed)
         results = {}
         for mode in sorted(needed, key=MODES.index):
             results[mode] = self._mode(mode)
+        if silent:  # no scorer model: a streamed mode is its unstreamed one, step for step
+            for mode in STREAMED:
+                base = results[UNSTREAMED[mode]]
+                results[mode] = dataclasses.replace(base, mode=mode, chunk_chosen=OFF,
+                                                    chunk_history=[OFF] * self.steps)  # fmt: skip
         return {m: results[m] for m in modes}
+
+    def nothing_streams(self) -> bool:
+        """No model scores what the actor generates (a rule reward, no reference, no critic): the streamed
+        modes have nothing to stream, so ``intra`` is ``sequential`` and ``oppo`` is ``inter``."""
+        return set(self.s.shapes) == {"actor"}
 
     def _mode(self, mode: str) -> ModePlan:
         deltas = self._deltas(mode)
