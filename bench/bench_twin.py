@@ -5,6 +5,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --paper      # the paper's 7B and 3B settings on 8xH200 as 7+1, beside it
     python -m bench.bench_twin --host       # the engine's host time per forward (sim/cost.py: HOST)
     python -m bench.bench_twin --published  # the twin against public GPU measurements (bench/published.py)
+    python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
     python -m bench.bench_twin --device-check --e2e DIR --profile P.json   # on a GPU: vs bench_e2e's steps
 
 CPU accuracy. The machine is calibrated once (``calibrate`` on one model pair: the ``small`` preset's actor
@@ -339,6 +340,35 @@ def device_check(args) -> int:
     return 0
 
 
+LONG = (
+    "lognormal:median=3000,sigma=0.8,cap=16384"  # long reasoning responses (our choice; Seer's are context)
+)
+
+
+def long_reasoning(args) -> int:
+    """A DAPO-like run (no reference, no KL: nothing streams) and a GRPO run with a reference, each a 7B
+    actor with a rule reward on 8xH200 colocated, 64 prompts x 8 samples, responses lognormal median 3k,
+    cap 16k, prompts 512; 4 steps; the PPOTrainer's default update, then packed and grouped by length."""
+    import os  # noqa: PLC0415
+
+    config = EngineConfig(max_model_len=16384 + 512, chunk=ChunkControl(candidates=(512, 2048)))
+    for name, reference in (("DAPO-like (no reference)", None), ("GRPO with a reference", "7b")):
+        for update in ("padded", "packed"):
+            t0 = time.perf_counter()
+            packed = update == "packed"
+            p = plan("7b", reward="rule", reference=reference, device="h200", gpus=8, placement="colocated",
+                     batch_size=64, group_size=8, lengths=LONG, prompt_lengths=512, steps=4, config=config,
+                     sweep=(512, 2048), measure=1, group_by_length=packed,
+                     max_tokens_per_microbatch=16896 if packed else None)  # fmt: skip
+            wall = time.perf_counter() - t0
+            how = "packed (16,896 tokens), group_by_length" if packed else "padded shares"
+            print(f"\n{name}; update: {how}; twin {wall:.0f}s, load {os.getloadavg()[0]:.1f}")
+            print(p.table())
+            for mode, m in p.modes.items():
+                print(f"  {mode:<11} rollout {m.rollout_s / m.s_per_step:.0%} of the step")
+    return 0
+
+
 def published(args) -> int:
     """Every row of ``bench/published.py``: setting, published figure, the twin's prediction, their ratio
     and the source; refused rows name why. The goals count only check rows."""
@@ -382,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paper-steps", type=int, default=200, help="steps of the paper plans")
     p.add_argument("--host", action="store_true", help="measure the engine's host time per forward")
     p.add_argument("--published", action="store_true", help="the twin against public GPU measurements")
+    p.add_argument("--long", action="store_true", help="long reasoning runs on 8xH200 (minutes)")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
     p.add_argument("--profile", type=Path, default=None, help="this GPU's profile (--device-check)")
@@ -400,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         return host(args)
     if args.published:
         return published(args)
+    if args.long:
+        return long_reasoning(args)
     if args.device_check:
         if args.profile is None:
             p.error("--device-check needs --profile (written by --calibrate or oppo-engine calibrate)")
