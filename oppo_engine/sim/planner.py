@@ -357,6 +357,8 @@ def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch
         shapes["reference"] = model_shape(reference, name="reference")
     if placement == "cpu":  # the engine's CPU models are float32
         shapes = {r: s.with_head(s.head, 4) for r, s in shapes.items()}
+    if isinstance(device, Profile):
+        _check_profile_range(device, shapes)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1 (prompts a step), got {batch_size!r}")
     response_lengths = parse_lengths(lengths, what="lengths", seed=seed)
@@ -395,6 +397,26 @@ def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch
         # steps are then simulated with room for every sequence.
         setting.arena_pages = memory.arena_pages
     return setting, memory
+
+
+# How far past the largest projection a profile timed (K x N) its FLOP/s may be held flat; beyond, the
+# profile cannot price the shape (a model too small to fit the constants a larger one needs).
+PROFILE_REACH = 16
+
+
+def _check_profile_range(profile: Profile, shapes: dict[str, ModelShape]) -> None:
+    """``ValueError`` naming the model whose projections are over ``PROFILE_REACH`` times larger than any
+    the profile timed: its FLOP/s there would be a guess."""
+    for threads, costs in profile.threads.items():
+        timed = max(costs.gemm)
+        for role, shape in shapes.items():
+            need = max(k * n for k, n in shape.layer_gemms())
+            if need > PROFILE_REACH * timed:
+                raise ValueError(
+                    f"device: the profile of {profile.device!r} timed projections of K x N up to {timed:,} "
+                    f"({threads} thread(s)); the {role} model ({shape.name}) has one of {need:,}, over "
+                    f"{PROFILE_REACH}x beyond: calibrate with a model that wide (oppo-engine calibrate)"
+                )
 
 
 def _host_memory() -> int:

@@ -122,3 +122,15 @@ def test_a_bad_group_size_is_refused(bad):
         plan(
             "0.5b", device="h100", gpus=2, batch_size=2, lengths=8, prompt_lengths=8, steps=1, group_size=bad
         )
+
+
+def test_a_profile_too_small_to_price_a_shape_is_refused_naming_it():
+    from oppo_engine.sim.cost import HostCosts
+    from oppo_engine.sim.profile import Profile, ThreadCosts
+
+    gemm = {kn: [(1, 2e9), (16, 2e10), (256, 5e10)] for kn in (16384, 1048576)}
+    costs = ThreadCosts(gemm, 1e10, 1e-4, 2e-5, 1e-10, 1e-11, 1e-9, 1e-9, 0.05)
+    profile = Profile("cpu:test", "cpu", {1: costs}, HostCosts(2e-5, 3e-6, 5e-6), 5e9, cores=2)
+    with pytest.raises(ValueError, match=r"timed projections of K x N up to 1,048,576 .* the actor model"):
+        plan("7b", reward="rule", device=profile, gpus=1, placement="cpu", batch_size=2, lengths=8,
+             prompt_lengths=8, steps=1)  # fmt: skip
