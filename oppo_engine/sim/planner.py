@@ -516,7 +516,7 @@ class _Planner:
         for mode in sorted(needed, key=MODES.index):
             results[mode] = self._mode(mode)
         if silent:  # no scorer model: a streamed mode is its unstreamed one, step for step
-            for mode in STREAMED:
+            for mode in (m for m in STREAMED if m in modes):
                 base = results[UNSTREAMED[mode]]
                 results[mode] = dataclasses.replace(base, mode=mode, chunk_chosen=OFF,
                                                     chunk_history=[OFF] * self.steps)  # fmt: skip

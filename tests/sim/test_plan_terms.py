@@ -134,3 +134,13 @@ def test_a_profile_too_small_to_price_a_shape_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"timed projections of K x N up to 1,048,576 .* the actor model"):
         plan("7b", reward="rule", device=profile, gpus=1, placement="cpu", batch_size=2, lengths=8,
              prompt_lengths=8, steps=1)  # fmt: skip
+
+
+def test_with_nothing_to_stream_intra_is_sequential_and_oppo_is_inter():
+    kw = dict(reward="rule", device="h100", gpus=2, placement="colocated", batch_size=2, group_size=2,
+              lengths="uniform:low=8,high=40", prompt_lengths=8, steps=3, sweep=(16,))  # fmt: skip
+    p = plan("0.5b", modes=("intra", "oppo"), **kw)
+    full = plan("0.5b", modes=("sequential", "inter"), **kw)
+    assert p.modes["intra"].s_per_step == full.modes["sequential"].s_per_step
+    assert p.modes["oppo"].s_per_step == full.modes["inter"].s_per_step
+    assert p.modes["oppo"].chunk_chosen == "off"
