@@ -136,9 +136,11 @@ class Plan:
         """The predictions as a table (every number a prediction)."""
         s = self.setting
         where = "the CPU" if s["placement"] == "cpu" else f"{s['gpus']} GPU(s) as {s['placement']}"
+        group = f" prompts x {s['group_size']}" if s.get("group_size", 1) > 1 else ""
         lines = [
             f"PREDICTED by the twin ({s['cost_model']}; {where}, "
-            f"B={s['batch_size']}, responses {s['lengths']}, prompts {s['prompt_lengths']}, "
+            f"B={s['batch_size']}{group}, "
+            f"responses {s['lengths']}, prompts {s['prompt_lengths']}, "
             f"{self.steps} steps)",
             f"{'mode':<11}{'s/step':>8}{'rollout':>9}{'exposed':>9}{'update':>8}{'speed-up':>9}"
             f"{'chunk':>7}{'Δ':>4}{'util':>6}{'total h':>9}"
