@@ -21,6 +21,7 @@ from oppo_engine.cache.swap import HostPages, swap_in, swap_out
 from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.distributed.group import collective, join_group
 from oppo_engine.distributed.remote import RemoteScorers
+from oppo_engine.guard import CallGuard, exclusive
 from oppo_engine.model.replica import RolloutReplicas
 from oppo_engine.model.roles import ACTOR, CRITIC, device_of, dtype_of, resolve_roles
 from oppo_engine.model.scorer import RuleReward
@@ -31,13 +32,7 @@ from oppo_engine.sched.build import build_step_loop
 from oppo_engine.sched.commit import StepCounters, StepStart, commit_step, run_step, whole_groups
 from oppo_engine.sched.lanes import ScorerLane
 from oppo_engine.sched.online import chunk_controller, feed_controllers, next_chunk_size
-from oppo_engine.sched.overcommit import (
-    BatchCut,
-    OvercommitBuffer,
-    delta_controller,
-    lag_due,
-    refresh_carried,
-)
+from oppo_engine.sched.overcommit import OvercommitBuffer, batch_cut, delta_controller, refresh_carried
 from oppo_engine.sched.prompts import PromptQueue
 from oppo_engine.sched.results import Rollout, StepResult
 from oppo_engine.sim.prior import engine_prior
@@ -104,6 +99,7 @@ class RolloutEngine:
         process_group: torch.distributed.ProcessGroup | None = None,
         env=None,
     ) -> None:
+        self._guard = CallGuard()  # step(), update_policy(), ... one at a time (guard.py)
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
         cfg = self.config
@@ -212,6 +208,7 @@ class RolloutEngine:
         where = "a prompt from the prompt source"
         self._prompts.set_source(map(lambda p: one_prompt(p, tokenizer, where), source))
 
+    @exclusive
     @collective("step()")
     def step(self) -> StepResult:
         """Generate and score the next ``batch_size`` rollouts; blocks until they are done.
@@ -246,11 +243,7 @@ class RolloutEngine:
         seqs = self._buffer.fill(self._prompts.take, cfg.batch_size + delta)
         start = StepStart.take(seqs, num_carried, delta, chunk_size, caches=self._caches, loop=self._loop,
                                counters=self._counters)  # fmt: skip
-        if self._delta_control is not None:  # the first B finished, due sequences first
-            due = lag_due(self._policy_version, cfg.max_policy_lag)
-            cut = lambda live: BatchCut(live, cfg.batch_size, cfg.max_deferrals, lag_due=due)  # noqa: E731
-        else:
-            cut = lambda live: BatchCut(live, None, None)  # noqa: E731
+        cut = batch_cut(cfg, self._policy_version, overcommit=self._delta_control is not None)
         try:
             run, gpu = run_step(start, self._loop, cut, self._policy_version, models=self._models.values(),
                                 gpu=self._gpu, captured=self._captured)  # fmt: skip
@@ -307,6 +300,7 @@ class RolloutEngine:
         (``chunk_size="off"`` for a step the controller did not stream); empty in the other modes."""
         return list(self._chunk_control.history) if self._chunk_control is not None else []
 
+    @exclusive
     def update_policy(
         self,
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -344,6 +338,7 @@ class RolloutEngine:
         """Version tagged on tokens sampled now; ``update_policy()`` bumps it."""
         return self._policy_version
 
+    @exclusive
     def release_memory(self, weights: bool = False) -> None:
         """Free the KV arena (for training); ``resume()`` rebuilds it. Queued prompts are kept, and the
         retained pages of carried-over sequences (every model's) are copied to host memory. ``weights=True``
@@ -363,6 +358,7 @@ class RolloutEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @exclusive
     def resume(self) -> None:
         """Rebuild the KV arena after ``release_memory()`` and bring the retained pages back (new page ids,
         the same bytes); released replicas get their memory back, and the FSDP2 ones are gathered from the
@@ -398,6 +394,7 @@ class RolloutEngine:
         self._check_not_closed(group=False)
         return checkpoint.save_state(self)
 
+    @exclusive
     def load_state_dict(self, state: dict) -> int:
         """Replace the prompts in flight and queued with ``state``'s (the KV of each is prefilled again);
         returns how many sequences had to start over from their prompts.
@@ -419,6 +416,7 @@ class RolloutEngine:
         """Lane spans of the last step (export with ``timeline.to_chrome_trace(path)``)."""
         return self._timeline
 
+    @exclusive
     def close(self) -> None:
         """Free the arena now (its device memory, and the captured graphs' memory, go back before this
         returns, whatever still refers to the engine), cancel the environment calls pending and refuse

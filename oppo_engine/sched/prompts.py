@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
@@ -56,6 +57,9 @@ class PromptQueue:
     A prompt becomes ``sampling.n`` sequences (a group), taken together: ``take`` hands out whole groups.
     ``env`` is the engine's environment factory (``None``: none); a prompt queued with its own factory
     runs in that one. Each sequence of a group gets its own ``Episode`` (its own environment instance).
+
+    ``add`` is safe from any thread (``RolloutEngine.add_prompts`` is): it appends under a lock, which
+    ``take`` and ``state_dict`` hold while they read the queue.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class PromptQueue:
         self._source: Iterator[Sequence[int]] | None = None
         self._next_prompt_index = 0
         self._next_seq_id = 0
+        self._lock = threading.Lock()  # add() from any thread; the rest from the thread that holds the engine
         self.check_sampling(sampling, "sampling")
 
     def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
@@ -146,7 +151,8 @@ class PromptQueue:
                 )
         checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
         per_prompt = sampling if sampling is not None else [None] * len(checked)
-        self._pending.extend(zip(checked, per_prompt, envs, strict=True))
+        with self._lock:
+            self._pending.extend(zip(checked, per_prompt, envs, strict=True))
 
     @staticmethod
     def _check_envs(envs, count: int) -> list[EnvFactory | None]:
@@ -180,8 +186,10 @@ class PromptQueue:
                 seqs.extend(self.requeued.popleft() for _ in range(group))  # given back in whole groups
                 continue
             env = None
-            if self._pending:
-                ids, params, env = self._pending.popleft()
+            with self._lock:
+                queued = self._pending.popleft() if self._pending else None
+            if queued is not None:
+                ids, params, env = queued
             elif self._source is not None:
                 try:
                     raw = next(self._source)
@@ -224,14 +232,16 @@ class PromptQueue:
 
     def state_dict(self) -> dict:
         """Queued prompts, given-back sequences and the counters (a prompt source is not saved)."""
+        with self._lock:
+            pending = list(self._pending)
         return {
             "next_prompt_index": self._next_prompt_index,
             "next_seq_id": self._next_seq_id,
             "requeued": [save_sequence(s) for s in self.requeued],
-            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p, _ in self._pending],
+            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p, _ in pending],
             # A prompt's own environment factory, saved as the object (pickled with the state); None: the
             # engine's env=, which the loading engine gives.
-            "pending_envs": [env for _, _, env in self._pending],
+            "pending_envs": [env for _, _, env in pending],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -240,7 +250,9 @@ class PromptQueue:
         self._next_seq_id = state["next_seq_id"]
         self.requeued = deque(load_sequence(d, self.env) for d in state["requeued"])
         envs = state.get("pending_envs") or [None] * len(state["pending"])
-        self._pending = deque(
+        pending = deque(
             (list(ids), None if p is None else SamplingParams(**p), env)
             for (ids, p), env in zip(state["pending"], envs, strict=True)
         )
+        with self._lock:
+            self._pending = pending
