@@ -29,6 +29,11 @@ def derive_seed(base_seed: int, prompt_index: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+# How long take() waits for the next announced prompt once it has some work (served first requests come in
+# bursts: an agent's first request follows its episode's opening within milliseconds in-process).
+ADMIT_GAP_S = 0.05
+_WAKE_S = 0.5  # how often a take() with nothing to run looks again (a Ctrl-C gets through)
+
 # Mixed into a prompt's seed for its samples 1..n-1, so that they do not replay the seeds of other prompts.
 _SAMPLE_SALT = 0x5DEECE66D
 # Mixed into the engine seed for a data-parallel rank's own base seed.
@@ -60,6 +65,11 @@ class PromptQueue:
 
     ``add`` is safe from any thread (``RolloutEngine.add_prompts`` is): it appends under a lock, which
     ``take`` and ``state_dict`` hold while they read the queue.
+
+    ``expect(k)`` announces prompts on their way (a served episode opened, its first request not in yet):
+    ``take`` waits for them -- until one comes when the step would hold nothing at all, then for as long as
+    they keep coming within ``ADMIT_GAP_S`` of each other, up to the places it fills (DESIGN.md: first
+    requests are admitted up to B + Δ).
     """
 
     def __init__(
@@ -83,7 +93,8 @@ class PromptQueue:
         self._source: Iterator[Sequence[int]] | None = None
         self._next_prompt_index = 0
         self._next_seq_id = 0
-        self._lock = threading.Lock()  # add() from any thread; the rest from the thread that holds the engine
+        self._lock = threading.Condition()  # add(), expect() from any thread; the rest from the engine's
+        self._expected = 0  # prompts announced by expect(), not yet added
         self.check_sampling(sampling, "sampling")
 
     def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
@@ -153,6 +164,22 @@ class PromptQueue:
         per_prompt = sampling if sampling is not None else [None] * len(checked)
         with self._lock:
             self._pending.extend(zip(checked, per_prompt, envs, strict=True))
+            self._lock.notify_all()
+
+    def expect(self, k: int) -> None:
+        """``k`` more prompts are on their way (negative: fewer; from any thread); see the class."""
+        with self._lock:
+            self._expected = max(0, self._expected + k)
+            self._lock.notify_all()
+
+    def _await_expected(self, n: int, holding: int) -> None:
+        with self._lock:
+            while self._expected > 0 and len(self._pending) < n:
+                before = len(self._pending)
+                if before + len(self.requeued) + holding == 0:
+                    self._lock.wait(_WAKE_S)  # nothing to run: wait for the first (or for none expected)
+                elif not self._lock.wait_for(lambda before=before: len(self._pending) > before, ADMIT_GAP_S):
+                    return  # none came within the gap: run what there is
 
     @staticmethod
     def _check_envs(envs, count: int) -> list[EnvFactory | None]:
@@ -175,10 +202,13 @@ class PromptQueue:
         """Pull prompts lazily from ``source`` once the queued ones run out."""
         self._source = iter(source)
 
-    def take(self, n: int) -> list[Seq]:
+    def take(self, n: int, holding: int = 0) -> list[Seq]:
         """Up to ``n`` sequences in whole groups (``n`` is rounded up to a multiple of the group size), fewer
         once every supply is exhausted. A bad prompt from the source raises; the good ones taken before it
-        stay first in line."""
+        stay first in line. ``holding``: sequences the step holds already (prompts ``expect``-ed are waited
+        for as the class says)."""
+        if self._expected:
+            self._await_expected(n, holding)
         seqs: list[Seq] = []
         group = self.sampling.n
         while len(seqs) < n:
