@@ -45,6 +45,7 @@ def turn_end_token(tokenizer) -> int:
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     special = set(tokenizer.all_special_ids)
+    special |= {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
     ends = [int(t) for t in ids if int(t) in special]
     if not ends:
         raise ValueError(
