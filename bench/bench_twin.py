@@ -228,8 +228,11 @@ def paper(args) -> int:
         print(f"{'mode':<11}{'twin speed-up':>14}{'paper':>7}{'twin rollout speed-up':>23}"
               f"{'time to reward':>16}")  # fmt: skip
         for mode, m in p.modes.items():
-            paper_x = PAPER[actor].get(mode, 1.0)
-            print(f"{mode:<11}{m.speedup:>13.2f}x{paper_x:>6.2f}x{seq.rollout_s / m.rollout_s:>22.2f}x"
+            paper_x = {**PAPER[actor], "sequential": 1.0}.get(
+                mode
+            )  # the paper has no sync arm; trl is its base
+            shown = f"{paper_x:>6.2f}x" if paper_x is not None else f"{'-':>7}"
+            print(f"{mode:<11}{m.speedup:>13.2f}x{shown}{seq.rollout_s / m.rollout_s:>22.2f}x"
                   f"{m.time_s / 3600:>14.1f} h")  # fmt: skip
         trl, minutes = p.modes["trl"], PAPER_MINUTES[actor]
         print(

@@ -66,6 +66,8 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
     p.add_argument("--epochs", type=int, default=None, help="PPO epochs (default: the reference trainer's)")
     p.add_argument("--minibatch-size", type=int, default=None, help="rows per rank per minibatch")
     p.add_argument("--group-by-length", action="store_true", help="the trainer's group_by_length")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="a recomputed forward, only layer inputs kept (PPOTrainer has none)")  # fmt: skip
     p.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                    help="packed micro-batches of the update (default: each rank's share padded)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None,
@@ -94,6 +96,7 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
             reward_curve=curve, epochs=args.epochs, minibatch_size=args.minibatch_size,
             sweep=args.sweep, extrapolate=not args.no_extrapolate, progress=bar, group_size=args.group_size,
             group_by_length=args.group_by_length, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+            activation_checkpointing=args.activation_checkpointing,
         )  # fmt: skip
         bar.close()
     except (ValueError, OSError, json.JSONDecodeError) as e:

@@ -223,6 +223,7 @@ class CostModel:
 
     def __init__(self, source) -> None:
         self.source = source
+        self._gemms: dict[tuple, tuple] = {}  # (shape, tokens, head rows, threads) -> GEMM phases
 
     @property
     def kind(self) -> str:
@@ -233,20 +234,24 @@ class CostModel:
         """One packed forward of ``shape`` over ``batch`` (its host bookkeeping included)."""
         src = self.source
         tokens = batch.tokens
-        phases = []
-        weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
-        for k, n in shape.layer_gemms():
-            f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights)
-            phases.append((shape.layers * f, shape.layers * m))
+        key = (shape, tokens, batch.head_rows, threads)
+        gemms = self._gemms.get(key)
+        if gemms is None:  # the GEMMs depend on the token and head-row counts only (a source is immutable)
+            gemms = []
+            weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
+            for k, n in shape.layer_gemms():
+                f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights)
+                gemms.append((shape.layers * f, shape.layers * m))
+            if batch.head_rows:
+                k, n = shape.head_gemm()
+                gemms.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights))
+            logit_rows = batch.head_rows if shape.head == "lm" else 0
+            gemms.append((0.0, src.elementwise(shape, tokens, logit_rows, threads)))
+            gemms = self._gemms[key] = tuple(gemms)
         f, m = src.attention(shape, batch, threads)
-        phases.append((shape.layers * f, shape.layers * m))
-        if batch.head_rows:
-            k, n = shape.head_gemm()
-            phases.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights))
-        logit_rows = batch.head_rows if shape.head == "lm" else 0
-        phases.append((0.0, src.elementwise(shape, tokens, logit_rows, threads)))
+        phases = (*gemms, (shape.layers * f, shape.layers * m))
         host, launch = src.fixed(shape, captured, threads)
-        return Work(host + src.host_s(len(batch.chunks)), launch, tuple(phases), threads)
+        return Work(host + src.host_s(len(batch.chunks)), launch, phases, threads)
 
     def handoff(self) -> Work:
         """The actor's host time for one hand-off of a chunk to the scorers."""
