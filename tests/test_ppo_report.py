@@ -97,3 +97,21 @@ def test_table_reports_speed_ups_against_sequential():
     assert "20.0" in row and "10.0" in row
     assert table.count("2.00x") == 3  # time to reward, PPO step, rollout
     assert "off (8/8)" in table
+
+
+def test_agreement_fields_flatten_the_step_gap_and_map_empty_classes_to_none():
+    import math
+
+    from oppo_engine.ppo.agreement import Agreement
+    from oppo_engine.ppo.report import agreement_fields
+
+    fresh = Agreement(10, 2, 1e-6, 3e-6, 1e-12, 0.0, 2e-6, 4e-6)
+    empty = Agreement(0, 0, *[math.nan] * 6)
+    fields = agreement_fields({"fresh": fresh, "carried_current": empty, "stale": empty})
+    assert fields == {
+        "agreement_mean_abs": 1e-6,
+        "agreement_max_abs": 3e-6,
+        "agreement_k3": 1e-12,
+        "agreement_stale_mean_abs": None,
+    }
+    assert set(agreement_fields(None).values()) == {None}
