@@ -112,3 +112,21 @@ def test_a_rule_tasks_accuracy_and_heldout_accuracy_are_reported_beside_the_rewa
     assert out["eval_accuracy_initial"] == 0.04 and out["eval_accuracy_final"] == 0.31
     assert out["records"][2]["accuracy"] == pytest.approx(0.2) and out["records"][0]["unparsed"] == 1
     assert "accuracy" not in format_table([mode_run("sequential", [0.1] * 6, 2.0)])  # other tasks: no rows
+
+
+def test_agreement_fields_flatten_the_step_gap_and_map_empty_classes_to_none():
+    import math
+
+    from oppo_engine.ppo.agreement import Agreement
+    from oppo_engine.ppo.report import agreement_fields
+
+    fresh = Agreement(10, 2, 1e-6, 3e-6, 1e-12, 0.0, 2e-6, 4e-6)
+    empty = Agreement(0, 0, *[math.nan] * 6)
+    fields = agreement_fields({"fresh": fresh, "carried_current": empty, "stale": empty})
+    assert fields == {
+        "agreement_mean_abs": 1e-6,
+        "agreement_max_abs": 3e-6,
+        "agreement_k3": 1e-12,
+        "agreement_stale_mean_abs": None,
+    }
+    assert set(agreement_fields(None).values()) == {None}

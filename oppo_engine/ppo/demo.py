@@ -35,7 +35,7 @@ from oppo_engine.config import MODES
 from oppo_engine.ppo import math_task, ranks, tools_task
 from oppo_engine.ppo.config import PPOConfig
 from oppo_engine.ppo.models import load_models
-from oppo_engine.ppo.report import ModeRun, StepRecord, format_table, plot, records_json
+from oppo_engine.ppo.report import ModeRun, StepRecord, agreement_fields, format_table, plot, records_json
 from oppo_engine.ppo.task import MAX_NEW_TOKENS, TOPICS, broken_rules, build_task, is_polite, prompts
 from oppo_engine.ppo.trainer import PPOTrainer, engine_config_for
 
@@ -277,6 +277,7 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             env_calls=m.env_calls,
             exposed_env_s=m.env_wait_s,
             **_rule_scores(trainer, stats.rollout.rollouts),
+            **agreement_fields(stats.agreement),
         )
     )
     if stats.step == trace_step:

@@ -9,6 +9,7 @@ step where its trailing mean reaches the threshold (``None`` if it never does).
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +42,28 @@ class StepRecord:
     accuracy: float | None = None
     unparsed: int | None = None
     cut_off: float | None = None
+    # The engine-trainer log-prob gap of the step (PPOStepStats.agreement, docs/agreement.md): the fresh
+    # tokens' mean and max |delta| and mean k3, the stale tokens' mean |delta| (None: not measured, or none)
+    agreement_mean_abs: float | None = None
+    agreement_max_abs: float | None = None
+    agreement_k3: float | None = None
+    agreement_stale_mean_abs: float | None = None
+
+
+def agreement_fields(agreement: dict | None) -> dict[str, float | None]:
+    """``StepRecord``'s agreement fields from ``PPOStepStats.agreement`` (``None`` where it was not measured
+    or the class is empty: records.json stays valid JSON)."""
+
+    def value(cls: str, name: str) -> float | None:
+        x = getattr(agreement[cls], name) if agreement else math.nan
+        return None if math.isnan(x) else x
+
+    return {
+        "agreement_mean_abs": value("fresh", "mean_abs"),
+        "agreement_max_abs": value("fresh", "max_abs"),
+        "agreement_k3": value("fresh", "mean_k3"),
+        "agreement_stale_mean_abs": value("stale", "mean_abs"),
+    }
 
 
 @dataclass(slots=True)
@@ -142,6 +165,11 @@ def _percent(value: float | None) -> str:
     return f"{value:.1%}" if value is not None else "-"
 
 
+def _mean_or_dash(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{mean(known):.2e}" if known else "-"
+
+
 def _ratio(base: float | None, value: float | None) -> str:
     return f"{base / value:.2f}x" if base is not None and value else "-"
 
@@ -176,6 +204,7 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
         "stale tokens/step": f"{mean(r.stale_tokens for r in recs):.1f}",
         "length bias": f"{mean(bias):.3f}" if bias else "-",
         "mean response length": f"{mean(r.response_len for r in recs):.1f}",
+        "engine-trainer gap, mean |Δ|": _mean_or_dash([r.agreement_mean_abs for r in recs]),
         "rollouts/s": f"{sum(r.rollouts for r in recs) / rollout_s:.1f}",
         "reward: first -> final": f"{recs[0].reward:+.3f} -> {run.final_reward():+.3f}",
         **(

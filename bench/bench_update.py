@@ -1,0 +1,233 @@
+"""The PPO update alone, padded against packed, on one fixed batch: s/update, losses and peak memory.
+
+    python -m bench.bench_update --workload demo --rounds 5
+    python -m bench.bench_update --workload smollm2 --layers 4 --rounds 5
+
+Arms: ``padded`` (one padded forward per minibatch of random rows, ``group_by_length=False``),
+``grouped`` (padded, rows of similar length together) and ``packed`` (``max_tokens_per_microbatch``). Every
+arm updates the same batch from the same weights and optimizer state (restored before each timed update,
+outside the timing), so their losses must agree to rounding, and that is printed. The arms are
+interleaved round by round and each figure is the minimum over the rounds, with ``os.getloadavg()``
+beside it. Peak memory: ``ru_maxrss`` of a fresh subprocess per arm that builds the same trainer and runs
+one update (so it includes the models and the engine, the same for every arm).
+
+Workloads (B=64 rollouts, minibatches of 8, one epoch):
+
+- ``demo``: the demo's embedded task and models (``ppo/task.py``), one batch of real rollouts of its
+  trained actor (up to 192 new tokens, its long-tailed lengths).
+- ``smollm2``: a random model of SmolLM2-135M's shape (Llama layout, hidden 576, 9 heads, 3 KV heads,
+  vocab 49152, tied embeddings; ``--layers`` of its 30), and a synthetic batch: prompts of 16 tokens,
+  response lengths lognormal (sigma 1, mean ~110, capped at 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+ARMS = {
+    "padded": dict(group_by_length=False),
+    "grouped": dict(group_by_length=True),
+    "packed": dict(group_by_length=False, max_tokens_per_microbatch=None),  # the budget: per workload
+}
+BATCH, MINIBATCH = 64, 8
+
+
+def _tokenizer(vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2", pad_token="t0")
+
+
+def smollm2_config(layers: int, num_labels: int | None = None):
+    """SmolLM2-135M's shape (its config.json), with ``layers`` of its 30 decoder layers."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    if num_labels is not None:
+        config.num_labels = num_labels
+    return config
+
+
+def synthetic_batch(n: int, seed: int, vocab: int, cap: int = 512, mean: float = 110.0, sigma: float = 1.0):
+    """Rollouts with prompts of 16 tokens and lognormal response lengths (``mean``, ``sigma``, <= cap)."""
+    from oppo_engine.sched.results import Rollout
+
+    g = torch.Generator().manual_seed(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    lengths = (torch.randn(n, generator=g) * sigma + mu).exp().round().clamp(1, cap).long().tolist()
+    uniform = -math.log(vocab)
+    rollouts = []
+    for i, t in enumerate(lengths):
+        response = torch.randint(3, vocab, (t,), generator=g).tolist()
+        rollouts.append(
+            Rollout(
+                prompt_ids=torch.randint(3, vocab, (16,), generator=g).tolist(), response_ids=response,
+                logprobs=[uniform] * t, reward=float(torch.randn(1, generator=g)), policy_versions=[0] * t,
+                deferred_steps=0, ref_logprobs=[uniform] * t, values=[0.0] * t, group_id=i,
+            )
+        )  # fmt: skip
+    return rollouts
+
+
+def build(workload: str, layers: int, cache: str):
+    """``(trainer, batch, budget)`` for ``workload``: the trainer built for the ``padded`` arm."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
+    from oppo_engine.ppo.batch import canonical_order, collate
+
+    if workload == "demo":
+        from pathlib import Path
+
+        from oppo_engine.ppo.demo import _prompts
+        from oppo_engine.ppo.models import load_models
+        from oppo_engine.ppo.task import MAX_NEW_TOKENS, build_task
+
+        task = build_task(Path(cache), log=lambda _: None)
+        m = load_models(task / "actor", task / "reward")
+        cfg = PPOConfig(
+            batch_size=BATCH, minibatch_size=MINIBATCH, epochs=1, lr=2e-4, critic_lr=2e-4,
+            max_new_tokens=MAX_NEW_TOKENS,
+        )  # fmt: skip
+        trainer = PPOTrainer(
+            m.actor, m.critic, m.reference, m.reward, m.tokenizer, _prompts(m.tokenizer), cfg,
+            engine_config_for(cfg, mode="sequential", max_model_len=512),
+        )  # fmt: skip
+        rollouts = trainer.engine.step().rollouts
+        return trainer, collate(canonical_order(rollouts), m.tokenizer.pad_token_id, "cpu"), 512
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    actor = AutoModelForCausalLM.from_config(smollm2_config(layers), dtype=dtype).train()
+    reference = copy.deepcopy(actor).eval().requires_grad_(False)
+    critic = AutoModelForSequenceClassification.from_config(smollm2_config(layers, 1), dtype=dtype).train()
+    cfg = PPOConfig(batch_size=BATCH, minibatch_size=MINIBATCH, epochs=1, max_new_tokens=512)
+    trainer = PPOTrainer(
+        actor, critic, reference, lambda p, r: 0.0, _tokenizer(49152), [[5] * 16], cfg,
+        engine_config_for(cfg, mode="sequential", max_model_len=528, kv_cache_bytes=64 << 20),
+    )  # fmt: skip
+    batch = collate(canonical_order(synthetic_batch(BATCH, 0, 49152)), 0, "cpu")
+    return trainer, batch, 528
+
+
+def _configure(trainer, arm: str, budget: int) -> None:
+    settings = dict(ARMS[arm])
+    if arm == "packed":
+        settings["max_tokens_per_microbatch"] = budget
+    for name, value in settings.items():
+        setattr(trainer.config, name, value)
+
+
+def _snapshot(trainer) -> dict:
+    parts = dict(actor=trainer.actor, critic=trainer.critic)
+    parts.update(actor_optim=trainer.actor_optim, critic_optim=trainer.critic_optim)
+    return copy.deepcopy({name: part.state_dict() for name, part in parts.items()})
+
+
+def _restore(trainer, state: dict) -> None:
+    trainer.actor.load_state_dict(state["actor"])
+    trainer.critic.load_state_dict(state["critic"])
+    trainer.actor_optim.load_state_dict(state["actor_optim"])
+    trainer.critic_optim.load_state_dict(state["critic_optim"])
+
+
+def timed_update(trainer, batch) -> dict:
+    t = time.perf_counter()
+    stats = trainer._update(batch)
+    return dict(
+        update_s=time.perf_counter() - t, agreement_s=stats["agreement_s"], policy_loss=stats["policy_loss"],
+        value_loss=stats["value_loss"], grad_norm=stats["grad_norm"], load=os.getloadavg()[0],
+    )  # fmt: skip
+
+
+def memory_of(arm: str, args) -> float:
+    """Peak resident memory (GiB) of a fresh process that builds the trainer and runs one ``arm`` update."""
+    cmd = [sys.executable, "-m", "bench.bench_update", "--workload", args.workload, "--layers",
+           str(args.layers), "--cache", args.cache, "--memory-arm", arm,
+           "--threads", str(args.threads or 0)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    return json.loads(out.strip().splitlines()[-1])["maxrss_gib"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
+    parser.add_argument("--workload", choices=("demo", "smollm2"), default="demo")
+    parser.add_argument("--layers", type=int, default=30, help="smollm2: decoder layers (of 30)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cache", default=".cache/demo_task")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-arm memory subprocesses")
+    parser.add_argument("--memory-arm", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trainer, batch, budget = build(args.workload, args.layers, args.cache)
+    if args.memory_arm:
+        _configure(trainer, args.memory_arm, budget)
+        trainer._update(batch)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        print(json.dumps({"maxrss_gib": peak}))
+        return {}
+    lengths = batch.attention_mask.sum(1)
+    print(
+        f"{args.workload}: B={len(batch)}, minibatch {MINIBATCH}, {int(lengths.sum())} tokens, lengths "
+        f"mean {lengths.float().mean():.1f} max {int(lengths.max())}, packs of <= {budget} tokens"
+        + (f", {args.layers} layers (bf16)" if args.workload == "smollm2" else " (fp32)")
+        + f", {torch.get_num_threads()} threads"
+    )
+    state = _snapshot(trainer)
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for arm in ARMS:  # warm-up, untimed
+        _configure(trainer, arm, budget)
+        _restore(trainer, state)
+        trainer._update(batch)
+    for r in range(args.rounds):
+        for arm in ARMS:
+            _configure(trainer, arm, budget)
+            _restore(trainer, state)
+            runs[arm].append(timed_update(trainer, batch))
+            print(
+                f"  round {r}: {arm:8s} {runs[arm][-1]['update_s']:.3f} s (load {runs[arm][-1]['load']:.2f})"
+            )
+    trainer.close()
+    memory = {arm: math.nan if args.no_memory else memory_of(arm, args) for arm in ARMS}
+    best = {arm: min(rs, key=lambda x: x["update_s"]) for arm, rs in runs.items()}
+    print(
+        f"| arm | update s (min of {args.rounds}) | load | agreement forward s | vs padded | peak RSS GiB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for arm, b in best.items():
+        speed = best["padded"]["update_s"] / b["update_s"]
+        print(
+            f"| {arm} | {b['update_s']:.3f} | {b['load']:.2f} | {b['agreement_s']:.3f} | {speed:.2f}x | "
+            f"{memory[arm]:.2f} |"
+        )
+    losses = {
+        arm: (rs[0]["policy_loss"], rs[0]["value_loss"], rs[0]["grad_norm"]) for arm, rs in runs.items()
+    }
+    diff = max(abs(a - b) for a, b in zip(losses["packed"], losses["padded"], strict=True))
+    print(
+        f"policy loss, value loss, grad norm per arm: {losses}; packed vs padded max |difference| {diff:.2e}"
+    )
+    return {"best": best, "memory": memory, "losses": losses}
+
+
+if __name__ == "__main__":
+    main()
