@@ -99,6 +99,7 @@ class ServeHandle:
         model: str | None = None,
         max_episodes: int = 4096,
     ) -> None:
+        engine._check_open()
         tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         if tokenizer is None:
             raise ValueError("serve() needs tokenizer= (or RolloutEngine(tokenizer=...)): requests are text")
@@ -161,6 +162,13 @@ class ServeHandle:
             raise RuntimeError(f"serve(): the server did not start: {self._failure!r}")
         self._pool.timeout_s = self.timeout_s
         self._pool.use_loop(self.loop)
+
+    @staticmethod
+    def of(engine) -> ServeHandle:
+        """``engine``'s handle; ``RuntimeError`` if it is not serving."""
+        if engine._server is None:
+            raise RuntimeError("add_agents() runs agents against the endpoint: call serve() first")
+        return engine._server
 
     def open_episode(self, metadata=None, seed: int | None = None) -> EpisodeHandle:
         """Open an agent episode (``metadata``: yours, kept on the handle; ``seed``: its RNG seed, else its
