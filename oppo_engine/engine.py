@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
+from weakref import finalize
 
 import torch
 
@@ -164,6 +165,8 @@ class RolloutEngine:
             make_lane=self.reward.lane if isinstance(self.reward, RemoteScorers) else ScorerLane,
         )  # fmt: skip
         self._loop, self._caches, self._captured = built.loop, built.caches, built.captured
+        # The step loop admits from the queue mid-step; an engine dropped unclosed lets its env workers go.
+        self._loop.admission, self._finalizer = self._prompts, finalize(self, self._loop.close)
 
     def _check_open(self) -> None:
         self._check_not_closed()
@@ -241,7 +244,7 @@ class RolloutEngine:
         seqs = self._buffer.fill(partial(self._prompts.take, holding=num_carried), cfg.batch_size + delta)
         start = StepStart.take(seqs, num_carried, delta, chunk_size, caches=self._caches, loop=self._loop,
                                counters=self._counters)  # fmt: skip
-        cut = batch_cut(cfg, self._policy_version, overcommit=self._delta_control is not None)
+        cut = batch_cut(cfg, self._policy_version, delta if self._delta_control is not None else None)
         try:
             run, gpu = run_step(start, self._loop, cut, self._policy_version, models=self._models.values(),
                                 gpu=self._gpu, captured=self._captured)  # fmt: skip
@@ -279,16 +282,13 @@ class RolloutEngine:
     def serve(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, **options):
         """Serve this engine's episodes on an OpenAI-compatible endpoint, from a daemon thread: returns its
         ``oppo_engine.serve.ServeHandle`` (which lists ``options`` and what is refused; docs/serve.md)."""
-        self._check_open()
         self._server = ServeHandle(self, host=host, port=port, api_key=api_key, **options)
         return self._server
 
     def add_agents(self, agent_fn, tasks: Iterable, n: int = 1, in_process: bool = True) -> None:
         """Run ``async def agent_fn(task, client) -> float | None`` once per task in an episode of its own,
         B + Δ at once (``ServeHandle.add_agents``: ``serve()`` first); returns at once."""
-        if self._server is None:
-            raise RuntimeError("add_agents() runs agents against the endpoint: call serve() first")
-        self._server.add_agents(agent_fn, tasks, n=n, in_process=in_process)
+        ServeHandle.of(self).add_agents(agent_fn, tasks, n=n, in_process=in_process)
 
     def report_reward(self, reward: float) -> None:
         """Feed the Δ controller the trainer's own reward signal for the last step; from the first call on,

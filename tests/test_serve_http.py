@@ -298,3 +298,29 @@ def test_a_server_closed_with_episodes_in_flight_fails_them(actor, tokenizer):
     stats = engine.cache_stats()
     assert stats.free_pages == stats.total_pages
     engine.close()
+
+
+def test_on_divergence_restart_ends_the_episode_and_starts_a_new_one_from_the_request(actor, tokenizer):
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve(on_divergence="restart")
+    stepper = Stepper(engine)
+    try:
+        episode = handle.open_episode(seed=3)
+        url = f"{episode.base_url}/chat/completions"
+        first = httpx2.post(url, json={**CHAT, "return_token_ids": True}, timeout=DEADLINE_S).json()
+        edited = {**CHAT, "messages": [{"role": "user", "content": "hello again"}], "return_token_ids": True}
+        second = httpx2.post(url, json=edited, timeout=DEADLINE_S)
+        assert second.status_code == 200, second.text  # a new episode under the same id
+        episode.finish(4.0)  # the new one
+        stepper.wait_for(2)
+    finally:
+        handle.close()
+        stepper.stop()
+        engine.close()
+    by_prompt = {tuple(r.prompt_ids): r for r in stepper.rollouts}
+    old, new = (
+        by_prompt[tuple(first["prompt_token_ids"])],
+        by_prompt[tuple(second.json()["prompt_token_ids"])],
+    )
+    assert old.finish_reason == new.finish_reason == "agent_done"
+    assert new.reward == 4.0 and old.reward == float(len(old.response_ids))  # the old: the reward function's

@@ -141,3 +141,55 @@ def test_add_prompts_from_many_threads_queues_every_prompt_once(actor):
     _join([s])
     assert sorted(tuple(r.prompt_ids) for r in returned) == sorted(tuple(p) for p in prompts)
     engine.close()
+
+
+def _env_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("oppo-env")]
+
+
+def _wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def _env_engine(actor) -> RolloutEngine:
+    from envs import EnvLog, scripted
+
+    return RolloutEngine(
+        actor=actor, reward=rule_reward, eos_token_id=EOS, env=scripted(EnvLog()),
+        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, chunk_size=4, max_model_len=96,
+                            page_size=8),
+        sampling=SamplingParams(max_new_tokens=24, seed=3, turn_stop_token_ids=(9,), max_turn_tokens=6),
+    )  # fmt: skip
+
+
+def test_a_dropped_engine_leaves_no_environment_thread_after_gc(actor):
+    import gc
+
+    assert _wait_until(lambda: not _env_threads())  # none left by earlier tests
+    engine = _env_engine(actor)
+    engine.add_prompts(random_prompts(4, seed=11))
+    assert engine.step().rollouts
+    assert _env_threads()
+    del engine
+    gc.collect()
+    assert _wait_until(lambda: not _env_threads()), _env_threads()
+
+
+def test_idle_environment_workers_exit_and_come_back_when_needed(actor, monkeypatch):
+    from oppo_engine.env import pool
+
+    monkeypatch.setattr(pool, "IDLE_EXIT_S", 0.2)
+    engine = _env_engine(actor)
+    engine.add_prompts(random_prompts(4, seed=12))
+    first = engine.step()
+    assert _wait_until(lambda: not [n for n in _env_threads() if "worker" in n])
+    engine.add_prompts(random_prompts(4, seed=13))
+    returned = list(first.rollouts)
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(returned) < 8 and time.monotonic() < deadline:
+        returned += engine.step().rollouts
+    assert len(returned) == 8  # later calls started workers again
+    engine.close()

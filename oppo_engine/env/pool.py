@@ -23,6 +23,7 @@ from typing import Any
 from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor
 
 QUEUED, RUNNING, DONE, ABANDONED = "queued", "running", "done", "abandoned"
+IDLE_EXIT_S = 60.0  # a worker with no call for this long exits (an engine dropped unclosed keeps none)
 
 
 class EnvTimeout(TimeoutError):
@@ -52,7 +53,8 @@ class EnvCall:
 
 
 class EnvPool:
-    """Up to ``max_workers`` workers, started as calls need them and kept until ``close``.
+    """Up to ``max_workers`` workers, started as calls need them; one idle for ``IDLE_EXIT_S`` exits, and
+    ``close`` ends them all (``RolloutEngine`` also closes its pool when it is garbage-collected unclosed).
 
     Only the actor thread calls ``submit``, ``drain``, ``expire``, ``abandon``, ``wait`` and ``close``;
     workers only run calls and report them done. ``timeout_s=None``: no call is ever expired.
@@ -205,8 +207,11 @@ class EnvPool:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._idle += 1
-                    self._cond.wait()
+                    woke = self._cond.wait(IDLE_EXIT_S)
                     self._idle -= 1
+                    if not woke and not self._queue and not self._closed:
+                        self._workers -= 1  # idle for a minute: gone (a later call starts another)
+                        return
                 if self._closed:
                     return
                 call = self._queue.popleft()

@@ -172,6 +172,10 @@ class PromptQueue:
             self._expected = max(0, self._expected + k)
             self._lock.notify_all()
 
+    def give_back(self, seqs: list[Seq]) -> None:
+        """New sequences of a step rolled back, first in line again (in whole groups, in their order)."""
+        self.requeued.extendleft(reversed(seqs))
+
     def _await_expected(self, n: int, holding: int) -> None:
         with self._lock:
             while self._expected > 0 and len(self._pending) < n:
@@ -202,12 +206,12 @@ class PromptQueue:
         """Pull prompts lazily from ``source`` once the queued ones run out."""
         self._source = iter(source)
 
-    def take(self, n: int, holding: int = 0) -> list[Seq]:
+    def take(self, n: int, holding: int = 0, wait: bool = True) -> list[Seq]:
         """Up to ``n`` sequences in whole groups (``n`` is rounded up to a multiple of the group size), fewer
         once every supply is exhausted. A bad prompt from the source raises; the good ones taken before it
         stay first in line. ``holding``: sequences the step holds already (prompts ``expect``-ed are waited
-        for as the class says)."""
-        if self._expected:
+        for as the class says, unless ``wait=False``: the step loop's admission in the middle of a step)."""
+        if self._expected and wait:
             self._await_expected(n, holding)
         seqs: list[Seq] = []
         group = self.sampling.n

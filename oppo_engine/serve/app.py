@@ -41,6 +41,9 @@ def build_app(server: ServeHandle) -> Starlette:
                 return JSONResponse(await fn(request))
             except ApiError as e:
                 return JSONResponse(e.body(), status_code=e.status, headers=_NO_RETRY)
+            except Exception as e:  # a bug, answered in OpenAI's shape all the same
+                error = ApiError(500, f"internal error: {type(e).__name__}: {e}")
+                return JSONResponse(error.body(), status_code=500, headers=_NO_RETRY)
 
         return handle
 
@@ -95,7 +98,13 @@ def build_app(server: ServeHandle) -> Starlette:
     def turn(kind: str):
         async def handler(request: Request) -> dict:
             episode = server.episode(request.path_params["episode_id"])
-            return await episode.request(server.parse(await body(request), kind))
+            req = server.parse(await body(request), kind)
+            try:
+                return await episode.request(req)
+            except ApiError as e:
+                if e.code != "history_diverged" or server.on_divergence != "restart":
+                    raise
+            return await server.restart(episode).request(req)
 
         return handler
 

@@ -114,9 +114,12 @@ class ServedEpisode:
             turn_stop_token_ids=tuple(sorted({server.turn_end, *req.stop_token_ids})),
             max_turn_tokens=req.max_tokens,
         )
+        try:
+            server.queue_episode(self, prompt)
+        except ValueError as e:  # the engine's own checks of a prompt (an id outside the vocabulary, ...)
+            raise ApiError(400, str(e), param="messages" if req.kind == "chat" else "prompt") from None
         self.kind, self.transcript = req.kind, prompt
         self._await_turn(req)
-        server.queue_episode(self, prompt)
 
     def _next(self, req: TurnRequest) -> None:
         self._check_sampling(req)

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 
 from oppo_engine.sched.prompts import derive_seed
 from oppo_engine.serve.chat import Renderer, ToolParser, hermes_tool_parser
-from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, ServedEpisode
+from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, WAITING, ServedEpisode
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.requests import parse_turn
 from oppo_engine.serve.responses import Responses
@@ -68,7 +68,7 @@ class EpisodeHandle:
         """End the episode; ``reward`` is its rollout's (``None``: the engine's reward model or function
         scores it). A second call raises ``ValueError``."""
         try:
-            self._server.run(lambda: self._episode.finish(reward))
+            self._server.run(lambda: self._server.episode(self.id).finish(reward))
         except ApiError as e:
             raise ValueError(e.message) from None
 
@@ -81,10 +81,12 @@ class ServeHandle:
     ``tool_parser`` (a turn's text -> ``(content, [(name, arguments)])``, or ``None`` when a call does not
     parse; default ``hermes_tool_parser``), ``turn_end_token_id`` (default: the template's end of turn, found
     by rendering one turn), ``model`` (the name ``/v1/models`` answers), ``max_episodes`` (open at once; more
-    get 429). ``ValueError``: no tokenizer; a ``process_group``; a non-loopback ``host`` without ``api_key``;
-    ``SamplingParams.n > 1``; an explicit ``eos_token_id`` that includes the template's end of turn (for a
-    served episode it ends the turn, not the episode). ``EngineConfig.env_timeout_s`` (``None``: 300 s while
-    serving) bounds each gap between an answer and the agent's next request or ``finish``."""
+    get 429), ``on_divergence`` (``"refuse"``: a request that does not extend its episode's history gets 409;
+    ``"restart"``: the episode ends there and a new one, under the same id, starts from it). ``ValueError``:
+    no tokenizer; a ``process_group``; a non-loopback ``host`` without ``api_key``; ``SamplingParams.n > 1``;
+    an explicit ``eos_token_id`` that includes the template's end of turn (for a served episode it ends the
+    turn, not the episode). ``EngineConfig.env_timeout_s`` (``None``: 300 s while serving) bounds each gap
+    between an answer and the agent's next request or ``finish``."""
 
     def __init__(
         self,
@@ -98,7 +100,9 @@ class ServeHandle:
         turn_end_token_id: int | None = None,
         model: str | None = None,
         max_episodes: int = 4096,
+        on_divergence: str = "refuse",
     ) -> None:
+        engine._check_open()
         tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         if tokenizer is None:
             raise ValueError("serve() needs tokenizer= (or RolloutEngine(tokenizer=...)): requests are text")
@@ -110,6 +114,9 @@ class ServeHandle:
             raise ValueError(f"serve(host={host!r}) listens beyond this machine: give api_key=")
         if engine._server is not None:
             raise RuntimeError(f"serve(): this engine is already serving at {engine._server.url}")
+        if on_divergence not in ("refuse", "restart"):
+            raise ValueError(f"serve(on_divergence={on_divergence!r}): 'refuse' (409) or 'restart'")
+        self.on_divergence = on_divergence
         if engine.sampling.n != 1:
             raise ValueError(
                 f"serve() needs SamplingParams.n=1 (an episode is one conversation), got {engine.sampling.n}"
@@ -161,6 +168,13 @@ class ServeHandle:
             raise RuntimeError(f"serve(): the server did not start: {self._failure!r}")
         self._pool.timeout_s = self.timeout_s
         self._pool.use_loop(self.loop)
+
+    @staticmethod
+    def of(engine) -> ServeHandle:
+        """``engine``'s handle; ``RuntimeError`` if it is not serving."""
+        if engine._server is None:
+            raise RuntimeError("add_agents() runs agents against the endpoint: call serve() first")
+        return engine._server
 
     def open_episode(self, metadata=None, seed: int | None = None) -> EpisodeHandle:
         """Open an agent episode (``metadata``: yours, kept on the handle; ``seed``: its RNG seed, else its
@@ -278,6 +292,16 @@ class ServeHandle:
         self.expect(1)
         return episode
 
+    def restart(self, old: ServedEpisode) -> ServedEpisode:
+        """``on_divergence="restart"``: ``old`` ends where it is (``finish`` without a reward: the reward
+        model scores it) and a new episode takes its id, the diverging request as its first."""
+        if old.state == WAITING:
+            old.finish(None)
+        episode = ServedEpisode(self, old.id, metadata=old.metadata, seed=old.seed)
+        self.episodes[old.id] = episode
+        self.expect(1)
+        return episode
+
     def episode(self, episode_id: str) -> ServedEpisode:
         episode = self.episodes.get(episode_id)
         if episode is None:
@@ -322,11 +346,15 @@ class ServeHandle:
     def _pump(self) -> None:
         """Start queued agents while fewer than B + Δ_max run."""
         while self._agents and self._agents_running < self._agent_limit and not self._closed:
-            fn, index, task, in_process = self._agents.popleft()
+            fn, index, task, in_process = self._agents[0]
+            try:
+                episode = self.open(
+                    metadata={"task_index": index}, seed=derive_seed(self.base_sampling.seed or 0, index)
+                )
+            except ApiError:
+                return  # the episode cap: the next agent starts when one ends
+            self._agents.popleft()
             self._agents_running += 1
-            episode = self.open(
-                metadata={"task_index": index}, seed=derive_seed(self.base_sampling.seed or 0, index)
-            )
             t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
             self._agent_tasks.add(t)
             t.add_done_callback(self._agent_tasks.discard)
