@@ -41,6 +41,16 @@ EXACT = 6  # the prompts of the fp32 checks (HF's generate is the slow part: ~0.
 MESSAGES = [[{"role": "user", "content": q}] for q in QUESTIONS]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads contend with other processes and
+    a step took 3-12x longer (measured at a load of 8: 2.9 s with one thread, 9-34 s with two)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def _length(prompt: list[int], response: list[int]) -> float:
     return float(len(response))
 
