@@ -46,7 +46,7 @@ def demo(args: argparse.Namespace) -> int:
         reward=Path(args.reward) if args.reward else None,
         batch_size=sizes["batch_size"],
         max_new_tokens=sizes["max_new_tokens"],
-        threads=defaults.get("threads", DemoOptions().threads),
+        threads=args.threads or defaults.get("threads", DemoOptions().threads),
         seed=args.seed,
         overcommit=args.overcommit,
         max_deferrals=args.max_deferrals,
@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--max-new-tokens", type=int, default=None,
         help=f"response length cap (None: {DemoOptions().max_new_tokens}; 128 with --task math)",
+    )  # fmt: skip
+    d.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (None: 1; 2 with --task math; one "
+        "is faster on a loaded machine, where OpenMP threads contend with other processes)",
     )  # fmt: skip
     d.add_argument(
         "--heldout", type=int, default=None, help="--task math: held-out problems evaluated before and after "

@@ -4,7 +4,7 @@ chat template and end-of-turn token.
 - fp32: greedy tokens equal HF ``generate``'s and the behaviour log-probs equal HF's forward over the final
   sequence (``FP32_ATOL``) in every mode, ``oppo`` with Δ > 0 and more prompts than B; the reference's
   log-probs and the critic's values (``head="value"``) equal HF's forward too;
-- batch invariance: a sequence's tokens and log-probs do not depend on its batch-mates;
+- batch invariance: a sequence's tokens do not depend on its batch-mates, its log-probs only to rounding;
 - bf16: rolled out from a bf16 replica of the fp32 weights (``rollout_dtype``), the engine's log-probs are
   as close to the fp32 forward as HF's own bf16 forward is (mean |Δ log p| at most 1.2x HF's).
 
@@ -39,6 +39,16 @@ QUESTIONS = [
 ]
 EXACT = 6  # the prompts of the fp32 checks (HF's generate is the slow part: ~0.2 s a token on 2 cores)
 MESSAGES = [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two OpenMP threads contend with other processes and
+    a step took 3-12x longer (measured at a load of 8: 2.9 s with one thread, 9-34 s with two)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def _length(prompt: list[int], response: list[int]) -> float:
@@ -136,17 +146,20 @@ def test_fp32_reference_and_critic_stream_hf_forward_values(smollm2, chat_ids):
 
 def test_a_sequences_tokens_and_logprobs_do_not_depend_on_its_batch_mates(smollm2, chat_ids):
     model, tokenizer = smollm2
-    prompts = chat_ids[:EXACT]
-    sampling = [SamplingParams(temperature=0.7, max_new_tokens=16, seed=100 + i) for i in range(len(prompts))]
-    together = drain(make_engine(model, tokenizer, "sequential", batch_size=6), prompts, sampling)
-    order = [5, 2, 0, 3, 1, 4]  # other batch-mates, other order
+    prompts = chat_ids[:4]
+    sampling = [SamplingParams(temperature=0.7, max_new_tokens=12, seed=100 + i) for i in range(len(prompts))]
+    together = drain(make_engine(model, tokenizer, "sequential", batch_size=4), prompts, sampling)
+    order = [3, 0, 2, 1]  # other batch-mates, other order
     pairs = drain(make_engine(model, tokenizer, "sequential", batch_size=2), [prompts[i] for i in order],
                   [sampling[i] for i in order])  # fmt: skip
     by_prompt = {tuple(r.prompt_ids): r for r in pairs}
     for r in together:
         other = by_prompt[tuple(r.prompt_ids)]
         assert other.response_ids == r.response_ids
-        torch.testing.assert_close(torch.tensor(other.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+        # NOTE: not bit for bit: a CPU GEMM's blocking over threads depends on the batch (2e-5 measured).
+        torch.testing.assert_close(
+            torch.tensor(other.logprobs), torch.tensor(r.logprobs), atol=FP32_ATOL, rtol=0
+        )
 
 
 def test_bf16_rollouts_are_as_close_to_fp32_as_hfs_own_bf16_forward(smollm2, chat_ids):
