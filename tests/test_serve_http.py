@@ -324,3 +324,24 @@ def test_on_divergence_restart_ends_the_episode_and_starts_a_new_one_from_the_re
     )
     assert old.finish_reason == new.finish_reason == "agent_done"
     assert new.reward == 4.0 and old.reward == float(len(old.response_ids))  # the old: the reward function's
+
+
+def test_a_client_that_disconnects_mid_turn_fails_its_episode_and_frees_its_pages(actor, tokenizer):
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    try:
+        episode = handle.open_episode()
+        url = f"{episode.base_url}/chat/completions"
+        with pytest.raises(httpx2.TimeoutException):  # no step runs: the client gives up and disconnects
+            httpx2.post(url, json=CHAT, timeout=0.5)
+        deadline = time.monotonic() + DEADLINE_S
+        while handle.episodes[episode.id].state != "failed" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "disconnected" in handle.episodes[episode.id].error
+        result = engine.step()  # its turn is generated, then dropped with its sequence
+        assert result.rollouts == [] and len(result.failed) == 1 and "disconnected" in result.failed[0].error
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+        assert_error(httpx2.post(url, json=CHAT, timeout=DEADLINE_S), 410)
+    finally:
+        engine.close()

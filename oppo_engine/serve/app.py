@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 _NO_RETRY = {"x-should-retry": "false"}
 MAX_BODY_BYTES = 8 << 20  # a larger body gets 413
+_DISCONNECT_POLL_S = 0.25  # how often a waiting request looks whether its client is gone
 
 
 def build_app(server: ServeHandle) -> Starlette:
@@ -100,11 +102,12 @@ def build_app(server: ServeHandle) -> Starlette:
             episode = server.episode(request.path_params["episode_id"])
             req = server.parse(await body(request), kind)
             try:
-                return await episode.request(req)
+                return await _unless_gone(request, episode, episode.request(req))
             except ApiError as e:
                 if e.code != "history_diverged" or server.on_divergence != "restart":
                     raise
-            return await server.restart(episode).request(req)
+            episode = server.restart(episode)
+            return await _unless_gone(request, episode, episode.request(req))
 
         return handler
 
@@ -178,6 +181,20 @@ def build_app(server: ServeHandle) -> Starlette:
         )
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+async def _unless_gone(request: Request, episode, answer):
+    """Await ``answer``; a client that disconnects meanwhile fails its episode (its turn is dropped when it
+    ends: the sequence leaves the step then, its pages freed)."""
+    task = asyncio.ensure_future(answer)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            episode.fail("its client disconnected while its turn was generated")
+            raise ApiError(499, "the client disconnected")
 
 
 def _max_body() -> int:
