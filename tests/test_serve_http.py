@@ -119,7 +119,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
         ({"tool_choice": "required"}, "tool_choice"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"n": 2}, "n"),
-        ({"stream": True}, "stream"),
+        ({"stream": "yes"}, "stream"),
         ({"stop": ["the answer is"]}, "stop"),
         ({"max_tokens": "four"}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
@@ -344,4 +344,44 @@ def test_a_client_that_disconnects_mid_turn_fails_its_episode_and_frees_its_page
         assert stats.free_pages == stats.total_pages
         assert_error(httpx2.post(url, json=CHAT, timeout=DEADLINE_S), 410)
     finally:
+        engine.close()
+
+
+def test_a_streamed_chat_answer_carries_the_turn_and_prompt_token_ids_in_its_first_chunk(actor, tokenizer):
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    stepper = Stepper(engine)
+    try:
+        episode = handle.open_episode(seed=1)
+        with openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0, timeout=DEADLINE_S) as c:
+            chunks = list(
+                c.chat.completions.create(
+                    model="m",
+                    messages=CHAT["messages"],
+                    max_tokens=5,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"return_token_ids": True},
+                )  # fmt: skip
+            )
+            # a retry of the same request without streaming: the same turn
+            whole = c.chat.completions.create(
+                model="m", messages=CHAT["messages"], max_tokens=5, extra_body={"return_token_ids": True}
+            )
+        first = chunks[0].model_dump()
+        assert first["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+        assert all("prompt_token_ids" not in ch.model_dump() or ch.model_dump()["prompt_token_ids"] is None
+                   for ch in chunks[1:])  # fmt: skip
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == (whole.choices[0].message.content or "")
+        assert first["choices"][0]["token_ids"] == whole.choices[0].model_extra["token_ids"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[
+            0
+        ].finish_reason
+        assert chunks[-1].usage.completion_tokens == len(first["choices"][0]["token_ids"])
+        episode.finish(1.0)
+        stepper.wait_for(1)
+    finally:
+        handle.close()
+        stepper.stop()
         engine.close()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from oppo_engine.serve.errors import ApiError
@@ -40,7 +40,8 @@ def build_app(server: ServeHandle) -> Starlette:
         async def handle(request: Request):
             try:
                 server.check_auth(request.headers.get("authorization"))
-                return JSONResponse(await fn(request))
+                answer = await fn(request)
+                return answer if isinstance(answer, StreamingResponse) else JSONResponse(answer)
             except ApiError as e:
                 return JSONResponse(e.body(), status_code=e.status, headers=_NO_RETRY)
             except Exception as e:  # a bug, answered in OpenAI's shape all the same
@@ -102,12 +103,13 @@ def build_app(server: ServeHandle) -> Starlette:
             episode = server.episode(request.path_params["episode_id"])
             req = server.parse(await body(request), kind)
             try:
-                return await _unless_gone(request, episode, episode.request(req))
+                answer = await _unless_gone(request, episode, episode.request(req))
             except ApiError as e:
                 if e.code != "history_diverged" or server.on_divergence != "restart":
                     raise
-            episode = server.restart(episode)
-            return await _unless_gone(request, episode, episode.request(req))
+                episode = server.restart(episode)
+                answer = await _unless_gone(request, episode, episode.request(req))
+            return _events(answer, req.include_usage) if req.stream else answer
 
         return handler
 
@@ -181,6 +183,28 @@ def build_app(server: ServeHandle) -> Starlette:
         )
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def _events(answer: dict, include_usage: bool) -> StreamingResponse:
+    """A chat answer as server-sent events, as vLLM streams one: the turn in one content chunk (the engine
+    answers a turn whole, when it ends) with ``token_ids`` and, in the first chunk only,
+    ``prompt_token_ids``; then the finish reason; the usage if asked; then ``[DONE]``."""
+    choice = answer["choices"][0]
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+    first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+    chunks = [{**head, "choices": [first]}]
+    if "prompt_token_ids" in answer:
+        chunks[0]["prompt_token_ids"] = answer["prompt_token_ids"]
+    chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]})
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(lines), media_type="text/event-stream")
 
 
 async def _unless_gone(request: Request, episode, answer):
