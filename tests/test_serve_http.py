@@ -385,3 +385,17 @@ def test_a_streamed_chat_answer_carries_the_turn_and_prompt_token_ids_in_its_fir
         handle.close()
         stepper.stop()
         engine.close()
+
+
+def test_an_engine_serves_again_after_its_handle_closed(actor, tokenizer):
+    with contextlib.closing(make_engine(actor, tokenizer)) as engine:
+        first = engine.serve()
+        with pytest.raises(RuntimeError, match="already serving"):
+            engine.serve()
+        first.close()
+        first.close()  # idempotent
+        second = engine.serve()
+        assert httpx2.get(f"{second.url}/v1/models", timeout=DEADLINE_S).status_code == 200
+        if second.url != first.url:  # (the OS may hand the same free port out again)
+            with pytest.raises(httpx2.ConnectError):
+                httpx2.get(f"{first.url}/v1/models", timeout=DEADLINE_S)

@@ -426,6 +426,8 @@ class ServeHandle:
         self._pool.use_loop(None)
         self._pool.timeout_s = self._saved_timeout
         self.sock.close()
+        if self.engine._server is self:
+            self.engine._server = None  # the engine may serve again
 
 
 def _loopback(host: str) -> bool:
