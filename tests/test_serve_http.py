@@ -119,7 +119,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
         ({"tool_choice": "required"}, "tool_choice"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"n": 2}, "n"),
-        ({"stream": True}, "stream"),
+        ({"stream": "yes"}, "stream"),
         ({"stop": ["the answer is"]}, "stop"),
         ({"max_tokens": "four"}, "max_tokens"),
         ({"temperature": "hot"}, "temperature"),
@@ -324,3 +324,78 @@ def test_on_divergence_restart_ends_the_episode_and_starts_a_new_one_from_the_re
     )
     assert old.finish_reason == new.finish_reason == "agent_done"
     assert new.reward == 4.0 and old.reward == float(len(old.response_ids))  # the old: the reward function's
+
+
+def test_a_client_that_disconnects_mid_turn_fails_its_episode_and_frees_its_pages(actor, tokenizer):
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    try:
+        episode = handle.open_episode()
+        url = f"{episode.base_url}/chat/completions"
+        with pytest.raises(httpx2.TimeoutException):  # no step runs: the client gives up and disconnects
+            httpx2.post(url, json=CHAT, timeout=0.5)
+        deadline = time.monotonic() + DEADLINE_S
+        while handle.episodes[episode.id].state != "failed" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "disconnected" in handle.episodes[episode.id].error
+        result = engine.step()  # its turn is generated, then dropped with its sequence
+        assert result.rollouts == [] and len(result.failed) == 1 and "disconnected" in result.failed[0].error
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+        assert_error(httpx2.post(url, json=CHAT, timeout=DEADLINE_S), 410)
+    finally:
+        engine.close()
+
+
+def test_a_streamed_chat_answer_carries_the_turn_and_prompt_token_ids_in_its_first_chunk(actor, tokenizer):
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    stepper = Stepper(engine)
+    try:
+        episode = handle.open_episode(seed=1)
+        with openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0, timeout=DEADLINE_S) as c:
+            chunks = list(
+                c.chat.completions.create(
+                    model="m",
+                    messages=CHAT["messages"],
+                    max_tokens=5,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"return_token_ids": True},
+                )  # fmt: skip
+            )
+            # a retry of the same request without streaming: the same turn
+            whole = c.chat.completions.create(
+                model="m", messages=CHAT["messages"], max_tokens=5, extra_body={"return_token_ids": True}
+            )
+        first = chunks[0].model_dump()
+        assert first["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+        assert all("prompt_token_ids" not in ch.model_dump() or ch.model_dump()["prompt_token_ids"] is None
+                   for ch in chunks[1:])  # fmt: skip
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text == (whole.choices[0].message.content or "")
+        assert first["choices"][0]["token_ids"] == whole.choices[0].model_extra["token_ids"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[
+            0
+        ].finish_reason
+        assert chunks[-1].usage.completion_tokens == len(first["choices"][0]["token_ids"])
+        episode.finish(1.0)
+        stepper.wait_for(1)
+    finally:
+        handle.close()
+        stepper.stop()
+        engine.close()
+
+
+def test_an_engine_serves_again_after_its_handle_closed(actor, tokenizer):
+    with contextlib.closing(make_engine(actor, tokenizer)) as engine:
+        first = engine.serve()
+        with pytest.raises(RuntimeError, match="already serving"):
+            engine.serve()
+        first.close()
+        first.close()  # idempotent
+        second = engine.serve()
+        assert httpx2.get(f"{second.url}/v1/models", timeout=DEADLINE_S).status_code == 200
+        if second.url != first.url:  # (the OS may hand the same free port out again)
+            with pytest.raises(httpx2.ConnectError):
+                httpx2.get(f"{first.url}/v1/models", timeout=DEADLINE_S)

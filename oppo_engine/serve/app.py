@@ -14,12 +14,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from oppo_engine.serve.errors import ApiError
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 _NO_RETRY = {"x-should-retry": "false"}
 MAX_BODY_BYTES = 8 << 20  # a larger body gets 413
+_DISCONNECT_POLL_S = 0.25  # how often a waiting request looks whether its client is gone
 
 
 def build_app(server: ServeHandle) -> Starlette:
@@ -38,7 +40,8 @@ def build_app(server: ServeHandle) -> Starlette:
         async def handle(request: Request):
             try:
                 server.check_auth(request.headers.get("authorization"))
-                return JSONResponse(await fn(request))
+                answer = await fn(request)
+                return answer if isinstance(answer, StreamingResponse) else JSONResponse(answer)
             except ApiError as e:
                 return JSONResponse(e.body(), status_code=e.status, headers=_NO_RETRY)
             except Exception as e:  # a bug, answered in OpenAI's shape all the same
@@ -100,11 +103,13 @@ def build_app(server: ServeHandle) -> Starlette:
             episode = server.episode(request.path_params["episode_id"])
             req = server.parse(await body(request), kind)
             try:
-                return await episode.request(req)
+                answer = await _unless_gone(request, episode, episode.request(req))
             except ApiError as e:
                 if e.code != "history_diverged" or server.on_divergence != "restart":
                     raise
-            return await server.restart(episode).request(req)
+                episode = server.restart(episode)
+                answer = await _unless_gone(request, episode, episode.request(req))
+            return _events(answer, req.include_usage) if req.stream else answer
 
         return handler
 
@@ -178,6 +183,42 @@ def build_app(server: ServeHandle) -> Starlette:
         )
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def _events(answer: dict, include_usage: bool) -> StreamingResponse:
+    """A chat answer as server-sent events, as vLLM streams one: the turn in one content chunk (the engine
+    answers a turn whole, when it ends) with ``token_ids`` and, in the first chunk only,
+    ``prompt_token_ids``; then the finish reason; the usage if asked; then ``[DONE]``."""
+    choice = answer["choices"][0]
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+    first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+    chunks = [{**head, "choices": [first]}]
+    if "prompt_token_ids" in answer:
+        chunks[0]["prompt_token_ids"] = answer["prompt_token_ids"]
+    chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]})
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+
+async def _unless_gone(request: Request, episode, answer):
+    """Await ``answer``; a client that disconnects meanwhile fails its episode (its turn is dropped when it
+    ends: the sequence leaves the step then, its pages freed)."""
+    task = asyncio.ensure_future(answer)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            episode.fail("its client disconnected while its turn was generated")
+            raise ApiError(499, "the client disconnected")
 
 
 def _max_body() -> int:

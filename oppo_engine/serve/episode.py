@@ -308,6 +308,7 @@ class ServedEpisode:
             self.pending.set_exception(
                 ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
             )
+            self.pending.exception()  # retrieved: a request gone meanwhile leaves no warning behind
         if self.next_obs is not None and not self.next_obs.done():
             self.next_obs.set_exception(AgentError(f"agent episode {self.id} failed: {message}"))
 

@@ -2,8 +2,8 @@
 
 What the engine cannot honour exactly is refused with 400 naming the field (multi-token ``stop`` strings,
 ``logit_bias``, penalties, ``response_format``, a forced ``tool_choice``, ``top_logprobs``, ``n > 1``,
-``stream``); a known field of the wrong type is 400 too; unknown fields are ignored, as vLLM ignores them.
-"""
+``stream`` outside chat); a known field of the wrong type is 400 too; unknown fields are ignored, as vLLM
+ignores them."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ class TurnRequest:
     logprobs: bool
     return_token_ids: bool
     key: str
+    stream: bool = False  # chat only: the answer as server-sent events (the turn in one content chunk)
+    include_usage: bool = False
 
 
 def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
@@ -61,8 +63,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise ApiError(
             400, f"n={body['n']!r}: an episode is one conversation; open n episodes instead", param="n"
         )
-    if body.get("stream"):
-        raise ApiError(400, "stream=true is not supported: ask without streaming", param="stream")
     if body.get("logit_bias"):
         raise ApiError(400, "logit_bias changes the sampled distribution: not supported", param="logit_bias")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -124,6 +124,12 @@ def parse_turn(body: Any, kind: str, tokenizer, vocab_size: int) -> TurnRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _refuse_unsupported(body)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool) or (stream and kind != "chat"):
+        raise ApiError(400, "stream: a boolean, and only chat completions stream", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
     messages = prompt = None
     if kind == "chat":
         messages = normalise(body.get("messages"))
@@ -183,6 +189,8 @@ def parse_turn(body: Any, kind: str, tokenizer, vocab_size: int) -> TurnRequest:
         logprobs=bool(logprobs),
         return_token_ids=return_ids,
         key="",
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
     )
     request.key = json.dumps(
         [

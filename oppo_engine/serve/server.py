@@ -261,6 +261,7 @@ class ServeHandle:
         return future.result(_CLOSE_TIMEOUT_S)
 
     def check_auth(self, header: str | None) -> None:
+        """``ApiError`` 401 unless the ``Authorization`` header carries the key (``hmac.compare_digest``)."""
         if self.api_key is None:
             return
         given = (header or "").removeprefix("Bearer ").strip()
@@ -268,6 +269,7 @@ class ServeHandle:
             raise ApiError(401, "invalid API key", code="invalid_api_key")
 
     def check_length(self, n: int, what: str) -> None:
+        """``ApiError`` 400 with the numbers if ``n`` tokens leave no room under ``max_model_len``."""
         if n >= self.max_model_len:
             raise ApiError(
                 400,
@@ -277,9 +279,11 @@ class ServeHandle:
             )
 
     def parse(self, body, kind: str):
+        """A request body as a ``TurnRequest`` (``serve/requests.py``); ``ApiError`` 400 naming the field."""
         return parse_turn(body, kind, self.tokenizer, self.vocab_size)
 
     def open(self, metadata=None, seed: int | None = None) -> ServedEpisode:
+        """A new episode (on the serving loop; ``open_episode`` is the any-thread form): 429 over the cap."""
         if self._closed:
             raise ApiError(503, "the server is closing")
         live = sum(e.state not in (DONE, ENDED, FAILED) for e in self.episodes.values())
@@ -303,6 +307,7 @@ class ServeHandle:
         return episode
 
     def episode(self, episode_id: str) -> ServedEpisode:
+        """The episode of ``episode_id`` (on the serving loop); ``ApiError`` 404 if unknown or forgotten."""
         episode = self.episodes.get(episode_id)
         if episode is None:
             raise ApiError(
@@ -313,6 +318,7 @@ class ServeHandle:
         return episode
 
     def expect(self, k: int) -> None:
+        """Tell the engine's queue that ``k`` more (or fewer) first requests are on their way."""
         self._prompts.expect(k)
 
     def queue_episode(self, episode: ServedEpisode, prompt: list[int]) -> None:
@@ -426,6 +432,8 @@ class ServeHandle:
         self._pool.use_loop(None)
         self._pool.timeout_s = self._saved_timeout
         self.sock.close()
+        if self.engine._server is self:
+            self.engine._server = None  # the engine may serve again
 
 
 def _loopback(host: str) -> bool:
