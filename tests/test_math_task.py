@@ -36,7 +36,11 @@ from oppo_engine.ppo.math_task import (
         ("The answer is $12.", 12),
         ("7 + 5 = 12. The answer is 12.", 12),
         ("First 3 + 4 = 7, then 7 * 2 = 14.", 14),  # no "answer is": the last number of the response
-        ("The answer is 5 + 3 = 8. Then 2 more problems.", 8),  # the answer's sentence, not what follows
+        ("So answer is 5 + 3 = 8. Then 2 more problems.", 8),  # the answer's sentence, not what follows
+        ("The answer is 5 + 3 = 8.", 5),  # the asked format: the number right after it
+        ("The answer is 9 (12 - 3).", 9),  # not the last number of the sentence
+        ("The answer is 9, not 10.", 9),
+        ("The answer is 9. Then 2 more problems.", 9),
         ("The answer is 12.5.", 12.5),  # a decimal is read as one (and is wrong for an integer answer)
         ("The answer is 1,000.", 1000),  # thousands separators
         ("Counts: 3,4 and 5", 5),  # a comma in a list is no separator
@@ -57,6 +61,10 @@ def test_the_reward_is_one_for_the_right_number_plus_a_small_format_term():
     assert grade("The answer is 13.", 12).reward == FORMAT_REWARD  # the format, a wrong number
     assert grade("13 pens.", 12).reward == 0.0
     assert grade("The answer is 12.5.", 12).reward == FORMAT_REWARD
+    # the grade reads the number the format term saw: right and formatted, or wrong and formatted
+    assert grade("The answer is 9 (12 - 3).", 9).reward == CORRECT_REWARD + FORMAT_REWARD
+    assert grade("The answer is 9, not 10.", 9).reward == CORRECT_REWARD + FORMAT_REWARD
+    assert grade("The answer is 10, not 9.", 9).reward == FORMAT_REWARD
     unreadable = grade("I do not know.", 12)
     assert unreadable.reward == 0.0 and unreadable.final is None and not unreadable.correct
 

@@ -9,11 +9,14 @@ have now?`` (9). The prompt goes through the model's own chat template and state
 
 The reward is a rule (``grade``), 0 for anything it cannot read:
 
-- the **final number** is the last number of the sentence after the last "the answer is" (any case) when
-  the response has one, else the last number of the whole response: with several numbers the last one
-  counts (``3 + 4 = 7`` gives 7); units and currency around it are ignored (``12 apples``, ``$12``); a
-  trailing period ends the sentence, not a decimal (``12.`` is 12, ``12.5`` is 12.5, a wrong answer);
-  thousands separators are read (``1,000``), a comma in a list is not (``3,4`` is 3 then 4);
+- the **final number** is the number right after the last "the answer is" (any case; a colon or ``$``
+  may come between) when the response has the asked format, so the format term and the grade read the
+  same number (``The answer is 9 (12 - 3).`` and ``The answer is 9, not 10.`` both give 9); else the
+  last number of the sentence after the last "answer is" when the response has one, else the last number
+  of the whole response: with several numbers the last one counts (``3 + 4 = 7`` gives 7); units and
+  currency around it are ignored (``12 apples``, ``$12``); a trailing period ends the sentence, not a
+  decimal (``12.`` is 12, ``12.5`` is 12.5, a wrong answer); thousands separators are read (``1,000``),
+  a comma in a list is not (``3,4`` is 3 then 4);
 - ``CORRECT_REWARD`` (1) when the final number is the problem's answer, plus ``FORMAT_REWARD`` (0.1) when
   the response has the asked format ``The answer is N`` -- whether N is right or not: a small shaping term
   for the format that makes the answer readable;
@@ -138,6 +141,9 @@ def _number(text: str) -> float:
 
 def final_number(text: str) -> float | None:
     """The response's final number by the rule of the module docstring (None: no number)."""
+    formatted = list(_FORMAT.finditer(text))
+    if formatted:
+        return _number(formatted[-1].group(1))
     said = list(_ANSWER_IS.finditer(text))
     if said:
         tail = text[said[-1].end() :]
