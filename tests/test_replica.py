@@ -508,6 +508,56 @@ def test_weights_for_a_shared_model_and_plain_update_for_a_fed_one_raise(meta_pa
     assert fed.policy_version == 0
 
 
+def test_released_fed_replica_needs_new_weights_before_the_next_step(meta_pair):
+    meta, real = meta_pair
+    engine = make_engine(meta, make_reward(), mode="sequential")
+    weights = dict(real.named_parameters())
+    engine.update_policy(weights=weights)
+    engine.add_prompts(random_prompts(4, seed=1))
+    engine.step()
+    engine.release_memory(weights=True)
+    assert all(p.untyped_storage().nbytes() == 0 for p in replica_params(engine).values())
+    engine.resume()
+    with pytest.raises(RuntimeError, match=r"update_policy\(weights=\.\.\.\)"):
+        engine.step()
+    engine.update_policy(weights=weights)
+    assert len(engine.step().rollouts) == 2
+    assert all(torch.equal(replica_params(engine)[n], p) for n, p in weights.items())
+
+
+def _assert_the_plan_counts_the_replica(make, monkeypatch, bytes_per_element: int) -> None:
+    """The replica of ``make()``'s engine holds ``bytes_per_element`` per parameter, and the host's KV
+    budget (its default share) gives one page fewer when it is the replica plus one page fewer than the
+    plan wants: the plan takes the replica's bytes off the share."""
+    engine = make()
+    replica = engine._replicas.by_role["actor"]
+    assert replica.nbytes == sum(p.numel() * bytes_per_element for p in replica.params.values())
+    pages, page_bytes = engine.cache_stats().total_pages, engine._page_bytes
+    memory = 4 * (replica.nbytes + (pages - 1) * page_bytes)  # a quarter is the default share
+    monkeypatch.setattr("oppo_engine.cache.plan.os.sysconf", {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": memory}.get)
+    assert make().cache_stats().total_pages == pages - 1
+
+
+def test_memory_plan_counts_the_replica_bytes(meta_pair, monkeypatch):
+    meta, _ = meta_pair
+    _assert_the_plan_counts_the_replica(
+        lambda: make_engine(meta, make_reward(), mode="sequential"), monkeypatch, 4
+    )
+
+
+def test_memory_plan_counts_the_bf16_copy_of_an_unsharded_model(monkeypatch):
+    actor = make_llama()
+    engine = make_engine(actor, make_reward(), mode="sequential", rollout_dtype=torch.bfloat16)
+    assert sum(p.numel() for p in replica_params(engine).values()) == sum(
+        p.numel() for p in actor.parameters()
+    )
+    _assert_the_plan_counts_the_replica(
+        lambda: make_engine(actor, make_reward(), mode="sequential", rollout_dtype=torch.bfloat16),
+        monkeypatch,
+        2,
+    )
+
+
 def test_rollout_dtype_must_be_a_floating_dtype_and_equal_to_the_models_shares_it():
     with pytest.raises(ValueError, match="rollout_dtype must be a floating torch.dtype"):
         EngineConfig(rollout_dtype=torch.int8)
