@@ -654,6 +654,38 @@ def test_weights_for_an_unsharded_replica_are_refused():
     assert engine.policy_version == 0
 
 
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, 3.4e38], ids=["nan", "inf", "finite-fp32-inf-bf16"])
+def test_update_policy_refuses_a_non_finite_weight_cast_into_the_unsharded_replica(bad):
+    actor = make_llama()
+    engine = make_engine(actor, make_reward(), mode="sequential", rollout_dtype=torch.bfloat16)
+    good = actor.model.norm.weight[7].item()
+    with torch.no_grad():
+        actor.model.norm.weight[7] = bad  # 3.4e38 is finite in float32, beyond bfloat16's range
+    with pytest.raises(ValueError, match=r"actor: parameter 'model.norm.weight' holds non-finite"):
+        engine.update_policy()
+    assert engine.policy_version == 0 and not engine._replicas.by_role["actor"].ready
+    engine.add_prompts(random_prompts(2, seed=9))
+    with pytest.raises(RuntimeError, match="not synced"):
+        engine.step()
+    with torch.no_grad():
+        actor.model.norm.weight[7] = good
+    engine.update_policy()
+    assert engine.policy_version == 1 and _cast_equal(engine, "actor", actor)
+    assert len(engine.step().rollouts) == 2
+    engine.release_memory(weights=True)  # resume() casts again, and checks the same way
+    with torch.no_grad():
+        actor.model.norm.weight[7] = bad
+    with pytest.raises(ValueError, match=r"actor: parameter 'model.norm.weight' holds non-finite"):
+        engine.resume()
+    with torch.no_grad():
+        actor.model.norm.weight[7] = good
+    engine.resume()
+    assert _cast_equal(engine, "actor", actor)
+    engine.add_prompts(random_prompts(2, seed=10))
+    assert len(engine.step().rollouts) == 2
+    _assert_all_pages_free(engine)
+
+
 def test_a_peft_actor_gets_a_bf16_replica_with_its_adapters():
     peft = pytest.importorskip("peft")
     base = make_llama()

@@ -243,7 +243,9 @@ class RolloutReplica:
     @torch.no_grad()
     def gather(self) -> None:
         """Copy the trainer's current weights into the replica, cast to its dtype (FSDP2: collective over
-        the mesh; an unsharded source: a local copy)."""
+        the mesh; an unsharded source: a local copy). A ``COPIED`` replica checks each floating parameter
+        once cast (one read of the copy): a non-finite one raises ``ValueError`` naming it, and the replica
+        stays not ready (partly overwritten) until a sync succeeds."""
         theirs = dict(self.source.named_parameters(remove_duplicate=False))
         self.ready = False
         dtensor = _dtensor_class()
@@ -251,6 +253,12 @@ class RolloutReplica:
             src, dst = theirs[name].detach(), self.params[name]
             if dtensor is None or not isinstance(src, dtensor):  # FSDP2 holds it unsharded right now
                 dst.copy_(src)
+                if self.kind == COPIED and dst.is_floating_point() and not bool(torch.isfinite(dst).all()):
+                    raise ValueError(
+                        f"{self.role}: parameter {name!r} holds non-finite values (NaN or inf) once cast to "
+                        f"{self.dtype}: a diverged update? The replica is not synced until update_policy() "
+                        "succeeds"
+                    )
             elif not _gather_into(dst, src):
                 # NOTE: cast before the gather: elementwise, so bit-equal to casting the gathered tensor,
                 # and half the bytes on the wire for bf16 replicas of fp32 weights.
