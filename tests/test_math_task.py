@@ -145,4 +145,5 @@ def test_the_math_demo_trains_the_pretrained_model_and_records_accuracy(smollm2,
     assert runs[0].records and runs[0].records[0].accuracy is not None
     out = json.loads((tmp_path / "records.json").read_text())["oppo"]
     assert 0 <= out["eval_accuracy_initial"] <= 1 and 0 <= out["eval_accuracy_final"] <= 1
+    assert out["time_to_accuracy_s"] is None or out["time_to_accuracy_s"] > 0
     assert any(line.startswith("held-out accuracy before training") for line in lines)

@@ -6,11 +6,13 @@ import pytest
 from oppo_engine.ppo.report import (
     ModeRun,
     StepRecord,
+    accuracy_threshold,
     chunk_choice,
     format_table,
     records_json,
     reward_threshold,
     steps_to_reward,
+    time_to_accuracy,
     time_to_reward,
 )
 
@@ -112,6 +114,29 @@ def test_a_rule_tasks_accuracy_and_heldout_accuracy_are_reported_beside_the_rewa
     assert out["eval_accuracy_initial"] == 0.04 and out["eval_accuracy_final"] == 0.31
     assert out["records"][2]["accuracy"] == pytest.approx(0.2) and out["records"][0]["unparsed"] == 1
     assert "accuracy" not in format_table([mode_run("sequential", [0.1] * 6, 2.0)])  # other tasks: no rows
+
+
+def test_time_to_accuracy_applies_the_threshold_rule_to_the_per_step_accuracy():
+    accuracy = [0.0] * 5 + [0.5] * 10  # trailing means: 0.0 first, 0.5 final -> threshold 0.45
+    seq = mode_run("sequential", [0.1] * 15, 2.0)
+    oppo, intra = mode_run("oppo", [0.1] * 15, 1.0), mode_run("intra", [0.1] * 15, 1.0)
+    for run, acc in ((seq, accuracy), (oppo, accuracy), (intra, [0.0] * 5 + [0.4] * 10)):
+        for rec, a in zip(run.records, acc, strict=True):
+            rec.accuracy, rec.unparsed, rec.cut_off = a, 0, 0.0
+    assert accuracy_threshold(seq) == pytest.approx(0.45)
+    # step 9's trailing mean is 0.4, step 10's 0.5: the summed time of steps 1-10
+    assert time_to_accuracy(seq, 0.45) == pytest.approx(20.0) and time_to_accuracy(
+        oppo, 0.45
+    ) == pytest.approx(10.0)
+    out = records_json([seq, oppo, intra])
+    assert out["sequential"]["time_to_accuracy_s"] == pytest.approx(20.0)
+    assert out["oppo"]["time_to_accuracy_s"] == pytest.approx(10.0)
+    assert out["intra"]["time_to_accuracy_s"] is None  # its trailing accuracy peaks at 0.4: never reached
+    assert "eval_accuracy_initial" not in out["oppo"]  # held-out accuracy not evaluated here
+    # not a rule task: no accuracy, no threshold, no key
+    plain = mode_run("sequential", [0.1] * 15, 2.0)
+    assert accuracy_threshold(plain) is None and time_to_accuracy(plain, 0.45) is None
+    assert "time_to_accuracy_s" not in records_json([plain])["sequential"]
 
 
 def test_agreement_fields_flatten_the_step_gap_and_map_empty_classes_to_none():

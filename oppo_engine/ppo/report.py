@@ -5,6 +5,10 @@ Time to reward: one threshold for every mode, ``seq_first + 0.9 * (seq_final - s
 final are the base mode's (``sequential``'s) trailing :data:`TRAILING`-step mean rewards at the start and
 the end of its run. A mode's time to reward is its own summed PPO step time (set-up excluded) at the first
 step where its trailing mean reaches the threshold (``None`` if it never does).
+
+Time to accuracy (a rule task, ``--task math``): the same rule applied to the per-step accuracy
+(``StepRecord.accuracy``) instead of the reward: its own threshold from the base mode's first and final
+trailing accuracy means, and each mode's summed step time at its trailing accuracy's first crossing.
 """
 
 from __future__ import annotations
@@ -81,10 +85,13 @@ class ModeRun:
 
     def trailing(self) -> list[float]:
         """The trailing mean reward at each step from the TRAILING-th on (over all steps if fewer)."""
-        rewards = [r.reward for r in self.records]
-        if len(rewards) < TRAILING:
-            return [mean(rewards)] if rewards else []
-        return [mean(rewards[i - TRAILING : i]) for i in range(TRAILING, len(rewards) + 1)]
+        return _trailing([r.reward for r in self.records])
+
+    def trailing_accuracy(self) -> list[float] | None:
+        """The trailing mean accuracy, as ``trailing()``; None unless every step recorded an accuracy (a
+        rule task)."""
+        accuracy = [r.accuracy for r in self.records]
+        return _trailing(accuracy) if accuracy and None not in accuracy else None
 
     def s_per_step(self) -> float:
         return mean(r.step_s for r in self.records)
@@ -93,10 +100,46 @@ class ModeRun:
         return mean(r.rollout_s for r in self.records)
 
 
+def _trailing(values: list[float]) -> list[float]:
+    if len(values) < TRAILING:
+        return [mean(values)] if values else []
+    return [mean(values[i - TRAILING : i]) for i in range(TRAILING, len(values) + 1)]
+
+
+def _threshold(trailing: list[float]) -> float:
+    return trailing[0] + THRESHOLD_FRACTION * (trailing[-1] - trailing[0])
+
+
+def _steps_to(trailing: list[float], steps: int, threshold: float) -> int | None:
+    """The step (1-based) of ``trailing``'s first value at or above ``threshold`` over ``steps`` records."""
+    offset = min(TRAILING, steps) - 1
+    for i, value in enumerate(trailing):
+        if value >= threshold:
+            return i + offset + 1
+    return None
+
+
 def reward_threshold(base: ModeRun) -> float:
     """``first + 0.9 * (final - first)`` of the base mode's trailing mean rewards."""
-    trailing = base.trailing()
-    return trailing[0] + THRESHOLD_FRACTION * (trailing[-1] - trailing[0])
+    return _threshold(base.trailing())
+
+
+def accuracy_threshold(base: ModeRun) -> float | None:
+    """``first + 0.9 * (final - first)`` of the base mode's trailing mean accuracies; None when its steps
+    recorded no accuracy (not a rule task)."""
+    trailing = base.trailing_accuracy()
+    return _threshold(trailing) if trailing else None
+
+
+def time_to_accuracy(run: ModeRun, threshold: float | None) -> float | None:
+    """The mode's summed step time at the first step whose trailing mean accuracy reaches ``threshold``;
+    None when it never does, or when there is no accuracy (``threshold`` None, or the mode's steps recorded
+    none)."""
+    trailing = run.trailing_accuracy()
+    if threshold is None or trailing is None:
+        return None
+    step = _steps_to(trailing, len(run.records), threshold)
+    return run.records[step - 1].elapsed_s if step is not None else None
 
 
 def time_to_reward(run: ModeRun, threshold: float) -> float | None:
@@ -109,11 +152,7 @@ def steps_to_reward(run: ModeRun, threshold: float) -> int | None:
     """How many steps the mode took to reach ``threshold`` (its trailing mean's first crossing), or None:
     time to reward is this many steps at the mode's own s/step, so the two ratios separate the pipeline's
     speed from the reward curve's parity."""
-    offset = min(TRAILING, len(run.records)) - 1
-    for i, value in enumerate(run.trailing()):
-        if value >= threshold:
-            return i + offset + 1
-    return None
+    return _steps_to(run.trailing(), len(run.records), threshold)
 
 
 def chunk_choice(run: ModeRun) -> str:
@@ -133,12 +172,13 @@ def base_run(runs: list[ModeRun]) -> ModeRun | None:
 
 
 def records_json(runs: list[ModeRun]) -> dict:
-    """``{mode: {time_to_reward_s, threshold, s_per_step, rollout_s_per_step, final_reward, records}}``, and
-    ``eval_accuracy_initial`` / ``eval_accuracy_final`` where the held-out accuracy was evaluated."""
+    """``{mode: {time_to_reward_s, threshold, s_per_step, rollout_s_per_step, final_reward, records}}``,
+    ``time_to_accuracy_s`` (None: not reached) in a rule task's entries (its steps recorded an accuracy),
+    and ``eval_accuracy_initial`` / ``eval_accuracy_final`` where the held-out accuracy was evaluated."""
     base = base_run(runs)
     if base is None:
         return {}
-    threshold = reward_threshold(base)
+    threshold, accuracy = reward_threshold(base), accuracy_threshold(base)
     return {
         r.mode: {
             "time_to_reward_s": time_to_reward(r, threshold),
@@ -147,6 +187,11 @@ def records_json(runs: list[ModeRun]) -> dict:
             "rollout_s_per_step": r.rollout_s_per_step(),
             "final_reward": r.final_reward(),
             "records": [asdict(x) for x in r.records],
+            **(
+                {"time_to_accuracy_s": time_to_accuracy(r, accuracy)}
+                if r.trailing_accuracy() is not None
+                else {}
+            ),
             **(
                 {
                     "eval_accuracy_initial": r.eval_accuracy_initial,
