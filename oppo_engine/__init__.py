@@ -1,8 +1,9 @@
 """oppo_engine: a rollout backend for PPO-RLHF that overlaps generation with scoring (OPPO, ICLR 2026).
 
-Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward``, and for multi-turn
-episodes ``Env``, ``Observation`` and ``ToolEnv`` (see docs/api/, docs/multi-turn.md and DESIGN.md). They are
-imported lazily, so ``import oppo_engine.ops`` (or ``.cache``) does not pull in transformers.
+Public API: ``RolloutEngine``, ``EngineConfig``, ``SamplingParams``, ``BatchedReward``, for multi-turn
+episodes ``Env``, ``Observation`` and ``ToolEnv``, and ``load_pretrained`` for real checkpoints (see
+docs/api/, docs/multi-turn.md, docs/models-and-inputs.md and DESIGN.md). They are imported lazily,
+so ``import oppo_engine.ops`` (or ``.cache``) does not pull in transformers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _EXPORTS = {
     "StepResult": "oppo_engine.sched.results",
     "CacheStats": "oppo_engine.cache.stats",
     "StepMetrics": "oppo_engine.obs.metrics",
+    "load_pretrained": "oppo_engine.pretrained",
 }
 __all__ = [
     "BatchedReward",
@@ -35,6 +37,7 @@ __all__ = [
     "StepMetrics",
     "StepResult",
     "ToolEnv",
+    "load_pretrained",
 ]
 
 if TYPE_CHECKING:
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     from oppo_engine.env.tools import ToolEnv
     from oppo_engine.model.rewards import BatchedReward
     from oppo_engine.obs.metrics import StepMetrics
+    from oppo_engine.pretrained import load_pretrained
     from oppo_engine.sched.results import Rollout, StepResult
 
 

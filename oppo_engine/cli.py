@@ -25,9 +25,17 @@ def _bench_module():
 
 def demo(args: argparse.Namespace) -> int:
     """PPO on the embedded task (or ``--actor``/``--reward``) in each mode of ``--modes``, side by side."""
-    from oppo_engine.ppo.demo import DemoOptions, run_demo
+    from oppo_engine.ppo.demo import MATH_DEFAULTS, DemoOptions, run_demo
 
     t0 = time.perf_counter()
+    # Options left out take the task's defaults (--task math: a 135M model, B=16, 128 tokens, 2 threads).
+    defaults = MATH_DEFAULTS if args.task == "math" else {}
+    given = {
+        k: v
+        for k, v in (("batch_size", args.batch_size), ("max_new_tokens", args.max_new_tokens))
+        if v is not None
+    }
+    sizes = {**dict(batch_size=32, max_new_tokens=DemoOptions().max_new_tokens), **defaults, **given}
     opts = DemoOptions(
         steps=args.steps,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
@@ -36,14 +44,16 @@ def demo(args: argparse.Namespace) -> int:
         device=args.device,
         actor=Path(args.actor) if args.actor else None,
         reward=Path(args.reward) if args.reward else None,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
+        batch_size=sizes["batch_size"],
+        max_new_tokens=sizes["max_new_tokens"],
+        threads=args.threads or defaults.get("threads", DemoOptions().threads),
         seed=args.seed,
         overcommit=args.overcommit,
         max_deferrals=args.max_deferrals,
         fsdp=args.fsdp,
         max_policy_lag=args.max_policy_lag,
         task=args.task,
+        heldout=args.heldout if args.heldout is not None else DemoOptions().heldout,
     )
     if args.fsdp:
         return demo_on_ranks(opts, t0)
@@ -188,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--steps", type=int, default=DemoOptions().steps, help="PPO steps per mode")
     d.add_argument(
-        "--task", default="polite", choices=("polite", "tools"),
-        help="the embedded task: polite answers, or sums with a calculator tool (multi-turn)",
+        "--task", default="polite", choices=("polite", "tools", "math"),
+        help="the embedded task: polite answers, sums with a calculator tool (multi-turn), or arithmetic "
+        "word problems for a pretrained chat model (SmolLM2-135M-Instruct, or --actor) scored by a rule",
     )  # fmt: skip
     d.add_argument("--modes", default=",".join(DEMO_MODES), help="comma-separated engine modes")
     d.add_argument("--out", default="demo_out", help="folder for table.txt, plots and traces")
@@ -200,12 +211,29 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device to run on"
     )
-    d.add_argument("--actor", help="local HF causal LM (with its tokenizer) instead of the embedded task")
-    d.add_argument("--reward", help="local one-label HF reward model (with --actor)")
-    d.add_argument("--batch-size", type=int, default=32, help="rollouts per PPO step (B)")
     d.add_argument(
-        "--max-new-tokens", type=int, default=DemoOptions().max_new_tokens, help="response length cap"
+        "--actor", help="local HF causal LM (with its tokenizer) instead of the embedded task; with --task "
+        "math also a .gguf file or a bundled name (default smollm2-135m-instruct)",
+    )  # fmt: skip
+    d.add_argument("--reward", help="local one-label HF reward model (with --actor; not with --task math)")
+    d.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="rollouts per PPO step, B (None: 32; 16 with --task math)",
     )
+    d.add_argument(
+        "--max-new-tokens", type=int, default=None,
+        help=f"response length cap (None: {DemoOptions().max_new_tokens}; 128 with --task math)",
+    )  # fmt: skip
+    d.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (None: 1; 2 with --task math; one "
+        "is faster on a loaded machine, where OpenMP threads contend with other processes)",
+    )  # fmt: skip
+    d.add_argument(
+        "--heldout", type=int, default=None, help="--task math: held-out problems evaluated before and after "
+        f"(default {DemoOptions().heldout}; 0: none)",
+    )  # fmt: skip
     d.add_argument("--seed", type=int, default=0, help="seed of the task, the models and the sampling")
     d.add_argument("--overcommit", type=int, default=None, help="Δ of inter, oppo (None: B / 2)")
     d.add_argument(

@@ -115,8 +115,8 @@ class EngineConfig:
     captured graphs (CUDA graphs per batch-size bucket on CUDA, ``torch.compile`` on the CPU): ``True``,
     ``False``, or ``"auto"`` (fixed per device type: on for CUDA, off for the CPU). ``rollout_dtype`` is
     the dtype of the rollout replicas of a sharded (FSDP2) or meta-device actor/critic (``None``: the
-    dtype their weights are stored in; bf16 replicas of fp32 trainer weights are common); with no such
-    model it must stay ``None``.
+    dtype their weights are stored in; bf16 replicas of fp32 trainer weights are common); an unsharded
+    actor/critic stored in another dtype gets a replica in it too, refreshed by ``update_policy()``.
     ``env_workers`` is the number of worker threads that run environment calls off the actor lane
     (``None``: one per sequence in flight, B + Δ_max); an async ``step`` runs on one event loop instead.
     ``env_timeout_s`` (``None``: no limit) ends a sequence whose environment call runs longer with

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
+from weakref import finalize
 
 import torch
 
@@ -17,10 +18,11 @@ from oppo_engine import checkpoint
 from oppo_engine.cache import KVSpec
 from oppo_engine.cache.plan import build_cache
 from oppo_engine.cache.stats import CacheStats, cache_stats
-from oppo_engine.cache.swap import HostPages, swap_in, swap_out
+from oppo_engine.cache.swap import HostPages, release_arena, restore_arena
 from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.distributed.group import collective, join_group
 from oppo_engine.distributed.remote import RemoteScorers
+from oppo_engine.guard import CallGuard, exclusive
 from oppo_engine.model.replica import RolloutReplicas
 from oppo_engine.model.roles import ACTOR, CRITIC, device_of, dtype_of, resolve_roles
 from oppo_engine.model.scorer import RuleReward
@@ -31,15 +33,10 @@ from oppo_engine.sched.build import build_step_loop
 from oppo_engine.sched.commit import StepCounters, StepStart, commit_step, run_step, whole_groups
 from oppo_engine.sched.lanes import ScorerLane
 from oppo_engine.sched.online import chunk_controller, feed_controllers, next_chunk_size
-from oppo_engine.sched.overcommit import (
-    BatchCut,
-    OvercommitBuffer,
-    delta_controller,
-    lag_due,
-    refresh_carried,
-)
+from oppo_engine.sched.overcommit import OvercommitBuffer, batch_cut, delta_controller, refresh_carried
 from oppo_engine.sched.prompts import PromptQueue
 from oppo_engine.sched.results import Rollout, StepResult
+from oppo_engine.serve import ServeHandle
 from oppo_engine.sim.prior import engine_prior
 
 __all__ = ["CacheStats", "Rollout", "RolloutEngine", "StepResult"]
@@ -104,6 +101,7 @@ class RolloutEngine:
         process_group: torch.distributed.ProcessGroup | None = None,
         env=None,
     ) -> None:
+        self._guard = CallGuard()  # step(), update_policy(), ... one at a time (guard.py)
         self.config = config or EngineConfig()
         self.sampling = sampling or SamplingParams()
         cfg = self.config
@@ -130,8 +128,8 @@ class RolloutEngine:
         self._models, self.vocab_size = roles.models, roles.vocab_size
         self.max_model_len = roles.max_model_len  # prompt + response tokens of a sequence, at most
         self.eos_token_ids, self.device = roles.eos_token_ids, device_of(actor)
-        self.reward = reward if roles.rule is None else roles.rule
-        self.reward_is_model = roles.rule is None
+        self._eos_explicit, self._server = eos_token_id is not None, None  # serve(): the endpoint, when up
+        self.reward, self.reward_is_model = (reward, True) if roles.rule is None else (roles.rule, False)
         if remote is not None:  # the handshake: refuses another vocabulary, a longer max_model_len
             remote.connect(vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                            local_reference=reference is not None)  # fmt: skip
@@ -152,9 +150,7 @@ class RolloutEngine:
             self.sampling, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             rank=None if self._group is None else self._group.rank, env=env,
         )  # fmt: skip
-        self._buffer = OvercommitBuffer()
-        self._policy_version = 0
-        self._counters = StepCounters()
+        self._buffer, self._policy_version, self._counters = OvercommitBuffer(), 0, StepCounters()
         self._closed = False
         self._host: HostPages | None = None  # retained pages while the arena is released
         self._swap_buffer: list[torch.Tensor] = []  # the last release's host buffer, reused by the next
@@ -165,11 +161,12 @@ class RolloutEngine:
             rule_reward=None if self.reward_is_model else self.reward,
             max_in_flight=cfg.batch_size + self._max_overcommit, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
-            overcommit=self._delta_control is not None, device=self.device,
-            timeline=self._timeline,
+            overcommit=self._delta_control is not None, device=self.device, timeline=self._timeline,
             make_lane=self.reward.lane if isinstance(self.reward, RemoteScorers) else ScorerLane,
         )  # fmt: skip
         self._loop, self._caches, self._captured = built.loop, built.caches, built.captured
+        # The step loop admits from the queue mid-step; an engine dropped unclosed lets its env workers go.
+        self._loop.admission, self._finalizer = self._prompts, finalize(self, self._loop.close)
 
     def _check_open(self) -> None:
         self._check_not_closed()
@@ -212,6 +209,7 @@ class RolloutEngine:
         where = "a prompt from the prompt source"
         self._prompts.set_source(map(lambda p: one_prompt(p, tokenizer, where), source))
 
+    @exclusive
     @collective("step()")
     def step(self) -> StepResult:
         """Generate and score the next ``batch_size`` rollouts; blocks until they are done.
@@ -243,14 +241,10 @@ class RolloutEngine:
         chunk_size = next_chunk_size(self._chunk_control, self._group)
         delta = whole_groups(self._delta_control.delta(), self.sampling.n) if self._delta_control else 0
         num_carried = len(self._buffer)  # B + Δ in flight: the carried sequences first, then new prompts
-        seqs = self._buffer.fill(self._prompts.take, cfg.batch_size + delta)
+        seqs = self._buffer.fill(partial(self._prompts.take, holding=num_carried), cfg.batch_size + delta)
         start = StepStart.take(seqs, num_carried, delta, chunk_size, caches=self._caches, loop=self._loop,
                                counters=self._counters)  # fmt: skip
-        if self._delta_control is not None:  # the first B finished, due sequences first
-            due = lag_due(self._policy_version, cfg.max_policy_lag)
-            cut = lambda live: BatchCut(live, cfg.batch_size, cfg.max_deferrals, lag_due=due)  # noqa: E731
-        else:
-            cut = lambda live: BatchCut(live, None, None)  # noqa: E731
+        cut = batch_cut(cfg, self._policy_version, delta if self._delta_control is not None else None)
         try:
             run, gpu = run_step(start, self._loop, cut, self._policy_version, models=self._models.values(),
                                 gpu=self._gpu, captured=self._captured)  # fmt: skip
@@ -269,13 +263,11 @@ class RolloutEngine:
                 graph_metrics=self._captured.step_metrics() if self._captured is not None else {},
             )  # fmt: skip
             log_step(self._counters.step_index + 1, result.metrics)
-            batch = out.finished
-            sampled = sum(v >= 0 for s in batch for v in s.policy_versions)  # observation tokens: -1
-            self._stale_warning.check(result.metrics.stale_tokens, sampled)
+            self._stale_warning.check(result.metrics.stale_tokens, out.finished)
             # NOTE: the controllers last: nothing after them can fail but an asynchronous interrupt, and one
             # extra timing sample changes no rollout.
             feed_controllers(
-                chunk_size, out, result.metrics.wall_s, batch, chunk_control=self._chunk_control,
+                chunk_size, out, result.metrics.wall_s, out.finished, chunk_control=self._chunk_control,
                 profiler=self._profiler, delta_control=self._delta_control, timeline=self._timeline,
                 trainer_reward=self._trainer_reward, group=self._group,
             )  # fmt: skip
@@ -286,6 +278,17 @@ class RolloutEngine:
             raise
         self._counters.advance()
         return result
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, **options):
+        """Serve this engine's episodes on an OpenAI-compatible endpoint, from a daemon thread: returns its
+        ``oppo_engine.serve.ServeHandle`` (which lists ``options`` and what is refused; docs/serve.md)."""
+        self._server = ServeHandle(self, host=host, port=port, api_key=api_key, **options)
+        return self._server
+
+    def add_agents(self, agent_fn, tasks: Iterable, n: int = 1, in_process: bool = True) -> None:
+        """Run ``async def agent_fn(task, client) -> float | None`` once per task in an episode of its own,
+        B + Δ at once (``ServeHandle.add_agents``: ``serve()`` first); returns at once."""
+        ServeHandle.of(self).add_agents(agent_fn, tasks, n=n, in_process=in_process)
 
     def report_reward(self, reward: float) -> None:
         """Feed the Δ controller the trainer's own reward signal for the last step; from the first call on,
@@ -307,6 +310,7 @@ class RolloutEngine:
         (``chunk_size="off"`` for a step the controller did not stream); empty in the other modes."""
         return list(self._chunk_control.history) if self._chunk_control is not None else []
 
+    @exclusive
     def update_policy(
         self,
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -344,6 +348,7 @@ class RolloutEngine:
         """Version tagged on tokens sampled now; ``update_policy()`` bumps it."""
         return self._policy_version
 
+    @exclusive
     def release_memory(self, weights: bool = False) -> None:
         """Free the KV arena (for training); ``resume()`` rebuilds it. Queued prompts are kept, and the
         retained pages of carried-over sequences (every model's) are copied to host memory. ``weights=True``
@@ -355,28 +360,22 @@ class RolloutEngine:
         self._check_not_closed()  # after a failed collective, only state_dict() and close() work
         if weights:
             self._replicas.release()
-        if self._host is None:
-            self._host = swap_out(self._arena, self._caches, self._swap_buffer)  # takes the buffer out
-            self._arena.release()
-            if self._captured is not None:
-                self._captured.arena_released(self._arena.fixed_address)
+        if self._host is None:  # takes the swap buffer out
+            self._host = release_arena(self._arena, self._caches, self._swap_buffer, self._captured)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    @exclusive
     def resume(self) -> None:
         """Rebuild the KV arena after ``release_memory()`` and bring the retained pages back (new page ids,
         the same bytes); released replicas get their memory back, and the FSDP2 ones are gathered from the
         trainer's shards (collective)."""
         self._check_not_closed()
         self._replicas.restore()
-        if self._host is None:
-            return
-        self._arena.rebuild()
-        swapped = self._counters.swapped_tokens
-        for name, n in swap_in(self._host, self._arena, self._caches).items():
-            swapped[name] = swapped.get(name, 0) + n
-        self._swap_buffer = [self._host.whole]  # the next release writes it (its copy is ordered first)
-        self._host = None
+        if self._host is not None:
+            host = self._host
+            self._swap_buffer = restore_arena(host, self._arena, self._caches, self._counters.swapped_tokens)
+            self._host = None
 
     def cache_stats(self) -> CacheStats:
         """Pages of the arena: total, free, per model, and retained for carried-over sequences (in the
@@ -398,6 +397,7 @@ class RolloutEngine:
         self._check_not_closed(group=False)
         return checkpoint.save_state(self)
 
+    @exclusive
     def load_state_dict(self, state: dict) -> int:
         """Replace the prompts in flight and queued with ``state``'s (the KV of each is prefilled again);
         returns how many sequences had to start over from their prompts.
@@ -419,6 +419,7 @@ class RolloutEngine:
         """Lane spans of the last step (export with ``timeline.to_chrome_trace(path)``)."""
         return self._timeline
 
+    @exclusive
     def close(self) -> None:
         """Free the arena now (its device memory, and the captured graphs' memory, go back before this
         returns, whatever still refers to the engine), cancel the environment calls pending and refuse
@@ -428,6 +429,8 @@ class RolloutEngine:
         self._closed = True
         arena = self._arena
         try:
+            if self._server is not None:
+                self._server.close()
             self._loop.close()
             if self._captured is not None:
                 self._captured.close()

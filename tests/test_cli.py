@@ -20,6 +20,8 @@ from oppo_engine.cli import main
         (["--max-policy-lag", "0"], "max_policy_lag"),
         (["--max-policy-lag", "two"], "an int >= 1 or 'none'"),
         (["--overcommit", "64"], "overcommit"),  # Δ > B under a lag bound: refused by the engine's config
+        (["--task", "math", "--reward", "/nonexistent"], "--task math is scored by a rule: no --reward"),
+        (["--task", "math", "--batch-size", "0"], "batch_size"),
     ],
 )
 def test_demo_bad_option_exits_2_with_a_message(tmp_path, capsys, args, match):
@@ -42,7 +44,11 @@ def test_bare_command_prints_help_not_an_argparse_error(capsys):
     ("args", "prog", "defaults"),
     [
         (["--help"], "usage: oppo-engine", []),
-        (["demo", "--help"], "usage: oppo-engine demo", ["(default: 30)", "(default: 32)", "torch device"]),
+        (
+            ["demo", "--help"],
+            "usage: oppo-engine demo",
+            ["(default: 30)", "(None: 32; 16 with --task math)", "torch device"],
+        ),
         (["bench", "--help"], "usage: oppo-engine bench", ["(default: tiny)", "(default: 3)"]),
         (["trace", "--help"], "usage: oppo-engine trace", ["(default: longtail)"]),
         (

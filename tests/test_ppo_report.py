@@ -99,6 +99,21 @@ def test_table_reports_speed_ups_against_sequential():
     assert "off (8/8)" in table
 
 
+def test_a_rule_tasks_accuracy_and_heldout_accuracy_are_reported_beside_the_reward():
+    runs = [mode_run("sequential", [0.1] * 6, 2.0), mode_run("oppo", [0.1] * 6, 1.0)]
+    for run in runs:
+        for i, rec in enumerate(run.records):
+            rec.accuracy, rec.unparsed, rec.cut_off = 0.1 * i, 1, 0.25
+        run.eval_accuracy_initial, run.eval_accuracy_final = 0.04, 0.31
+    table = format_table(runs)
+    assert "accuracy: first -> final" in table and "0% -> 30%" in table  # the last 5 steps' mean
+    assert "held-out accuracy: before -> after | 4.0% -> 31.0%" in table.replace("  ", " ").replace("  ", " ")
+    out = records_json(runs)["oppo"]
+    assert out["eval_accuracy_initial"] == 0.04 and out["eval_accuracy_final"] == 0.31
+    assert out["records"][2]["accuracy"] == pytest.approx(0.2) and out["records"][0]["unparsed"] == 1
+    assert "accuracy" not in format_table([mode_run("sequential", [0.1] * 6, 2.0)])  # other tasks: no rows
+
+
 def test_agreement_fields_flatten_the_step_gap_and_map_empty_classes_to_none():
     import math
 

@@ -508,37 +508,116 @@ def test_weights_for_a_shared_model_and_plain_update_for_a_fed_one_raise(meta_pa
     assert fed.policy_version == 0
 
 
-def test_rollout_dtype_without_a_sharded_model_is_refused():
-    with pytest.raises(ValueError, match="rollout_dtype"):
-        make_engine(make_llama(), make_reward(), mode="sequential", rollout_dtype=torch.bfloat16)
+def test_rollout_dtype_must_be_a_floating_dtype_and_equal_to_the_models_shares_it():
     with pytest.raises(ValueError, match="rollout_dtype must be a floating torch.dtype"):
         EngineConfig(rollout_dtype=torch.int8)
+    actor = make_llama()
+    engine = make_engine(actor, make_reward(), mode="sequential", rollout_dtype=torch.float32)
+    assert engine.actor is actor and engine._replicas.by_role == {}  # zero-copy, as without rollout_dtype
 
 
-def test_released_fed_replica_needs_new_weights_before_the_next_step(meta_pair):
-    meta, real = meta_pair
-    engine = make_engine(meta, make_reward(), mode="sequential")
-    weights = dict(real.named_parameters())
-    engine.update_policy(weights=weights)
-    engine.add_prompts(random_prompts(4, seed=1))
-    engine.step()
+# -- unsharded fp32 models rolled out from a bf16 replica (rollout_dtype) --------------------------------
+
+
+def _seeded(prompts: list[list[int]], seed: int) -> list[SamplingParams]:
+    """Per-prompt sampling with explicit seeds: the same noise whichever engine, and whenever, runs them."""
+    return [SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed + i) for i in range(len(prompts))]
+
+
+def _drained(engine: RolloutEngine) -> list[tuple]:
+    """Every rollout of the engine's queued prompts: (prompt, response, log-probs, values), prompt order."""
+    out = []
+    while rollouts := engine.step().rollouts:
+        out.extend((r.prompt_ids, r.response_ids, r.logprobs, r.values) for r in rollouts)
+    return sorted(out, key=lambda r: (r[0], r[1]))
+
+
+def _assert_all_pages_free(engine: RolloutEngine) -> None:
+    stats = engine.cache_stats()
+    assert stats.free_pages == stats.total_pages and not any(stats.pages_per_model.values()), stats
+
+
+def _cast_equal(engine: RolloutEngine, role: str, model: torch.nn.Module) -> bool:
+    theirs = dict(model.named_parameters())
+    return all(torch.equal(p, theirs[n].to(p.dtype)) for n, p in replica_params(engine, role).items())
+
+
+@pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo"])
+def test_a_bf16_replica_of_unsharded_fp32_models_rolls_out_as_a_bf16_copy_of_them(mode):
+    actor, critic, reward = make_llama(), make_critic(), make_reward()
+    prompts = random_prompts(7, seed=7)  # more prompts than B (2): carried and deferred ones under oppo
+    chunk = {"chunk_size": 3} if mode in ("intra", "oppo") else {}
+    half = make_engine(actor, reward, critic, mode=mode, rollout_dtype=torch.bfloat16, **chunk)
+    want = make_engine(_bf16_copy(actor), reward, _bf16_copy(critic), mode=mode, **chunk)
+    assert half.actor is not actor and all(p.dtype == torch.bfloat16 for p in half.actor.parameters())
+    assert all(p.dtype == torch.float32 for p in [*actor.parameters(), *critic.parameters()])  # untouched
+    assert _cast_equal(half, "actor", actor) and _cast_equal(half, "critic", critic)
+    rotary = half.actor.model.rotary_emb.inv_freq  # float32, as HF builds a model loaded in bf16
+    assert rotary.dtype == torch.float32 and torch.equal(rotary, actor.model.rotary_emb.inv_freq)
+    for engine in (half, want):
+        engine.add_prompts(prompts, sampling=_seeded(prompts, 40))
+    got = _drained(half)
+    assert len(got) == len(prompts) and got == _drained(want)
+    _assert_all_pages_free(half)
+
+
+def test_update_policy_casts_the_trained_weights_into_the_unsharded_replica():
+    actor, critic, reward = make_llama(), make_critic(), make_reward()
+    prompts = random_prompts(4, seed=8)
+    engine = make_engine(actor, reward, critic, mode="oppo", rollout_dtype=torch.bfloat16)
+    engine.add_prompts(prompts, sampling=_seeded(prompts, 60))
+    before = _drained(engine)
+    ids_before = [id(p) for p in replica_params(engine).values()]
+    opt = torch.optim.SGD([*actor.parameters(), *critic.parameters()], lr=0.5)
+    _train(0, actor, critic, opt)
+    assert not _cast_equal(engine, "actor", actor)  # a snapshot: nothing moves before update_policy
+    engine.update_policy()
+    assert _cast_equal(engine, "actor", actor) and _cast_equal(engine, "critic", critic)
+    assert [id(p) for p in replica_params(engine).values()] == ids_before  # copied in place
+    want = make_engine(_bf16_copy(actor), reward, _bf16_copy(critic), mode="oppo")
+    for e in (engine, want):
+        e.add_prompts(prompts, sampling=_seeded(prompts, 60))
+    after = _drained(engine)
+    assert after == _drained(want)
+    assert [r[2] for r in after] != [r[2] for r in before]  # the new weights really roll out
+    _assert_all_pages_free(engine)
+
+
+def test_release_memory_frees_the_unsharded_replica_and_resume_casts_it_again():
+    actor = make_llama()
+    engine = make_engine(actor, make_reward(), mode="sequential", rollout_dtype=torch.bfloat16)
+    with torch.no_grad():
+        actor.model.norm.weight.mul_(2.0)  # trained while released: resume() reads the current weights
     engine.release_memory(weights=True)
     assert all(p.untyped_storage().nbytes() == 0 for p in replica_params(engine).values())
     engine.resume()
-    with pytest.raises(RuntimeError, match=r"update_policy\(weights=\.\.\.\)"):
-        engine.step()
-    engine.update_policy(weights=weights)
+    assert _cast_equal(engine, "actor", actor)
+    engine.add_prompts(random_prompts(2, seed=9))
     assert len(engine.step().rollouts) == 2
-    assert all(torch.equal(replica_params(engine)[n], p) for n, p in weights.items())
 
 
-def test_memory_plan_counts_the_replica_bytes(meta_pair, monkeypatch):
-    meta, _ = meta_pair
-    engine = make_engine(meta, make_reward(), mode="sequential")
-    replica = engine._replicas.by_role["actor"]
-    assert replica.nbytes == sum(p.numel() * 4 for p in replica.params.values())
-    pages, page_bytes = engine.cache_stats().total_pages, engine._page_bytes
-    # A host whose default share (a quarter) is the replica plus one page fewer than the plan wants.
-    memory = 4 * (replica.nbytes + (pages - 1) * page_bytes)
-    monkeypatch.setattr("oppo_engine.cache.plan.os.sysconf", {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": memory}.get)
-    assert make_engine(meta, make_reward(), mode="sequential").cache_stats().total_pages == pages - 1
+def test_weights_for_an_unsharded_replica_are_refused():
+    actor = make_llama()
+    engine = make_engine(actor, make_reward(), mode="sequential", rollout_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"refreshed from it: update_policy\(\) \(no weights\)"):
+        engine.update_policy(weights=dict(actor.named_parameters()))
+    assert engine.policy_version == 0
+
+
+def test_a_peft_actor_gets_a_bf16_replica_with_its_adapters():
+    peft = pytest.importorskip("peft")
+    base = make_llama()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    actor = peft.get_peft_model(copy.deepcopy(base), config)
+    engine = make_engine(actor, make_reward(), mode="sequential", rollout_dtype=torch.bfloat16)
+    assert _cast_equal(engine, "actor", actor)
+    assert any("lora_A" in n for n in replica_params(engine))
+    half = copy.deepcopy(actor)  # the same adapters, every parameter rounded to bf16, buffers as they are
+    for p in half.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    want = make_engine(half, make_reward(), mode="sequential")
+    prompts = random_prompts(3, seed=10)
+    for e in (engine, want):
+        e.add_prompts(prompts, sampling=_seeded(prompts, 70))
+    got = _drained(engine)
+    assert len(got) == 3 and got == _drained(want)

@@ -369,3 +369,45 @@ def test_grpo_trains_only_on_sampled_tokens_of_multi_turn_episodes(tokenizer, tm
     with pytest.raises(ValueError, match="mask_truncated_completions=True with an engine environment"):
         engine_rollout_func(engine, _args(tmp_path, mask_truncated_completions=True))
     engine.close()
+
+
+def test_grpo_trains_fp32_weights_rolled_out_from_a_bf16_replica(tokenizer, tmp_path):
+    """rollout_dtype=bf16 on the trainer's fp32 model: TRL trains the fp32 weights, the engine samples from
+    its bf16 copy, refreshed when TRL's global step advances (update_policy)."""
+    actor, reward = _models(tokenizer)
+    args = _args(tmp_path)
+    engine = RolloutEngine(
+        actor=actor, reward=reward, sampling=sampling_params_for(args, seed=7),
+        config=EngineConfig(batch_size=4, mode="sequential", max_model_len=64, page_size=8,
+                            rollout_dtype=torch.bfloat16),
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    initial = {n: p.detach().to(torch.bfloat16) for n, p in actor.named_parameters()}
+    assert engine.actor is not actor and next(engine.actor.parameters()).dtype == torch.bfloat16
+    _trainer(actor, tokenizer, args, engine_rollout_func(engine, args)).train()
+    assert all(p.dtype == torch.float32 for p in actor.parameters())
+    replica = dict(engine.actor.named_parameters())
+    assert any(not torch.equal(replica[n], initial[n]) for n in initial)  # refreshed during training
+    engine.update_policy()
+    assert all(torch.equal(replica[n], p.detach().to(torch.bfloat16)) for n, p in actor.named_parameters())
+
+
+@pytest.mark.real_model  # ~20 s of CPU (one GRPO step of a 135M model): pytest -m real_model
+def test_grpo_fine_tunes_the_bundled_pretrained_model(smollm2, tmp_path):
+    """The GGUF-born SmolLM2 is a plain model to HF's Trainer: one GRPO step through the engine moves its
+    weights (a model loaded straight from the GGUF keeps a quantizer that Trainer refuses to fine-tune)."""
+    model, tokenizer = copy.deepcopy(smollm2[0]).train(), smollm2[1]
+    before = model.model.layers[0].self_attn.q_proj.weight.clone()
+    args = _args(tmp_path, per_device_train_batch_size=4, num_iterations=1, max_completion_length=6,
+                 max_steps=1, learning_rate=1e-4)  # fmt: skip
+    engine = RolloutEngine(
+        actor=model,
+        reward=lambda prompt, response: float(len(response)),
+        config=EngineConfig(batch_size=4, mode="sequential", max_model_len=128),
+        sampling=sampling_params_for(args, seed=7),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    trainer = _trainer(model, tokenizer, args, engine_rollout_func(engine, args), prompts=["What is 2 + 3?"])
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight)

@@ -152,6 +152,26 @@ def swap_out_seq(cache: KVCacheManager, seq_id: Hashable) -> HostPages | None:
     return host
 
 
+def release_arena(arena: KVArena, caches: dict[str, KVCacheManager], buffer: list, captured) -> HostPages:
+    """``RolloutEngine.release_memory``'s core: every retained page to host (into ``buffer``, the last
+    release's, taken out and reused), then the arena freed (captured graphs told: their addresses go)."""
+    host = swap_out(arena, caches, buffer)
+    arena.release()
+    if captured is not None:
+        captured.arena_released(arena.fixed_address)
+    return host
+
+
+def restore_arena(host: HostPages, arena: KVArena, caches: dict[str, KVCacheManager], swapped: dict) -> list:
+    """``RolloutEngine.resume``'s core: the arena rebuilt and ``host``'s pages brought back (new page ids, the
+    same bytes), the tokens brought back counted into ``swapped`` per model; returns the buffer the next
+    release reuses (its copy is ordered first)."""
+    arena.rebuild()
+    for name, n in swap_in(host, arena, caches).items():
+        swapped[name] = swapped.get(name, 0) + n
+    return [host.whole]
+
+
 def swap_in_seq(cache: KVCacheManager, seq_id: Hashable, host: HostPages) -> int | None:
     """Bring ``seq_id``'s pages back from ``host`` into new pages of ``cache``; the tokens brought back, or
     None (nothing changed) when the pool is short."""

@@ -23,6 +23,7 @@ from typing import Any
 from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor
 
 QUEUED, RUNNING, DONE, ABANDONED = "queued", "running", "done", "abandoned"
+IDLE_EXIT_S = 60.0  # a worker with no call for this long exits (an engine dropped unclosed keeps none)
 
 
 class EnvTimeout(TimeoutError):
@@ -52,7 +53,8 @@ class EnvCall:
 
 
 class EnvPool:
-    """Up to ``max_workers`` workers, started as calls need them and kept until ``close``.
+    """Up to ``max_workers`` workers, started as calls need them; one idle for ``IDLE_EXIT_S`` exits, and
+    ``close`` ends them all (``RolloutEngine`` also closes its pool when it is garbage-collected unclosed).
 
     Only the actor thread calls ``submit``, ``drain``, ``expire``, ``abandon``, ``wait`` and ``close``;
     workers only run calls and report them done. ``timeout_s=None``: no call is ever expired.
@@ -70,6 +72,7 @@ class EnvPool:
         self._workers = 0  # counted workers (a worker stuck in an expired call is no longer counted)
         self._idle = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._own_loop = True  # the pool started its loop (and stops it); False: a serving thread's loop
         self._closed = False
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
@@ -78,6 +81,15 @@ class EnvPool:
             raise RuntimeError("EnvPool.use_runtime: workers are already running")
         self.clock, self.executor = clock, executor
         self._cond = executor.condition()
+
+    def use_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Run async calls on ``loop``, which another thread runs and owns (the serving loop of
+        ``RolloutEngine.serve``); ``None`` gives the pool its own loop again (started on first use)."""
+        with self._cond:
+            old, own = self._loop, self._own_loop
+            self._loop, self._own_loop = loop, loop is None
+        if old is not None and own:
+            old.call_soon_threadsafe(old.stop)
 
     # -- the actor thread's side -----------------------------------------------------------------------
 
@@ -180,11 +192,12 @@ class EnvPool:
             for call in calls:
                 call.state = ABANDONED
             loop, self._loop = self._loop, None
+            own = self._own_loop
             self._cond.notify_all()
         for call in calls:
             if call.future is not None:
                 call.future.cancel()
-        if loop is not None:
+        if loop is not None and own:
             loop.call_soon_threadsafe(loop.stop)
 
     # -- the workers' side -----------------------------------------------------------------------------
@@ -194,8 +207,11 @@ class EnvPool:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._idle += 1
-                    self._cond.wait()
+                    woke = self._cond.wait(IDLE_EXIT_S)
                     self._idle -= 1
+                    if not woke and not self._queue and not self._closed:
+                        self._workers -= 1  # idle for a minute: gone (a later call starts another)
+                        return
                 if self._closed:
                     return
                 call = self._queue.popleft()

@@ -19,12 +19,17 @@ class Observation:
     ``tokens`` are appended to the sequence and never sampled (``Rollout.action_mask`` 0; a done
     observation's too; they may be empty). ``done`` ends the episode (``finish_reason="env_done"``).
     ``reward``, given with ``done``, is the episode's reward (``Rollout.reward``); ``None`` leaves the
-    reward to the engine's reward model or function, which reads the whole transcript.
+    reward to the engine's reward model or function, which reads the whole transcript. ``finish_reason`` is
+    the rollout's when ``done`` (an agent's episode ends with ``"agent_done"``). ``next_turn_tokens``
+    (``None``: unchanged) bounds the next turn's sampled tokens, as ``SamplingParams.max_turn_tokens`` does
+    (an agent's ``max_tokens`` of its next request).
     """
 
     tokens: list[int] = field(default_factory=list)
     done: bool = False
     reward: float | None = None
+    finish_reason: str = "env_done"
+    next_turn_tokens: int | None = None
 
 
 @runtime_checkable
@@ -34,7 +39,13 @@ class Env(Protocol):
     that turn's sampled tokens (a turn-stop token included). Both run on a worker thread, off the actor
     lane; ``step`` may be a coroutine function (``async def``), which runs on the engine's event loop. An
     exception from either (or a call past ``EngineConfig.env_timeout_s``) ends that sequence alone with
-    ``finish_reason="error"`` in ``StepResult.failed``."""
+    ``finish_reason="error"`` in ``StepResult.failed``.
+
+    Two optional members (``serve.AgentEnv`` has both): ``step_logprobs = True`` makes the engine call
+    ``step(turn_ids, logprobs)`` with the turn's behaviour log-probs; ``end(turn_ids, logprobs, reason)`` is
+    called (on the actor thread: it must not block) when the episode ends without the environment's word --
+    ``reason`` is the finish reason (``"eos"``, ``"length"``, ...) and the turn the one cut by it -- or with
+    ``reason=None`` and no turn when the sequence is abandoned (restarted, failed, quarantined, closed)."""
 
     def reset(self, prompt_ids: list[int]) -> None: ...
 
@@ -69,4 +80,17 @@ def check_observation(obs: object, env: object) -> Observation:
     reward = obs.reward
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)):
         raise TypeError(f"environment {name}: Observation.reward must be a number or None, got {reward!r}")
-    return Observation([int(t) for t in tokens], obs.done, None if reward is None else float(reward))
+    limit = obs.next_turn_tokens
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1
+    ):
+        raise TypeError(
+            f"environment {name}: Observation.next_turn_tokens must be an int >= 1 or None, got {limit!r}"
+        )
+    return Observation(
+        [int(t) for t in tokens],
+        obs.done,
+        None if reward is None else float(reward),
+        str(obs.finish_reason),
+        None if limit is None else int(limit),
+    )

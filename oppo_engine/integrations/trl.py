@@ -211,7 +211,10 @@ class EngineRolloutFunc:
         if self._trainer is not None:
             raise ValueError("this rollout_func already serves another GRPOTrainer: build one per trainer")
         model = trainer.accelerator.unwrap_model(trainer.model)
-        if model is not self.engine.actor:
+        replica = self.engine._replicas.by_role.get("actor")  # rollout_dtype: a copy refreshed from the model
+        if model is not (
+            replica.source if replica is not None and replica.source is not None else self.engine.actor
+        ):
             raise ValueError(
                 "the engine's actor is not the trainer's model: build the RolloutEngine on the model "
                 "passed to GRPOTrainer, so that the completions come from the policy being trained"

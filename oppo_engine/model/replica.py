@@ -1,8 +1,9 @@
-"""Rollout replicas: full copies of the trainer's sharded (FSDP2) or remotely held models that the engine
-runs instead of them, and the weight sync that refreshes them after every policy update.
+"""Rollout replicas: full copies of the trainer's sharded (FSDP2), remotely held or other-dtype models that
+the engine runs instead of them, and the weight sync that refreshes them after every policy update.
 
-An unsharded actor or critic is run as it is, shared with the trainer (zero-copy): nothing here applies.
-A model needs a replica when the engine cannot read its full weights in place:
+An unsharded actor or critic is run as it is, shared with the trainer (zero-copy), unless
+``EngineConfig.rollout_dtype`` differs from its dtype. A model needs a replica when the engine cannot read
+its full weights in place, or should not run them in the dtype they are stored in:
 
 - **FSDP2** (``fully_shard``): each rank holds a slice of every parameter (a ``DTensor``). The replica is
   filled by gathering the trainer's current weights, one FSDP module (a layer) at a time and one parameter
@@ -13,6 +14,11 @@ A model needs a replica when the engine cannot read its full weights in place:
 - **the meta device** (``weights=`` trainers: DeepSpeed ZeRO-3 under ``GatheredParameters``, Megatron,
   another process): the engine builds the replica from the model's config and the trainer sends full
   tensors with ``RolloutEngine.update_policy(weights=...)``.
+- **another dtype** (an unsharded model, ``rollout_dtype`` set and not its dtype: fp32 master weights
+  rolled out in bf16): the replica is a ``deepcopy`` of the model whose parameters are allocated in
+  ``rollout_dtype`` (its buffers, e.g. the rotary frequencies, are copied as they are: float32, as HF builds
+  a model loaded in bf16); a sync casts each of the trainer's parameters into it. A PEFT-wrapped model is
+  copied with its adapters.
 
 A replica's ``Parameter`` objects live as long as the engine: syncs copy in place, ``release()`` frees the
 storage under them (``untyped_storage().resize_(0)``, as FSDP2 frees its unsharded parameters) and
@@ -30,8 +36,9 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-# What a replica is fed by: the trainer's FSDP2 model (gathered), or update_policy(weights=...).
-GATHERED, FED = "gathered", "fed"
+# What a replica is fed by: the trainer's FSDP2 model (gathered), update_policy(weights=...), or the
+# trainer's unsharded model, cast (copied).
+GATHERED, FED, COPIED = "gathered", "fed", "copied"
 
 
 def _fsdp_module_class() -> type | None:
@@ -61,9 +68,14 @@ def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def needs_replica(model: nn.Module | None) -> bool:
-    """Whether the engine runs ``model`` through a replica (FSDP2 or meta) rather than sharing it."""
-    return isinstance(model, nn.Module) and (is_fsdp2(model) or is_meta(model))
+def needs_replica(model: nn.Module | None, rollout_dtype: torch.dtype | None = None) -> bool:
+    """Whether the engine runs ``model`` through a replica (FSDP2, meta, or stored in a dtype other than
+    ``rollout_dtype``) rather than sharing it."""
+    if not isinstance(model, nn.Module):
+        return False
+    if is_fsdp2(model) or is_meta(model):
+        return True
+    return rollout_dtype is not None and stored_dtype(model) != rollout_dtype
 
 
 def hf_class(model: nn.Module) -> type:
@@ -148,23 +160,39 @@ def stored_dtype(model: nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
+def _copy_in_dtype(source: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``deepcopy(source)`` whose parameters are fresh (uninitialised) tensors of ``dtype``: the trainer's
+    weights are never copied whole in their own dtype (no full-size temporary). Tied parameters stay one
+    tensor; buffers and everything else are deep copies."""
+    memo = {
+        id(p): nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False)
+        for p in source.parameters()
+    }
+    return copy.deepcopy(source, memo)
+
+
 class RolloutReplica:
-    """A full copy of the trainer's ``source`` model (its HF class, built from its config) on ``device``
-    in ``dtype``; ``model`` is what the engine runs. ``kind`` is ``GATHERED`` (FSDP2: ``gather()`` reads
-    the trainer's shards) or ``FED`` (meta device: ``load(weights)``). ``ready`` is False until a complete
-    set of weights has been copied in, and again after ``release()`` or a failed sync."""
+    """A full copy of the trainer's ``source`` model on ``device`` in ``dtype``; ``model`` is what the engine
+    runs. ``kind`` is ``GATHERED`` (FSDP2: ``gather()`` reads the trainer's shards; the replica is built from
+    the model's HF class and config), ``FED`` (meta device: ``load(weights)``; built from the config too) or
+    ``COPIED`` (an unsharded model in another dtype: a copy of it, which ``gather()`` fills by casting its
+    parameters). ``ready`` is False until a complete set of weights has been copied in, and again after
+    ``release()`` or a failed sync."""
 
     def __init__(self, source: nn.Module, *, role: str, device: torch.device, dtype: torch.dtype) -> None:
-        _check_replicable(source, role)
         self.role = role
-        self.kind = GATHERED if is_fsdp2(source) else FED
-        self.source = source if self.kind == GATHERED else None
+        self.kind = GATHERED if is_fsdp2(source) else FED if is_meta(source) else COPIED
+        self.source = source if self.kind != FED else None
         self.dtype = dtype
-        with torch.device(device), _no_init():
-            model = hf_class(source)._from_config(copy.deepcopy(source.config), dtype=dtype)
-        model.tie_weights()  # skipped with the initialisation: one tensor for tied weights, as in the trainer
-        if getattr(source, "generation_config", None) is not None:  # EOS ids are read from it
-            model.generation_config = copy.deepcopy(source.generation_config)
+        if self.kind == COPIED:
+            model = _copy_in_dtype(source, dtype)
+        else:
+            _check_replicable(source, role)
+            with torch.device(device), _no_init():
+                model = hf_class(source)._from_config(copy.deepcopy(source.config), dtype=dtype)
+            model.tie_weights()  # skipped with the initialisation: tied weights are one tensor, as trained
+            if getattr(source, "generation_config", None) is not None:  # EOS ids are read from it
+                model.generation_config = copy.deepcopy(source.generation_config)
         self.model = model.eval().requires_grad_(False)
         # Tied weights once: the names update_policy(weights=...) takes.
         self.params: dict[str, nn.Parameter] = dict(self.model.named_parameters())
@@ -214,7 +242,8 @@ class RolloutReplica:
 
     @torch.no_grad()
     def gather(self) -> None:
-        """Copy the trainer's current weights into the replica (FSDP2; collective over the mesh)."""
+        """Copy the trainer's current weights into the replica, cast to its dtype (FSDP2: collective over
+        the mesh; an unsharded source: a local copy)."""
         theirs = dict(self.source.named_parameters(remove_duplicate=False))
         self.ready = False
         dtensor = _dtensor_class()
@@ -351,20 +380,15 @@ class RolloutReplicas:
         others: Iterable[object],
         rollout_dtype: torch.dtype | None,
     ) -> None:
-        wanted = {role: m for role, m in trained.items() if needs_replica(m)}
-        if rollout_dtype is not None and not wanted:
-            raise ValueError(
-                f"EngineConfig.rollout_dtype={rollout_dtype} applies only to replicas of sharded (FSDP2) or "
-                "meta-device actor/critic models, and this engine has none: its models are shared with the "
-                "trainer and run in their own dtype; leave rollout_dtype=None"
-            )
+        # NOTE: an unsharded model already stored in rollout_dtype is shared (zero-copy), as without it.
+        wanted = {role: m for role, m in trained.items() if needs_replica(m, rollout_dtype)}
         device = rollout_device([*trained.values(), *others]) if wanted else None
         self.by_role: dict[str, RolloutReplica] = {
             role: RolloutReplica(m, role=role, device=device, dtype=rollout_dtype or stored_dtype(m))
             for role, m in wanted.items()
         }
         for replica in self.by_role.values():
-            if replica.kind == GATHERED:
+            if replica.kind != FED:
                 replica.gather()
 
     def runs(self, role: str, model: nn.Module | None) -> nn.Module | None:
@@ -431,6 +455,12 @@ class RolloutReplicas:
                     f"its {role}: an unsharded {role} is shared with the trainer, so its weights already "
                     "are the trainer's (and an absent one has none)"
                 )
+            if w is not None and self.by_role[role].kind == COPIED:
+                raise ValueError(
+                    f"update_policy: {WEIGHTS_ARGUMENT[role]}= was given, but the {role} is an unsharded "
+                    f"model whose rollout_dtype replica is refreshed from it: update_policy() (no weights) "
+                    "casts the trainer's current weights into it"
+                )
         for role, r in self.by_role.items():
             if r.kind == FED and weights.get(role) is None:
                 raise ValueError(
@@ -466,8 +496,9 @@ class RolloutReplicas:
             r.release()
 
     def restore(self) -> None:
-        """Give the replicas their storage back; the FSDP2 ones are gathered again (collective)."""
+        """Give the replicas their storage back; the FSDP2 ones are gathered again (collective), the copied
+        ones cast again from their model."""
         for r in self.by_role.values():
             r.restore()
-            if r.kind == GATHERED and not r.ready:
+            if r.kind != FED and not r.ready:
                 r.gather()

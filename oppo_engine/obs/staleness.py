@@ -13,8 +13,10 @@ class StaleBatchWarning:
     def __init__(self) -> None:
         self.warned = False
 
-    def check(self, stale_tokens: int, batch_tokens: int) -> None:
-        """Called once per step with the batch's stale and total response tokens."""
+    def check(self, stale_tokens: int, batch) -> None:
+        """Called once per step with the batch's stale tokens and its sequences (their sampled tokens count;
+        observation tokens, policy version -1, do not)."""
+        batch_tokens = sum(v >= 0 for s in batch for v in s.policy_versions)
         if self.warned or batch_tokens == 0 or stale_tokens < batch_tokens:
             return
         self.warned = True

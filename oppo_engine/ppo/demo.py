@@ -11,10 +11,18 @@ so it spans at most 3 steps; ``max_policy_lag=None`` with more deferrals shows w
 the policy calls a calculator whose latency is long-tailed, rewarded for the right final answer. Its modes
 run one after the other, not interleaved: an overcommitting engine's tool calls go on in the background, and
 another mode's steps between its own would hand it free tool time.
+
+``--task math`` trains a real pretrained chat model (``--actor``: a bundled name, a local folder or a
+``.gguf`` file; the bundled SmolLM2-135M-Instruct by default) on arithmetic word problems scored by a rule
+(``ppo/math_task.py``): no reward model (``--reward`` is refused), the critic a value head on the actor's
+backbone, the reference a frozen copy. Each step records the batch's accuracy (right final number), the
+unparsed answers and the share cut off; greedy held-out accuracy is measured before the run and after
+each mode's (``heldout`` problems, outside the timed steps).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -24,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from oppo_engine.config import MODES
-from oppo_engine.ppo import ranks, tools_task
+from oppo_engine.ppo import math_task, ranks, tools_task
 from oppo_engine.ppo.config import PPOConfig
 from oppo_engine.ppo.models import load_models
 from oppo_engine.ppo.report import ModeRun, StepRecord, agreement_fields, format_table, plot, records_json
@@ -56,10 +64,26 @@ class DemoOptions:
     threads: int = 1
     trace_step: int | None = None  # the step whose lanes are traced (default: the middle one)
     fsdp: bool = False  # one data-parallel rank of a torchrun job (cli.py: demo_on_ranks)
-    task: str = "polite"  # the embedded task: "polite" (ppo/task.py) or "tools" (ppo/tools_task.py)
+    task: str = "polite"  # "polite" (ppo/task.py), "tools" (ppo/tools_task.py) or "math" (ppo/math_task.py)
+    heldout: int = math_task.HELDOUT  # --task math: held-out problems evaluated before and after (0: none)
+
+
+TASKS = ("polite", "tools", "math")
+MATH_MODEL = "smollm2-135m-instruct"  # --task math without --actor
+# --task math's defaults where the command line gives none (measured on 2 CPU cores: issue 35): at T=1.0 a
+# third of SmolLM2's answers run past 128 tokens, at T=0.7 far fewer.
+MATH_DEFAULTS = dict(batch_size=16, max_new_tokens=128, threads=2)
+MATH_TEMPERATURE = 0.7
+MATH_TRAIN_PROBLEMS = 1024
 
 
 def ppo_config(opts: DemoOptions) -> PPOConfig:
+    if opts.task == "math":  # a pretrained 135M model: full fine-tuning at small learning rates
+        return PPOConfig(
+            batch_size=opts.batch_size, minibatch_size=max(1, opts.batch_size // 4), epochs=1,
+            group_by_length=True, lr=2e-6, critic_lr=2e-5, kl_coef=0.02, temperature=MATH_TEMPERATURE,
+            max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+        )  # fmt: skip
     return PPOConfig(
         batch_size=opts.batch_size,
         # Four optimizer steps per PPO step, on minibatches of similar lengths: under the long tail a random
@@ -99,6 +123,8 @@ def make_trainer(mode: str, opts: DemoOptions, actor_path: Path, reward_path: Pa
     torch.manual_seed(opts.seed)
     if opts.task == "tools":
         return _tools_trainer(mode, opts, actor_path)
+    if opts.task == "math":
+        return _math_trainer(mode, opts, actor_path)
     models = load_models(actor_path, reward_path, opts.device)
     group = ranks.shard_trainer_models(models) if opts.fsdp else None
     cfg = ppo_config(opts)
@@ -128,6 +154,58 @@ def _tools_trainer(mode: str, opts: DemoOptions, cache: Path) -> PPOTrainer:
     )  # fmt: skip
 
 
+_PRETRAINED: dict[tuple, tuple] = {}
+
+
+def _pretrained(source: str, seed: int):
+    """``(actor, critic, tokenizer)`` of ``source``, loaded once per process (fp32); each trainer deep-copies
+    them."""
+    from oppo_engine.pretrained import load_pretrained
+
+    key = (source, seed)
+    if key not in _PRETRAINED:
+        actor, tokenizer = load_pretrained(source, dtype=torch.float32)
+        critic, _ = load_pretrained(source, head="value", dtype=torch.float32, seed=seed)
+        _PRETRAINED[key] = (actor, critic, tokenizer)
+    return _PRETRAINED[key]
+
+
+def _math_trainer(mode: str, opts: DemoOptions, source) -> PPOTrainer:
+    """PPO on the math task: the pretrained actor, a value-head critic on its backbone, a frozen reference
+    copy, the rule reward."""
+    actor, critic, tokenizer = _pretrained(str(source), opts.seed)
+    actor, critic = (
+        copy.deepcopy(actor).to(opts.device).train(),
+        copy.deepcopy(critic).to(opts.device).train(),
+    )
+    reference = copy.deepcopy(actor).eval().requires_grad_(False)
+    prompts, reward = math_task.task_prompts(
+        tokenizer, math_task.train_problems(MATH_TRAIN_PROBLEMS, opts.seed)
+    )
+    cfg = ppo_config(opts)
+    return PPOTrainer(
+        actor, critic, reference, reward, tokenizer, prompts, cfg,
+        engine_config_for(cfg, **engine_overrides(mode, opts)),
+    )  # fmt: skip
+
+
+def _heldout(model, tokenizer, opts: DemoOptions, label: str, log) -> float:
+    """Greedy held-out accuracy of ``model`` (``opts.heldout`` problems), with two of its answers logged."""
+    t0 = time.perf_counter()
+    acc, batch, rollouts = math_task.heldout_accuracy(
+        model, tokenizer, max_new_tokens=opts.max_new_tokens, limit=opts.heldout
+    )
+    log(
+        f"held-out accuracy {label}: {acc:.1%} of {len(rollouts)} (greedy; {batch.unparsed} unparsed, "
+        f"{batch.cut_off:.0%} cut off; {time.perf_counter() - t0:.0f}s)"
+    )
+    for r in rollouts[:2]:
+        question = tokenizer.decode(r.prompt_ids).split("<|im_start|>user\n")[-1].split(" Solve")[0]
+        answer = tokenizer.decode(r.response_ids, skip_special_tokens=True).replace("\n", " ")[:200]
+        log(f"    {question} -> {answer}")
+    return acc
+
+
 def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> list[ModeRun]:
     """``opts.steps`` PPO steps per mode, the modes interleaved step by step (whatever else loads the
     machine then slows every mode alike), their order rotated each round (no mode always runs right after
@@ -141,6 +219,12 @@ def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print)
             runs[-1].unavailable = str(e)
             log(f"{mode}: unavailable ({e})")
     trace_step = opts.trace_step or max(1, opts.steps // 2)
+    heldout = opts.task == "math" and opts.heldout > 0 and trainers
+    if heldout:  # every mode starts from the same weights: evaluated once, outside the timed steps
+        first = next(iter(trainers.values()))
+        initial = _heldout(first.actor, first.tokenizer, opts, "before training", log)
+        for run in runs:
+            run.eval_accuracy_initial = initial
     bar = tqdm(total=opts.steps * len(trainers), desc="PPO steps", unit="step")
     last = {}
     if opts.task == "tools":  # one mode after the other (module docstring)
@@ -159,6 +243,13 @@ def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print)
             trainer.close()
     for mode, stats in last.items():
         _show_samples(mode, trainers[mode], stats, log)
+    if heldout:
+        for run in runs:
+            if run.mode in trainers:
+                trainer = trainers[run.mode]
+                run.eval_accuracy_final = _heldout(
+                    trainer.actor, trainer.tokenizer, opts, f"after {run.mode}", log
+                )
     return runs
 
 
@@ -185,12 +276,21 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             response_len=stats.response_len,
             env_calls=m.env_calls,
             exposed_env_s=m.env_wait_s,
+            **_rule_scores(trainer, stats.rollout.rollouts),
             **agreement_fields(stats.agreement),
         )
     )
     if stats.step == trace_step:
         trainer.engine.timeline.to_chrome_trace(out / f"trace_{run.mode}.json")
     return stats
+
+
+def _rule_scores(trainer: PPOTrainer, rollouts) -> dict:
+    """The math task's accuracy, unparsed answers and cut-off share of a batch (nothing for other tasks)."""
+    if not isinstance(trainer.reward, math_task.MathReward):
+        return {}
+    batch = math_task.score(trainer.reward, rollouts)
+    return dict(accuracy=batch.accuracy, unparsed=batch.unparsed, cut_off=batch.cut_off)
 
 
 def _show_samples(mode: str, trainer: PPOTrainer, stats, log) -> None:
@@ -250,10 +350,14 @@ def batch_examples(tokenizer, rollouts, *, embedded: bool = True, width: int = 2
 def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     """Every mode of ``opts``, side by side; writes table.txt, records.json, reward.png, control.png and one
     trace per mode into ``opts.out``."""
-    if (opts.actor is None) != (opts.reward is None):
+    if opts.task not in TASKS:
+        raise ValueError(f"--task {opts.task!r}: choose {', '.join(TASKS)}")
+    if opts.task == "math" and (opts.reward is not None or opts.fsdp):
+        raise ValueError(
+            "--task math is scored by a rule: no --reward (and no --fsdp); --actor picks the model"
+        )
+    if opts.task != "math" and (opts.actor is None) != (opts.reward is None):
         raise ValueError("--actor and --reward go together (or neither: the embedded task)")
-    if opts.task not in ("polite", "tools"):
-        raise ValueError(f"--task {opts.task!r}: choose polite or tools")
     if opts.task == "tools" and (opts.actor is not None or opts.fsdp):
         raise ValueError("--task tools runs the embedded tools task: no --actor / --reward / --fsdp")
     if opts.steps < 1:
@@ -266,6 +370,8 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.task == "tools":
         actor_path = reward_path = tools_task.build_tools_task(opts.cache, seed=opts.seed, log=log)
+    elif opts.task == "math":
+        actor_path = reward_path = opts.actor if opts.actor is not None else MATH_MODEL
     elif opts.actor is None:
         cache = build_task(opts.cache, log=log)
         actor_path, reward_path = cache / "actor", cache / "reward"

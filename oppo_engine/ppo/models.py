@@ -4,29 +4,16 @@ model and critic (the same one-label sequence classifier, as TRL initialises its
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from oppo_engine.pretrained import load_tokenizer
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer saved in ``path``. A plain ``tokenizers`` tokenizer (``TokenizersBackend``, as
-    ``task.py`` saves) is loaded as such: ``AutoTokenizer`` would rebuild it as the class of the model
-    type in ``config.json`` (Qwen2's byte-level BPE), with another pre-tokenizer."""
-    config = Path(path) / "tokenizer_config.json"
-    cls = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
-    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+__all__ = ["PPOModels", "load_models", "load_tokenizer"]
 
 
 @dataclass(slots=True)

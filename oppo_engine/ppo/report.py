@@ -37,6 +37,11 @@ class StepRecord:
     response_len: float = 0.0
     env_calls: int = 0  # environment calls answered (multi-turn episodes)
     exposed_env_s: float = 0.0  # the actor idle because every sequence waited on its environment
+    # A rule task's batch (--task math): the share with the right final number (not the reward), the
+    # answers the rule could not read, and the share cut off at max_new_tokens. None for the other tasks.
+    accuracy: float | None = None
+    unparsed: int | None = None
+    cut_off: float | None = None
     # The engine-trainer log-prob gap of the step (PPOStepStats.agreement, docs/agreement.md): the fresh
     # tokens' mean and max |delta| and mean k3, the stale tokens' mean |delta| (None: not measured, or none)
     agreement_mean_abs: float | None = None
@@ -66,6 +71,9 @@ class ModeRun:
     mode: str
     records: list[StepRecord] = field(default_factory=list)
     unavailable: str | None = None  # why the mode could not run
+    # Held-out greedy accuracy before and after the run (--task math), 0..1; None when not evaluated.
+    eval_accuracy_initial: float | None = None
+    eval_accuracy_final: float | None = None
 
     def final_reward(self, last: int = TRAILING) -> float:
         """Mean reward of the last ``last`` steps."""
@@ -125,7 +133,8 @@ def base_run(runs: list[ModeRun]) -> ModeRun | None:
 
 
 def records_json(runs: list[ModeRun]) -> dict:
-    """``{mode: {time_to_reward_s, threshold, s_per_step, rollout_s_per_step, final_reward, records}}``."""
+    """``{mode: {time_to_reward_s, threshold, s_per_step, rollout_s_per_step, final_reward, records}}``, and
+    ``eval_accuracy_initial`` / ``eval_accuracy_final`` where the held-out accuracy was evaluated."""
     base = base_run(runs)
     if base is None:
         return {}
@@ -138,10 +147,22 @@ def records_json(runs: list[ModeRun]) -> dict:
             "rollout_s_per_step": r.rollout_s_per_step(),
             "final_reward": r.final_reward(),
             "records": [asdict(x) for x in r.records],
+            **(
+                {
+                    "eval_accuracy_initial": r.eval_accuracy_initial,
+                    "eval_accuracy_final": r.eval_accuracy_final,
+                }
+                if r.eval_accuracy_initial is not None or r.eval_accuracy_final is not None
+                else {}
+            ),
         }
         for r in runs
         if r.records
     }
+
+
+def _percent(value: float | None) -> str:
+    return f"{value:.1%}" if value is not None else "-"
 
 
 def _mean_or_dash(values: list[float | None]) -> str:
@@ -186,6 +207,18 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
         "engine-trainer gap, mean |Δ|": _mean_or_dash([r.agreement_mean_abs for r in recs]),
         "rollouts/s": f"{sum(r.rollouts for r in recs) / rollout_s:.1f}",
         "reward: first -> final": f"{recs[0].reward:+.3f} -> {run.final_reward():+.3f}",
+        **(
+            {
+                "accuracy: first -> final": f"{recs[0].accuracy:.0%} -> "
+                f"{mean(r.accuracy for r in recs[-TRAILING:]):.0%}",
+                "cut off at max_new_tokens": f"{mean(r.cut_off for r in recs):.0%}",
+                "unparsed answers/step": f"{mean(r.unparsed for r in recs):.1f}",
+                "held-out accuracy: before -> after": f"{_percent(run.eval_accuracy_initial)} -> "
+                f"{_percent(run.eval_accuracy_final)}",
+            }
+            if base.records[0].accuracy is not None and recs[0].accuracy is not None
+            else {}
+        ),
     }
 
 

@@ -107,13 +107,27 @@ class StepStart:
         policy_version: int, chunk_size: int | None,
     ) -> StepOutcome:  # fmt: skip
         """One run of the step loop over ``groups`` (a subset of the step's sequences), its batch chosen by
-        ``cut(sequences)``; rolled back if it fails."""
+        ``cut(sequences)``; rolled back if it fails. What the run admitted in the middle belongs to the step
+        from then on, and its groups join ``groups`` (in place: the quarantine's retries and probes see them,
+        so a culprit admitted mid-step is isolated like any other); a rollback of the whole step gives them
+        back to the queue as new sequences of the step."""
         live = [s for g in groups for s in g]
         try:
             return loop.run(live, policy_version, cut(live), chunk_size=chunk_size)
         except BaseException:
+            groups.extend(groups_of(self._take_admitted(loop)))
             loop.abort(self.seqs, self.snapshots)
             raise
+        finally:
+            self._take_admitted(loop)
+
+    def _take_admitted(self, loop: StepLoop) -> list[Sequence]:
+        admitted = loop.admitted
+        self.seqs += admitted
+        self.snapshots += loop.admitted_snapshots
+        self.deferred += [0] * len(admitted)
+        loop.admitted, loop.admitted_snapshots = [], []
+        return admitted
 
     def probe(
         self, loop: StepLoop, groups: list[list[Sequence]], policy_version: int, chunk_size: int | None

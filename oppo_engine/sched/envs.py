@@ -9,6 +9,7 @@ Calls outlive a step: an episode waiting on a slow call is carried to the next s
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +117,8 @@ class EnvDriver:
         self.pool.wait(timeout)
 
     def cancel(self, seq: Sequence) -> None:
-        """Abandon ``seq``'s call in flight, if any (its sequence restarts, fails or leaves)."""
+        """Abandon ``seq``'s call in flight, if any (its sequence restarts, fails or leaves); an environment
+        with ``end`` is told (``reason=None``)."""
         episode = seq.episode
         if episode is None:
             return
@@ -125,6 +127,25 @@ class EnvDriver:
             self.pool.abandon(call)
         self._ready = [c for c in self._ready if c in self._calls]
         episode.call = None
+        end = getattr(episode.env, "end", None)
+        if end is not None:
+            end([], [], None)
+
+    def ended(self, seq: Sequence) -> None:
+        """``seq``'s episode ended without its environment's word (EOS, a length limit, ``max_turns``): an
+        environment with ``end`` is told, with the turn that was cut (an agent gets it as its answer, so this
+        counts as a call: a rollback across it restarts the episode)."""
+        episode = seq.episode
+        end = getattr(episode.env, "end", None) if episode is not None else None
+        if end is None or episode.done_by_env:
+            return
+        episode.steps += 1
+        start = (
+            episode.turns[-1][0]
+            if episode.turns and episode.turns[-1][1] == len(seq.response_ids)
+            else (episode.turn_start)
+        )
+        end(seq.response_ids[start:], seq.logprobs[start:], seq.finish_reason)
 
     def close(self) -> None:
         """Cancel every call pending and let the workers go."""
@@ -143,7 +164,12 @@ class EnvDriver:
         episode = seq.episode
         episode.steps += 1
         env = episode.env
-        episode.call = self._submit(seq, lambda: env.step(list(turn)), "step")
+        if getattr(env, "step_logprobs", False):
+            start, end = episode.turns[-1]
+            logprobs = seq.logprobs[start:end]
+            episode.call = self._submit(seq, lambda: env.step(list(turn), logprobs), "step")
+        else:
+            episode.call = self._submit(seq, lambda: env.step(list(turn)), "step")
 
     def _answer(self, seq: Sequence, call: EnvCall) -> Answer | None:
         episode = seq.episode
@@ -192,9 +218,11 @@ class EnvDriver:
         seq.logprobs.extend([0.0] * len(tokens))
         seq.policy_versions.extend([-1] * len(tokens))
         episode.observed(start, len(seq.response_ids))
+        if obs.next_turn_tokens is not None:
+            seq.sampling = dataclasses.replace(seq.sampling, max_turn_tokens=obs.next_turn_tokens)
         if obs.done:
-            episode.reward = obs.reward
-            return "env_done"
+            episode.reward, episode.done_by_env = obs.reward, True
+            return obs.finish_reason
         if seq.num_tokens >= self.max_model_len:
             return "max_model_len"  # no room left for a sampled token
         return RESUME

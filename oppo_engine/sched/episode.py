@@ -56,6 +56,7 @@ class Episode:
     steps: int = 0
     answers: int = 0
     error: str | None = None
+    done_by_env: bool = False  # a done observation ended it (its environment knows)
     generation: int = 0  # environments made afresh so far (a snapshot from before one no longer applies)
 
     @property
@@ -91,7 +92,7 @@ class Episode:
     def fresh(self) -> None:
         """Start over: no environment (the factory makes a new one), no turns."""
         self.env = self.call = self.pending_turn = self.reward = self.error = None
-        self.ready = False
+        self.ready = self.done_by_env = False
         self.generation += 1
         self.turn_start = self.truncated = self.steps = self.answers = self.num_observed = 0
         self.turns = []

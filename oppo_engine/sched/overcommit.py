@@ -41,6 +41,19 @@ def lag_due(policy_version: int, max_policy_lag: int | None) -> Callable[[Sequen
     return due
 
 
+def batch_cut(config, policy_version: int, delta: int | None) -> Callable[[list[Sequence]], BatchCut]:
+    """How a step run at ``policy_version`` chooses its batch from its sequences: with overcommit (``delta``
+    not ``None``) the first B finished, due sequences first (``BatchCut``); without, every sequence. Either
+    admits sequences in the middle of the step up to B + Δ in all (``BatchCut.capacity``)."""
+    if delta is None:
+        return lambda live: BatchCut(live, None, None, capacity=config.batch_size)
+    due = lag_due(policy_version, config.max_policy_lag)
+    capacity = config.batch_size + delta
+    return lambda live: BatchCut(
+        live, config.batch_size, config.max_deferrals, lag_due=due, capacity=capacity
+    )
+
+
 def deferral_bound(batch_size: int, max_deferrals: int, max_overcommit: int) -> int:
     """The most deferrals a returned rollout can have (see the module docstring)."""
     return max_deferrals + max(0, -(-max_overcommit // batch_size) - 1)
@@ -56,6 +69,10 @@ class BatchCut:
     ``batch`` lists the chosen groups in the order they completed, each in sample order. ``determined``
     once the batch is complete; ``scored`` once, in addition, every member is scored. ``batch_size=None``
     takes every sequence (no overcommit).
+
+    ``capacity`` (``None``: none) is how many sequences the step may hold, failed ones not counted: the step
+    loop admits new sequences (``admit``) while it holds fewer and the batch is not determined -- first
+    requests of served episodes that came after the step started, and refills of groups that failed.
     """
 
     def __init__(
@@ -64,9 +81,11 @@ class BatchCut:
         batch_size: int | None,
         max_deferrals: int | None,
         lag_due: Callable[[Sequence], bool] | None = None,
+        capacity: int | None = None,
     ) -> None:
         self.size = len(seqs) if batch_size is None else min(batch_size, len(seqs))
-        self._seqs = seqs
+        self.batch_size, self.capacity = batch_size, capacity
+        self._seqs = list(seqs)
         self.due: set[int] = set()  # group ids
         lagging = {s.group_id for s in seqs if lag_due(s)} if lag_due is not None else set()
         taken = 0
@@ -97,6 +116,13 @@ class BatchCut:
         elif self._open >= len(group):
             self._open -= len(group)
             self.batch.extend(group)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """``seqs`` (whole groups, none due) joined the step: the batch grows by them, to ``batch_size``."""
+        self._seqs.extend(seqs)
+        grow = len(seqs) if self.batch_size is None else min(len(seqs), self.batch_size - self.size)
+        self.size += grow
+        self._open += grow
 
     def drop_group(self, group_id: int) -> None:
         """The group left the step (its environment failed): its samples never join the batch, and a due

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
@@ -27,6 +28,11 @@ def derive_seed(base_seed: int, prompt_index: int) -> int:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
+
+# How long take() waits for the next announced prompt once it has some work (served first requests come in
+# bursts: an agent's first request follows its episode's opening within milliseconds in-process).
+ADMIT_GAP_S = 0.05
+_WAKE_S = 0.5  # how often a take() with nothing to run looks again (a Ctrl-C gets through)
 
 # Mixed into a prompt's seed for its samples 1..n-1, so that they do not replay the seeds of other prompts.
 _SAMPLE_SALT = 0x5DEECE66D
@@ -56,6 +62,14 @@ class PromptQueue:
     A prompt becomes ``sampling.n`` sequences (a group), taken together: ``take`` hands out whole groups.
     ``env`` is the engine's environment factory (``None``: none); a prompt queued with its own factory
     runs in that one. Each sequence of a group gets its own ``Episode`` (its own environment instance).
+
+    ``add`` is safe from any thread (``RolloutEngine.add_prompts`` is): it appends under a lock, which
+    ``take`` and ``state_dict`` hold while they read the queue.
+
+    ``expect(k)`` announces prompts on their way (a served episode opened, its first request not in yet):
+    ``take`` waits for them -- until one comes when the step would hold nothing at all, then for as long as
+    they keep coming within ``ADMIT_GAP_S`` of each other, up to the places it fills (DESIGN.md: first
+    requests are admitted up to B + Δ).
     """
 
     def __init__(
@@ -79,6 +93,8 @@ class PromptQueue:
         self._source: Iterator[Sequence[int]] | None = None
         self._next_prompt_index = 0
         self._next_seq_id = 0
+        self._lock = threading.Condition()  # add(), expect() from any thread; the rest from the engine's
+        self._expected = 0  # prompts announced by expect(), not yet added
         self.check_sampling(sampling, "sampling")
 
     def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
@@ -146,7 +162,28 @@ class PromptQueue:
                 )
         checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
         per_prompt = sampling if sampling is not None else [None] * len(checked)
-        self._pending.extend(zip(checked, per_prompt, envs, strict=True))
+        with self._lock:
+            self._pending.extend(zip(checked, per_prompt, envs, strict=True))
+            self._lock.notify_all()
+
+    def expect(self, k: int) -> None:
+        """``k`` more prompts are on their way (negative: fewer; from any thread); see the class."""
+        with self._lock:
+            self._expected = max(0, self._expected + k)
+            self._lock.notify_all()
+
+    def give_back(self, seqs: list[Seq]) -> None:
+        """New sequences of a step rolled back, first in line again (in whole groups, in their order)."""
+        self.requeued.extendleft(reversed(seqs))
+
+    def _await_expected(self, n: int, holding: int) -> None:
+        with self._lock:
+            while self._expected > 0 and len(self._pending) < n:
+                before = len(self._pending)
+                if before + len(self.requeued) + holding == 0:
+                    self._lock.wait(_WAKE_S)  # nothing to run: wait for the first (or for none expected)
+                elif not self._lock.wait_for(lambda before=before: len(self._pending) > before, ADMIT_GAP_S):
+                    return  # none came within the gap: run what there is
 
     @staticmethod
     def _check_envs(envs, count: int) -> list[EnvFactory | None]:
@@ -169,10 +206,13 @@ class PromptQueue:
         """Pull prompts lazily from ``source`` once the queued ones run out."""
         self._source = iter(source)
 
-    def take(self, n: int) -> list[Seq]:
+    def take(self, n: int, holding: int = 0, wait: bool = True) -> list[Seq]:
         """Up to ``n`` sequences in whole groups (``n`` is rounded up to a multiple of the group size), fewer
         once every supply is exhausted. A bad prompt from the source raises; the good ones taken before it
-        stay first in line."""
+        stay first in line. ``holding``: sequences the step holds already (prompts ``expect``-ed are waited
+        for as the class says, unless ``wait=False``: the step loop's admission in the middle of a step)."""
+        if self._expected and wait:
+            self._await_expected(n, holding)
         seqs: list[Seq] = []
         group = self.sampling.n
         while len(seqs) < n:
@@ -180,8 +220,10 @@ class PromptQueue:
                 seqs.extend(self.requeued.popleft() for _ in range(group))  # given back in whole groups
                 continue
             env = None
-            if self._pending:
-                ids, params, env = self._pending.popleft()
+            with self._lock:
+                queued = self._pending.popleft() if self._pending else None
+            if queued is not None:
+                ids, params, env = queued
             elif self._source is not None:
                 try:
                     raw = next(self._source)
@@ -224,14 +266,16 @@ class PromptQueue:
 
     def state_dict(self) -> dict:
         """Queued prompts, given-back sequences and the counters (a prompt source is not saved)."""
+        with self._lock:
+            pending = list(self._pending)
         return {
             "next_prompt_index": self._next_prompt_index,
             "next_seq_id": self._next_seq_id,
             "requeued": [save_sequence(s) for s in self.requeued],
-            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p, _ in self._pending],
+            "pending": [(list(ids), None if p is None else asdict(p)) for ids, p, _ in pending],
             # A prompt's own environment factory, saved as the object (pickled with the state); None: the
             # engine's env=, which the loading engine gives.
-            "pending_envs": [env for _, _, env in self._pending],
+            "pending_envs": [env for _, _, env in pending],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -240,7 +284,9 @@ class PromptQueue:
         self._next_seq_id = state["next_seq_id"]
         self.requeued = deque(load_sequence(d, self.env) for d in state["requeued"])
         envs = state.get("pending_envs") or [None] * len(state["pending"])
-        self._pending = deque(
+        pending = deque(
             (list(ids), None if p is None else SamplingParams(**p), env)
             for (ids, p), env in zip(state["pending"], envs, strict=True)
         )
+        with self._lock:
+            self._pending = pending

@@ -101,10 +101,11 @@ def run_quarantined(
 ) -> QuarantineOutcome[G, T]:
     """Run ``attempt(groups)`` under the policy of the module docstring.
 
-    ``attempt(gs)`` runs the step over ``gs`` and returns its result; ``probe(gs)`` runs ``gs`` to the end
-    and discards what it did. Both must leave the state as they found it when they raise (roll back), and
-    ``probe`` when it returns, too. Raises the error that could not be pinned on one group.
-    """
+    ``attempt(gs)`` runs the step over ``gs`` and returns its result; ``probe(gs)`` runs ``gs`` to the end and
+    discards what it did. ``attempt`` may append groups to ``gs`` (the step admitted them while it ran): they
+    are the step's from then on, retried and probed with the others. Both must leave the state as they found
+    it when they raise (roll back), and ``probe`` when it returns, too. Raises the error that could not be
+    pinned on one group."""
     live = list(groups)
     failed: list[Quarantined[G]] = []
     retries = 0

@@ -354,9 +354,10 @@ class ActorScheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends with ``token`` (None: it goes on). EOS first: when EOS is also the last allowed
-        token, the response ended on its own."""
+        token, the response ended on its own. A turn-stop token ends the turn, not the episode, even when it
+        is an EOS id too (a chat template's end of turn usually is its tokenizer's EOS)."""
         p = seq.sampling
-        if not p.ignore_eos and token in self.eos_token_ids:
+        if not p.ignore_eos and token in self.eos_token_ids and token not in p.turn_stop_token_ids:
             return "eos"
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"

@@ -90,6 +90,12 @@ class StepLoop:
         self._in_flight: list[ScheduledChunk] = []  # the actor forward under way: its slots are not written
         self._seqs: list[Sequence] = []  # the run's sequences
         self._live: set[int] = set()  # their ids
+        # Admission in the middle of a step: the queue new sequences come from (``take(n, wait=False)``,
+        # ``give_back(seqs)``: a PromptQueue); those the last run admitted, with their snapshots, until the
+        # step takes them (or a rollback gives them back).
+        self.admission = None
+        self.admitted: list[Sequence] = []
+        self.admitted_snapshots: list[SeqSnapshot] = []
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
         """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's, its scorer lane's and
@@ -114,7 +120,9 @@ class StepLoop:
         out = StepOutcome()
         lane = self.scorer_lane
         t0 = self.clock()
-        self._seqs, self._live = seqs, {s.seq_id for s in seqs}
+        self._seqs, self._live = list(seqs), {s.seq_id for s in seqs}
+        self.admitted, self.admitted_snapshots = [], []
+        capacity = cut.capacity if commit and self.admission is not None else None
         with (
             _lane_threads(stream, self.actor_lane.device),
             ordered_with_caller(self.actor_lane, lane.device_lane),
@@ -141,7 +149,8 @@ class StepLoop:
             lane.start(threaded=stream)
             out.generation_end_s = t0
             with self.actor_lane.active():
-                drained = self._generate(policy_version, chunk_size, cut, out)
+                drained = self._generate(policy_version, chunk_size, cut, out, capacity)
+            seqs = self._seqs  # with those admitted in the middle of the step
             if not stream:
                 # The scorers see finished groups only (all samples of a prompt together, so they share
                 # its prefix; a group not finished is scored in a later step).
@@ -166,7 +175,11 @@ class StepLoop:
 
     def abort(self, seqs: list[Sequence], snapshots: list[SeqSnapshot]) -> None:
         """Roll a failed step back: stop the scorer lane and drop every scorer state (re-prefilled later),
-        then cut each sequence's tokens and actor KV back to where the step found them."""
+        then cut each sequence's tokens and actor KV back to where the step found them; the sequences the
+        run admitted go back to the queue (``give_back``), first in line."""
+        admitted, self.admitted = self.admitted, []
+        seqs, snapshots = [*seqs, *admitted], [*snapshots, *self.admitted_snapshots]
+        self.admitted_snapshots = []
         self.scorer_lane.abort()
         self.actor_sched.detach_all()
         cache = self.actor_sched.cache
@@ -185,6 +198,8 @@ class StepLoop:
                 continue
             cache.truncate(seq.seq_id, min(snap.num_computed, unwritten.get(seq.seq_id, snap.num_computed)))
             seq.restore(snap, cache.num_tokens(seq.seq_id))
+        if admitted:
+            self.admission.give_back(admitted)
 
     def discard(self, seqs: list[Sequence]) -> None:
         """``seqs`` leave for good (quarantined, or failed by their environment), between steps: their
@@ -224,13 +239,23 @@ class StepLoop:
             lane.check()
             self.executor.sleep(_POLL_S)
 
-    def _generate(self, policy_version: int, chunk_size: int | None, cut: BatchCut, out: StepOutcome) -> bool:
-        """Decode until the batch is complete (streamed: and scored); True if the actor ran out of work."""
+    def _generate(
+        self,
+        policy_version: int,
+        chunk_size: int | None,
+        cut: BatchCut,
+        out: StepOutcome,
+        capacity: int | None,
+    ) -> bool:
+        """Decode until the batch is complete (streamed: and scored); True if the actor ran out of work.
+        ``capacity``: admit new sequences while the step holds fewer (failed ones not counted)."""
         sched = self.actor_sched
         stream = chunk_size is not None
         stalled_since = None
         while not (cut.scored() if stream else cut.determined):
             self.scorer_lane.check()  # a failed scorer lane fails the step now, not at its end
+            if capacity is not None and not cut.determined:
+                self._admit(capacity, cut, out, stream)
             if self.envs.waiting():
                 self._take_answers(cut, out, chunk_size)
             if not sched.has_work:
@@ -277,8 +302,33 @@ class StepLoop:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
         return not (sched.has_work or sched.parked)
 
+    def _admit(self, capacity: int, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
+        """Fill the step up to ``capacity`` live sequences from the queue (first requests of served episodes
+        that came after the step started; refills of failed groups)."""
+        room = capacity - sum(s.status is not SeqStatus.FAILED for s in self._seqs)
+        new = self.admission.take(room, wait=False) if room > 0 else []
+        if not new:
+            return
+        self.admitted += new
+        self.admitted_snapshots += [s.snapshot() for s in new]
+        self._seqs += new
+        self._live.update(s.seq_id for s in new)
+        cut.admit(new)
+        for seq in new:
+            if seq.status is SeqStatus.FAILED:
+                continue  # a sample of its group failed just now
+            error = self.envs.begin(seq)
+            if error is not None:
+                self._fail(seq, error, cut, out)
+                continue
+            self.actor_sched.add(seq)
+            if stream:
+                self.scorer_lane.add(seq)
+                self._hand_off(seq, final=False, out=out)
+
     def _finished(self, seq: Sequence, now: float, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
         seq.finish_time = now
+        self.envs.ended(seq)  # an environment that answers someone (an agent) hears how its episode ended
         out.finished_all.append(seq)
         was_determined = cut.determined
         cut.finished(seq)

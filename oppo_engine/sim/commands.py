@@ -39,21 +39,24 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
     chunk size). Every number is a prediction."""
     p = argparse.ArgumentParser(prog=prog, description=plan_main.__doc__, formatter_class=_DEFAULTS)
     p.add_argument("--actor", default="7b", help="preset name or config.json of the actor")
-    p.add_argument("--reward", default=None, help="preset or config.json of the reward (default: actor's)")
+    p.add_argument("--reward", default=None,
+                   help="preset or config.json of the reward (default: the actor's), or 'rule'")  # fmt: skip
     p.add_argument("--critic", default=None, help="preset or config.json of the critic (a value head)")
     p.add_argument("--reference", default=None, help="preset or config.json of the reference")
     known = ", ".join(sorted(DEVICES))
     p.add_argument("--device", default="h200", help=f"one of {known}, or a calibrated profile (JSON)")
     p.add_argument("--gpus", type=int, default=8, help="GPUs of the job")
     p.add_argument("--placement", default="7+1", choices=["7+1", "colocated", "cpu"], help="where models run")
-    p.add_argument("--batch-size", type=int, default=112, help="the global batch (B)")
+    p.add_argument("--batch-size", type=int, default=112, help="the global batch (B prompts)")
+    p.add_argument("--group-size", type=int, default=1, help="samples per prompt (GRPO-style groups)")
     p.add_argument(
         "--lengths", default="lognormal:median=250,sigma=0.9,cap=1024",
         help="response lengths: an int, a file (one a line, or a records.json), or a law name:key=value,...",
     )  # fmt: skip
     p.add_argument("--prompt-lengths", default="128", help="prompt lengths, as --lengths")
     p.add_argument("--steps", type=int, default=200, help="PPO steps the plan covers")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated engine modes")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated engine modes, and the baseline arms trl and sync")  # fmt: skip
     p.add_argument("--chunk-size", type=_auto_int, default="auto", help="an int, or auto (the controller)")
     p.add_argument("--chunk-candidates", type=_ints, default=ChunkControl().candidates,
                    help="the controller's candidate chunk sizes")  # fmt: skip
@@ -62,6 +65,13 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
     p.add_argument("--reward-curve", default=None, help="JSON list of mean rewards per step (feeds Δ)")
     p.add_argument("--epochs", type=int, default=None, help="PPO epochs (default: the reference trainer's)")
     p.add_argument("--minibatch-size", type=int, default=None, help="rows per rank per minibatch")
+    p.add_argument("--group-by-length", action="store_true", help="the trainer's group_by_length")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="a recomputed forward, only layer inputs kept (PPOTrainer has none)")  # fmt: skip
+    p.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                   help="packed micro-batches of the update (default: each rank's share padded)")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's max_model_len (default: prompt cap + response cap)")  # fmt: skip
     p.add_argument("--no-extrapolate", action="store_true", help="simulate every step of every mode (slow)")
     p.add_argument("--out", default="plan_out", help="folder for plan.json and the PNGs")
     args = p.parse_args(argv)
@@ -74,7 +84,8 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
         curve = json.loads(Path(args.reward_curve).read_text()) if args.reward_curve else None
         auto = args.chunk_size == "auto"
         chunk = dict(chunk=ChunkControl(candidates=args.chunk_candidates)) if auto else {}
-        config = EngineConfig(chunk_size=args.chunk_size, overcommit=args.overcommit, **chunk)
+        config = EngineConfig(chunk_size=args.chunk_size, overcommit=args.overcommit,
+                              max_model_len=args.max_model_len, **chunk)  # fmt: skip
         bar = _progress()
         t0 = time.perf_counter()
         result = plan(
@@ -83,7 +94,9 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
             prompt_lengths=args.prompt_lengths, steps=args.steps,
             modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), config=config,
             reward_curve=curve, epochs=args.epochs, minibatch_size=args.minibatch_size,
-            sweep=args.sweep, extrapolate=not args.no_extrapolate, progress=bar,
+            sweep=args.sweep, extrapolate=not args.no_extrapolate, progress=bar, group_size=args.group_size,
+            group_by_length=args.group_by_length, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+            activation_checkpointing=args.activation_checkpointing,
         )  # fmt: skip
         bar.close()
     except (ValueError, OSError, json.JSONDecodeError) as e:

@@ -17,9 +17,9 @@ Two sources price the classes:
   per KV byte and per token, fixed costs per forward and per layer, host time per iteration: device-level
   constants, so the profile prices models it never ran.
 
-The PPO update (actor and critic forward and backward over the batch's padded tokens, with activation
-recomputation, and the optimizer), FSDP's collectives and the weight sync of the rollout replicas are priced
-in seconds by :meth:`CostModel.update`.
+The PPO update (actor and critic forward and backward over each rank's share of each minibatch, padded
+to its longest row or packed, and the optimizer), FSDP's collectives and the weight sync of the rollout
+replicas are priced in seconds by :meth:`CostModel.update`.
 """
 
 from __future__ import annotations
@@ -223,6 +223,7 @@ class CostModel:
 
     def __init__(self, source) -> None:
         self.source = source
+        self._gemms: dict[tuple, tuple] = {}  # (shape, tokens, head rows, threads) -> GEMM phases
 
     @property
     def kind(self) -> str:
@@ -233,20 +234,24 @@ class CostModel:
         """One packed forward of ``shape`` over ``batch`` (its host bookkeeping included)."""
         src = self.source
         tokens = batch.tokens
-        phases = []
-        weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
-        for k, n in shape.layer_gemms():
-            f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights)
-            phases.append((shape.layers * f, shape.layers * m))
+        key = (shape, tokens, batch.head_rows, threads)
+        gemms = self._gemms.get(key)
+        if gemms is None:  # the GEMMs depend on the token and head-row counts only (a source is immutable)
+            gemms = []
+            weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
+            for k, n in shape.layer_gemms():
+                f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights)
+                gemms.append((shape.layers * f, shape.layers * m))
+            if batch.head_rows:
+                k, n = shape.head_gemm()
+                gemms.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights))
+            logit_rows = batch.head_rows if shape.head == "lm" else 0
+            gemms.append((0.0, src.elementwise(shape, tokens, logit_rows, threads)))
+            gemms = self._gemms[key] = tuple(gemms)
         f, m = src.attention(shape, batch, threads)
-        phases.append((shape.layers * f, shape.layers * m))
-        if batch.head_rows:
-            k, n = shape.head_gemm()
-            phases.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights))
-        logit_rows = batch.head_rows if shape.head == "lm" else 0
-        phases.append((0.0, src.elementwise(shape, tokens, logit_rows, threads)))
+        phases = (*gemms, (shape.layers * f, shape.layers * m))
         host, launch = src.fixed(shape, captured, threads)
-        return Work(host + src.host_s(len(batch.chunks)), launch, tuple(phases), threads)
+        return Work(host + src.host_s(len(batch.chunks)), launch, phases, threads)
 
     def handoff(self) -> Work:
         """The actor's host time for one hand-off of a chunk to the scorers."""
@@ -257,35 +262,41 @@ class CostModel:
     def update(
         self,
         trained: list[ModelShape],
-        minibatches: list[tuple[int, int]],
+        minibatches: list[list[list[int]]],
         *,
         gpus: int,
         epochs: int,
-        checkpointing: bool = True,
-        recompute: list[tuple[int, int]] = (),
+        checkpointing: bool = False,
+        packed: bool = False,
+        recompute: list[list[list[int]]] = (),
     ) -> float:
         """Seconds of the PPO update on each training GPU.
 
-        ``epochs`` passes over ``minibatches`` (``(rows, width)``: each minibatch padded to its longest
-        row) of forward and backward of the ``trained`` models (actor, critic), split over ``gpus`` under
-        FSDP: per minibatch an all-gather of the weights for the forward and one for the backward and a
-        reduce-scatter of the gradients, hidden behind compute where shorter; the optimizer once per
-        minibatch; then the all-gather that refreshes the rollout replicas. ``recompute``: ``(rows, width)``
-        of the rows whose stale log-probs one actor forward recomputes first (``off_policy="recompute"``).
+        ``minibatches``: per minibatch, per rank, the lengths of the rows of that rank's share (the trainer
+        cuts a global minibatch into one slice per rank: ``ppo/ranks.py``). A rank's share is padded to its
+        own longest row (``packed=False``: ``PPOTrainer`` today) or packed without padding into micro-batches
+        (``packed=True``: ``max_tokens_per_microbatch``); FSDP's collectives make every rank wait for the
+        slowest share of each minibatch. ``epochs`` passes over them of forward and backward of the
+        ``trained`` models (actor, critic), FLOPs counted in the convention of the run the training MFU comes
+        from (:func:`training_flops`); ``checkpointing`` recomputes a forward. Per minibatch an all-gather of
+        the weights for the forward and one for the backward and a reduce-scatter of the gradients, hidden
+        behind compute where shorter; the optimizer once per minibatch; then the all-gather that refreshes
+        the rollout replicas. ``recompute``: the chunks (per rank, row lengths) of stale rows whose log-probs
+        one actor forward recomputes first (``off_policy="recompute"``).
         """
         src = self.source
+        passes = 4.0 if checkpointing else 3.0  # forward + backward (2 forwards' worth) [+ the recompute]
 
-        def flops(shape: ModelShape, batches, per_param: float) -> float:
-            tokens = sum(r * w for r, w in batches)
-            pairs = sum(r * w * (w + 1) / 2 for r, w in batches)
-            attention = 4.0 * shape.layers * shape.q_width * pairs  # one forward's QK^T and PV
-            return per_param * shape.params * tokens + per_param / 2 * attention
+        def slowest(chunks, shapes, n) -> float:
+            """FLOPs of the slowest rank of each chunk, summed over the chunks."""
+            return sum(
+                max((sum(training_flops(s, rank, n, packed) for s in shapes) for rank in chunk), default=0.0)
+                for chunk in chunks
+            )
 
-        # Forward and backward are 2 + 4 FLOPs per parameter and token; recomputed activations add a forward.
-        per_param = 8.0 if checkpointing else 6.0
-        total = epochs * sum(flops(s, minibatches, per_param) for s in trained)
-        total += flops(trained[0], list(recompute), 2.0)
-        compute = src.training_s(total / gpus)
+        total = epochs * slowest(minibatches, trained, passes)
+        total += slowest(list(recompute), trained[:1], 1.0)
+        compute = src.training_s(total)
         steps = len(minibatches) * epochs
         params = sum(s.params for s in trained)
         gather = src.collective_s(sum(s.weight_bytes for s in trained), gpus)
@@ -293,6 +304,27 @@ class CostModel:
         # Adam: read the bf16 gradient, read and write both fp32 moments and the bf16 weight, per parameter.
         optimizer = steps * src.stream_s(params / gpus * (2 + 16 + 4))
         return max(compute, comm) + optimizer + gather
+
+
+def training_flops(shape: ModelShape, lengths, passes: float, packed: bool = False) -> float:
+    """FLOPs of ``passes`` forwards' worth (1: a forward; 3: forward and backward; 4: with a recomputed
+    forward) over rows of ``lengths``, counted as torchtitan counts them for its MFU
+    (``torchtitan/utils.py::get_num_flop_per_token`` @0413364: ``6 N + 12 L H q T`` per token for forward
+    and backward, attention over the whole row, causal sparsity not subtracted, recomputation not counted):
+    per forward ``2 N`` per token plus ``4 L q w`` per token of a row of width ``w``. Padded rows
+    (``packed=False``) all take the longest row's width."""
+    lengths = list(lengths)
+    if not lengths:
+        return 0.0
+    if packed:
+        tokens = sum(lengths)
+        attention = sum(w * w for w in lengths)
+    else:
+        width = max(lengths)
+        tokens = len(lengths) * width
+        attention = len(lengths) * width * width
+    per_forward = 2.0 * shape.params * tokens + 4.0 * shape.layers * shape.q_width * attention
+    return passes * per_forward
 
 
 def roofline(device: Device) -> CostModel:

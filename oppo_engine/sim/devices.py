@@ -68,7 +68,9 @@ HOPPER = Fractions(
     prefill_attention=0.39,
     # Llama 3 405B pretraining: 38-43% BF16 MFU on 16K H100s (The Llama 3 Herd of Models, Table 4;
     # ai.meta.com/research/publications/the-llama-3-herd-of-models; quoted at
-    # news.barelyhuman.xyz/item/43598691). The low end is taken.
+    # news.barelyhuman.xyz/item/43598691). The low end is taken. An MFU counts model FLOPs (6 per parameter
+    # and token and the attention), never recomputation: CostModel.update charges the same. torchtitan's
+    # 33-39% for Llama 3.1 8B FSDP is on 96 GB H100s at 500 W, a GPU the table lacks (bench/published.py).
     training_mfu=0.38,
     # nccl-tests all_reduce_perf on 8x H100 SXM5, NVLink-4: bus bandwidth 460-480 GB/s at large sizes
     # (docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests). The low end is taken.
@@ -87,9 +89,13 @@ AMPERE = Fractions(
     # FlashAttention-2 reaches 50-73% of the A100's peak (FA2 paper, arXiv:2307.08691, as summarised at
     # pristren.com/blog/flashattention-3-algorithm-guide). The low end is taken.
     prefill_attention=0.50,
-    # Qwen2.5-7B, FSDP2 on 4x8 A800 SXM4 (A100-class): MFU 0.50-0.55 with sequence packing
-    # (lmms-engine.readthedocs.io/en/stable/reference/mfu.html). The low end is taken.
-    training_mfu=0.50,
+    # Llama 3 8B, FSDP2 on 64x A100 80GB, bf16, local batch 1 x 8192 tokens, selective (op) activation
+    # checkpointing: 2973 tokens/s/GPU, MFU 58.2% (github.com/pytorch/torchtitan docs/performance.md
+    # @0413364; bench/published.py, a source row). Its convention, which CostModel.update charges: 6 FLOPs
+    # per parameter and token plus 12 L H q T of attention over the whole row, recomputation not counted
+    # (torchtitan/utils.py::get_num_flop_per_token at that commit). Was 0.50 (lmms-engine, Qwen2.5-7B on
+    # A800s: a GPU the table lacks).
+    training_mfu=0.582,
     # nccl-tests all_reduce_perf on 8x A100 SXM4, NVLink-3: 230-250 GB/s (the nccl-tests page above).
     collective_busbw=230 * GB,
 )

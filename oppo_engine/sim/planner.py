@@ -30,6 +30,7 @@ from pathlib import Path
 
 from oppo_engine.config import MODES, EngineConfig
 from oppo_engine.control import OFF, ChunkSizeController, DeltaController, SwitchProfile
+from oppo_engine.sim.baselines import SYNC_ASSUMPTIONS, TRL_ASSUMPTIONS, recompute_forward_s, trl_step
 from oppo_engine.sim.cost import CostModel, Roofline
 from oppo_engine.sim.devices import device as table_device
 from oppo_engine.sim.lengths import Lengths, parse_lengths
@@ -43,6 +44,9 @@ SWEEP = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 STREAMED = ("intra", "oppo")
 OVERCOMMITTED = ("inter", "oppo")
 UNSTREAMED = {"intra": "sequential", "oppo": "inter"}  # the "off" arm of a streamed mode
+BASELINES = ("trl", "sync")  # arms of sim/baselines.py, priced beside the engine's modes (never run by it)
+ARMS = (*MODES, *BASELINES)
+RULE = "rule"  # reward="rule": a rule reward, no reward model on any GPU
 
 
 @dataclass
@@ -69,6 +73,8 @@ class ModePlan:
     utilisation: float = 0.0
     time_s: float = 0.0
     timeline: list = field(default_factory=list, repr=False)  # one step's lane spans (lane, what, start, end)
+    speedup_vs: dict[str, float] = field(default_factory=dict)  # s/step of each baseline arm over this mode's
+    phases: dict[str, float] = field(default_factory=dict)  # a baseline arm's seconds by phase
 
 
 @dataclass
@@ -106,8 +112,13 @@ class Plan:
             "memory_by_gpu": self.memory.by_gpu,
             "gpu_capacity": self.memory.capacity,
             "modes": {m: _mode_json(p) for m, p in self.modes.items()},
+            "assumptions": {arm: list(a) for arm, a in (("trl", TRL_ASSUMPTIONS), ("sync", SYNC_ASSUMPTIONS))
+                            if arm in self.modes},
+            "arena_pages": self.memory.arena_pages,
+            "arena_pages_wanted": self.memory.pages_wanted,
+            "preempts": self.memory.preempts,
             "wall_s": self.wall_s,
-        }
+        }  # fmt: skip
 
     def save(self, path: str | Path) -> Path:
         """Write ``plan.json`` (whole or not at all)."""
@@ -125,12 +136,15 @@ class Plan:
         """The predictions as a table (every number a prediction)."""
         s = self.setting
         where = "the CPU" if s["placement"] == "cpu" else f"{s['gpus']} GPU(s) as {s['placement']}"
+        group = f" prompts x {s['group_size']}" if s.get("group_size", 1) > 1 else ""
         lines = [
             f"PREDICTED by the twin ({s['cost_model']}; {where}, "
-            f"B={s['batch_size']}, responses {s['lengths']}, prompts {s['prompt_lengths']}, "
+            f"B={s['batch_size']}{group}, "
+            f"responses {s['lengths']}, prompts {s['prompt_lengths']}, "
             f"{self.steps} steps)",
             f"{'mode':<11}{'s/step':>8}{'rollout':>9}{'exposed':>9}{'update':>8}{'speed-up':>9}"
-            f"{'chunk':>7}{'Δ':>4}{'util':>6}{'total h':>9}",
+            f"{'chunk':>7}{'Δ':>4}{'util':>6}{'total h':>9}"
+            + "".join(f"{'vs ' + b:>9}" for b in BASELINES if b in self.modes),
         ]
         for m in self.modes.values():
             chunk = "-" if m.chunk_chosen is None else str(m.chunk_chosen)
@@ -139,6 +153,12 @@ class Plan:
                 f"{m.mode:<11}{m.s_per_step:>8.2f}{m.rollout_s:>9.2f}{m.exposed_scoring_s:>9.2f}"
                 f"{m.update_s:>8.2f}{m.speedup:>8.2f}x{chunk:>7}{delta:>4g}{m.utilisation:>6.2f}"
                 f"{m.time_s / 3600:>9.2f}"
+                + "".join(f"{m.speedup_vs[b]:>8.2f}x" for b in BASELINES if b in m.speedup_vs)
+            )
+        if self.memory.preempts:
+            lines.append(
+                f"the engine's KV arena (40% of free memory) holds {self.memory.arena_pages} of the "
+                f"{self.memory.pages_wanted} pages B + Δ sequences of max_model_len need: it preempts"
             )
         gb = {k: v / 1e9 for k, v in self.memory_per_gpu.items()}
         lines.append(
@@ -171,8 +191,11 @@ def plan(
     weight_bytes: int = 2,
     grad_bytes: int = 2,
     optimizer_bytes: int = 8,
-    activation_checkpointing: bool = True,
+    activation_checkpointing: bool = False,
     fsdp: bool = True,
+    group_size: int = 1,
+    group_by_length: bool = False,
+    max_tokens_per_microbatch: int | None = None,
     sweep: Sequence[int] = SWEEP,
     extrapolate: bool = True,
     warmup: int | None = None,
@@ -181,8 +204,11 @@ def plan(
     progress: Callable[[int, int], None] | None = None,
 ) -> Plan:
     """Predict a PPO run (module docstring). ``actor``, ``reward``, ``critic``, ``reference``: a preset
-    name, a ``config.json`` path or an HF config (``reward=None``: the actor's shape; ``critic`` and
-    ``reference`` optional). ``device``: a key of the roofline table (``sim/devices.py``) or a calibrated
+    name, a ``config.json`` path or an HF config (``reward=None``: the actor's shape; ``reward="rule"``: a
+    rule reward, no reward model on any GPU; ``critic`` and ``reference`` optional). ``group_size``: samples
+    per prompt (``batch_size`` prompts times ``group_size`` responses a step). ``modes`` may add the
+    baseline arms ``"trl"`` and ``"sync"`` (``sim/baselines.py``); every mode's ``speedup_vs`` holds its
+    speed-up against each. ``device``: a key of the roofline table (``sim/devices.py``) or a calibrated
     :class:`Profile`; ``placement``: ``"7+1"``, ``"colocated"`` or ``"cpu"`` (a CPU profile). ``batch_size``
     is the global batch (split over the actor ranks). ``lengths``/``prompt_lengths``: an int, a list (used
     in order, one per prompt, cycled), a file of lengths or a ``records.json``, or a law like
@@ -190,9 +216,12 @@ def plan(
     for every mode (its ``mode`` replaced by each of ``modes``; what a mode does not use is ignored).
     ``reward_curve``: mean reward per step for the Δ controller. ``epochs`` and ``minibatch_size`` (per
     rank) shape the update (default: the reference trainer's ``PPOConfig``); the memory defaults are bf16
-    weights and gradients, fp32 Adam moments, activation checkpointing and FSDP over the training GPUs.
-    A plan that does not fit returns ``fits=False`` with the numbers; it does not raise. ``progress(done,
-    total)`` is called after each simulated world.
+    weights and gradients, fp32 Adam moments and FSDP over the training GPUs, without activation
+    checkpointing, each rank's share of a minibatch padded to its longest row (``PPOTrainer`` today);
+    ``group_by_length`` and ``max_tokens_per_microbatch`` (packed micro-batches) as the trainer's options.
+    ``config.max_model_len``, when set, bounds prompt + response: a larger prompt cap plus response cap is
+    refused with ``ValueError``. A plan that does not fit returns ``fits=False`` with the numbers; it does
+    not raise. ``progress(done, total)`` is called after each simulated world.
     """
     t0 = time.perf_counter()
     from oppo_engine.ppo.config import PPOConfig  # noqa: PLC0415
@@ -204,19 +233,29 @@ def plan(
         config=config or EngineConfig(), reward_curve=reward_curve, epochs=epochs or ppo.epochs,
         minibatch_size=minibatch_size or ppo.minibatch_size, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes, checkpointing=activation_checkpointing, fsdp=fsdp, seed=seed,
+        group_size=group_size, group_by_length=group_by_length, max_tokens=max_tokens_per_microbatch,
     )  # fmt: skip
     modes = tuple(modes)
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in ARMS]
     if bad or not modes:
-        raise ValueError(f"modes: each one of {MODES}, got {list(modes) or 'none'}")
+        raise ValueError(f"modes: each one of {ARMS}, got {list(modes) or 'none'}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     sweep = tuple(sorted(set(sweep)))
     planner = _Planner(setting, steps, sweep, warmup, measure, progress)
-    results = planner.run(modes) if extrapolate else planner.run_live(modes)
+    engine_modes = tuple(m for m in modes if m in MODES)
+    if "sync" in modes and "sequential" not in engine_modes:
+        engine_modes = ("sequential", *engine_modes)
+    results = planner.run(engine_modes) if extrapolate else planner.run_live(engine_modes)
+    if "trl" in modes:
+        results["trl"] = _trl_plan(setting, steps)
+    if "sync" in modes:
+        results["sync"] = _sync_plan(setting, planner, results["sequential"])
+    results = {m: results[m] for m in modes}
     base = results.get("sequential")
     for m in results.values():
         m.speedup = base.s_per_step / m.s_per_step if base and m.s_per_step > 0 else float("nan")
+        m.speedup_vs = {b: results[b].s_per_step / m.s_per_step for b in BASELINES if b in results}
     describe = {
         "actor": setting.shapes["actor"].name,
         "models": {r: dataclasses.asdict(s) for r, s in setting.shapes.items()},
@@ -228,10 +267,38 @@ def plan(
         "prompt_lengths": setting.prompt_lengths.describe(),
         "epochs": setting.epochs,
         "minibatch_size": setting.minibatch_size,
+        "group_size": setting.group_size,
+        "reward": "rule" if "reward" not in setting.shapes else "model",
+        "max_model_len": setting.max_model_len,
+        "activation_checkpointing": setting.checkpointing,
+        "group_by_length": setting.group_by_length,
+        "max_tokens_per_microbatch": setting.max_tokens_per_microbatch,
         "extrapolated": extrapolate,
         "config": repr(setting.config),
     }
     return Plan(results, memory, describe, steps, time.perf_counter() - t0)
+
+
+def _trl_plan(setting: Setting, steps: int) -> ModePlan:
+    """The TRL-like arm (``sim/baselines.py``): its phases in series; the rollout is generation, scoring
+    and the log-prob/value/reference forwards, all after generation (exposed)."""
+    t = trl_step(setting)
+    rollout = t["generation_s"] + t["scoring_s"] + t["forwards_s"]
+    phases = {k: v for k, v in t.items() if k != "s_per_step"}
+    return ModePlan("trl", t["s_per_step"], rollout, t["scoring_s"] + t["forwards_s"], t["update_s"],
+                    time_s=t["s_per_step"] * steps, phases=phases)  # fmt: skip
+
+
+def _sync_plan(setting: Setting, planner: _Planner, seq: ModePlan) -> ModePlan:
+    """The synchronous-engine arm: ``sequential`` plus verl's old-log-prob forward (``sim/baselines.py``)."""
+    run = planner._arm("sequential", None, None)
+    extra = statistics.fmean(recompute_forward_s(setting, r.rows) for r in run.records)
+    out = dataclasses.replace(seq, mode="sync", s_per_step=seq.s_per_step + extra,
+                              update_s=seq.update_s + extra,
+                              time_s=(seq.s_per_step + extra) * planner.steps, timeline=[],
+                              phases={"rollout_s": seq.rollout_s, "old_logprob_forward_s": extra,
+                                      "update_s": seq.update_s})  # fmt: skip
+    return out
 
 
 def _mode_json(m: ModePlan) -> dict:
@@ -250,7 +317,8 @@ def _describe(cost: CostModel) -> str:
 
 def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch_size, lengths,
              prompt_lengths, config, reward_curve, epochs, minibatch_size, weight_bytes, grad_bytes,
-             optimizer_bytes, checkpointing, fsdp, seed) -> tuple[Setting, MemoryPlan]:  # fmt: skip
+             optimizer_bytes, checkpointing, fsdp, seed, group_size=1, group_by_length=False,
+             max_tokens=None) -> tuple[Setting, MemoryPlan]:  # fmt: skip
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if isinstance(device, Profile):
@@ -275,41 +343,82 @@ def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch
         raise ValueError(f"gpus must be an int >= {least} for placement {placement!r}, got {gpus!r}")
     if placement == "cpu":
         gpus = 1
-    scored = reward if reward is not None else actor
-    shapes = {
-        "actor": model_shape(actor, name="actor"),
-        "reward": model_shape(scored, head="score", name="reward"),
-    }
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1 (samples per prompt), got {group_size!r}")
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
+        raise ValueError(f"max_tokens_per_microbatch must be an int >= 1 or None, got {max_tokens!r}")
+    shapes = {"actor": model_shape(actor, name="actor")}
+    if not (isinstance(reward, str) and reward == RULE):
+        scored = reward if reward is not None else actor
+        shapes["reward"] = model_shape(scored, head="score", name="reward")
     if critic is not None:
         shapes["critic"] = model_shape(critic, head="value", name="critic")
     if reference is not None:
         shapes["reference"] = model_shape(reference, name="reference")
     if placement == "cpu":  # the engine's CPU models are float32
         shapes = {r: s.with_head(s.head, 4) for r, s in shapes.items()}
+    if isinstance(device, Profile):
+        _check_profile_range(device, shapes)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1 (prompts a step), got {batch_size!r}")
+    response_lengths = parse_lengths(lengths, what="lengths", seed=seed)
+    prompts = parse_lengths(prompt_lengths, what="prompt_lengths", seed=seed + 1)
+    if config.max_model_len is not None and prompts.cap + response_lengths.cap > config.max_model_len:
+        raise ValueError(
+            f"config.max_model_len={config.max_model_len} is below the prompt cap {prompts.cap} plus the "
+            f"response cap {response_lengths.cap}: raise max_model_len or lower the caps"
+        )
     setting = Setting(
-        shapes=shapes, cost=cost, placement=placement, gpus=gpus, batch_size=batch_size,
-        lengths=parse_lengths(lengths, what="lengths", seed=seed),
-        prompt_lengths=parse_lengths(prompt_lengths, what="prompt_lengths", seed=seed + 1),
+        shapes=shapes, cost=cost, placement=placement, gpus=gpus, batch_size=batch_size * group_size,
+        lengths=response_lengths, prompt_lengths=prompts,
         config=config, epochs=epochs, minibatch_size=minibatch_size, checkpointing=checkpointing,
         reward_curve=list(reward_curve) if reward_curve is not None else None,
-        cores=device.cores if isinstance(device, Profile) else 1, seed=seed,
+        cores=device.cores if isinstance(device, Profile) else 1, seed=seed, group_size=group_size,
+        group_by_length=group_by_length, max_tokens_per_microbatch=max_tokens, max_len=config.max_model_len,
     )  # fmt: skip
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < setting.ranks:
-        raise ValueError(f"batch_size must be an int >= the {setting.ranks} actor ranks, got {batch_size!r}")
-    if batch_size % setting.ranks:
+    if batch_size < setting.ranks or batch_size % setting.ranks:
         raise ValueError(
-            f"batch_size={batch_size} is the global batch: it must split evenly over the {setting.ranks} "
-            f"actor ranks of {gpus} GPU(s) as {placement!r}"
+            f"batch_size={batch_size} is the global batch of prompts: it must split evenly over the "
+            f"{setting.ranks} actor ranks of {gpus} GPU(s) as {placement!r}"
         )
     rank_cfg = mode_config(config, "oppo", batch_size=setting.per_rank)
-    in_flight = setting.per_rank + World._max_delta(rank_cfg)
+    in_flight = setting.per_rank + World._max_delta(rank_cfg, group_size)
     memory = memory_plan(
         shapes, placement=placement, training_gpus=setting.training_gpus, ranks=setting.ranks,
         in_flight=in_flight, max_model_len=setting.max_model_len, minibatch_rows=minibatch_size,
         page_size=config.page_size, capacity=capacity, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes, checkpointing=checkpointing, fsdp=fsdp,
+        tokens_per_microbatch=max_tokens,
     )  # fmt: skip
+    if config.kv_cache_bytes is None and memory.arena_pages >= max(
+        memory.one_sequence_pages, setting.per_rank
+    ):
+        # The engine's arena (sim/memory.py); one the engine would refuse to build is in p.why, and the
+        # steps are then simulated with room for every sequence.
+        setting.arena_pages = memory.arena_pages
     return setting, memory
+
+
+# How far past the largest projection a profile timed (K x N) its FLOP/s may be held flat; beyond, the
+# profile cannot price the shape (a model too small to fit the constants a larger one needs).
+PROFILE_REACH = 16
+
+
+def _check_profile_range(profile: Profile, shapes: dict[str, ModelShape]) -> None:
+    """``ValueError`` naming the model whose projections are over ``PROFILE_REACH`` times larger than any
+    the profile timed: its FLOP/s there would be a guess."""
+    for threads, costs in profile.threads.items():
+        timed = max(costs.gemm)
+        for role, shape in shapes.items():
+            need = max(k * n for k, n in shape.layer_gemms())
+            if need > PROFILE_REACH * timed:
+                raise ValueError(
+                    f"device: the profile of {profile.device!r} timed projections of K x N up to {timed:,} "
+                    f"({threads} thread(s)); the {role} model ({shape.name}) has one of {need:,}, over "
+                    f"{PROFILE_REACH}x beyond: calibrate with a model that wide (oppo-engine calibrate)"
+                )
 
 
 def _host_memory() -> int:
@@ -342,7 +451,8 @@ class _Planner:
         cfg = mode_config(self.s.config, "oppo", batch_size=self.s.per_rank)
         if isinstance(cfg.overcommit, int):
             return cfg.overcommit
-        return cfg.delta.resolve(cfg.batch_size).init
+        group = self.s.group_size
+        return -(-cfg.delta.resolve(cfg.batch_size, group).init // group) * group
 
     def _deltas(self, mode: str) -> list[int]:
         """Δ of every step: the controller fed the reward curve, or the initial Δ throughout."""
@@ -352,7 +462,7 @@ class _Planner:
         cfg = mode_config(self.s.config, mode, batch_size=self.s.per_rank)
         if not curve or isinstance(cfg.overcommit, int):
             return [self.delta0] * self.steps
-        ctrl = DeltaController(cfg.delta.resolve(cfg.batch_size))
+        ctrl = DeltaController(cfg.delta.resolve(cfg.batch_size, self.s.group_size))
         out = []
         for t in range(self.steps):
             out.append(ctrl.delta())
@@ -400,11 +510,24 @@ class _Planner:
 
     def run(self, modes: tuple[str, ...]) -> dict[str, ModePlan]:
         needed = set(modes) | {UNSTREAMED[m] for m in modes if m in STREAMED}
+        silent = self.nothing_streams()
+        if silent:
+            needed -= set(STREAMED)
         self.total = sum(len(self._arms(m)) for m in needed)
         results = {}
         for mode in sorted(needed, key=MODES.index):
             results[mode] = self._mode(mode)
+        if silent:  # no scorer model: a streamed mode is its unstreamed one, step for step
+            for mode in (m for m in STREAMED if m in modes):
+                base = results[UNSTREAMED[mode]]
+                results[mode] = dataclasses.replace(base, mode=mode, chunk_chosen=OFF,
+                                                    chunk_history=[OFF] * self.steps)  # fmt: skip
         return {m: results[m] for m in modes}
+
+    def nothing_streams(self) -> bool:
+        """No model scores what the actor generates (a rule reward, no reference, no critic): the streamed
+        modes have nothing to stream, so ``intra`` is ``sequential`` and ``oppo`` is ``inter``."""
+        return set(self.s.shapes) == {"actor"}
 
     def _mode(self, mode: str) -> ModePlan:
         deltas = self._deltas(mode)

@@ -17,9 +17,13 @@ def plot_steps(plan: Plan, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    modes = [m for m in plan.modes.values() if m.timeline]
-    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 1.2 + 1.1 * len(modes)), squeeze=False)
-    for ax, m in zip(axes[:, 0], modes, strict=True):
+    modes = [m for m in plan.modes.values() if m.timeline]  # the baseline arms have no engine timeline
+    fig, axes = plt.subplots(
+        max(1, len(modes)), 1, figsize=(11, 1.2 + 1.1 * max(1, len(modes))), squeeze=False
+    )
+    if not modes:
+        axes[0, 0].set_title("no engine mode in this plan (baseline arms only)", fontsize=9, loc="left")
+    for ax, m in zip(axes[: len(modes), 0], modes, strict=True):
         lanes = list(dict.fromkeys(lane for lane, *_ in m.timeline))
         t0 = min(start for _, _, start, _ in m.timeline)
         for row, lane in enumerate(lanes):

@@ -71,8 +71,13 @@ def mode_config(config: EngineConfig, mode: str, **changes) -> EngineConfig:
 
 @dataclass
 class Setting:
-    """What a plan simulates, but the mode: the models' shapes by role, the cost model, the placement, the
-    global batch, the lengths, the engine's settings, the PPO update's shape and an optional reward curve."""
+    """What a plan simulates, but the mode: the models' shapes by role (no ``"reward"``: a rule reward, no
+    model), the cost model, the placement, the global batch (``batch_size`` rollouts: prompts times
+    ``group_size`` samples each), the lengths, the engine's settings, the PPO update's shape (``epochs``,
+    ``minibatch_size`` rows per rank, ``checkpointing``, ``group_by_length``, packed micro-batches of at
+    most ``max_tokens_per_microbatch`` tokens or padded shares when None), an optional reward curve, the
+    arena's pages per actor rank (``arena_pages``: the engine's own rule, ``sim/memory.py``; None: room for
+    every sequence) and ``max_len`` (the engine's ``max_model_len``; None: prompt cap + response cap)."""
 
     shapes: dict[str, ModelShape]
     cost: CostModel
@@ -84,10 +89,15 @@ class Setting:
     config: EngineConfig
     epochs: int = 2
     minibatch_size: int = 8
-    checkpointing: bool = True
+    checkpointing: bool = False
     reward_curve: list[float] | None = None
     cores: float = 1.0
     seed: int = 0
+    group_size: int = 1
+    group_by_length: bool = False
+    max_tokens_per_microbatch: int | None = None
+    arena_pages: int | None = None
+    max_len: int | None = None
 
     @property
     def ranks(self) -> int:
@@ -104,7 +114,7 @@ class Setting:
 
     @property
     def max_model_len(self) -> int:
-        return self.prompt_lengths.cap + self.lengths.cap
+        return self.max_len if self.max_len is not None else self.prompt_lengths.cap + self.lengths.cap
 
     def device_of(self, rank: int) -> str:
         return "cpu" if self.placement == "cpu" else f"gpu{rank}"
@@ -135,6 +145,23 @@ class StepRecord:
     @property
     def s_per_step(self) -> float:
         return self.rollout_s + self.update_s
+
+
+def rank_slices(rows: list, ranks: int) -> list[list]:
+    """``rows`` cut into ``ranks`` consecutive slices as ``torch.tensor_split`` cuts them (the first
+    ``len % ranks`` one longer): each rank's share of a global minibatch (``ppo/trainer.py::_my_rows``)."""
+    q, r = divmod(len(rows), ranks)
+    out, start = [], 0
+    for k in range(ranks):
+        end = start + q + (1 if k < r else 0)
+        out.append(rows[start:end])
+        start = end
+    return out
+
+
+def _rule_reward(prompt_ids, response_ids) -> float:
+    """A rule reward (``plan(reward="rule")``): no model, nothing on any GPU."""
+    return 0.0
 
 
 class World:
@@ -186,28 +213,32 @@ class World:
             changes["overcommit"] = delta
         cfg = mode_config(base, mode, **changes)
         page_bytes, tokens = page_plan(s.shapes, cfg.page_size)
-        in_flight = cfg.batch_size + self._max_delta(cfg)
+        in_flight = cfg.batch_size + self._max_delta(cfg, s.group_size)
         pages = in_flight * sum(-(-cfg.max_model_len // t) for t in tokens.values())
         if base.kv_cache_bytes is not None:  # the target's arena, in the target's pages
             pages = max(1, base.kv_cache_bytes // page_bytes)
+        elif s.arena_pages is not None:  # the engine's own cap on a GPU (sim/memory.py: arena_pages)
+            pages = min(pages, s.arena_pages)
         self.target_pages = pages
         return dataclasses.replace(cfg, kv_cache_bytes=pages * tiny_page_bytes(self.models, cfg.page_size))
 
     @staticmethod
-    def _max_delta(cfg: EngineConfig) -> int:
+    def _max_delta(cfg: EngineConfig, group: int = 1) -> int:
+        """Δ_max in rollouts, whole groups of ``group`` (``sched/overcommit.py::delta_controller``)."""
         if cfg.mode not in ("inter", "oppo"):
             return 0
         if isinstance(cfg.overcommit, int):
             return cfg.overcommit
-        return cfg.delta.resolve(cfg.batch_size).max
+        return -(-cfg.delta.resolve(cfg.batch_size, group).max // group) * group
 
     def _build(self, rank: int, cfg: EngineConfig, prior: SwitchProfile | None, steps: int) -> RolloutEngine:
         s = self.setting
         m = self.models
         engine = RolloutEngine(
-            actor=m[ACTOR], reward=m[REWARD], critic=m.get(CRITIC), reference=m.get(REFERENCE), config=cfg,
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=s.lengths.cap, seed=s.seed),
-            eos_token_id=EOS,
+            actor=m[ACTOR], reward=m.get(REWARD, _rule_reward), critic=m.get(CRITIC),
+            reference=m.get(REFERENCE), config=cfg, eos_token_id=EOS,
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=s.lengths.cap, seed=s.seed,
+                                    n=s.group_size),
         )  # fmt: skip
         loop = engine._loop
         sched = loop.actor_sched
@@ -217,7 +248,7 @@ class World:
         targets = self._targets[rank]
         loop.actor = TwinActor(
             s.shapes[ACTOR], s.cost, sched.cache, lambda: {q.seq_id: q for q in sched.running},
-            lambda seq: targets[seq.prompt_index], self.ex.work,
+            lambda seq: targets[seq.prompt_index][seq.sample_index], self.ex.work,
             captured=gpu and s.config.graph in ("auto", True), threads=threads,
         )  # fmt: skip
         lane = loop.scorer_lane
@@ -253,13 +284,14 @@ class World:
         ``ranks``-th prompt of the global stream, whose lengths it draws."""
         s = self.setting
         cfg = engine.config
-        count = (steps + 2) * (cfg.batch_size + self._max_delta(cfg))
+        group = s.group_size
+        count = -(-(steps + 2) * (cfg.batch_size + self._max_delta(cfg, group)) // group)
         prompts = []
         targets = self._targets[rank]
         for local in range(len(targets), len(targets) + count):
             g = local * s.ranks + rank
             prompts.append([4 + (g + j) % 59 for j in range(s.prompt_lengths[g])])
-            targets.append(s.lengths[g])
+            targets.append([s.lengths[g * group + j] for j in range(group)])
         engine.add_prompts(prompts)
 
     # -- running --------------------------------------------------------------------------------------
@@ -335,23 +367,31 @@ class World:
         return update
 
     def _update_s(self, rows: list[int], deferred: list[int]) -> float:
-        """The PPO update on the batch's rows: random minibatches of ``minibatch_size`` rows per rank, each
-        padded to its longest row (``ppo/trainer.py``)."""
+        """The PPO update on the batch's rows as ``PPOTrainer`` cuts them (``ppo/trainer.py``): minibatches of
+        ``minibatch_size`` rows per rank, random (or, ``group_by_length``, rows of similar length together,
+        in random order), each cut into one consecutive slice per rank; each slice padded to its own longest
+        row, or packed (``max_tokens_per_microbatch``); stale rows recomputed first in chunks of similar
+        length, each rank its slice."""
         s = self.setting
         if not rows:
             return 0.0
         order = rows[:]
-        random.Random(s.seed * 1_000_003 + len(self.records)).shuffle(order)
+        rng = random.Random(s.seed * 1_000_003 + len(self.records))
         size = s.minibatch_size * s.ranks
-
-        def split(lengths: list[int]) -> list[tuple[int, int]]:
-            parts = [lengths[i : i + size] for i in range(0, len(lengths), size)]
-            return [(len(p), max(p)) for p in parts]
-
-        minibatches, recompute = split(order), split(sorted(deferred))
+        if s.group_by_length:
+            order.sort()
+            chunks = [order[i : i + size] for i in range(0, len(order), size)]
+            rng.shuffle(chunks)
+        else:
+            rng.shuffle(order)
+            chunks = [order[i : i + size] for i in range(0, len(order), size)]
+        minibatches = [rank_slices(c, s.ranks) for c in chunks]
+        stale = sorted(deferred)
+        recompute = [rank_slices(stale[i : i + size], s.ranks) for i in range(0, len(stale), size)]
         trained = [s.shapes[ACTOR]] + ([s.shapes[CRITIC]] if CRITIC in s.shapes else [])
         return s.cost.update(
             trained, minibatches, gpus=s.training_gpus, epochs=s.epochs, checkpointing=s.checkpointing,
+            packed=s.max_tokens_per_microbatch is not None,
             recompute=recompute if self.mode in ("inter", "oppo") else [],
         )  # fmt: skip
 

@@ -61,13 +61,14 @@ class _First(Policy):
 
 class _Item:
     __slots__ = ("lane", "work", "device", "group", "progress", "rate", "end", "a_f", "a_m", "a_h",
-                 "alone", "busy")  # fmt: skip
+                 "alone", "busy", "solo")  # fmt: skip
 
     def __init__(self, lane, work: Work, device: str, group: str, cores: float, cpu: bool) -> None:
         self.lane, self.work, self.device, self.group = lane, work, device, group
         self.progress, self.rate, self.end = 0.0, 0.0, 0.0
         self.a_f, self.a_m, self.a_h = demands(work, cores, cpu)
         self.alone = work.device_s()
+        self.solo = work.alone_s  # its duration when nothing oversubscribes a resource it uses
         self.busy = 0.0  # the device seconds per second of progress at the current rate
 
 
@@ -88,7 +89,7 @@ class Fabric:
     def submit(self, lane, work: Work, device: str, group: str, now: float) -> None:
         self._advance(now)
         self.items.append(_Item(lane, work, device, group, self.cores[device], device in self.cpus))
-        self._reshape()
+        self._reshape({device}, {group})
 
     def next_time(self) -> float | None:
         return min((it.end for it in self.items), default=None)
@@ -99,7 +100,7 @@ class Fabric:
         if not done:
             return []
         self.items = [it for it in self.items if it not in done]
-        self._reshape()
+        self._reshape({it.device for it in done}, {it.group for it in done})
         return [it.lane for it in done]
 
     def _advance(self, now: float) -> None:
@@ -113,17 +114,24 @@ class Fabric:
                 self.busy_s[name] += dt * min(1.0, s)
         self.t = max(self.t, now)
 
-    def _reshape(self) -> None:
+    def _reshape(self, devices: set, groups: set) -> None:
+        """Recompute the rates of the works on ``devices`` or in ``groups`` (a work started or ended there);
+        the others' demands are unchanged, and so are their rates."""
         s_f, s_m, s_h = {}, {}, {}
         for it in self.items:
             s_f[it.device] = s_f.get(it.device, 0.0) + it.a_f
             s_m[it.device] = s_m.get(it.device, 0.0) + it.a_m
             s_h[it.group] = s_h.get(it.group, 0.0) + it.a_h
-        load = {g: interpreter_load(d, self.penalty) for g, d in s_h.items()}
         for it in self.items:
-            cores = max(1.0, s_f[it.device])
-            python = cores if it.device in self.cpus else 1.0
-            duration = it.work.duration(cores, max(1.0, s_m[it.device]), load[it.group], python)
+            if it.device not in devices and it.group not in groups:
+                continue
+            f, m, h = s_f[it.device], s_m[it.device], s_h[it.group]
+            if f <= 1.0 and m <= 1.0 and h <= 1.0:  # nothing it uses is oversubscribed: its time alone
+                duration = it.solo
+            else:
+                cores = max(1.0, f)
+                python = cores if it.device in self.cpus else 1.0
+                duration = it.work.duration(cores, max(1.0, m), interpreter_load(h, self.penalty), python)
             if duration <= 0:
                 it.rate, it.end, it.progress, it.busy = 0.0, self.t, 1.0, 0.0
                 continue

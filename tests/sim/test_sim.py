@@ -172,9 +172,9 @@ def test_a_failure_names_its_seed_and_replays():
 def test_the_simulator_reports_a_token_past_the_policy_lag_bound(monkeypatch):
     """Without the lag-due rule (a carried sequence whose oldest token is max_policy_lag versions old must
     be in the next batch) a search returns tokens staler than the bound."""
-    from oppo_engine import engine as engine_module  # noqa: PLC0415
+    from oppo_engine.sched import overcommit  # noqa: PLC0415
 
-    monkeypatch.setattr(engine_module, "lag_due", lambda version, lag: None)
+    monkeypatch.setattr(overcommit, "lag_due", lambda version, lag: None)
     seeds = [s for s in CI_SEEDS if Workload.draw(s).max_policy_lag is not None]
     result = search(seeds, stop_at_first=True)
     assert result.failures, "a lag past the bound went unnoticed"

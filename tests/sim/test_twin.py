@@ -100,10 +100,14 @@ def test_kernels_per_layer_is_what_a_qwen2_layer_launches():
 
 def test_the_update_grows_with_padded_tokens_and_shrinks_with_gpus():
     shapes = [SEVEN_B, SEVEN_B.with_head("value")]
-    one = H200.update(shapes, [(56, 600)], gpus=7, epochs=2)
-    assert H200.update(shapes, [(56, 1200)], gpus=7, epochs=2) > one
-    assert H200.update(shapes, [(56, 600)], gpus=7, epochs=4) > one
-    assert H200.update(shapes, [(56, 600)], gpus=1, epochs=2) > one
+
+    def mb(width, ranks=7):
+        return [[[width] * 8 for _ in range(ranks)]]
+
+    one = H200.update(shapes, mb(600), gpus=7, epochs=2)
+    assert H200.update(shapes, mb(1200), gpus=7, epochs=2) > one
+    assert H200.update(shapes, mb(600), gpus=7, epochs=4) > one
+    assert H200.update(shapes, [[[600] * 56]], gpus=1, epochs=2) > one
 
 
 # -- contention and the scorer service ----------------------------------------------------------------------

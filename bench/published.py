@@ -1,0 +1,341 @@
+"""Published GPU measurements the twin is checked against, each with where it was read.
+
+Every row quotes a figure read on its page (``url``), the exact GPU as the page gives it, the software and
+the settings. ``role``: ``"source"`` (a constant of ``oppo_engine/sim`` may be derived from it, and the
+constant cites it) or ``"check"`` (counted by the goals; no constant comes from a check row's page). A row
+whose setting the twin cannot express (a GPU the device table lacks, a power cap it does not model, two
+nodes, FP8, tensor parallelism) carries ``refused``: the twin names why and never approximates it.
+
+    python -m bench.bench_twin --published     # setting, published figure, prediction, ratio, source
+
+Nothing here is fitted at import; :func:`predict` prices each row with the same cost model ``plan()`` uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from oppo_engine.sim.cost import Batch, CostModel, roofline, training_flops
+from oppo_engine.sim.devices import device
+from oppo_engine.sim.shapes import ModelShape
+
+# Shapes as their configs give them (Llama 2's and Llama 3's config.json on the Hub; the twin's Qwen2
+# layout adds q/k/v biases, 12k parameters a layer). Llama 2 7B: 32 layers, 4096 wide, 32 heads, MLP 11008,
+# vocabulary 32000, untied. Llama 3 8B: 32 layers, 4096, 32 heads over 8 KV heads, MLP 14336, 128256.
+LLAMA2_7B = ModelShape("Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000, False, 2, "lm")
+LLAMA3_8B = ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, False, 2, "lm")
+QWEN25_7B = ModelShape("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064, False, 2, "lm")
+
+TRTLLM = (
+    "github.com/NVIDIA/TensorRT-LLM docs/source/performance.md @77d24b5 (also @138f96d): 'Peak Throughput', "
+    "data for v0.6.1; 'Low Latency' (1st token), data from v0.5"
+)
+TORCHTITAN_A100 = (
+    "github.com/pytorch/torchtitan docs/performance.md @0413364 (2024-04-24), 'Llama 3 performance'"
+)
+TORCHTITAN_H100 = "github.com/pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @b5bcd76"
+NEMO_RL = "github.com/NVIDIA-NeMo/RL docs/about/performance-summary.md @cff17f8 (v0.4) and @9dbd9ad (v0.5)"
+HF_EAGER = (
+    "arxiv.org/html/2605.30571 (J. Chen, 'Memory-Bound but Not Bandwidth-Limited', May 2026), abstract, "
+    "read at cdn-avatars.qwak.ai/papers/2605.30571.md"
+)
+OPPO_SEED = "/work/shared/seeds/000_0e21a575d220e76b.txt (the OPPO paper, arXiv:2509.25762, as summarised)"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published figure: ``kind`` says how :func:`predict` prices it."""
+
+    key: str
+    kind: str  # static_batch | first_token | hf_eager_floor | train_mfu | rl_step | paper_step
+    role: str  # source | check
+    figure: float
+    unit: str
+    gpu: str  # as the page gives it: SKU, memory, power cap
+    device: str | None  # the roofline table's key, when the twin can price it
+    software: str
+    settings: dict
+    url: str
+    quote: str
+    refused: str | None = None
+    constant: str | None = None  # the constant a source row fixes, if any
+    extra: dict = field(default_factory=dict)
+
+
+ROWS: tuple[Published, ...] = (
+    # -- decode and prefill: fixed-batch runs (static batching: every row of the batch runs to the end) ---
+    Published(
+        "trtllm-a100-7b-384x128x128",
+        "static_batch",
+        "check",
+        5586,
+        "out tok/s",
+        "A100 (page: 'A100 GPUs (FP16)'; 80 GB: the batch's KV, 384 x 256 tokens x 0.5 MB, is 52 GB, over "
+        "a 40 GB card's memory; power cap not stated)",
+        "a100-80gb",
+        "TensorRT-LLM v0.6.1 gptSessionBenchmark, FP16, static batch",
+        dict(model=LLAMA2_7B, batch=384, input=128, output=128),
+        TRTLLM,
+        "| LLaMA 7B | 384 | 1 | 128 | 128 | 5,586 |",
+    ),
+    Published(
+        "trtllm-a100-7b-60x128x2048",
+        "static_batch",
+        "check",
+        1928,
+        "out tok/s",
+        "A100 80 GB (as above)",
+        "a100-80gb",
+        "TensorRT-LLM v0.6.1 gptSessionBenchmark, FP16, static batch",
+        dict(model=LLAMA2_7B, batch=60, input=128, output=2048),
+        TRTLLM,
+        "| LLaMA 7B | 60 | 1 | 128 | 2048 | 1,928 |",
+    ),
+    Published(
+        "trtllm-a100-7b-52x2048x128",
+        "static_batch",
+        "check",
+        591,
+        "out tok/s",
+        "A100 80 GB (as above)",
+        "a100-80gb",
+        "TensorRT-LLM v0.6.1 gptSessionBenchmark, FP16, static batch",
+        dict(model=LLAMA2_7B, batch=52, input=2048, output=128),
+        TRTLLM,
+        "| LLaMA 7B | 52 | 1 | 2048 | 128 | 591 |",
+    ),
+    Published(
+        "trtllm-a100-7b-tp2",
+        "static_batch",
+        "check",
+        782,
+        "out tok/s",
+        "2x A100 (TP 2)",
+        None,
+        "TensorRT-LLM v0.6.1, FP16, tensor parallel 2",
+        dict(model=LLAMA2_7B, batch=64, input=2048, output=2048),
+        TRTLLM,
+        "| LLaMA 7B | 64 | 2 | 2048 | 2048 | 782 |",
+        refused="tensor parallelism (TP 2): the twin runs one model on one GPU",
+    ),
+    Published(
+        "trtllm-a100-7b-ftl-128",
+        "first_token",
+        "check",
+        16e-3,
+        "s",
+        "A100 80 GB (as above)",
+        "a100-80gb",
+        "TensorRT-LLM v0.5, FP16 (the page: 'The following data is from TensorRT-LLM v0.5')",
+        dict(model=LLAMA2_7B, batch=1, input=128),
+        TRTLLM,
+        "| LLaMA 7B | 1 | 1 | 128 | 16 |",
+    ),
+    Published(
+        "trtllm-a100-7b-ftl-2048",
+        "first_token",
+        "check",
+        133e-3,
+        "s",
+        "A100 80 GB (as above)",
+        "a100-80gb",
+        "TensorRT-LLM v0.5, FP16",
+        dict(model=LLAMA2_7B, batch=1, input=2048),
+        TRTLLM,
+        "| LLaMA 7B | 1 | 1 | 2048 | 133 |",
+    ),
+    Published(
+        "trtllm-h100-7b-fp8",
+        "static_batch",
+        "check",
+        6818,
+        "out tok/s/GPU",
+        "H100 (FP8), 'H100-HBM3-80GB'",
+        None,
+        "TensorRT-LLM v0.6.1, FP8 weights and FP8 KV cache",
+        dict(model=LLAMA2_7B, batch=112, input=128, output=2048),
+        TRTLLM,
+        "| LLaMA 7B | 112 | 1 | 128 | 2048 | 6,818 |",
+        refused="FP8 weights and KV cache: the twin prices 16-bit models only",
+    ),
+    Published(
+        "hf-eager-h100-qwen7b-b1",
+        "hf_eager_floor",
+        "source",
+        0.27,
+        "of the memory floor",
+        "H100 SXM5 (80 GB; power cap not stated)",
+        "h100",
+        "HF transformers, bf16, SDPA, eager (no CUDA graphs), batch 1",
+        dict(model=QWEN25_7B, context=2048),
+        HF_EAGER,
+        "'On the headline Qwen-2.5-7B ctx=2048 cell, an L4 reaches roughly 81% of its analytic "
+        "memory floor, while an H100 reaches only 27%.'",
+        constant="sim/baselines.py: HF_STEP_HOST_S",
+    ),
+    Published(
+        "hf-eager-l4",
+        "hf_eager_floor",
+        "source",
+        0.81,
+        "of the memory floor",
+        "NVIDIA L4",
+        None,
+        "HF transformers, bf16, SDPA, eager, batch 1",
+        dict(model=QWEN25_7B, context=2048),
+        HF_EAGER,
+        "'an L4 reaches roughly 81% of its analytic memory floor'",
+        refused="NVIDIA L4: not in the device table",
+    ),
+    # -- training ------------------------------------------------------------------------------------------
+    Published(
+        "torchtitan-a100-8b-sel-op",
+        "train_mfu",
+        "source",
+        0.582,
+        "MFU",
+        "64x A100 80 GB (power cap not stated)",
+        "a100-80gb",
+        "torchtitan (2024-04), FSDP2, bf16, selective op activation checkpointing",
+        dict(model=LLAMA3_8B, gpus=64, local_batch=1, seq=8192, wps=2973),
+        TORCHTITAN_A100,
+        "| 8B | 1 | selective op | 2973 | 58.2% |",
+        constant="devices.py: AMPERE.training_mfu",
+        refused="64 GPUs are 8 nodes: the twin has no inter-node term (the MFU, a per-GPU figure, is taken)",
+    ),
+    Published(
+        "torchtitan-h100-96gb-8b",
+        "train_mfu",
+        "check",
+        5762,
+        "tok/s/GPU",
+        "8x H100 96 GB HBM2e, 2.4 TB/s, default 500 W power limit (Grand Teton)",
+        None,
+        "torchtitan (2024-12), FSDP, bf16, selective AC, local batch 2",
+        dict(model=LLAMA3_8B, gpus=8),
+        TORCHTITAN_H100,
+        "| FSDP | 5,762 | 82.4 |",
+        refused="H100 96 GB HBM2e at 500 W (Grand Teton): not in the device table (h100 is the 80 GB SXM5)",
+    ),
+    Published(
+        "torchtitan-h100-96gb-8b-memory",
+        "train_mfu",
+        "check",
+        82.4,
+        "GiB peak",
+        "as above",
+        None,
+        "torchtitan (2024-12), FSDP, bf16, selective AC, local batch 2",
+        dict(model=LLAMA3_8B, gpus=8),
+        TORCHTITAN_H100,
+        "| FSDP | 5,762 | 82.4 |",
+        refused="H100 96 GB HBM2e at 500 W: not in the device table",
+    ),
+    # -- RL steps ------------------------------------------------------------------------------------------
+    Published(
+        "nemo-rl-grpo-llama8b-16xh100",
+        "rl_step",
+        "check",
+        97.7,
+        "s/step",
+        "16x H100 (DGX-H100: two nodes)",
+        None,
+        "NeMo RL v0.4, Megatron-core training, vLLM generation, BF16",
+        dict(model=LLAMA3_8B, gpus=16, prompts_x_samples=2048, train_gbs=512, max_seq=4096, mean_seq=1060),
+        NEMO_RL,
+        "|LLAMA3.1_8B|On policy |4,096 |1,060 |16 |2,048|512 |[1,1] |[1,1,1,1,1,2,n/a] |1,562 | 97.7|",
+        refused="16 GPUs are two DGX-H100 nodes: the twin has no inter-node term; the page gives no phases",
+    ),
+    Published(
+        "nemo-rl-grpo-llama8b-8xgb200",
+        "rl_step",
+        "check",
+        91.0,
+        "s/step",
+        "8x GB200 (GB200-NVL72)",
+        None,
+        "NeMo RL v0.5, BF16",
+        dict(model=LLAMA3_8B, gpus=8),
+        NEMO_RL,
+        "| GRPO |LLAMA3.1_8B|On policy |4,096 |1,066 |8 |2,048|512 |[1,1] |[1,1,1,1,1,1,n/a] |3,359 | 91.0|",
+        refused="GB200: not in the device table",
+    ),
+    Published(
+        "oppo-paper-2node",
+        "paper_step",
+        "check",
+        498.30,
+        "s/step (TRL)",
+        "2x4 A100",
+        None,
+        "the OPPO paper's TRL baseline and OPPO",
+        dict(oppo=111.08),
+        OPPO_SEED,
+        "'Stack-Exchange / Qwen2.5-7B-Instruct（双节点 2×4×A100）平均每步延迟 111.08 s 498.30 s 4.49×'",
+        refused="two nodes (2x4 A100): the twin has no inter-node network term; the A100's memory is not "
+        "given either",
+    ),
+)
+
+
+class Refused(ValueError):
+    """A published setting the twin cannot express, named."""
+
+
+def predict(row: Published) -> float:
+    """The twin's prediction of ``row``'s figure, in its unit; :class:`Refused` naming why it cannot."""
+    if row.refused is not None:
+        raise Refused(f"{row.key}: {row.refused}")
+    dev = device(row.device)
+    cost = roofline(dev)
+    s = row.settings
+    if row.kind == "static_batch":
+        return _static_batch(cost, s["model"], s["batch"], s["input"], s["output"])
+    if row.kind == "first_token":
+        return _prefill(cost, s["model"], s["batch"], s["input"])
+    if row.kind == "hf_eager_floor":
+        from oppo_engine.sim.baselines import hf_decode_s  # noqa: PLC0415
+
+        shape, ctx = s["model"], s["context"]
+        floor = (shape.weight_bytes + shape.kv_bytes_per_token * ctx) / dev.hbm_bandwidth
+        return floor / hf_decode_s(cost, shape, [ctx])
+    if row.kind == "train_mfu":  # one FSDP step of one node: the model FLOPs over its time, of the peak
+        shape, rows = s["model"], [s["seq"]] * s["local_batch"]
+        step = cost.update([shape], [[rows] * 8], gpus=8, epochs=1)
+        return training_flops(shape, rows, 3.0) / step / dev.bf16_flops
+    raise Refused(f"{row.key}: no pricing for kind {row.kind!r}")
+
+
+def _static_batch(cost: CostModel, shape: ModelShape, batch: int, inp: int, out: int) -> float:
+    """Output tokens per second of a static batch: one prefill of every prompt (it samples the first
+    token), then ``out - 1`` decode steps of the whole batch, captured."""
+    t = cost.forward(
+        shape, Batch(tuple((inp, inp) for _ in range(batch)), batch, batch), captured=True
+    ).alone_s
+    for step in range(1, out):
+        rows = tuple((1, inp + step) for _ in range(batch))
+        t += cost.forward(shape, Batch(rows, batch, batch), captured=True).alone_s
+    return batch * out / t
+
+
+def _prefill(cost: CostModel, shape: ModelShape, batch: int, inp: int) -> float:
+    return cost.forward(
+        shape, Batch(tuple((inp, inp) for _ in range(batch)), batch, batch), captured=True
+    ).alone_s
+
+
+def table() -> list[dict]:
+    """Every row with its prediction (or refusal) and ratio."""
+    out = []
+    for row in ROWS:
+        try:
+            pred, why = predict(row), None
+        except Refused as e:
+            pred, why = None, str(e).split(": ", 1)[1]
+        out.append(
+            dict(row=row, prediction=pred, ratio=None if pred is None else pred / row.figure, refused=why)
+        )
+    return out
+
+
+__all__ = ["ROWS", "Published", "Refused", "predict", "table"]

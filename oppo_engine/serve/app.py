@@ -1,0 +1,225 @@
+"""The ASGI app (Starlette): OpenAI's routes under an episode's base URL, the episode routes, vLLM's
+``/tokenize`` and ``/detokenize``. Every route checks the API key; every error is OpenAI's JSON with
+``x-should-retry: false``.
+
+| route | what |
+| --- | --- |
+| ``GET /v1/models`` (also under an episode) | the one model served |
+| ``POST /v1/episodes`` | open an episode: ``{"metadata"?, "seed"?}`` -> ``{"id", "base_url"}`` |
+| ``POST /v1/episodes/{id}/finish`` | ``{"reward": float or null}`` ends it (409 the second time) |
+| ``POST /episodes/{id}/v1/chat/completions`` | the episode's next turn |
+| ``POST /episodes/{id}/v1/completions`` | the same, prompt as text or token ids |
+| ``POST /tokenize``, ``POST /detokenize`` | vLLM's shapes |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from oppo_engine.serve.errors import ApiError
+
+if TYPE_CHECKING:
+    from oppo_engine.serve.server import ServeHandle
+
+_NO_RETRY = {"x-should-retry": "false"}
+MAX_BODY_BYTES = 8 << 20  # a larger body gets 413
+_DISCONNECT_POLL_S = 0.25  # how often a waiting request looks whether its client is gone
+
+
+def build_app(server: ServeHandle) -> Starlette:
+    """The app of ``server`` (its handlers run on the serving loop)."""
+
+    def route(fn):
+        async def handle(request: Request):
+            try:
+                server.check_auth(request.headers.get("authorization"))
+                answer = await fn(request)
+                return answer if isinstance(answer, StreamingResponse) else JSONResponse(answer)
+            except ApiError as e:
+                return JSONResponse(e.body(), status_code=e.status, headers=_NO_RETRY)
+            except Exception as e:  # a bug, answered in OpenAI's shape all the same
+                error = ApiError(500, f"internal error: {type(e).__name__}: {e}")
+                return JSONResponse(error.body(), status_code=500, headers=_NO_RETRY)
+
+        return handle
+
+    async def body(request: Request, *, optional: bool = False):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > _max_body():
+            raise ApiError(413, f"the body has {declared} bytes; the limit is {_max_body()}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > _max_body():
+                raise ApiError(413, f"the body is over the limit of {_max_body()} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if optional and not raw.strip():
+            return {}
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+
+    async def models(request: Request) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.responses.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "oppo_engine",
+                    "max_model_len": server.max_model_len,
+                }
+            ],
+        }
+
+    async def open_episode(request: Request) -> dict:
+        data = await body(request, optional=True)
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        episode = server.open(data.get("metadata"), data.get("seed"))
+        return {"id": episode.id, "base_url": f"{server.url}/episodes/{episode.id}/v1"}
+
+    async def finish(request: Request) -> dict:
+        episode = server.episode(request.path_params["episode_id"])
+        data = await body(request, optional=True)
+        reward = data.get("reward") if isinstance(data, dict) else None
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+            raise ApiError(400, f"reward must be a number or null, got {reward!r}", param="reward")
+        episode.finish(None if reward is None else float(reward))
+        return {"id": episode.id, "finished": True}
+
+    def turn(kind: str):
+        async def handler(request: Request) -> dict:
+            episode = server.episode(request.path_params["episode_id"])
+            req = server.parse(await body(request), kind)
+            try:
+                answer = await _unless_gone(request, episode, episode.request(req))
+            except ApiError as e:
+                if e.code != "history_diverged" or server.on_divergence != "restart":
+                    raise
+                episode = server.restart(episode)
+                answer = await _unless_gone(request, episode, episode.request(req))
+            return _events(answer, req.include_usage) if req.stream else answer
+
+        return handler
+
+    async def plain(request: Request) -> dict:
+        raise ApiError(
+            404,
+            "requests are served per episode: POST /v1/episodes, then send them to its base_url",
+            code="episode_required",
+        )
+
+    async def tokenize(request: Request) -> dict:
+        data = await body(request)
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        if "messages" in data:
+            from oppo_engine.serve.chat import normalise
+
+            tokens = server.renderer.render(
+                normalise(data["messages"]),
+                data.get("tools"),
+                generation_prompt=bool(data.get("add_generation_prompt", True)),
+            )
+        elif isinstance(data.get("prompt"), str):
+            special = data.get("add_special_tokens", True)
+            tokens = [
+                int(t)
+                for t in server.tokenizer(data["prompt"], add_special_tokens=bool(special))["input_ids"]
+            ]
+        else:
+            raise ApiError(400, "give prompt (a string) or messages", param="prompt")
+        return {
+            "count": len(tokens),
+            "max_model_len": server.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+
+    async def detokenize(request: Request) -> dict:
+        data = await body(request)
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise ApiError(400, "tokens must be a list of token ids", param="tokens")
+        bad = next((t for t in tokens if not 0 <= t < server.vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"token id {bad} is outside the vocabulary [0, {server.vocab_size})", param="tokens"
+            )
+        return {"prompt": server.tokenizer.decode(tokens)}
+
+    routes = [
+        Route("/v1/models", route(models), methods=["GET"]),
+        Route("/episodes/{episode_id}/v1/models", route(models), methods=["GET"]),
+        Route("/v1/episodes", route(open_episode), methods=["POST"]),
+        Route("/v1/episodes/{episode_id}/finish", route(finish), methods=["POST"]),
+        Route("/episodes/{episode_id}/v1/chat/completions", route(turn("chat")), methods=["POST"]),
+        Route("/episodes/{episode_id}/v1/completions", route(turn("completions")), methods=["POST"]),
+        Route("/v1/chat/completions", route(plain), methods=["POST"]),
+        Route("/v1/completions", route(plain), methods=["POST"]),
+        Route("/tokenize", route(tokenize), methods=["POST"]),
+        Route("/detokenize", route(detokenize), methods=["POST"]),
+    ]
+
+    async def not_found(request: Request, exc) -> JSONResponse:
+        status = getattr(exc, "status_code", 404)
+        return JSONResponse(
+            ApiError(status, f"no route {request.method} {request.url.path}").body(),
+            status_code=status,
+            headers=_NO_RETRY,
+        )
+
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def _events(answer: dict, include_usage: bool) -> StreamingResponse:
+    """A chat answer as server-sent events, as vLLM streams one: the turn in one content chunk (the engine
+    answers a turn whole, when it ends) with ``token_ids`` and, in the first chunk only,
+    ``prompt_token_ids``; then the finish reason; the usage if asked; then ``[DONE]``."""
+    choice = answer["choices"][0]
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    delta = dict(choice["message"])
+    if delta.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+    first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+    chunks = [{**head, "choices": [first]}]
+    if "prompt_token_ids" in answer:
+        chunks[0]["prompt_token_ids"] = answer["prompt_token_ids"]
+    chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]})
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+
+async def _unless_gone(request: Request, episode, answer):
+    """Await ``answer``; a client that disconnects meanwhile fails its episode (its turn is dropped when it
+    ends: the sequence leaves the step then, its pages freed)."""
+    task = asyncio.ensure_future(answer)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            episode.fail("its client disconnected while its turn was generated")
+            raise ApiError(499, "the client disconnected")
+
+
+def _max_body() -> int:
+    return MAX_BODY_BYTES

@@ -1,0 +1,335 @@
+"""A served conversation is an engine episode: ``ServedEpisode`` holds its side on the serving loop, and
+``AgentEnv`` is the environment the engine's step loop drives, like any other ``Env``.
+
+The first request's rendered messages are the episode's prompt: queued as a prompt whose environment is an
+``AgentEnv``. When the turn ends, the engine calls ``AgentEnv.step(turn_ids, logprobs)`` (a coroutine on the
+serving loop): it answers the pending request with the turn, then waits for the agent's next request, whose
+new messages' template suffix is the observation, or for ``finish``, which ends the episode
+(``finish_reason="agent_done"``). Everything here but ``make_env`` and ``AgentEnv.end`` (the actor thread's)
+runs on the serving loop, so the state needs no lock.
+
+States: ``open`` (no request yet), ``generating`` (a request waits for its turn), ``waiting`` (answered; the
+agent's next request or ``finish`` is awaited), ``done`` (finished by the agent), ``ended`` (ended by the
+engine: EOS, a length limit), ``failed`` (rolled back, timed out, abandoned, closed: requests get 410).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from oppo_engine.config import SamplingParams
+from oppo_engine.env.protocol import Observation
+from oppo_engine.serve.chat import first_difference
+from oppo_engine.serve.errors import ApiError
+from oppo_engine.serve.requests import TurnRequest
+
+if TYPE_CHECKING:
+    from oppo_engine.serve.server import ServeHandle
+
+OPEN, GENERATING, WAITING, DONE, ENDED, FAILED = "open", "generating", "waiting", "done", "ended", "failed"
+_ENGINE_FINISH = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "max_model_len": "length",
+    "max_turns": "length",
+}
+
+
+class AgentError(RuntimeError):
+    """The agent of an episode raised, or the episode failed while its environment call ran."""
+
+
+class ServedEpisode:
+    """One conversation (see the module). ``seed``: the episode's RNG seed (else the first request's, else
+    the engine's derivation from the prompt's index)."""
+
+    def __init__(
+        self, server: ServeHandle, episode_id: str, *, metadata=None, seed: int | None = None
+    ) -> None:
+        self.server, self.id, self.metadata, self.seed = server, episode_id, metadata, seed
+        self.state = OPEN
+        self.touched_s = time.monotonic()
+        self.kind: str | None = None
+        self.history: list[dict] = []  # normalised messages, the assistant's answers included
+        self.tools: list | None = None
+        self.transcript: list[int] = []  # prompt, turns and suffixes: the sequence's tokens so far
+        self.text = ""  # completions with text prompts: the text so far
+        self.turn = 0
+        self.turn_closed = True  # the last turn ended with the end-of-turn token
+        self.sampling: SamplingParams | None = None
+        self.pending: asyncio.Future | None = None  # the response of the request in flight
+        self.pending_key: str | None = None
+        self.last_key: str | None = None
+        self.last_response: dict | None = None
+        self.next_obs: asyncio.Future | None = None  # what AgentEnv.step awaits
+        self.finish_asked: tuple[float | None] | None = None
+        self.agent_error: str | None = None
+        self.error: str | None = None
+        self.env_made = False  # the actor thread's: the factory was called
+
+    # -- requests (serving loop) -----------------------------------------------------------------------------
+
+    async def request(self, req: TurnRequest) -> dict:
+        """Answer ``req``: the next turn, or a repeat's cached answer; ``ApiError`` otherwise."""
+        self.touched_s = time.monotonic()
+        if self.state == FAILED:
+            raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
+        if req.key == self.last_key and self.last_response is not None:
+            return self.last_response  # a client's retry of the last answered request
+        if self.state in (DONE, ENDED):
+            raise ApiError(409, f"episode {self.id} has ended: open a new episode", code="episode_ended")
+        if self.state == GENERATING:
+            if req.key != self.pending_key:
+                raise ApiError(409, f"episode {self.id} has a request in flight", code="request_in_flight")
+        elif self.kind is not None and req.kind != self.kind:
+            raise ApiError(400, f"episode {self.id} is a {self.kind} conversation, not {req.kind}")
+        elif self.state == OPEN:
+            self._first(req)
+        else:
+            self._next(req)
+        return await asyncio.shield(self.pending)
+
+    def _first(self, req: TurnRequest) -> None:
+        server = self.server
+        if req.kind == "chat":
+            prompt = server.renderer.render(req.messages, req.tools, generation_prompt=True)
+            self.history, self.tools = list(req.messages), req.tools
+        elif isinstance(req.prompt, list):
+            prompt = list(req.prompt)
+        else:
+            prompt = [int(t) for t in server.tokenizer(req.prompt)["input_ids"]]
+            self.text = req.prompt
+        server.check_length(len(prompt), "the prompt")
+        base = server.base_sampling
+        seed = self.seed if self.seed is not None else req.seed
+        self.sampling = SamplingParams(
+            temperature=base.temperature if req.temperature is None else req.temperature,
+            top_p=base.top_p if req.top_p is None else req.top_p,
+            top_k=base.top_k,
+            max_new_tokens=base.max_new_tokens,
+            seed=seed,
+            turn_stop_token_ids=tuple(sorted({server.turn_end, *req.stop_token_ids})),
+            max_turn_tokens=req.max_tokens,
+        )
+        try:
+            server.queue_episode(self, prompt)
+        except ValueError as e:  # the engine's own checks of a prompt (an id outside the vocabulary, ...)
+            raise ApiError(400, str(e), param="messages" if req.kind == "chat" else "prompt") from None
+        self.kind, self.transcript = req.kind, prompt
+        self._await_turn(req)
+
+    def _next(self, req: TurnRequest) -> None:
+        self._check_sampling(req)
+        server = self.server
+        history = self.history
+        if req.kind == "chat":
+            differs = first_difference(self.history, req.messages)
+            if differs is not None:
+                raise ApiError(
+                    409,
+                    f"messages[{differs}] does not match the episode's history (an episode's requests must "
+                    "extend it: the earlier messages, the assistant's answers included, unchanged)",
+                    param=f"messages[{differs}]",
+                    code="history_diverged",
+                )
+            new = req.messages[len(self.history) :]
+            if not new:
+                raise ApiError(
+                    400, "the request adds no message after the assistant's last turn", param="messages"
+                )
+            if req.tools is not None and req.tools != self.tools:
+                raise ApiError(400, "tools must not change within an episode", param="tools")
+            suffix = server.renderer.suffix(self.history, new, self.tools, turn_closed=self.turn_closed)
+            history = self.history + new
+        elif isinstance(req.prompt, list):
+            n = len(self.transcript)
+            if req.prompt[:n] != self.transcript:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(req.prompt, self.transcript, strict=False)) if a != b),
+                    min(n, len(req.prompt)),
+                )
+                raise ApiError(
+                    409,
+                    f"prompt differs from the episode's tokens at position {at}",
+                    param="prompt",
+                    code="history_diverged",
+                )
+            suffix = req.prompt[n:]
+        else:
+            if not req.prompt.startswith(self.text):
+                raise ApiError(
+                    409, "prompt does not extend the episode's text", param="prompt", code="history_diverged"
+                )
+            suffix = [
+                int(t)
+                for t in server.tokenizer.encode(req.prompt[len(self.text) :], add_special_tokens=False)
+            ]
+            self.text = req.prompt
+        if not suffix:
+            raise ApiError(400, "the request adds no token to the episode", param="prompt")
+        server.check_length(len(self.transcript) + len(suffix), "the conversation")
+        self.history = history
+        self.transcript = self.transcript + suffix
+        self._await_turn(req)
+        limit = req.max_tokens or self.sampling.max_new_tokens  # without max_tokens: the episode's budget
+        self.next_obs.set_result(Observation(suffix, next_turn_tokens=limit))
+
+    def _check_sampling(self, req: TurnRequest) -> None:
+        s = self.sampling
+        given = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
+        fixed = {"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+        for name, value in given.items():
+            if value is not None and value != fixed[name]:
+                raise ApiError(
+                    400,
+                    f"{name}={value} but this episode samples with {name}={fixed[name]}: the first request "
+                    "fixes the sampling of an episode",
+                    param=name,
+                )
+        if req.stop_token_ids and {self.server.turn_end, *req.stop_token_ids} != set(s.turn_stop_token_ids):
+            raise ApiError(400, "stop must not change within an episode", param="stop")
+
+    def _await_turn(self, req: TurnRequest) -> None:
+        self.pending = asyncio.get_running_loop().create_future()
+        self.pending_key, self.pending_req, self.state = req.key, req, GENERATING
+
+    # -- the engine's side (serving loop, but make_env and AgentEnv.end) -------------------------------------
+
+    def make_env(self) -> AgentEnv:
+        """The environment factory (called on the actor thread). A second call means the engine restarted
+        the sequence (a rollback, or a quarantine probe, after the agent had an answer): an agent cannot be
+        rewound, so the episode fails."""
+        if self.env_made:
+            message = "rolled back after its agent had an answer (an agent cannot be rewound)"
+            self.server.call_soon(lambda: self.fail(message, lost=True))
+            raise AgentError(f"agent episode {self.id} was {message}")
+        self.env_made = True
+        return AgentEnv(self)
+
+    async def on_turn(self, turn_ids: list[int], logprobs: list[float]) -> Observation:
+        """A turn ended: answer the pending request with it; the agent's next move is the observation."""
+        if self.state == FAILED:
+            raise AgentError(f"agent episode {self.id} failed: {self.error}")
+        self._answer(turn_ids, logprobs, None)
+        if self.finish_asked is not None:
+            self.state = DONE
+            return Observation([], done=True, reward=self.finish_asked[0], finish_reason="agent_done")
+        if self.agent_error is not None:
+            self.fail(self.agent_error)
+            raise AgentError(self.agent_error)
+        self.state = WAITING
+        self.touched_s = time.monotonic()
+        self.next_obs = asyncio.get_running_loop().create_future()
+        try:
+            return await self.next_obs
+        except asyncio.CancelledError:
+            self.fail(
+                "its environment call was cancelled (no request within env_timeout_s, or it was abandoned)"
+            )
+            raise
+
+    def on_end(self, turn_ids: list[int], logprobs: list[float], reason: str | None) -> None:
+        """The engine ended the episode (``reason``: its finish reason; the turn it cut answers the pending
+        request), or abandoned its sequence (``reason=None``: the episode fails)."""
+        if reason is None:
+            message = "its sequence was abandoned (rolled back, failed with its group, quarantined or closed)"
+            self.fail(message, lost=True)
+            return
+        if self.state == GENERATING:
+            self._answer(turn_ids, logprobs, reason)
+        if self.state not in (DONE, FAILED):
+            self.state = DONE if self.finish_asked is not None else ENDED
+
+    def _answer(self, turn_ids: list[int], logprobs: list[float], reason: str | None) -> None:
+        server = self.server
+        prompt_ids = list(self.transcript)
+        self.transcript = prompt_ids + list(turn_ids)
+        stops = self.sampling.turn_stop_token_ids
+        stopped = bool(turn_ids) and turn_ids[-1] in stops
+        self.turn_closed = bool(turn_ids) and turn_ids[-1] == server.turn_end
+        finish = (
+            _ENGINE_FINISH.get(reason, "stop") if reason is not None else ("stop" if stopped else "length")
+        )
+        content_ids = turn_ids[:-1] if stopped else turn_ids
+        text = server.tokenizer.decode(content_ids, skip_special_tokens=True)
+        response = server.responses.build(self, prompt_ids, list(turn_ids), list(logprobs), text, finish)
+        if self.kind == "chat":
+            self.history = self.history + [server.responses.assistant_message(response)]
+        else:
+            self.text += text
+        self.turn += 1
+        self.last_key, self.last_response = self.pending_key, response
+        if self.pending is not None and not self.pending.done():
+            self.pending.set_result(response)
+
+    # -- the agent's side (serving loop) ---------------------------------------------------------------------
+
+    def finish(self, reward: float | None) -> None:
+        """End the episode with ``reward`` (``None``: the engine's reward model or function scores it)."""
+        self.touched_s = time.monotonic()
+        if self.state == DONE or self.finish_asked is not None:
+            raise ApiError(409, f"episode {self.id} is already finished", code="already_finished")
+        if self.state == FAILED:
+            raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
+        self.finish_asked = (reward,)
+        if self.state == WAITING:
+            self.state = DONE
+            self.next_obs.set_result(Observation([], done=True, reward=reward, finish_reason="agent_done"))
+        elif self.state == OPEN:
+            self.state = DONE
+            self.server.expect(-1)
+        elif self.state == ENDED:
+            self.state = DONE  # the engine ended it first: its reward model scores it
+        # generating: the turn in flight is answered, then the episode ends (on_turn)
+
+    def agent_failed(self, message: str) -> None:
+        """The agent raised: its episode ends in ``StepResult.failed`` with ``message``."""
+        if self.state == WAITING:
+            self.state = FAILED
+            self.error = message
+            self.next_obs.set_exception(AgentError(message))
+        elif self.state == GENERATING:
+            self.agent_error = message
+        elif self.state == OPEN:
+            self.fail(message)
+
+    def fail(self, message: str, *, lost: bool = False) -> None:
+        """The episode fails: its pending request gets 410, later ones too. ``lost``: its rollout is lost
+        even though its agent had finished (a rollback, a quarantine)."""
+        if self.state == FAILED or (self.state == DONE and not lost):
+            return
+        if self.state == OPEN:
+            self.server.expect(-1)
+        self.state, self.error = FAILED, message
+        if self.pending is not None and not self.pending.done():
+            self.pending.set_exception(
+                ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
+            )
+            self.pending.exception()  # retrieved: a request gone meanwhile leaves no warning behind
+        if self.next_obs is not None and not self.next_obs.done():
+            self.next_obs.set_exception(AgentError(f"agent episode {self.id} failed: {message}"))
+
+
+class AgentEnv:
+    """The environment of a served episode: the agent behind ``episode`` answers each turn (see the module).
+    ``state_dict()`` cannot save it: a saved episode restarts from its prompt, and a restarted agent episode
+    fails (its agent cannot be rewound)."""
+
+    step_logprobs = True  # the engine passes each turn's behaviour log-probs (the response's logprobs)
+
+    def __init__(self, episode: ServedEpisode) -> None:
+        self.episode = episode
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """The prompt is the first request's: nothing to set up."""
+
+    def step(self, turn_ids: list[int], logprobs: list[float]):
+        """A coroutine, run on the serving loop: answer the turn, then await the agent's next move."""
+        return self.episode.on_turn(turn_ids, logprobs)
+
+    def end(self, turn_ids: list[int], logprobs: list[float], reason: str | None) -> None:
+        """The engine ended (or abandoned) the episode; called on the actor thread."""
+        self.episode.server.call_soon(self.episode.on_end, list(turn_ids), list(logprobs), reason)

@@ -1,0 +1,445 @@
+"""``RolloutEngine.serve()``: one daemon thread, one asyncio loop, uvicorn on it serving the app; the loop is
+also the engine's environment loop (``EnvPool.use_loop``), where the agents' episodes answer their turns and
+where ``add_agents`` runs the agents.
+
+Handlers never touch the engine's state: a first request queues a prompt (``PromptQueue.add``, safe from any
+thread), a later one resolves the future its episode's ``AgentEnv.step`` awaits; the actor thread drains the
+finished calls between its forwards. So requests are decoded only while ``step()`` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+
+from oppo_engine.sched.prompts import derive_seed
+from oppo_engine.serve.chat import Renderer, ToolParser, hermes_tool_parser
+from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, WAITING, ServedEpisode
+from oppo_engine.serve.errors import ApiError
+from oppo_engine.serve.requests import parse_turn
+from oppo_engine.serve.responses import Responses
+
+SERVING_ENV_TIMEOUT_S = 300.0  # EngineConfig.env_timeout_s while serving, unless set
+_START_TIMEOUT_S = 30.0
+_CLOSE_TIMEOUT_S = 30.0
+_REAP_PERIOD_S = 0.5
+_FORGET_S = 600.0  # an ended episode still answers (a repeat, 409, 410) this long after its last request
+
+
+def turn_end_token(tokenizer) -> int:
+    """The token that ends an assistant turn in ``tokenizer``'s chat template: the last special token of a
+    rendered one-turn conversation (``<|im_end|>`` in ChatML, ``<|eot_id|>`` in Llama 3)."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        tokenize=True,
+        return_dict=False,
+    )
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    special |= {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    ends = [int(t) for t in ids if int(t) in special]
+    if not ends:
+        raise ValueError(
+            "serve(): the chat template ends an assistant turn with no special token: pass turn_end_token_id="
+        )
+    return ends[-1]
+
+
+class EpisodeHandle:
+    """An agent episode opened with ``ServeHandle.open_episode``: send its requests to ``base_url``
+    (``{url}/episodes/{id}/v1``), end it with ``finish(reward)``. Safe from any thread."""
+
+    def __init__(self, server: ServeHandle, episode: ServedEpisode) -> None:
+        self._server, self._episode = server, episode
+        self.id = episode.id
+        self.metadata = episode.metadata
+        self.base_url = f"{server.url}/episodes/{episode.id}/v1"
+
+    def finish(self, reward: float | None = None) -> None:
+        """End the episode; ``reward`` is its rollout's (``None``: the engine's reward model or function
+        scores it). A second call raises ``ValueError``."""
+        try:
+            self._server.run(lambda: self._server.episode(self.id).finish(reward))
+        except ApiError as e:
+            raise ValueError(e.message) from None
+
+
+class ServeHandle:
+    """The running endpoint that ``RolloutEngine.serve()`` returns: ``url`` (``http://127.0.0.1:PORT``),
+    ``open_episode()``, ``add_agents()``, ``client()``, ``close()``; every method is safe from any thread.
+
+    Options of ``serve()``: ``tokenizer`` (default: the engine's; one with a chat template is required),
+    ``tool_parser`` (a turn's text -> ``(content, [(name, arguments)])``, or ``None`` when a call does not
+    parse; default ``hermes_tool_parser``), ``turn_end_token_id`` (default: the template's end of turn, found
+    by rendering one turn), ``model`` (the name ``/v1/models`` answers), ``max_episodes`` (open at once; more
+    get 429), ``on_divergence`` (``"refuse"``: a request that does not extend its episode's history gets 409;
+    ``"restart"``: the episode ends there and a new one, under the same id, starts from it). ``ValueError``:
+    no tokenizer; a ``process_group``; a non-loopback ``host`` without ``api_key``; ``SamplingParams.n > 1``;
+    an explicit ``eos_token_id`` that includes the template's end of turn (for a served episode it ends the
+    turn, not the episode). ``EngineConfig.env_timeout_s`` (``None``: 300 s while serving) bounds each gap
+    between an answer and the agent's next request or ``finish``."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        tokenizer=None,
+        tool_parser: ToolParser | None = None,
+        turn_end_token_id: int | None = None,
+        model: str | None = None,
+        max_episodes: int = 4096,
+        on_divergence: str = "refuse",
+    ) -> None:
+        engine._check_open()
+        tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("serve() needs tokenizer= (or RolloutEngine(tokenizer=...)): requests are text")
+        if engine._group is not None:
+            raise ValueError(
+                "serve() on an engine with process_group= is not supported (serve one engine per process)"
+            )
+        if not _loopback(host) and not api_key:
+            raise ValueError(f"serve(host={host!r}) listens beyond this machine: give api_key=")
+        if engine._server is not None:
+            raise RuntimeError(f"serve(): this engine is already serving at {engine._server.url}")
+        if on_divergence not in ("refuse", "restart"):
+            raise ValueError(f"serve(on_divergence={on_divergence!r}): 'refuse' (409) or 'restart'")
+        self.on_divergence = on_divergence
+        if engine.sampling.n != 1:
+            raise ValueError(
+                f"serve() needs SamplingParams.n=1 (an episode is one conversation), got {engine.sampling.n}"
+            )
+        self.engine, self.tokenizer, self.api_key = engine, tokenizer, api_key
+        self.turn_end = turn_end_token(tokenizer) if turn_end_token_id is None else int(turn_end_token_id)
+        if engine._eos_explicit and self.turn_end in engine.eos_token_ids:
+            raise ValueError(
+                f"serve(): eos_token_id={sorted(engine.eos_token_ids)} includes the chat template's "
+                f"end-of-turn token {self.turn_end}, which ends a served episode's turn, not the episode: "
+                "give an EOS without it"
+            )
+        self.renderer = Renderer(tokenizer, self.turn_end)
+        self.responses = Responses(
+            tokenizer,
+            model or getattr(tokenizer, "name_or_path", "") or "oppo-actor",
+            tool_parser or hermes_tool_parser,
+        )
+        self.base_sampling = engine.sampling
+        self.max_model_len, self.vocab_size = engine.max_model_len, engine.vocab_size
+        self.max_episodes = max_episodes
+        self.episodes: dict[str, ServedEpisode] = {}
+        self._prompts = engine._prompts
+        self._pool = engine._loop.envs.pool
+        self.timeout_s = self._pool.timeout_s or SERVING_ENV_TIMEOUT_S
+        self._saved_timeout = self._pool.timeout_s
+        self._agents: deque = deque()
+        self._agents_running = 0
+        self._agent_tasks: set[asyncio.Task] = set()
+        self._next_task_index = 0
+        self._agent_limit = engine.config.batch_size + engine._max_overcommit
+        self._closed = False
+
+        from oppo_engine.serve.app import build_app  # starlette is imported only when serving
+
+        self.app = build_app(self)
+        self.sock = socket.create_server((host, port))
+        bound = self.sock.getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.url = f"http://{shown}:{bound[1]}"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="oppo-serve", daemon=True)
+        self._uvicorn = None
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+        self.thread.start()
+        if not self._started.wait(_START_TIMEOUT_S) or self._failure is not None:
+            self.close()
+            raise RuntimeError(f"serve(): the server did not start: {self._failure!r}")
+        self._pool.timeout_s = self.timeout_s
+        self._pool.use_loop(self.loop)
+
+    @staticmethod
+    def of(engine) -> ServeHandle:
+        """``engine``'s handle; ``RuntimeError`` if it is not serving."""
+        if engine._server is None:
+            raise RuntimeError("add_agents() runs agents against the endpoint: call serve() first")
+        return engine._server
+
+    def open_episode(self, metadata=None, seed: int | None = None) -> EpisodeHandle:
+        """Open an agent episode (``metadata``: yours, kept on the handle; ``seed``: its RNG seed, else its
+        first request's, else derived by the engine from its prompt's index). ``step()`` waits for the first
+        request of an open episode, up to ``env_timeout_s``, after which the episode expires."""
+        try:
+            return EpisodeHandle(self, self.run(lambda: self.open(metadata, seed)))
+        except ApiError as e:
+            raise ValueError(e.message) from None
+
+    # -- the serving thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        import uvicorn
+
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            config = uvicorn.Config(
+                self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=2
+            )
+            self._uvicorn = uvicorn.Server(config)
+            reaper = asyncio.ensure_future(self._reap())
+            serve = asyncio.ensure_future(self._uvicorn.serve(sockets=[self.sock]))
+            while not self._uvicorn.started and not serve.done():
+                await asyncio.sleep(0.005)
+            if serve.done():
+                self._failure = serve.exception() or RuntimeError("uvicorn stopped while starting")
+            self._started.set()
+            try:
+                await serve
+            finally:
+                reaper.cancel()
+
+        try:
+            self.loop.run_until_complete(main())
+        except BaseException as e:  # surfaced by serve() while starting; after that, close() ends the loop
+            self._failure = e
+            self._started.set()
+        finally:
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.close()
+
+    async def _reap(self) -> None:
+        """Expire open episodes that sent no request within the timeout; forget ended ones after
+        ``_FORGET_S``."""
+        while True:
+            await asyncio.sleep(_REAP_PERIOD_S)
+            now = time.monotonic()
+            for episode in list(self.episodes.values()):
+                idle = now - episode.touched_s
+                if episode.state == OPEN and idle > self.timeout_s:
+                    episode.fail(f"no request within env_timeout_s={self.timeout_s:g} s of its opening")
+                elif episode.state in (DONE, ENDED, FAILED) and idle > max(self.timeout_s, _FORGET_S):
+                    del self.episodes[episode.id]
+
+    # -- called from the loop --------------------------------------------------------------------------------
+
+    def call_soon(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the serving loop (from any thread); dropped once the loop is closed."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    def run(self, fn: Callable):
+        """``fn()`` on the serving loop, its result (or exception) here; from the loop itself, directly."""
+        if threading.current_thread() is self.thread:
+            return fn()
+        if self._closed:
+            raise RuntimeError("the server is closed")
+        future: Future = Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+        self.loop.call_soon_threadsafe(call)
+        return future.result(_CLOSE_TIMEOUT_S)
+
+    def check_auth(self, header: str | None) -> None:
+        """``ApiError`` 401 unless the ``Authorization`` header carries the key (``hmac.compare_digest``)."""
+        if self.api_key is None:
+            return
+        given = (header or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
+
+    def check_length(self, n: int, what: str) -> None:
+        """``ApiError`` 400 with the numbers if ``n`` tokens leave no room under ``max_model_len``."""
+        if n >= self.max_model_len:
+            raise ApiError(
+                400,
+                f"{what} has {n} tokens; max_model_len={self.max_model_len} leaves room for at most "
+                f"{self.max_model_len - 1} before the first sampled token",
+                code="context_length_exceeded",
+            )
+
+    def parse(self, body, kind: str):
+        """A request body as a ``TurnRequest`` (``serve/requests.py``); ``ApiError`` 400 naming the field."""
+        return parse_turn(body, kind, self.tokenizer, self.vocab_size)
+
+    def open(self, metadata=None, seed: int | None = None) -> ServedEpisode:
+        """A new episode (on the serving loop; ``open_episode`` is the any-thread form): 429 over the cap."""
+        if self._closed:
+            raise ApiError(503, "the server is closing")
+        live = sum(e.state not in (DONE, ENDED, FAILED) for e in self.episodes.values())
+        if live >= self.max_episodes:
+            raise ApiError(429, f"{live} episodes are open: the cap is {self.max_episodes}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ApiError(400, f"seed must be an integer >= 0, got {seed!r}", param="seed")
+        episode = ServedEpisode(self, secrets.token_urlsafe(16), metadata=metadata, seed=seed)
+        self.episodes[episode.id] = episode
+        self.expect(1)
+        return episode
+
+    def restart(self, old: ServedEpisode) -> ServedEpisode:
+        """``on_divergence="restart"``: ``old`` ends where it is (``finish`` without a reward: the reward
+        model scores it) and a new episode takes its id, the diverging request as its first."""
+        if old.state == WAITING:
+            old.finish(None)
+        episode = ServedEpisode(self, old.id, metadata=old.metadata, seed=old.seed)
+        self.episodes[old.id] = episode
+        self.expect(1)
+        return episode
+
+    def episode(self, episode_id: str) -> ServedEpisode:
+        """The episode of ``episode_id`` (on the serving loop); ``ApiError`` 404 if unknown or forgotten."""
+        episode = self.episodes.get(episode_id)
+        if episode is None:
+            raise ApiError(
+                404,
+                f"no episode {episode_id!r} (unknown, or forgotten after it ended)",
+                code="episode_not_found",
+            )
+        return episode
+
+    def expect(self, k: int) -> None:
+        """Tell the engine's queue that ``k`` more (or fewer) first requests are on their way."""
+        self._prompts.expect(k)
+
+    def queue_episode(self, episode: ServedEpisode, prompt: list[int]) -> None:
+        """The first request came: its prompt joins the engine's queue, the episode's ``AgentEnv`` with it."""
+        self._prompts.add([prompt], [episode.sampling], [episode.make_env])
+        self.expect(-1)
+
+    # -- agents ----------------------------------------------------------------------------------------------
+
+    def add_agents(self, agent_fn: Callable, tasks: Iterable, *, n: int = 1, in_process: bool = True) -> None:
+        """Queue ``tasks`` and return: each runs ``async def agent_fn(task, client) -> float | None`` as a
+        coroutine on the serving loop, in an episode of its own (seeded from the task's index, counted over
+        every call) with an ``openai.AsyncOpenAI`` client bound to it (``max_retries=0``; in-process through
+        the app, or over HTTP to the port with ``in_process=False``). The float returned is the episode's
+        reward (``None``: the reward model's), so ``finish`` is implicit; an agent that raises ends its
+        episode in ``StepResult.failed``. B + Δ_max agents run at once, the next starting as one ends."""
+        if n != 1:
+            raise ValueError(
+                f"add_agents(n={n}): groups of agents are not supported yet; pass each task n times"
+            )
+        tasks = list(tasks)
+        if not asyncio.iscoroutinefunction(agent_fn):
+            raise TypeError(
+                f"agent_fn must be an async function (async def agent_fn(task, client)), got {agent_fn!r}"
+            )
+        first = self._next_task_index
+        self._next_task_index += len(tasks)
+        items = [(agent_fn, first + i, task, in_process) for i, task in enumerate(tasks)]
+        self.run(lambda: (self._agents.extend(items), self._pump()))
+
+    def _pump(self) -> None:
+        """Start queued agents while fewer than B + Δ_max run."""
+        while self._agents and self._agents_running < self._agent_limit and not self._closed:
+            fn, index, task, in_process = self._agents[0]
+            try:
+                episode = self.open(
+                    metadata={"task_index": index}, seed=derive_seed(self.base_sampling.seed or 0, index)
+                )
+            except ApiError:
+                return  # the episode cap: the next agent starts when one ends
+            self._agents.popleft()
+            self._agents_running += 1
+            t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
+            self._agent_tasks.add(t)
+            t.add_done_callback(self._agent_tasks.discard)
+
+    def client(self, episode: ServedEpisode, in_process: bool = True):
+        """An ``openai.AsyncOpenAI`` bound to ``episode`` (no retries): in-process through the app (no
+        socket), or over HTTP to the port."""
+        import httpx2
+        import openai
+
+        base_url = f"{self.url}/episodes/{episode.id}/v1"
+        transport = httpx2.ASGITransport(app=self.app) if in_process else None
+        timeout = 2 * self.timeout_s + 60  # a request may wait for the next step() while the trainer updates
+        http = httpx2.AsyncClient(transport=transport, timeout=timeout)
+        return openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key=self.api_key or "unused",
+            max_retries=0,
+            timeout=timeout,
+            http_client=http,
+        )
+
+    async def _run_agent(self, fn: Callable, task, episode: ServedEpisode, in_process: bool) -> None:
+        client = self.client(episode, in_process)
+        try:
+            reward = await fn(task, client)
+            if reward is not None:
+                reward = float(reward)
+        except asyncio.CancelledError:
+            episode.fail("the server closed while its agent ran")
+            raise
+        except Exception as e:
+            episode.agent_failed(f"agent {getattr(fn, '__qualname__', fn)!s} raised {type(e).__name__}: {e}")
+        else:
+            if episode.state not in (DONE, FAILED) and episode.finish_asked is None:
+                episode.finish(reward)
+        finally:
+            try:
+                await client.close()
+            finally:
+                self._agents_running -= 1
+                self._pump()
+
+    # -- closing ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving: agents cancelled, episodes in flight failed (their requests 503 or 410, their
+        sequences in a later ``StepResult.failed``), the thread ended, the socket closed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.loop.is_running():
+            done: Future = Future()
+
+            async def shut() -> None:
+                for task in list(self._agent_tasks):
+                    task.cancel()
+                self._agents.clear()
+                for episode in list(self.episodes.values()):
+                    episode.fail("the server closed")
+                await asyncio.sleep(0)
+                if self._uvicorn is not None:
+                    self._uvicorn.should_exit = True
+                done.set_result(None)
+
+            asyncio.run_coroutine_threadsafe(shut(), self.loop)
+            done.result(_CLOSE_TIMEOUT_S)
+        self.thread.join(_CLOSE_TIMEOUT_S)
+        self._pool.use_loop(None)
+        self._pool.timeout_s = self._saved_timeout
+        self.sock.close()
+        if self.engine._server is self:
+            self.engine._server = None  # the engine may serve again
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

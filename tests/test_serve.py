@@ -1,0 +1,344 @@
+"""``RolloutEngine.serve()``: agents written against the official ``openai`` client drive the engine, and each
+conversation is an episode. The properties: what the responses say (``prompt_token_ids``, ``token_ids``,
+logprobs) is exactly the ``Rollout``'s; the template suffixes between turns are the only tokens not sampled;
+the sampled ids are reused, never re-encoded; the same agents and seeds give the same transcripts in all four
+modes, in-process and over a real 127.0.0.1 socket; the log-probs equal one HF forward over the transcript.
+Every test has a deadline: a hang fails it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+from serve_models import add, chat_actor, chat_tokenizer
+from transformers.utils import get_json_schema
+
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+
+MODES = ["sequential", "intra", "inter", "oppo"]
+DEADLINE_S = 120.0
+TOOLS = [get_json_schema(add)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def actor(tokenizer):
+    return chat_actor(tokenizer)
+
+
+def rule_reward(prompt, response) -> float:
+    return float(len(response))
+
+
+def make_engine(actor, tokenizer, mode="oppo", *, batch_size=2, **cfg) -> RolloutEngine:
+    if mode in ("inter", "oppo"):
+        cfg.setdefault("overcommit", 2)
+    if mode in ("intra", "oppo"):
+        cfg.setdefault("chunk_size", 4)
+    return RolloutEngine(
+        actor, reward=rule_reward, tokenizer=tokenizer,
+        config=EngineConfig(batch_size=batch_size, mode=mode, max_model_len=1024, page_size=16, **cfg),
+        sampling=SamplingParams(max_new_tokens=48, seed=1),
+    )  # fmt: skip
+
+
+def drain(engine: RolloutEngine, expected: int) -> tuple[list, list]:
+    """Step until ``expected`` episodes have come back (returned or failed), within the deadline."""
+    rollouts, failed = [], []
+    deadline = time.monotonic() + DEADLINE_S
+    while len(rollouts) + len(failed) < expected:
+        assert time.monotonic() < deadline, (
+            f"only {len(rollouts) + len(failed)} of {expected} episodes came back"
+        )
+        result = engine.step()
+        rollouts += result.rollouts
+        failed += result.failed
+    return rollouts, failed
+
+
+def make_agent(log: dict, *, turns: int = 3, max_tokens: int = 6, tools: bool = False):
+    """An agent that chats ``turns`` turns, echoing the history it was given (as the Agents SDK does, with
+    ``content=None`` for an empty answer), and records every response under its task."""
+
+    async def agent(task, client):
+        messages = [{"role": "user", "content": f"what is {task} + 7 ?"}]
+        kwargs = dict(tools=TOOLS) if tools else {}
+        for turn in range(turns):
+            response = await client.chat.completions.create(
+                model="m", messages=messages, max_tokens=max_tokens, logprobs=True, temperature=1.0,
+                extra_body={"return_token_ids": True}, **kwargs,
+            )  # fmt: skip
+            log.setdefault(task, []).append(response.model_dump())
+            message = response.choices[0].message
+            echoed = {"role": "assistant", "content": message.content or None}
+            if message.tool_calls:
+                echoed["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+            messages.append(echoed)
+            if message.tool_calls:
+                for call in message.tool_calls:
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": "49"})
+            else:
+                messages.append({"role": "user", "content": f"and then {turn} ?"})
+        return float(task)
+
+    return agent
+
+
+def run_agents(actor, tokenizer, mode: str, tasks: list[int], *, in_process=True, **agent_kw):
+    engine = make_engine(actor, tokenizer, mode)
+    handle = engine.serve()
+    log: dict = {}
+    try:
+        engine.add_agents(make_agent(log, **agent_kw), tasks, in_process=in_process)
+        rollouts, failed = drain(engine, len(tasks))
+    finally:
+        engine.close()
+    assert not handle.thread.is_alive()
+    return rollouts, failed, log
+
+
+def by_task(rollouts, log) -> dict:
+    """Each task's rollout, found by its prompt: the first response's ``prompt_token_ids``."""
+    first = {tuple(responses[0]["prompt_token_ids"]): task for task, responses in log.items()}
+    return {first[tuple(r.prompt_ids)]: r for r in rollouts}
+
+
+def test_responses_are_the_rollouts_tokens_and_only_template_suffixes_lie_between_turns(actor, tokenizer):
+    rollouts, failed, log = run_agents(actor, tokenizer, "oppo", list(range(6)))
+    assert failed == [] and len(rollouts) == 6
+    for task, r in by_task(rollouts, log).items():
+        responses = log[task]
+        tokens = r.prompt_ids + r.response_ids
+        p = len(r.prompt_ids)
+        assert r.finish_reason == "agent_done" and r.reward == float(task)
+        assert len(r.turns) == len(responses) == 3
+        rebuilt = list(responses[0]["prompt_token_ids"])
+        for k, (response, (start, end)) in enumerate(zip(responses, r.turns, strict=True)):
+            choice = response["choices"][0]
+            # what the agent was told it sent is the sequence's tokens before the turn, exactly
+            assert response["prompt_token_ids"] == tokens[: p + start]
+            assert choice["token_ids"] == r.response_ids[start:end]
+            assert [c["logprob"] for c in choice["logprobs"]["content"]] == r.logprobs[start:end]
+            assert response["usage"]["completion_tokens"] == end - start
+            # the tokens between this turn and the next are the template's suffix only: never sampled
+            suffix_end = r.turns[k + 1][0] if k + 1 < len(r.turns) else len(r.response_ids)
+            assert all(m == 0 for m in r.action_mask[end:suffix_end])
+            assert all(m == 1 for m in r.action_mask[start:end])
+            assert set(r.policy_versions[end:suffix_end]) <= {-1}
+            rebuilt += choice["token_ids"] + r.response_ids[end:suffix_end]
+        assert rebuilt == tokens
+        # the suffix after a turn cut by max_tokens starts with the end-of-turn token (never sampled)
+        for (_, end), response in zip(r.turns[:-1], responses, strict=False):
+            if response["choices"][0]["finish_reason"] == "length":
+                assert r.response_ids[end] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_logprobs_equal_one_hf_forward_over_the_transcript(actor, tokenizer):
+    rollouts, failed, _ = run_agents(actor, tokenizer, "oppo", list(range(4)), max_tokens=10)
+    assert failed == [] and len(rollouts) == 4
+    for r in rollouts:
+        with torch.inference_mode():
+            logits = actor(torch.tensor([r.prompt_ids + r.response_ids])).logits[0].float()
+        logp = logits.log_softmax(-1)
+        p = len(r.prompt_ids)
+        for i, (tok, mask) in enumerate(zip(r.response_ids, r.action_mask, strict=True)):
+            if mask:
+                assert r.logprobs[i] == pytest.approx(logp[p - 1 + i, tok].item(), abs=1e-5)
+
+
+def transcripts(rollouts, log) -> dict:
+    return {
+        task: (tuple(r.prompt_ids), tuple(r.response_ids), tuple(r.action_mask))
+        for task, r in by_task(rollouts, log).items()
+    }
+
+
+def test_same_agents_and_seeds_give_the_same_transcripts_in_all_modes_in_process_and_over_http(
+    actor, tokenizer
+):
+    seen = {}
+    for mode in MODES:
+        for in_process in (True, False):
+            rollouts, failed, log = run_agents(actor, tokenizer, mode, list(range(5)), in_process=in_process)
+            assert failed == [] and len(rollouts) == 5, (mode, in_process)
+            seen[(mode, in_process)] = transcripts(rollouts, log)
+    first = next(iter(seen.values()))
+    for key, got in seen.items():
+        assert got == first, key
+
+
+def test_sampled_ids_are_reused_even_where_their_text_re_tokenises_to_other_ids(actor, tokenizer):
+    rollouts, failed, log = run_agents(actor, tokenizer, "oppo", list(range(6)), max_tokens=12)
+    assert failed == []
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    differing = 0
+    for task, r in by_task(rollouts, log).items():
+        for (start, end), response in zip(r.turns, log[task], strict=True):
+            ids = r.response_ids[start:end]
+            body = ids[:-1] if ids and ids[-1] == im_end else ids
+            text = response["choices"][0]["message"]["content"] or ""
+            if tokenizer.encode(text, add_special_tokens=False) != body:
+                differing += 1
+                assert response["choices"][0]["token_ids"] == ids  # the sampled ids, not a re-encoding
+    # The agents sent these turns back as text in their next request, and the episode went on with the
+    # sampled ids: a re-encoding server would have trained on other tokens.
+    assert differing > 0, "no turn re-tokenised differently: the test proved nothing"
+
+
+def test_the_chat_templates_end_of_turn_ends_the_turn_not_the_episode(actor, tokenizer):
+    rollouts, failed, log = run_agents(actor, tokenizer, "sequential", list(range(6)), max_tokens=40)
+    assert failed == []
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in make_engine(actor, tokenizer).eos_token_ids  # the model's EOS too
+    stopped = [
+        (r, start, end) for r in rollouts for start, end in r.turns[:-1] if r.response_ids[end - 1] == im_end
+    ]
+    # each of these turns was followed by the template's suffix and another turn: the episode went on
+    assert stopped, "no turn ended on <|im_end|> before another turn: the test proved nothing"
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_nothing_leaks_after_close_pages_threads_fds(actor, tokenizer):
+    run_agents(actor, tokenizer, "oppo", [0])  # warm up imports and lazily made objects
+    threads, files = {t.name for t in threading.enumerate()}, fds()
+    engine = make_engine(actor, tokenizer, "oppo")
+    engine.serve()
+    log: dict = {}
+    engine.add_agents(make_agent(log), list(range(4)), in_process=False)
+    rollouts, failed = drain(engine, 4)
+    stats = engine.cache_stats()
+    assert stats.free_pages == stats.total_pages and not failed
+    engine.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        {t.name for t in threading.enumerate()} - threads or fds() > files
+    ):
+        time.sleep(0.05)
+    assert {t.name for t in threading.enumerate()} - threads == set()
+    assert fds() <= files
+
+
+def test_tool_calls_are_parsed_with_deterministic_ids_and_sent_back(actor, tokenizer):
+    # A random model rarely writes a tool call: the parser is checked on its own, then the whole path with a
+    # parser that calls ``add`` on every turn (the replaceable parser).
+    from oppo_engine.serve import hermes_tool_parser
+
+    assert hermes_tool_parser('hi <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>') == (
+        "hi",
+        [("add", {"a": 1, "b": 2})],
+    )
+    assert hermes_tool_parser("<tool_call>{not json}</tool_call>") is None  # returned as text, never dropped
+    assert hermes_tool_parser("plain") == ("plain", [])
+    engine = make_engine(actor, tokenizer, "oppo")
+    engine.serve(tool_parser=lambda text: (text or None, [("add", {"a": 1, "b": len(text)})]))
+    log: dict = {}
+    try:
+        engine.add_agents(make_agent(log, tools=True), [0, 1])
+        rollouts, failed = drain(engine, 2)
+    finally:
+        engine.close()
+    assert failed == [] and len(rollouts) == 2
+    for responses in log.values():
+        for k, response in enumerate(responses):
+            choice = response["choices"][0]
+            assert choice["message"]["tool_calls"][0]["id"] == f"call_{k}_0"
+            assert choice["finish_reason"] in ("tool_calls", "length")
+
+
+def test_an_agent_that_raises_ends_its_episode_in_failed_with_the_error_named(actor, tokenizer):
+    engine = make_engine(actor, tokenizer, "oppo")
+    engine.serve()
+
+    async def agent(task, client):
+        messages = [{"role": "user", "content": f"task {task}"}]
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        if task == 1:
+            raise KeyError("the tool is gone")
+        return 1.0
+
+    try:
+        engine.add_agents(agent, [0, 1, 2])
+        rollouts, failed = drain(engine, 3)
+    finally:
+        engine.close()
+    assert len(rollouts) == 2 and len(failed) == 1
+    assert "KeyError" in failed[0].error and "the tool is gone" in failed[0].error
+
+
+def test_a_silent_agent_fails_its_episode_after_env_timeout_and_then_gets_410(actor, tokenizer):
+    import openai
+
+    engine = make_engine(actor, tokenizer, "oppo", env_timeout_s=0.5)
+    handle = engine.serve()
+    episode = handle.open_episode()
+    answers = {}
+
+    async def talk():
+        client = handle.client(handle.episodes[episode.id], in_process=False)
+        messages = [{"role": "user", "content": "hello"}]
+        first = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        answers["first"] = first
+        await asyncio.sleep(1.5)  # silent past env_timeout_s
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+        messages += [{"role": "user", "content": "still there?"}]
+        try:
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        except openai.APIStatusError as e:
+            answers["late"] = e.status_code
+        await client.close()
+
+    t = threading.Thread(target=lambda: asyncio.run(talk()), daemon=True)
+    t.start()
+    try:
+        rollouts, failed = drain(engine, 1)
+        t.join(DEADLINE_S)
+        assert not t.is_alive()
+    finally:
+        engine.close()
+    assert rollouts == [] and len(failed) == 1 and "env_timeout_s" in failed[0].error
+    assert answers["late"] == 410
+
+
+def test_a_rolled_back_step_fails_the_episodes_whose_agents_had_answers(actor, tokenizer):
+    import httpx2
+
+    calls = []
+
+    def flaky_reward(prompt, response):  # the first call fails once: the step is retried from its start
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("transient")
+        return 1.0
+
+    engine = RolloutEngine(
+        actor, reward=flaky_reward, tokenizer=tokenizer,
+        config=EngineConfig(batch_size=2, mode="sequential", max_model_len=1024, page_size=16),
+        sampling=SamplingParams(max_new_tokens=48, seed=1),
+    )  # fmt: skip
+    handle = engine.serve()
+    log: dict = {}
+    try:
+        engine.add_agents(make_agent(log, turns=2), [0, 1])
+        rollouts, failed = drain(engine, 2)
+        # Each agent had its answers before the reward failed: an agent cannot be rewound, so both episodes
+        # fail (never silently replayed), and a later request to either gets 410.
+        assert rollouts == [] and len(failed) == 2
+        assert all("rewound" in f.error for f in failed), [f.error for f in failed]
+        for episode in list(handle.episodes.values()):
+            url = f"{handle.url}/episodes/{episode.id}/v1/chat/completions"
+            body = {"messages": [{"role": "user", "content": "again"}]}
+            response = httpx2.post(url, json=body, timeout=DEADLINE_S)
+            assert response.status_code == 410 and response.headers["x-should-retry"] == "false"
+    finally:
+        engine.close()
