@@ -178,3 +178,30 @@ def test_one_lora_ppo_step_trains_the_adapters_and_the_value_head(budget):
     heads = [n for n, p in critic.named_parameters() if p.requires_grad and "score" in n]
     assert heads and all("modules_to_save" in n for n in heads)  # the trainable copy of the head moved
     assert any("lora_" in n for n, p in critic.named_parameters() if p.requires_grad)
+
+
+def test_multi_turn_episodes_need_a_budget_of_max_model_len_and_train_packed():
+    """An episode can grow to ``max_model_len`` (observations included): a smaller budget is refused; a
+    packed multi-turn step trains (observation tokens masked as in the padded path)."""
+    from engine_models import make_actor, make_reward, random_prompts
+    from envs import EnvLog, scripted
+    from test_multiturn_ppo import _Tokenizer
+
+    from oppo_engine import EngineConfig
+
+    def build(budget):
+        cfg = PPOConfig(batch_size=4, minibatch_size=2, max_new_tokens=24, max_tokens_per_microbatch=budget)
+        return PPOTrainer(
+            make_actor(), make_reward(seed=3), make_actor(seed=1), make_reward(seed=4), _Tokenizer(),
+            random_prompts(8, seed=30), cfg,
+            EngineConfig(batch_size=4, mode="sequential", max_model_len=128, page_size=8),
+            env=scripted(EnvLog()), turn_stop_token_ids=(9,), max_turn_tokens=6, max_turns=3,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch=64 is smaller than max_model_len=128"):
+        build(64)
+    trainer = build(128)
+    stats = trainer.step()
+    trainer.close()
+    assert any(0 in r.action_mask for r in stats.rollout.rollouts)
+    assert math.isfinite(stats.policy_loss) and stats.agreement["fresh"].max_abs < 1e-4
