@@ -111,3 +111,21 @@ def test_a_scorer_nan_for_one_sequence_only_quarantines_its_group(role):
     assert re.search(r"first sequence \d+ at position \d+ \(nan\)$", result.failed[0].error)
     assert sorted(r.group_id for r in result.rollouts) == [1, 2, 3]
     assert all(math.isfinite(r.reward) and all(map(math.isfinite, r.values)) for r in result.rollouts)
+
+
+def test_a_refusal_after_a_stepped_minibatch_still_updates_the_engines_policy():
+    """The first minibatch is stepped, the second's loss goes NaN and is refused (raise): the weights moved,
+    so the engine's policy version moves too (a shared actor is never sampled under the old version)."""
+    trainer = make_trainer(ppo_models(), on_nonfinite="raise", max_tokens_per_microbatch=64)
+    refuse, calls = trainer._refuse_nonfinite, []
+
+    def second_goes_nan(shares, actor_norm, critic_norm):
+        calls.append(1)
+        return refuse(shares * math.nan if len(calls) == 2 else shares, actor_norm, critic_norm)
+
+    trainer._refuse_nonfinite = second_goes_nan
+    version = trainer.engine.policy_version
+    with pytest.raises(RuntimeError, match="optimizer step is refused"):
+        trainer.step()
+    assert len(calls) == 2 and trainer.engine.policy_version == version + 1
+    trainer.close()

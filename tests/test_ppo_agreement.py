@@ -63,7 +63,7 @@ def test_tis_and_mis_losses_by_hand():
     seq_mis = correction_weights(delta, mask, "mis", 1.4, "sequence")
     assert loss(seq_mis) == 0.0  # both sequences dropped
     assert (correction_weights(delta, mask, "mis", 1.6, "sequence")[mask > 0] == 1).all()
-    assert not tis.requires_grad
+    assert not correction_weights(delta.clone().requires_grad_(), mask, "tis", 2.0, "token").requires_grad
 
 
 @pytest.mark.parametrize(
@@ -94,8 +94,11 @@ def test_every_step_measures_the_gap_and_fp32_rollouts_agree(budget):
         assert 0 < s.agreement_s < s.update_s
 
 
-def test_with_a_correction_the_ratio_is_taken_against_the_trainer_and_stale_tokens_keep_theirs():
-    trainer = make_trainer(ppo_models(), rollout_correction="tis", off_policy="truncated_is")
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_with_a_correction_the_ratio_is_taken_against_the_trainer_and_stale_tokens_keep_theirs(level):
+    trainer = make_trainer(
+        ppo_models(), rollout_correction="tis", off_policy="truncated_is", rollout_correction_level=level
+    )
     batch = collate(canonical_order(trainer.engine.step().rollouts), trainer.tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         for p in trainer.actor.parameters():
@@ -103,17 +106,23 @@ def test_with_a_correction_the_ratio_is_taken_against_the_trainer_and_stale_toke
     trainer.engine.update_policy()
     half = len(batch) // 2
     batch.versions[:half] = trainer.engine.policy_version  # the first half: current policy
+    first = int((batch.mask[0] > 0).nonzero()[0])
+    batch.versions[0, first] = trainer.engine.policy_version - 1  # one stale token in a current row
     pi_trainer = trainer.trainer_logprobs(batch)
     old = trainer.old_logprobs(batch, pi_trainer)
     m = batch.mask > 0
     current, stale = m.clone(), m.clone()
     current[half:], stale[:half] = False, False
+    current[0, first], stale[0, first] = False, True
     assert torch.equal(old[current], pi_trainer[current])
     assert (old[current] - batch.logprobs[current]).abs().max() > 1e-2  # the perturbation shows
     assert torch.equal(old[stale], batch.logprobs[stale])  # truncated_is: against the behaviour policy
     weights = trainer._correction(batch, pi_trainer, (batch.versions < trainer.engine.policy_version) & m)
     assert (weights[stale] == 1).all() and (weights[current] <= 2).all()
-    expected = torch.exp(pi_trainer - batch.logprobs).clamp(max=2.0)
+    delta = torch.where(current, pi_trainer - batch.logprobs, 0.0)
+    if level == "sequence":  # the row's summed log-ratio, for every token of a current row
+        delta = delta.sum(1, keepdim=True).expand_as(delta)
+    expected = torch.exp(delta).clamp(max=2.0)
     torch.testing.assert_close(weights[current], expected[current])
     trainer.close()
 

@@ -84,7 +84,8 @@ def correction_weights(
     delta: torch.Tensor, mask: torch.Tensor, method: str, cap: float, level: str
 ) -> torch.Tensor:
     """``[N, L-1]`` detached weights of the per-token policy loss from ``delta = log pi_trainer - log
-    pi_behaviour`` (0 where a token is not corrected).
+    pi_behaviour`` (``delta`` is 0 where a token is not corrected: its token-level weight is 1; at the
+    sequence level it gets its row's, and the trainer sets it back to 1).
 
     ``level="token"``: the ratio is ``exp(delta)`` per token; ``"sequence"``: ``exp(sum of delta over
     the row's masked tokens)`` for every token of the row (as TRL and verl do).

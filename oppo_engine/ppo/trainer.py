@@ -225,8 +225,16 @@ class PPOTrainer:
         batch = collate(canonical_order(rollouts), self.tokenizer.pad_token_id, self.device)
         if cfg.release_memory:
             self.engine.release_memory()
+        self._stepped = False  # set by _update at its first optimizer step
         try:
             stats = self._update(batch)
+        except BaseException:
+            # A refusal (non-finite loss) or an error after some minibatches were stepped: the weights moved,
+            # so the engine must not go on sampling them under the old policy version (nor from a stale
+            # rollout replica).
+            if self._stepped:
+                self.engine.update_policy()
+            raise
         finally:
             if cfg.release_memory:
                 self.engine.resume()
@@ -338,9 +346,12 @@ class PPOTrainer:
         if cfg.off_policy == "truncated_is":
             corrected = corrected & ~stale
         delta = torch.where(corrected, trainer_logprobs - batch.logprobs, 0.0)
-        return agreement.correction_weights(
+        weights = agreement.correction_weights(
             delta, corrected, cfg.rollout_correction, cfg.rollout_correction_cap, cfg.rollout_correction_level
         )
+        # NOTE: at the sequence level every token of a row gets the row's weight: a token left uncorrected
+        # (stale under truncated_is) keeps 1, as at the token level.
+        return torch.where(corrected, weights, 1.0)
 
     def _update(self, batch: RolloutBatch) -> dict:
         cfg = self.config
@@ -401,6 +412,7 @@ class PPOTrainer:
                     continue
                 self.actor_optim.step()
                 self.critic_optim.step()
+                self._stepped = True
                 sums += shares
                 grad_norm += norm
                 n_minibatches += 1
