@@ -342,3 +342,32 @@ def test_a_rolled_back_step_fails_the_episodes_whose_agents_had_answers(actor, t
             assert response.status_code == 410 and response.headers["x-should-retry"] == "false"
     finally:
         engine.close()
+
+
+def test_an_agent_restarted_by_a_diverging_request_gives_its_reward_to_the_new_episode(actor, tokenizer):
+    # The agent keeps the id: its reward belongs to the episode now under it, not the one the restart ended
+    # (which would leave the new one waiting until env_timeout_s, then failed, its reward lost).
+    engine = make_engine(actor, tokenizer, "oppo", env_timeout_s=5.0)
+    engine.serve(on_divergence="restart")
+    prompts = {}
+
+    async def agent(task, client):
+        for k, text in enumerate(["hello", "hello again"]):  # the second does not extend the first
+            r = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": text}], max_tokens=4,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            prompts[k] = tuple(r.model_dump()["prompt_token_ids"])
+        return 7.0
+
+    start = time.monotonic()
+    try:
+        engine.add_agents(agent, [0])
+        rollouts, failed = drain(engine, 2)
+    finally:
+        engine.close()
+    assert failed == [] and time.monotonic() - start < 5.0
+    by_prompt = {tuple(r.prompt_ids): r for r in rollouts}
+    old, new = by_prompt[prompts[0]], by_prompt[prompts[1]]
+    assert new.reward == 7.0 and new.finish_reason == "agent_done"
+    assert old.reward == float(len(old.response_ids))  # ended by the restart: the reward function's

@@ -390,11 +390,13 @@ class ServeHandle:
             if reward is not None:
                 reward = float(reward)
         except asyncio.CancelledError:
-            episode.fail("the server closed while its agent ran")
+            self.episodes.get(episode.id, episode).fail("the server closed while its agent ran")
             raise
         except Exception as e:
+            episode = self.episodes.get(episode.id, episode)  # a restart put a new episode under its id
             episode.agent_failed(f"agent {getattr(fn, '__qualname__', fn)!s} raised {type(e).__name__}: {e}")
         else:
+            episode = self.episodes.get(episode.id, episode)  # a restart put a new episode under its id
             if episode.state not in (DONE, FAILED) and episode.finish_asked is None:
                 episode.finish(reward)
         finally:
