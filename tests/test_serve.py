@@ -371,3 +371,44 @@ def test_an_agent_restarted_by_a_diverging_request_gives_its_reward_to_the_new_e
     old, new = by_prompt[prompts[0]], by_prompt[prompts[1]]
     assert new.reward == 7.0 and new.finish_reason == "agent_done"
     assert old.reward == float(len(old.response_ids))  # ended by the restart: the reward function's
+
+
+def test_closing_the_server_under_a_parked_async_env_step_fails_that_episode_and_step_returns(
+    actor, tokenizer
+):
+    # The serving loop runs the engine's async environment calls; closing it cancels them. The call must
+    # complete with an error (its episode in failed), or step() waits for it forever (no timeout once closed).
+    parked = threading.Event()
+
+    class Parked:
+        def reset(self, prompt_ids):
+            pass
+
+        async def step(self, turn_ids):
+            parked.set()
+            await asyncio.Event().wait()  # never answers
+
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+    engine.add_prompts(
+        [[5, 6, 7, 8]], sampling=SamplingParams(max_new_tokens=24, max_turn_tokens=3, seed=1), envs=[Parked]
+    )
+    rollouts, failed = [], []
+
+    def trainer() -> None:
+        while len(rollouts) + len(failed) < 1:
+            result = engine.step()
+            rollouts.extend(result.rollouts)
+            failed.extend(result.failed)
+
+    t = threading.Thread(target=trainer, daemon=True)
+    t.start()
+    try:
+        assert parked.wait(DEADLINE_S)
+        handle.close()
+        t.join(30.0)
+        assert not t.is_alive(), "step() hung on an environment call its closed loop had cancelled"
+    finally:
+        if not t.is_alive():
+            engine.close()
+    assert rollouts == [] and len(failed) == 1 and "CancelledError" in failed[0].error, failed
