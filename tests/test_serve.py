@@ -412,3 +412,29 @@ def test_closing_the_server_under_a_parked_async_env_step_fails_that_episode_and
         if not t.is_alive():
             engine.close()
     assert rollouts == [] and len(failed) == 1 and "CancelledError" in failed[0].error, failed
+
+
+def test_a_close_whose_loop_does_not_answer_still_gives_the_pool_socket_and_engine_back(
+    actor, tokenizer, monkeypatch
+):
+    import oppo_engine.serve.server as server
+
+    class Stuck:
+        def clear(self):
+            raise RuntimeError("stuck")  # shut() never reports done: close() times out
+
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+    pool = engine._loop.envs.pool
+    handle._agents = Stuck()
+    monkeypatch.setattr(server, "_CLOSE_TIMEOUT_S", 0.5)
+    try:
+        with pytest.raises(TimeoutError):
+            handle.close()
+        assert engine._server is None and handle.sock.fileno() == -1
+        assert pool.timeout_s is None and pool._own_loop and pool._loop is not handle.loop
+    finally:
+        handle._uvicorn.should_exit = True
+        handle.thread.join(DEADLINE_S)
+        engine.close()
+    assert not handle.thread.is_alive()

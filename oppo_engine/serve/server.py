@@ -414,28 +414,30 @@ class ServeHandle:
         if self._closed:
             return
         self._closed = True
-        if self.loop.is_running():
-            done: Future = Future()
+        try:  # the rest is undone even if the loop does not answer in time
+            if self.loop.is_running():
+                done: Future = Future()
 
-            async def shut() -> None:
-                for task in list(self._agent_tasks):
-                    task.cancel()
-                self._agents.clear()
-                for episode in list(self.episodes.values()):
-                    episode.fail("the server closed")
-                await asyncio.sleep(0)
-                if self._uvicorn is not None:
-                    self._uvicorn.should_exit = True
-                done.set_result(None)
+                async def shut() -> None:
+                    for task in list(self._agent_tasks):
+                        task.cancel()
+                    self._agents.clear()
+                    for episode in list(self.episodes.values()):
+                        episode.fail("the server closed")
+                    await asyncio.sleep(0)
+                    if self._uvicorn is not None:
+                        self._uvicorn.should_exit = True
+                    done.set_result(None)
 
-            asyncio.run_coroutine_threadsafe(shut(), self.loop)
-            done.result(_CLOSE_TIMEOUT_S)
-        self.thread.join(_CLOSE_TIMEOUT_S)
-        self._pool.use_loop(None)
-        self._pool.timeout_s = self._saved_timeout
-        self.sock.close()
-        if self.engine._server is self:
-            self.engine._server = None  # the engine may serve again
+                asyncio.run_coroutine_threadsafe(shut(), self.loop)
+                done.result(_CLOSE_TIMEOUT_S)
+            self.thread.join(_CLOSE_TIMEOUT_S)
+        finally:
+            self._pool.use_loop(None)
+            self._pool.timeout_s = self._saved_timeout
+            self.sock.close()
+            if self.engine._server is self:
+                self.engine._server = None  # the engine may serve again
 
 
 def _loopback(host: str) -> bool:
