@@ -438,3 +438,41 @@ def test_a_close_whose_loop_does_not_answer_still_gives_the_pool_socket_and_engi
         handle.thread.join(DEADLINE_S)
         engine.close()
     assert not handle.thread.is_alive()
+
+
+def test_add_agents_from_many_threads_never_gives_two_tasks_one_index(actor, tokenizer, monkeypatch):
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+
+    class Slow(type(handle)):  # reading the next index yields the thread: the race window made wide
+        @property
+        def _next_task_index(self):
+            value = self._index
+            time.sleep(0.001)
+            return value
+
+        @_next_task_index.setter
+        def _next_task_index(self, value):
+            self._index = value
+
+    handle._index = handle.__dict__.pop("_next_task_index")
+    monkeypatch.setattr(handle, "__class__", Slow)
+    monkeypatch.setattr(handle, "run", lambda fn: None)  # the indices only: no agent starts
+
+    async def agent(task, client):
+        return None
+
+    def caller() -> None:
+        for _ in range(20):
+            handle.add_agents(agent, [0, 1])
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert handle._index == 4 * 20 * 2  # no update lost: every task its own index, its own seed

@@ -147,6 +147,7 @@ class ServeHandle:
         self._agents_running = 0
         self._agent_tasks: set[asyncio.Task] = set()
         self._next_task_index = 0
+        self._index_lock = threading.Lock()
         self._agent_limit = engine.config.batch_size + engine._max_overcommit
         self._closed = False
 
@@ -344,8 +345,9 @@ class ServeHandle:
             raise TypeError(
                 f"agent_fn must be an async function (async def agent_fn(task, client)), got {agent_fn!r}"
             )
-        first = self._next_task_index
-        self._next_task_index += len(tasks)
+        with self._index_lock:  # two threads' calls never share an index (a seed)
+            first = self._next_task_index
+            self._next_task_index += len(tasks)
         items = [(agent_fn, first + i, task, in_process) for i, task in enumerate(tasks)]
         self.run(lambda: (self._agents.extend(items), self._pump()))
 
