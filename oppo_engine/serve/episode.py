@@ -124,7 +124,7 @@ class ServedEpisode:
     def _next(self, req: TurnRequest) -> None:
         self._check_sampling(req)
         server = self.server
-        history = self.history
+        history, text = self.history, self.text
         if req.kind == "chat":
             differs = first_difference(self.history, req.messages)
             if differs is not None:
@@ -167,11 +167,11 @@ class ServedEpisode:
                 int(t)
                 for t in server.tokenizer.encode(req.prompt[len(self.text) :], add_special_tokens=False)
             ]
-            self.text = req.prompt
+            text = req.prompt  # taken once the request is accepted, with its tokens
         if not suffix:
             raise ApiError(400, "the request adds no token to the episode", param="prompt")
         server.check_length(len(self.transcript) + len(suffix), "the conversation")
-        self.history = history
+        self.history, self.text = history, text
         self.transcript = self.transcript + suffix
         self._await_turn(req)
         limit = req.max_tokens or self.sampling.max_new_tokens  # without max_tokens: the episode's budget
