@@ -338,8 +338,9 @@ def test_a_client_that_disconnects_mid_turn_fails_its_episode_and_frees_its_page
         while handle.episodes[episode.id].state != "failed" and time.monotonic() < deadline:
             time.sleep(0.02)
         assert "disconnected" in handle.episodes[episode.id].error
-        result = engine.step()  # its turn is generated, then dropped with its sequence
+        result = engine.step()  # its environment is refused: its turn is never decoded
         assert result.rollouts == [] and len(result.failed) == 1 and "disconnected" in result.failed[0].error
+        assert result.failed[0].response_ids == []
         stats = engine.cache_stats()
         assert stats.free_pages == stats.total_pages
         assert_error(httpx2.post(url, json=CHAT, timeout=DEADLINE_S), 410)
