@@ -202,12 +202,12 @@ class ServedEpisode:
         """The environment factory (called on the actor thread). A second call means the engine restarted
         the sequence (a rollback, or a quarantine probe, after the agent had an answer): an agent cannot be
         rewound, so the episode fails. An episode failed meanwhile (a client gone) is never decoded."""
-        if self.state == FAILED:
-            raise AgentError(f"agent episode {self.id} failed: {self.error}")
         if self.env_made:
             message = "rolled back after its agent had an answer (an agent cannot be rewound)"
             self.server.call_soon(lambda: self.fail(message, lost=True))
             raise AgentError(f"agent episode {self.id} was {message}")
+        if self.state == FAILED:
+            raise AgentError(f"agent episode {self.id} failed: {self.error}")
         self.env_made = True
         return AgentEnv(self)
 
