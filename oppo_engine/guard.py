@@ -33,7 +33,11 @@ class CallGuard:
                 f"{thread!r}): step(), update_policy(), release_memory(), resume(), load_state_dict() and "
                 "close() run one at a time; nothing was changed, call it again once that call has returned"
             )
-        self.holder = (call, threading.current_thread().name)
+        try:  # held from here: an interrupt before the caller's ``try`` must not leave it held
+            self.holder = (call, threading.current_thread().name)
+        except BaseException:
+            self._lock.release()
+            raise
 
     def exit(self) -> None:
         self.holder = None

@@ -342,3 +342,137 @@ def test_a_rolled_back_step_fails_the_episodes_whose_agents_had_answers(actor, t
             assert response.status_code == 410 and response.headers["x-should-retry"] == "false"
     finally:
         engine.close()
+
+
+def test_an_agent_restarted_by_a_diverging_request_gives_its_reward_to_the_new_episode(actor, tokenizer):
+    # The agent keeps the id: its reward belongs to the episode now under it, not the one the restart ended
+    # (which would leave the new one waiting until env_timeout_s, then failed, its reward lost).
+    engine = make_engine(actor, tokenizer, "oppo", env_timeout_s=5.0)
+    engine.serve(on_divergence="restart")
+    prompts = {}
+
+    async def agent(task, client):
+        for k, text in enumerate(["hello", "hello again"]):  # the second does not extend the first
+            r = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": text}], max_tokens=4,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            prompts[k] = tuple(r.model_dump()["prompt_token_ids"])
+        return 7.0
+
+    start = time.monotonic()
+    try:
+        engine.add_agents(agent, [0])
+        rollouts, failed = drain(engine, 2)
+    finally:
+        engine.close()
+    assert failed == [] and time.monotonic() - start < 5.0
+    by_prompt = {tuple(r.prompt_ids): r for r in rollouts}
+    old, new = by_prompt[prompts[0]], by_prompt[prompts[1]]
+    assert new.reward == 7.0 and new.finish_reason == "agent_done"
+    assert old.reward == float(len(old.response_ids))  # ended by the restart: the reward function's
+
+
+def test_closing_the_server_under_a_parked_async_env_step_fails_that_episode_and_step_returns(
+    actor, tokenizer
+):
+    # The serving loop runs the engine's async environment calls; closing it cancels them. The call must
+    # complete with an error (its episode in failed), or step() waits for it forever (no timeout once closed).
+    parked = threading.Event()
+
+    class Parked:
+        def reset(self, prompt_ids):
+            pass
+
+        async def step(self, turn_ids):
+            parked.set()
+            await asyncio.Event().wait()  # never answers
+
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+    engine.add_prompts(
+        [[5, 6, 7, 8]], sampling=SamplingParams(max_new_tokens=24, max_turn_tokens=3, seed=1), envs=[Parked]
+    )
+    rollouts, failed = [], []
+
+    def trainer() -> None:
+        while len(rollouts) + len(failed) < 1:
+            result = engine.step()
+            rollouts.extend(result.rollouts)
+            failed.extend(result.failed)
+
+    t = threading.Thread(target=trainer, daemon=True)
+    t.start()
+    try:
+        assert parked.wait(DEADLINE_S)
+        handle.close()
+        t.join(30.0)
+        assert not t.is_alive(), "step() hung on an environment call its closed loop had cancelled"
+    finally:
+        if not t.is_alive():
+            engine.close()
+    assert rollouts == [] and len(failed) == 1 and "CancelledError" in failed[0].error, failed
+
+
+def test_a_close_whose_loop_does_not_answer_still_gives_the_pool_socket_and_engine_back(
+    actor, tokenizer, monkeypatch
+):
+    import oppo_engine.serve.server as server
+
+    class Stuck:
+        def clear(self):
+            raise RuntimeError("stuck")  # shut() never reports done: close() times out
+
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+    pool = engine._loop.envs.pool
+    handle._agents = Stuck()
+    monkeypatch.setattr(server, "_CLOSE_TIMEOUT_S", 0.5)
+    try:
+        with pytest.raises(TimeoutError):
+            handle.close()
+        assert engine._server is None and handle.sock.fileno() == -1
+        assert pool.timeout_s is None and pool._own_loop and pool._loop is not handle.loop
+    finally:
+        handle._uvicorn.should_exit = True
+        handle.thread.join(DEADLINE_S)
+        engine.close()
+    assert not handle.thread.is_alive()
+
+
+def test_add_agents_from_many_threads_never_gives_two_tasks_one_index(actor, tokenizer, monkeypatch):
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+
+    class Slow(type(handle)):  # reading the next index yields the thread: the race window made wide
+        @property
+        def _next_task_index(self):
+            value = self._index
+            time.sleep(0.001)
+            return value
+
+        @_next_task_index.setter
+        def _next_task_index(self, value):
+            self._index = value
+
+    handle._index = handle.__dict__.pop("_next_task_index")
+    monkeypatch.setattr(handle, "__class__", Slow)
+    monkeypatch.setattr(handle, "run", lambda fn: None)  # the indices only: no agent starts
+
+    async def agent(task, client):
+        return None
+
+    def caller() -> None:
+        for _ in range(20):
+            handle.add_agents(agent, [0, 1])
+
+    threads = [threading.Thread(target=caller) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE_S)
+    finally:
+        monkeypatch.undo()
+        engine.close()
+    assert handle._index == 4 * 20 * 2  # no update lost: every task its own index, its own seed

@@ -338,8 +338,9 @@ def test_a_client_that_disconnects_mid_turn_fails_its_episode_and_frees_its_page
         while handle.episodes[episode.id].state != "failed" and time.monotonic() < deadline:
             time.sleep(0.02)
         assert "disconnected" in handle.episodes[episode.id].error
-        result = engine.step()  # its turn is generated, then dropped with its sequence
+        result = engine.step()  # its environment is refused: its turn is never decoded
         assert result.rollouts == [] and len(result.failed) == 1 and "disconnected" in result.failed[0].error
+        assert result.failed[0].response_ids == []
         stats = engine.cache_stats()
         assert stats.free_pages == stats.total_pages
         assert_error(httpx2.post(url, json=CHAT, timeout=DEADLINE_S), 410)
@@ -399,3 +400,25 @@ def test_an_engine_serves_again_after_its_handle_closed(actor, tokenizer):
         if second.url != first.url:  # (the OS may hand the same free port out again)
             with pytest.raises(httpx2.ConnectError):
                 httpx2.get(f"{first.url}/v1/models", timeout=DEADLINE_S)
+
+
+def test_a_refused_text_completion_leaves_the_episodes_text_where_it_was(served, tokenizer):
+    _, _, stepper, client = served
+    episode_id, base_url = open_episode(client)
+    first = client.post(
+        f"{base_url}/completions", json={"prompt": "hello", "max_tokens": 3, "return_token_ids": True}
+    )
+    assert first.status_code == 200, first.text
+    choice = first.json()["choices"][0]
+    so_far = "hello" + choice["text"]
+    too_long = client.post(f"{base_url}/completions", json={"prompt": so_far + " word" * 400})
+    assert_error(too_long, 400, text="max_model_len")
+    nxt = client.post(f"{base_url}/completions", json={"prompt": so_far + " more", "return_token_ids": True})
+    assert nxt.status_code == 200, nxt.text  # extends the history as it was before the refusal
+    more = tokenizer.encode(" more", add_special_tokens=False)
+    expected = choice["prompt_token_ids"] + choice["token_ids"] + more
+    assert nxt.json()["choices"][0]["prompt_token_ids"] == expected  # the refused text never reached it
+    client.post(f"/v1/episodes/{episode_id}/finish", json={"reward": 1.0})
+    stepper.wait_for(1)
+    (r,) = stepper.rollouts
+    assert r.prompt_ids + r.response_ids[: len(choice["token_ids"]) + len(more)] == expected

@@ -193,3 +193,28 @@ def test_idle_environment_workers_exit_and_come_back_when_needed(actor, monkeypa
         returned += engine.step().rollouts
     assert len(returned) == 8  # later calls started workers again
     engine.close()
+
+
+def test_an_interrupt_while_the_guard_is_being_entered_does_not_leave_it_held(monkeypatch):
+    import oppo_engine.guard as guard_module
+    from oppo_engine.guard import CallGuard, exclusive
+
+    class Engine:
+        def __init__(self) -> None:
+            self._guard = CallGuard()
+
+        @exclusive
+        def step(self) -> str:
+            return "stepped"
+
+    class Interrupted:  # the guard module's ``threading``: a KeyboardInterrupt right after the lock is taken
+        @staticmethod
+        def current_thread():
+            raise KeyboardInterrupt
+
+    engine = Engine()
+    monkeypatch.setattr(guard_module, "threading", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.step() == "stepped"  # not refused: the interrupted call let go of the guard

@@ -275,7 +275,8 @@ class EnvPool:
         call.future = future
 
         def done(f) -> None:
-            if f.cancelled():
+            if f.cancelled():  # by its loop (a serving loop shutting down): an abandoned call is skipped
+                self._complete(call, None, asyncio.CancelledError("its event loop cancelled it (it closed)"))
                 return
             error = f.exception()
             self._complete(call, None if error is not None else f.result(), error)

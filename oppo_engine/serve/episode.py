@@ -124,7 +124,7 @@ class ServedEpisode:
     def _next(self, req: TurnRequest) -> None:
         self._check_sampling(req)
         server = self.server
-        history = self.history
+        history, text = self.history, self.text
         if req.kind == "chat":
             differs = first_difference(self.history, req.messages)
             if differs is not None:
@@ -167,11 +167,11 @@ class ServedEpisode:
                 int(t)
                 for t in server.tokenizer.encode(req.prompt[len(self.text) :], add_special_tokens=False)
             ]
-            self.text = req.prompt
+            text = req.prompt  # taken once the request is accepted, with its tokens
         if not suffix:
             raise ApiError(400, "the request adds no token to the episode", param="prompt")
         server.check_length(len(self.transcript) + len(suffix), "the conversation")
-        self.history = history
+        self.history, self.text = history, text
         self.transcript = self.transcript + suffix
         self._await_turn(req)
         limit = req.max_tokens or self.sampling.max_new_tokens  # without max_tokens: the episode's budget
@@ -201,11 +201,13 @@ class ServedEpisode:
     def make_env(self) -> AgentEnv:
         """The environment factory (called on the actor thread). A second call means the engine restarted
         the sequence (a rollback, or a quarantine probe, after the agent had an answer): an agent cannot be
-        rewound, so the episode fails."""
+        rewound, so the episode fails. An episode failed meanwhile (a client gone) is never decoded."""
         if self.env_made:
             message = "rolled back after its agent had an answer (an agent cannot be rewound)"
             self.server.call_soon(lambda: self.fail(message, lost=True))
             raise AgentError(f"agent episode {self.id} was {message}")
+        if self.state == FAILED:
+            raise AgentError(f"agent episode {self.id} failed: {self.error}")
         self.env_made = True
         return AgentEnv(self)
 

@@ -147,6 +147,7 @@ class ServeHandle:
         self._agents_running = 0
         self._agent_tasks: set[asyncio.Task] = set()
         self._next_task_index = 0
+        self._index_lock = threading.Lock()
         self._agent_limit = engine.config.batch_size + engine._max_overcommit
         self._closed = False
 
@@ -344,8 +345,9 @@ class ServeHandle:
             raise TypeError(
                 f"agent_fn must be an async function (async def agent_fn(task, client)), got {agent_fn!r}"
             )
-        first = self._next_task_index
-        self._next_task_index += len(tasks)
+        with self._index_lock:  # two threads' calls never share an index (a seed)
+            first = self._next_task_index
+            self._next_task_index += len(tasks)
         items = [(agent_fn, first + i, task, in_process) for i, task in enumerate(tasks)]
         self.run(lambda: (self._agents.extend(items), self._pump()))
 
@@ -390,11 +392,13 @@ class ServeHandle:
             if reward is not None:
                 reward = float(reward)
         except asyncio.CancelledError:
-            episode.fail("the server closed while its agent ran")
+            self.episodes.get(episode.id, episode).fail("the server closed while its agent ran")
             raise
         except Exception as e:
+            episode = self.episodes.get(episode.id, episode)  # a restart put a new episode under its id
             episode.agent_failed(f"agent {getattr(fn, '__qualname__', fn)!s} raised {type(e).__name__}: {e}")
         else:
+            episode = self.episodes.get(episode.id, episode)  # a restart put a new episode under its id
             if episode.state not in (DONE, FAILED) and episode.finish_asked is None:
                 episode.finish(reward)
         finally:
@@ -412,28 +416,30 @@ class ServeHandle:
         if self._closed:
             return
         self._closed = True
-        if self.loop.is_running():
-            done: Future = Future()
+        try:  # the rest is undone even if the loop does not answer in time
+            if self.loop.is_running():
+                done: Future = Future()
 
-            async def shut() -> None:
-                for task in list(self._agent_tasks):
-                    task.cancel()
-                self._agents.clear()
-                for episode in list(self.episodes.values()):
-                    episode.fail("the server closed")
-                await asyncio.sleep(0)
-                if self._uvicorn is not None:
-                    self._uvicorn.should_exit = True
-                done.set_result(None)
+                async def shut() -> None:
+                    for task in list(self._agent_tasks):
+                        task.cancel()
+                    self._agents.clear()
+                    for episode in list(self.episodes.values()):
+                        episode.fail("the server closed")
+                    await asyncio.sleep(0)
+                    if self._uvicorn is not None:
+                        self._uvicorn.should_exit = True
+                    done.set_result(None)
 
-            asyncio.run_coroutine_threadsafe(shut(), self.loop)
-            done.result(_CLOSE_TIMEOUT_S)
-        self.thread.join(_CLOSE_TIMEOUT_S)
-        self._pool.use_loop(None)
-        self._pool.timeout_s = self._saved_timeout
-        self.sock.close()
-        if self.engine._server is self:
-            self.engine._server = None  # the engine may serve again
+                asyncio.run_coroutine_threadsafe(shut(), self.loop)
+                done.result(_CLOSE_TIMEOUT_S)
+            self.thread.join(_CLOSE_TIMEOUT_S)
+        finally:
+            self._pool.use_loop(None)
+            self._pool.timeout_s = self._saved_timeout
+            self.sock.close()
+            if self.engine._server is self:
+                self.engine._server = None  # the engine may serve again
 
 
 def _loopback(host: str) -> bool:
