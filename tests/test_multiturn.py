@@ -513,6 +513,30 @@ def test_a_rollback_restarts_stepped_episodes_from_their_prompts_with_fresh_envs
     assert_all_pages_free(engine)
 
 
+class ShortTurnsEnv(ScriptedEnv):
+    """Each observation caps the next turn at 2 sampled tokens (``Observation.next_turn_tokens``)."""
+
+    def step(self, turn_ids: list[int]) -> Observation:
+        obs = self._answer(turn_ids)
+        return Observation(obs.tokens, done=obs.done, reward=obs.reward, next_turn_tokens=2)
+
+
+def test_a_restarted_episode_replays_its_first_turn_under_the_samplings_limit_not_a_later_turns(actor):
+    """A turn limit set by an observation belongs to the episode that got it: a rollback that restarts the
+    sequence from its prompt replays turn 1 under max_turn_tokens (6), as first sampled."""
+    prompts = random_prompts(6, seed=26)
+    clean = make_engine(actor, rule_reward, "sequential", env=scripted(EnvLog(), cls=ShortTurnsEnv))
+    clean.add_prompts(prompts)
+    want = transcripts(drain(clean)[0])
+    assert any(t[2][0][1] - t[2][0][0] > 2 for t in want.values())  # a first turn longer than later caps
+    engine = make_engine(actor, FlakyReward(), "sequential", env=scripted(EnvLog(), cls=ShortTurnsEnv))
+    engine.add_prompts(prompts)
+    rollouts, failed, metrics = drain(engine)
+    assert failed == [] and metrics[0].retries == 1
+    assert transcripts(rollouts) == want
+    assert_all_pages_free(engine)
+
+
 def test_state_dict_with_calls_in_flight_requeues_them_from_their_prompts(actor):
     prompts = random_prompts(8, seed=24)
     env = scripted(EnvLog(), max_latency_s=0.05)

@@ -9,7 +9,6 @@ Calls outlive a step: an episode waiting on a slow call is carried to the next s
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,7 +218,7 @@ class EnvDriver:
         seq.policy_versions.extend([-1] * len(tokens))
         episode.observed(start, len(seq.response_ids))
         if obs.next_turn_tokens is not None:
-            seq.sampling = dataclasses.replace(seq.sampling, max_turn_tokens=obs.next_turn_tokens)
+            episode.turn_tokens = obs.next_turn_tokens
         if obs.done:
             episode.reward, episode.done_by_env = obs.reward, True
             return obs.finish_reason

@@ -58,6 +58,9 @@ class Episode:
     error: str | None = None
     done_by_env: bool = False  # a done observation ended it (its environment knows)
     generation: int = 0  # environments made afresh so far (a snapshot from before one no longer applies)
+    # The environment's limit on the next turn (Observation.next_turn_tokens; None: the sampling's
+    # max_turn_tokens). Kept here, not in the sequence's SamplingParams: a restart replays turn 1 as sampled.
+    turn_tokens: int | None = None
 
     @property
     def started(self) -> bool:
@@ -91,7 +94,7 @@ class Episode:
 
     def fresh(self) -> None:
         """Start over: no environment (the factory makes a new one), no turns."""
-        self.env = self.call = self.pending_turn = self.reward = self.error = None
+        self.env = self.call = self.pending_turn = self.reward = self.error = self.turn_tokens = None
         self.ready = self.done_by_env = False
         self.generation += 1
         self.turn_start = self.truncated = self.steps = self.answers = self.num_observed = 0

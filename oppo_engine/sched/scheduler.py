@@ -349,8 +349,9 @@ class ActorScheduler:
         p = seq.sampling
         if token in p.turn_stop_token_ids:
             return True
-        limit = p.max_turn_tokens
-        return limit is not None and len(seq.response_ids) - seq.episode.turn_start >= limit
+        episode = seq.episode
+        limit = episode.turn_tokens if episode.turn_tokens is not None else p.max_turn_tokens
+        return limit is not None and len(seq.response_ids) - episode.turn_start >= limit
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Why ``seq`` ends with ``token`` (None: it goes on). EOS first: when EOS is also the last allowed
