@@ -290,6 +290,9 @@ class _RoleBench:
         spec = KVSpec.from_hf_config(model.config, model.dtype)
         need = max(r * (n + c) for r, n, c in FORWARD_GRID)
         self.arena = KVArena({role: spec}, page_size=16, num_pages=need // 16 + 64, device=device)
+        # NOTE: the timed forwards attend over ``ctx`` slots that nothing wrote: zeroed, they read finite
+        # keys and values (uninitialised bytes may be NaN, which the engine's finiteness checks refuse).
+        self.arena.buffer.zero_()
         self.cache = KVCacheManager(self.arena, role)
         runner = ModelRunner(model, self.cache)
         self.actor = ActorWorker(runner) if role == "actor" else None
