@@ -87,7 +87,9 @@ def response_rows(chunk: SeqChunk, end: int, prompt_len: int) -> int:
 
 class TwinActor:
     """``ActorWorker.forward`` in virtual time: the forward's price runs on the lane's device; each sampled
-    row gets EOS once its sequence's response reaches ``target(seq)`` tokens."""
+    row gets EOS once its sequence's response reaches ``target(seq)`` tokens. With a ``stride``
+    (:class:`~oppo_engine.sim.stride.DecodeStride`), a decode forward is followed by as many more as can run
+    before the engine's loop would do anything else (``sim/stride.py``)."""
 
     def __init__(
         self,
@@ -100,22 +102,35 @@ class TwinActor:
         *,
         captured: bool,
         threads: Callable[[], int],
+        stride=None,
     ) -> None:
         self.shape, self.cost, self.cache, self.seqs = shape, cost, cache, seqs
         self.target, self.run, self.captured, self.threads = target, run, captured, threads
+        self.stride = stride
+
+    def price(self, batch: Batch, captured: bool, threads: int):
+        """A forward's :class:`~oppo_engine.sim.cost.Work` over ``batch``."""
+        return self.cost.forward(self.shape, batch, captured=captured, threads=threads)
 
     def forward(self, chunks: Sequence[SeqChunk], samples) -> tuple[list[int], list[float]]:
         counts = self.cache.token_counts([c.seq_id for c in chunks])
         batch = Batch(tuple((len(c.token_ids), n) for c, n in zip(chunks, counts, strict=True)),
                       len(chunks), len(samples))  # fmt: skip
         decode = all(len(c.token_ids) == 1 for c in chunks)
-        work = self.cost.forward(self.shape, batch, captured=self.captured and decode, threads=self.threads())
-        self.run(work)
+        captured, threads = self.captured and decode, self.threads()
+        stride = self.stride
+        before = stride.activity() if stride is not None else 0
+        self.run(self.price(batch, captured, threads))
         by_id = self.seqs()
+        extra = 0
+        if stride is not None and decode and len(samples.rows) == len(chunks):
+            seqs = [by_id[c.seq_id] for c in chunks]
+            targets = [self.target(seq) for seq in seqs]
+            extra = stride.extend(seqs, counts, samples.positions, targets, captured, threads, before)
         tokens = []
         for row, position in zip(samples.rows, samples.positions, strict=True):
             seq = by_id[chunks[row].seq_id]
-            done = position - len(seq.prompt_ids) + 1 >= self.target(seq)
+            done = position + extra - len(seq.prompt_ids) + 1 >= self.target(seq)
             tokens.append(EOS if done else TOKEN)
         return tokens, [-1.0] * len(tokens)
 

@@ -31,6 +31,7 @@ from oppo_engine.sim.executor import SimClock
 from oppo_engine.sim.lengths import Lengths
 from oppo_engine.sim.models import (
     EOS,
+    TOKEN,
     TwinActor,
     TwinScorer,
     page_plan,
@@ -38,6 +39,7 @@ from oppo_engine.sim.models import (
     tiny_page_bytes,
 )
 from oppo_engine.sim.shapes import ModelShape
+from oppo_engine.sim.stride import DecodeStride
 from oppo_engine.sim.world import Fabric, ScorerService, TwinExecutor
 
 PLACEMENTS = ("7+1", "colocated", "cpu")
@@ -167,7 +169,8 @@ def _rule_reward(prompt_ids, response_ids) -> float:
 class World:
     """The engines of every actor rank of ``setting`` in ``mode`` (``chunk_size`` an int, ``"auto"``, or
     None for the modes that do not stream), ``delta`` a fixed Δ (or None: the controller, fed
-    ``setting.reward_curve``), and ``prior``: a predicted :class:`SwitchProfile` for the chunk controller."""
+    ``setting.reward_curve``), and ``prior``: a predicted :class:`SwitchProfile` for the chunk controller.
+    ``stride``: decode in strides between events (``sim/stride.py``; exact, ``tests/sim/test_stride.py``)."""
 
     def __init__(
         self,
@@ -178,8 +181,9 @@ class World:
         delta: int | None = None,
         prior: SwitchProfile | None = None,
         steps: int = 8,
+        stride: bool = True,
     ) -> None:
-        self.setting, self.mode = setting, mode
+        self.setting, self.mode, self.stride = setting, mode, stride
         s = setting
         if s.batch_size % s.ranks:
             raise ValueError(f"batch_size={s.batch_size} is not a multiple of the {s.ranks} actor ranks")
@@ -246,11 +250,19 @@ class World:
         gpu = s.placement != "cpu"
         threads = (lambda: 1) if gpu else torch.get_num_threads
         targets = self._targets[rank]
+        stride = None
+        if self.stride:
+            group = f"rank{rank}"  # the home group of the rank's lanes (run)
+            activity = self.ex.activity
+            stride = DecodeStride(loop, lambda: activity.get(group, 0), None, self.ex.work, self.clock, TOKEN)
         loop.actor = TwinActor(
             s.shapes[ACTOR], s.cost, sched.cache, lambda: {q.seq_id: q for q in sched.running},
             lambda seq: targets[seq.prompt_index][seq.sample_index], self.ex.work,
-            captured=gpu and s.config.graph in ("auto", True), threads=threads,
+            captured=gpu and s.config.graph in ("auto", True), threads=threads, stride=stride,
         )  # fmt: skip
+        if stride is not None:
+            stride.price = loop.actor.price
+            stride.wrap()
         lane = loop.scorer_lane
         for name, ssched in lane.scheds.items():
             old = ssched.scorer
@@ -471,7 +483,7 @@ class _RealTimeWorld(World):
     time is the engine's own host work."""
 
     def __init__(self, setting: Setting, mode: str, *, chunk_size=None, steps: int = 2) -> None:
-        super().__init__(setting, mode, chunk_size=chunk_size, steps=steps)
+        super().__init__(setting, mode, chunk_size=chunk_size, steps=steps, stride=False)
         loop = self.engines[0]._loop
         from oppo_engine.sched.runtime import THREADS  # noqa: PLC0415
 
