@@ -405,6 +405,17 @@ def published(args) -> int:
               f"within 15%)")  # fmt: skip
     refused = sum(r["prediction"] is None for r in rows)
     print(f"rows refused by name: {refused} of {len(rows)}")
+    from bench.published import decode_fit  # noqa: PLC0415
+
+    print("decode fit from the fixed-batch latency source rows (published - twin's prefill = steps * overhead"
+          " + slope * twin's decode):")  # fmt: skip
+    for key, f in decode_fit().items():
+        joint, held = f["joint_overhead_s"] * 1e3, f["overhead_s"] * 1e3
+        print(
+            f"  {key}: joint fit: overhead {joint:.2f} ms/step, slope {f['joint_slope']:.2f} (stream "
+            f"{f['joint_stream']:.2f}); the rows' decode terms differ by {f['spread'] - 1:.1%}: not "
+            f"separable; the fraction held: {held:.2f} ms + {f['per_row_s'] * 1e3:.3f} ms a row a step"
+        )
     return 0
 
 

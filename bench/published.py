@@ -39,6 +39,10 @@ HF_EAGER = (
     "arxiv.org/html/2605.30571 (J. Chen, 'Memory-Bound but Not Bandwidth-Limited', May 2026), abstract, "
     "read at cdn-avatars.qwak.ai/papers/2605.30571.md"
 )
+NEMO_FW = (
+    "docs.nvidia.com/nemo-framework/user-guide/latest/performance/llama.html, 'Llama-2 Results', "
+    "'Inference Performance', Configuration 1 (Chatbot Conversation: input 128, output 20)"
+)
 OPPO_SEED = "/work/shared/seeds/000_0e21a575d220e76b.txt (the OPPO paper, arXiv:2509.25762, as summarised)"
 
 
@@ -47,7 +51,7 @@ class Published:
     """One published figure: ``kind`` says how :func:`predict` prices it."""
 
     key: str
-    kind: str  # static_batch | first_token | hf_eager_floor | train_mfu | rl_step | paper_step
+    kind: str  # static_batch | first_token | fixed_batch_latency | hf_eager_floor | train_mfu | rl_step | ...
     role: str  # source | check
     figure: float
     unit: str
@@ -187,6 +191,111 @@ ROWS: tuple[Published, ...] = (
         "'an L4 reaches roughly 81% of its analytic memory floor'",
         refused="NVIDIA L4: not in the device table",
     ),
+    # -- fixed-batch latency (batch 1-8, 128 in, 20 out): the decode fit's source rows (decode_fit) ----
+    Published(
+        "nemo-fw-a100-llama2-7b-b1",
+        "fixed_batch_latency",
+        "source",
+        0.234,
+        "s",
+        "A100 80GB SXM4 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "a100-80gb",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=1, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 1, TP 1, PP 1, 1 GPU: average latency 234.0 ms (A100 80GB SXM4)",
+    ),
+    Published(
+        "nemo-fw-a100-llama2-7b-b2",
+        "fixed_batch_latency",
+        "source",
+        0.2496,
+        "s",
+        "A100 80GB SXM4 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "a100-80gb",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=2, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 2, TP 1, PP 1, 1 GPU: average latency 249.6 ms (A100 80GB SXM4)",
+    ),
+    Published(
+        "nemo-fw-a100-llama2-7b-b4",
+        "fixed_batch_latency",
+        "source",
+        0.2726,
+        "s",
+        "A100 80GB SXM4 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "a100-80gb",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=4, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 4, TP 1, PP 1, 1 GPU: average latency 272.6 ms (A100 80GB SXM4)",
+    ),
+    Published(
+        "nemo-fw-a100-llama2-7b-b8",
+        "fixed_batch_latency",
+        "source",
+        0.3295,
+        "s",
+        "A100 80GB SXM4 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "a100-80gb",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=8, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 8, TP 1, PP 1, 1 GPU: average latency 329.5 ms (A100 80GB SXM4)",
+    ),
+    Published(
+        "nemo-fw-h100-llama2-7b-b1",
+        "fixed_batch_latency",
+        "source",
+        0.15380000000000002,
+        "s",
+        "H100 80GB HBM3 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "h100",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=1, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 1, TP 1, PP 1, 1 GPU: average latency 153.8 ms (H100 80GB HBM3)",
+    ),
+    Published(
+        "nemo-fw-h100-llama2-7b-b2",
+        "fixed_batch_latency",
+        "source",
+        0.1608,
+        "s",
+        "H100 80GB HBM3 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "h100",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=2, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 2, TP 1, PP 1, 1 GPU: average latency 160.8 ms (H100 80GB HBM3)",
+    ),
+    Published(
+        "nemo-fw-h100-llama2-7b-b4",
+        "fixed_batch_latency",
+        "source",
+        0.1748,
+        "s",
+        "H100 80GB HBM3 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "h100",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=4, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 4, TP 1, PP 1, 1 GPU: average latency 174.8 ms (H100 80GB HBM3)",
+    ),
+    Published(
+        "nemo-fw-h100-llama2-7b-b8",
+        "fixed_batch_latency",
+        "source",
+        0.1992,
+        "s",
+        "H100 80GB HBM3 (the page's words; 1 GPU, TP 1, PP 1; power cap not stated)",
+        "h100",
+        "NeMo Framework inference (its Llama-2 performance page), FP16/BF16 as the page's container ran it",
+        dict(model=LLAMA2_7B, batch=8, input=128, output=20),
+        NEMO_FW,
+        "Llama-2-7B, batch 8, TP 1, PP 1, 1 GPU: average latency 199.2 ms (H100 80GB HBM3)",
+    ),
     # -- training ------------------------------------------------------------------------------------------
     Published(
         "torchtitan-a100-8b-sel-op",
@@ -293,6 +402,9 @@ def predict(row: Published) -> float:
         return _static_batch(cost, s["model"], s["batch"], s["input"], s["output"])
     if row.kind == "first_token":
         return _prefill(cost, s["model"], s["batch"], s["input"])
+    if row.kind == "fixed_batch_latency":
+        prefill, decode = _latency_parts(cost, s["model"], s["batch"], s["input"], s["output"])
+        return prefill + decode
     if row.kind == "hf_eager_floor":
         from oppo_engine.sim.baselines import hf_decode_s  # noqa: PLC0415
 
@@ -318,6 +430,67 @@ def _static_batch(cost: CostModel, shape: ModelShape, batch: int, inp: int, out:
     return batch * out / t
 
 
+def _latency_parts(cost: CostModel, shape: ModelShape, batch: int, inp: int, out: int) -> tuple[float, float]:
+    """A fixed batch's latency, split: its prefill (which samples the first token), and its ``out - 1``
+    decode steps, captured."""
+    prefill = _prefill(cost, shape, batch, inp)
+    decode = sum(
+        cost.forward(
+            shape, Batch(tuple((1, inp + i) for _ in range(batch)), batch, batch), captured=True
+        ).alone_s
+        for i in range(1, out)
+    )
+    return prefill, decode
+
+
+def decode_fit(rows=None) -> dict[str, dict]:
+    """What the ``fixed_batch_latency`` source rows say of the decode, per GPU, fitted together.
+
+    Per row, the twin's prefill and decode (at today's fractions) leave ``extra = published - prefill -
+    decode`` over ``steps`` decode steps. Two fits: (1) the bandwidth fraction and a per-step overhead
+    together, ``published - prefill = steps * overhead + slope * decode`` (``slope`` > 1: the decode is
+    slower than priced, the fraction that fits is today's over ``slope``); it is separable only if the
+    rows' decode terms differ enough (``spread``, their max over min: the weights read every step dominate
+    at small batches, so they do not); (2) with the fraction held, the per-step overhead as a line against
+    batch size, ``extra / steps = overhead_s + per_row_s * batch``. Returns per device key both fits,
+    ``spread`` and the rows used."""
+    rows = [
+        r for r in (rows or ROWS) if r.kind == "fixed_batch_latency" and r.role == "source" and not r.refused
+    ]
+    out = {}
+    for key in sorted({r.device for r in rows}):
+        mine = [r for r in rows if r.device == key]
+        dev = device(key)
+        cost = roofline(dev)
+        xs, ys, steps, batch = [], [], [], []
+        for r in mine:
+            s = r.settings
+            prefill, decode = _latency_parts(cost, s["model"], s["batch"], s["input"], s["output"])
+            xs.append(decode)
+            ys.append(r.figure - prefill)
+            steps.append(s["output"] - 1)
+            batch.append(s["batch"])
+        h, slope = _lstsq(steps, xs, ys)
+        per_step = [(y - x) / n for x, y, n in zip(xs, ys, steps, strict=True)]
+        h0, h1 = _lstsq([1.0] * len(batch), batch, per_step)
+        out[key] = dict(
+            joint_overhead_s=h, joint_slope=slope, joint_stream=dev.fractions.stream / slope,
+            spread=max(xs) / min(xs), overhead_s=h0, per_row_s=h1, rows=[r.key for r in mine],
+        )  # fmt: skip
+    return out
+
+
+def _lstsq(a: list[float], b: list[float], y: list[float]) -> tuple[float, float]:
+    """Least squares of ``y = p * a + q * b``: ``(p, q)``."""
+    a11 = sum(v * v for v in a)
+    a12 = sum(u * v for u, v in zip(a, b, strict=True))
+    a22 = sum(v * v for v in b)
+    b1 = sum(u * v for u, v in zip(a, y, strict=True))
+    b2 = sum(u * v for u, v in zip(b, y, strict=True))
+    det = a11 * a22 - a12 * a12
+    return (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+
+
 def _prefill(cost: CostModel, shape: ModelShape, batch: int, inp: int) -> float:
     return cost.forward(
         shape, Batch(tuple((inp, inp) for _ in range(batch)), batch, batch), captured=True
@@ -338,4 +511,4 @@ def table() -> list[dict]:
     return out
 
 
-__all__ = ["ROWS", "Published", "Refused", "predict", "table"]
+__all__ = ["ROWS", "Published", "Refused", "decode_fit", "predict", "table"]

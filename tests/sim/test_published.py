@@ -62,3 +62,32 @@ def test_hf_host_time_is_the_source_rows_step_less_the_twins_eager_forward():
     assert floor / 0.27 - kernels == pytest.approx(baselines.HF_STEP_HOST_S, abs=0.05e-3)
     row = next(r for r in ROWS if r.key == "hf-eager-h100-qwen7b-b1")
     assert predict(row) == pytest.approx(0.27, rel=0.01)
+
+
+def _made_rows(figure) -> list:
+    """Fixed-batch latency rows whose figures ``figure(prefill, decode, batch)`` makes from the twin's own
+    prefill and decode (test inputs, not measurements)."""
+    from bench.published import LLAMA2_7B, Published, _latency_parts
+
+    cost = roofline(device("h100"))
+    rows = []
+    for batch, inp in ((1, 128), (8, 128), (64, 2048), (256, 4096)):
+        prefill, decode = _latency_parts(cost, LLAMA2_7B, batch, inp, 20)
+        settings = dict(model=LLAMA2_7B, batch=batch, input=inp, output=20)
+        made = figure(prefill, decode, batch)
+        rows.append(Published(f"t{batch}", "fixed_batch_latency", "source", made, "s", "H100", "h100", "x",
+                              settings, "u", "q"))  # fmt: skip
+    return rows
+
+
+def test_the_decode_fit_recovers_the_overhead_and_slope_it_was_given():
+    from bench.published import decode_fit
+
+    joint = decode_fit(_made_rows(lambda p, d, b: p + 19 * 3e-3 + 1.25 * d))["h100"]
+    assert joint["spread"] > 2  # large batches and contexts: the decode terms differ, the fit is separable
+    assert joint["joint_overhead_s"] == pytest.approx(3e-3, rel=1e-6)
+    assert joint["joint_slope"] == pytest.approx(1.25, rel=1e-6)
+    assert joint["joint_stream"] == pytest.approx(device("h100").fractions.stream / 1.25, rel=1e-6)
+    line = decode_fit(_made_rows(lambda p, d, b: p + d + 19 * (2e-3 + 1e-4 * b)))["h100"]
+    assert line["overhead_s"] == pytest.approx(2e-3, rel=1e-6)
+    assert line["per_row_s"] == pytest.approx(1e-4, rel=1e-6)
