@@ -119,14 +119,13 @@ class TwinActor:
         decode = all(len(c.token_ids) == 1 for c in chunks)
         captured, threads = self.captured and decode, self.threads()
         stride = self.stride
-        before = stride.activity() if stride is not None else 0
         self.run(self.price(batch, captured, threads))
         by_id = self.seqs()
         extra = 0
         if stride is not None and decode and len(samples.rows) == len(chunks):
             seqs = [by_id[c.seq_id] for c in chunks]
             targets = [self.target(seq) for seq in seqs]
-            extra = stride.extend(seqs, counts, samples.positions, targets, captured, threads, before)
+            extra = stride.extend(seqs, counts, samples.positions, targets, captured, threads)
         tokens = []
         for row, position in zip(samples.rows, samples.positions, strict=True):
             seq = by_id[chunks[row].seq_id]

@@ -19,8 +19,8 @@ and asserts equal step records, timelines and switch profiles. What ends a strid
 
 - a sequence's next token would be its last (EOS), its ``max_new_tokens`` or ``max_model_len``;
 - streamed, a sequence would reach its next hand-off (``chunk_size`` tokens since the last);
-- another lane of the rank (its scorer lane) ran since the last forward began: it may have scored the
-  batch, failed, or freed pages, all of which the engine's loop reads before its next forward;
+- what another lane of the rank (its scorer lane) changes and the engine's loop reads before its next
+  forward: the batch scored, the lane failed, pages freed so that a waiting sequence could be admitted;
 - the pages the next forward needs are not free (the engine would preempt), or a page it writes is shared
   with another sequence (copy-on-write);
 - a waiting sequence could be admitted (the engine tries every forward), a sequence is parked on its
@@ -28,7 +28,7 @@ and asserts equal step records, timelines and switch profiles. What ends a strid
 
 The sequences' tokens and counters are applied when the stride ends; what another lane of the rank reads
 in the meantime -- the arena's page counts, the tokens handed off before the stride -- is already
-current, and any such lane running ends the stride.
+current (the scorers read only the tokens handed to them and their own caches).
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ TOKEN_LOGPROB = -1.0  # the stand-in's log-prob of every token (sim/models.py: T
 
 class DecodeStride:
     """The stride of one rank's actor (module docstring). ``loop`` is the engine's ``StepLoop``;
-    ``activity()`` counts the times a lane of the rank was picked to run (``TwinExecutor.activity``);
-    ``price(batch)`` a decode forward's :class:`~oppo_engine.sim.cost.Work`, ``run(work)`` runs it on the
-    lane's device; ``token`` is what the stand-in emits before a sequence's last token."""
+    ``price(batch, captured, threads)`` a decode forward's :class:`~oppo_engine.sim.cost.Work`, ``run(work)``
+    runs it on the lane's device; ``token`` is what the stand-in emits before a sequence's last token."""
 
-    def __init__(self, loop, activity: Callable[[], int], price, run, clock, token: int) -> None:
-        self.loop, self.activity, self.price, self.run, self.clock = loop, activity, price, run, clock
+    def __init__(self, loop, price: Callable, run: Callable, clock: Callable[[], float], token: int) -> None:
+        self.loop, self.price, self.run, self.clock = loop, price, run, clock
         self.token = token
         self.step: tuple | None = None  # (policy_version, cut, chunk_size, commit) of the step under way
         self.extra_tokens = 0  # tokens the strides sampled in this step (the engine counts the rest)
@@ -88,7 +87,7 @@ class DecodeStride:
     def _allowed(self, seqs: list, counts: list[int]) -> bool:
         """Whether the engine's loop, back from this forward, would do nothing but schedule the same
         sequences for another decode forward (the conditions of the module docstring that hold for a whole
-        stride)."""
+        stride; those another lane can change are checked before every forward, ``_loop_stops``)."""
         loop, sched = self.loop, self.loop.actor_sched
         if self.step is None or sched.parked or loop.envs.waiting() or len(seqs) != len(sched.running):
             return False
@@ -104,16 +103,8 @@ class DecodeStride:
             if room > 0:
                 return False
         cache = sched.cache
-        if sched.waiting and len(sched.running) < sched.max_num_seqs:
-            # Pages only get scarcer in a stride: a waiting sequence that cannot be admitted now cannot be
-            # admitted before it ends (its need with nothing committed, forked or not, already exceeds them).
-            free = cache.num_available_pages() - sched.watermark_pages
-            for w in sched.waiting:
-                need = cache.pages_needed(w.seq_id, w.num_pending)
-                if w.num_computed < w.prefix_len and w.seq_id not in cache:
-                    need = min(need, cache.pages_needed_forked(w.prefix_len, w.num_tokens))
-                if need <= free:
-                    return False
+        if self._admissible():
+            return False
         shared = cache._shared_upto
         if shared:
             ps = cache.page_size
@@ -121,12 +112,40 @@ class DecodeStride:
                 return False
         return True
 
+    def _admissible(self) -> bool:
+        """Whether the scheduler could admit a waiting sequence before the stride ends. Only the scorers free
+        pages during a stride (checked before every forward), and the actor's take them: a waiting sequence
+        whose need, with nothing committed and forked or not, exceeds the free pages now cannot be admitted
+        before the next check."""
+        sched = self.loop.actor_sched
+        if not sched.waiting or len(sched.running) >= sched.max_num_seqs:
+            return False
+        cache = sched.cache
+        free = cache.num_available_pages() - sched.watermark_pages
+        for w in sched.waiting:
+            need = cache.pages_needed(w.seq_id, w.num_pending)
+            if w.num_computed < w.prefix_len and w.seq_id not in cache:
+                need = min(need, cache.pages_needed_forked(w.prefix_len, w.num_tokens))
+            if need <= free:
+                return True
+        return False
+
+    def _loop_stops(self) -> bool:
+        """Whether the engine's loop, at the top of its next iteration, would do anything but schedule the
+        same decode: the batch determined (streamed: scored), the scorer lane failed, a sequence
+        admissible."""
+        _, cut, chunk_size, _ = self.step
+        if self.loop.scorer_lane.error is not None:
+            return True
+        if cut.scored() if chunk_size is not None else cut.determined:
+            return True
+        return self._admissible()
+
     def extend(self, seqs: list, counts: list[int], positions: list[int], targets: list[int],
-               captured: bool, threads: int, before: int) -> int:  # fmt: skip
+               captured: bool, threads: int) -> int:  # fmt: skip
         """After the engine's forward over ``seqs`` (decode rows whose caches hold ``counts`` tokens; their
         sampled ``positions``; their drawn lengths ``targets``): run more decode forwards while nothing
-        falls between (module docstring), apply their tokens, and return how many ran. ``before`` is
-        ``activity()`` when the engine's forward started."""
+        falls between (module docstring), apply their tokens, and return how many ran."""
         if not seqs or not self._allowed(seqs, counts):
             return 0
         _, _, chunk_size, _ = self.step
@@ -149,7 +168,7 @@ class DecodeStride:
         done = 0
         boundaries = []
         while done < most:
-            if self.activity() != before + 1:  # another lane of the rank ran: the engine's loop reads it
+            if self._loop_stops():
                 break
             j = done + 1
             crossing = [i for i, n in enumerate(counts) if (n + j - 1) % ps == 0]
@@ -163,7 +182,6 @@ class DecodeStride:
             rows = len(seqs)
             work = self.price(Batch(tuple((1, n + j) for n in counts), rows, rows), captured, threads)
             boundaries.append(self.clock())
-            before = self.activity()
             self.run(work)
             done = j
         if not done:

@@ -250,11 +250,7 @@ class World:
         gpu = s.placement != "cpu"
         threads = (lambda: 1) if gpu else torch.get_num_threads
         targets = self._targets[rank]
-        stride = None
-        if self.stride:
-            group = f"rank{rank}"  # the home group of the rank's lanes (run)
-            activity = self.ex.activity
-            stride = DecodeStride(loop, lambda: activity.get(group, 0), None, self.ex.work, self.clock, TOKEN)
+        stride = DecodeStride(loop, None, self.ex.work, self.clock, TOKEN) if self.stride else None
         loop.actor = TwinActor(
             s.shapes[ACTOR], s.cost, sched.cache, lambda: {q.seq_id: q for q in sched.running},
             lambda seq: targets[seq.prompt_index][seq.sample_index], self.ex.work,

@@ -211,7 +211,6 @@ class TwinExecutor(SimExecutor):
         super().__init__(random.Random(0), clock, _First(), trace_len=1)
         self.fabric, self.service, self.unit_cost = fabric, service, unit_cost
         self.homes: dict[object, tuple[str, str]] = {}
-        self.activity: dict[str, int] = {}  # per process (home group): times one of its lanes was picked
 
     def set_home(self, device: str, group: str) -> None:
         """The device and process of the running lane (and of the lanes it starts)."""
@@ -255,11 +254,7 @@ class TwinExecutor(SimExecutor):
             self._wake_due()
             runnable = [ln for ln in self.lanes if ln.state == RUN]
             if runnable:
-                lane = self.policy.pick(runnable, me)
-                home = self.homes.get(lane)
-                if home is not None:
-                    self.activity[home[1]] = self.activity.get(home[1], 0) + 1
-                return lane
+                return self.policy.pick(runnable, me)
             times = [ln.deadline for ln in self.lanes if ln.state == WAIT and ln.deadline is not None]
             times += [t for d in devices if (t := d.next_time()) is not None]
             if not times:
