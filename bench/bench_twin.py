@@ -6,6 +6,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --host       # the engine's host time per forward (sim/cost.py: HOST)
     python -m bench.bench_twin --published  # the twin against public GPU measurements (bench/published.py)
     python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
+    python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
     python -m bench.bench_twin --device-check --e2e DIR --profile P.json   # on a GPU: vs bench_e2e's steps
 
 CPU accuracy. The machine is calibrated once (``calibrate`` on one model pair: the ``small`` preset's actor
@@ -43,14 +44,18 @@ from oppo_engine.sim.twin import World
 # The held-out model shape: wider and deeper than the calibration pair's, never timed by calibrate.
 MID = dict(vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
+# head_dim 128 and 8 query heads per KV head (GQA-8): a layout no preset has (the matrix's fourth shape).
+GQA8 = dict(vocab_size=512, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=1, max_position_embeddings=4096)  # fmt: skip
+SHAPES = {"mid": MID, "gqa8": GQA8}  # the shapes that are not presets (the presets: build_models)
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
-    model: str  # "small" or "mid"
+    model: str  # a preset ("tiny", "small") or a key of SHAPES
     batch_size: int
-    lengths: str  # a law of sim/lengths.py
+    lengths: str | tuple[int, ...]  # a law of sim/lengths.py, or the lengths in order
     prompt_lengths: str = "uniform:low=16,high=48"
 
 
@@ -66,12 +71,13 @@ ARMS = (("sequential", None, None), ("intra", 8, None), ("intra", 32, None), ("i
 
 
 def _models(name: str, seed: int):
-    if name != "mid":
+    if name not in SHAPES:
         return build_models(name, torch.float32, "cpu", seed)
     torch.manual_seed(seed)
-    config = Qwen2Config(**MID, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
+    shape = SHAPES[name]
+    config = Qwen2Config(**shape, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
     actor = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    reward_config = Qwen2Config(**MID, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, num_labels=1)
+    reward_config = Qwen2Config(**shape, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, num_labels=1)
     return actor, AutoModelForSequenceClassification.from_config(reward_config, dtype=torch.float32).eval()
 
 
@@ -79,19 +85,20 @@ def _config(w: Workload, mode: str, chunk: int | None, delta: str | None, max_le
     knobs = {}
     if chunk is not None:
         knobs["chunk_size"] = chunk
-    if delta is not None:
-        knobs.update(overcommit=w.batch_size // 2, max_policy_lag=None)
+    if delta is not None:  # "half": Δ = B / 2; "full": Δ = B
+        knobs.update(overcommit=w.batch_size // (2 if delta == "half" else 1), max_policy_lag=None)
     return EngineConfig(batch_size=w.batch_size, mode=mode, max_model_len=max_len, **knobs)
 
 
 def _draws(w: Workload, count: int) -> tuple[list[int], list[int]]:
-    lengths = parse_lengths(w.lengths, seed=11)
+    lengths = parse_lengths(list(w.lengths) if isinstance(w.lengths, tuple) else w.lengths, seed=11)
     prompts = parse_lengths(w.prompt_lengths, seed=12)
     return [lengths[i] for i in range(count)], [prompts[i] for i in range(count)]
 
 
-def measure(w: Workload, warmup: int, steps: int) -> dict[tuple, tuple[float, float]]:
-    """The real engine's mean step wall time and exposed scoring per arm (steps interleaved across arms)."""
+def measure(w: Workload, warmup: int, steps: int, arms=ARMS) -> dict[tuple, tuple[float, float]]:
+    """The real engine's median step wall time and exposed scoring per arm (steps interleaved across
+    arms)."""
     actor, reward = _models(w.model, 0)
     count = (warmup + steps + 2) * (w.batch_size * 3 // 2)
     lengths, prompt_lens = _draws(w, count)
@@ -99,7 +106,7 @@ def measure(w: Workload, warmup: int, steps: int) -> dict[tuple, tuple[float, fl
     prompts = [[rng.randrange(4, actor.config.vocab_size) for _ in range(n)] for n in prompt_lens]
     max_len = max(prompt_lens) + max(lengths)
     engines = {}
-    for arm in ARMS:
+    for arm in arms:
         engine = RolloutEngine(
             actor=actor, reward=reward, config=_config(w, *arm, max_len), eos_token_id=EOS_TOKEN_ID,
             sampling=SamplingParams(max_new_tokens=max(lengths), ignore_eos=True, seed=0),
@@ -107,8 +114,8 @@ def measure(w: Workload, warmup: int, steps: int) -> dict[tuple, tuple[float, fl
         per_prompt = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
         engine.add_prompts(prompts, sampling=per_prompt)
         engines[arm] = engine
-    times: dict[tuple, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
-    order = list(ARMS)
+    times: dict[tuple, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    order = list(arms)
     try:
         for k in range(warmup + steps):
             order = order[1:] + order[:1]  # no arm always right after another
@@ -124,14 +131,15 @@ def measure(w: Workload, warmup: int, steps: int) -> dict[tuple, tuple[float, fl
     return {arm: (median(t for t, _ in v), median(x for _, x in v)) for arm, v in times.items()}
 
 
-def predict(w: Workload, profile: Profile, warmup: int, steps: int) -> dict[tuple, tuple[float, float]]:
-    """The twin's mean step time and exposed scoring per arm, on the same prompts and lengths."""
+def predict(
+    w: Workload, profile: Profile, warmup: int, steps: int, arms=ARMS
+) -> dict[tuple, tuple[float, float]]:
+    """The twin's median step time and exposed scoring per arm, on the same prompts and lengths."""
     count = (warmup + steps + 2) * (w.batch_size * 3 // 2)
     lengths, prompt_lens = _draws(w, count)
-    shape = MID if w.model == "mid" else None
-    actor = _shape_source(w.model, shape)
+    actor = _shape_source(w.model, SHAPES.get(w.model))
     out = {}
-    for arm in ARMS:
+    for arm in arms:
         mode, chunk, delta = arm
         config = _config(w, mode, chunk, delta, max(prompt_lens) + max(lengths))
         setting, _ = _setting(
@@ -192,6 +200,74 @@ def accuracy(args) -> int:
           f"worst {max(split_err):.1%}")  # fmt: skip
     print(f"twin: {twin_s:.1f}s for {len(rows)} predictions; calibration {calib_s:.0f}s; "
           f"total {time.perf_counter() - t0:.0f}s")  # fmt: skip
+    return 0
+
+
+# -- the calibrate-on-each-shape matrix ----------------------------------------------------------------------
+
+MATRIX_SHAPES = ("tiny", "small", "mid", "gqa8")
+
+
+def pareto_tail(count: int = 64, cap: int = 160, seed: int = 3) -> tuple[int, ...]:
+    """A heavy Pareto tail: most responses 10-30 tokens, a few at the cap (our choice, shaped like the
+    held-out workload that missed: lengths forced with ``ignore_eos``)."""
+    rng = random.Random(seed)
+    return tuple(min(cap, int(10 * rng.paretovariate(1.1))) for _ in range(count))
+
+
+def matrix_workloads(shape: str) -> tuple[Workload, ...]:
+    """The matrix's workloads on ``shape``: a lognormal base and the heavy Pareto tail, B=8."""
+    return (
+        Workload(f"{shape} base", shape, 8, "lognormal:median=40,sigma=0.6,cap=96"),
+        Workload(f"{shape} pareto", shape, 8, pareto_tail()),
+    )
+
+
+MATRIX_ARMS = (("sequential", None, None), ("inter", None, "full"), ("oppo", 16, "half"))
+
+
+def matrix(args) -> int:
+    """Calibrate on each shape of ``MATRIX_SHAPES`` in turn and predict every other shape's workloads (the
+    cells off the diagonal), against the real engine measured here: per cell the median and worst s/step
+    error over its workloads and arms (the goal of each cell: median <= 10%, worst <= 20%). Each real number
+    is the median of ``--steps`` steps interleaved across the arms, ``--rounds`` times (the median of the
+    rounds); the load is printed beside each."""
+    import os  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    shapes = args.matrix_shapes.split(",")
+    bad = [s for s in shapes if s not in MATRIX_SHAPES]
+    if bad:
+        raise SystemExit(f"--matrix-shapes: each one of {MATRIX_SHAPES}, got {bad}")
+    profiles = {}
+    for shape in shapes:
+        t0 = time.perf_counter()
+        actor, reward = _models(shape, 0)
+        profiles[shape] = calibrate(actor, reward, path=args.out / f"profile_{shape}.json", threads=(1,))
+        print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}")
+    real = {}
+    for shape in shapes:
+        for w in matrix_workloads(shape):
+            rounds = [measure(w, args.warmup, args.steps, MATRIX_ARMS) for _ in range(args.rounds)]
+            real[w] = {arm: statistics.median(r[arm][0] for r in rounds) for arm in MATRIX_ARMS}
+            print(f"measured {w.name}: " + ", ".join(f"{a[0]} {t:.3f}s" for a, t in real[w].items())
+                  + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print("\ncalibrated on (row) -> predicting (column): median / worst s/step error (twin: predictions)")
+    print(f"{'':<10}" + "".join(f"{c:>16}" for c in shapes))
+    for cal in shapes:
+        cells = []
+        for target in shapes:
+            errors = []
+            try:
+                for w in matrix_workloads(target):
+                    twin = predict(w, profiles[cal], args.warmup, args.steps, MATRIX_ARMS)
+                    errors += [abs(twin[a][0] / real[w][a] - 1) for a in MATRIX_ARMS]
+            except ValueError as e:  # a profile too small for the shape: refused by name, not guessed
+                print(f"  {cal} -> {target}: refused: {e}")
+                cells.append("refused")
+                continue
+            cells.append(f"{statistics.median(errors):.0%} / {max(errors):.0%}")
+        print(f"{cal:<10}" + "".join(f"{c:>16}" for c in cells) + f"   load {os.getloadavg()[0]:.1f}")
     return 0
 
 
@@ -427,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", action="store_true", help="measure the engine's host time per forward")
     p.add_argument("--published", action="store_true", help="the twin against public GPU measurements")
     p.add_argument("--long", action="store_true", help="long reasoning runs on 8xH200 (minutes)")
+    p.add_argument("--matrix", action="store_true", help="calibrate on each shape, predict the others")
+    p.add_argument("--matrix-shapes", default=",".join(MATRIX_SHAPES), help="the matrix's shapes (--matrix)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of real steps (--matrix)")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
     p.add_argument("--profile", type=Path, default=None, help="this GPU's profile (--device-check)")
@@ -447,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
         return published(args)
     if args.long:
         return long_reasoning(args)
+    if args.matrix:
+        return matrix(args)
     if args.device_check:
         if args.profile is None:
             p.error("--device-check needs --profile (written by --calibrate or oppo-engine calibrate)")
