@@ -10,13 +10,23 @@ import pytest
 
 from oppo_engine import EngineConfig
 from oppo_engine.control import ChunkControl
-from oppo_engine.sim.cost import roofline
+from oppo_engine.sim.cost import CostModel, HostCosts, roofline
 from oppo_engine.sim.devices import device
 from oppo_engine.sim.lengths import parse_lengths
+from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts
 from oppo_engine.sim.shapes import model_shape
 from oppo_engine.sim.twin import Setting, World
 
 H100 = roofline(device("h100"))
+
+
+def _cpu_cost() -> CostModel:
+    """A CPU profile with made-up constants (a test input, not a measurement), as test_twin's."""
+    gemm = {kn: [(1, 2e9), (16, 2e10), (256, 5e10)] for kn in (16384, 1048576)}
+    costs = ThreadCosts(gemm, 1e10, 1e-4, 2e-5, 1e-10, 1e-11, 1e-9, 1e-9, 0.05)
+    return CostModel(
+        Calibrated(Profile("cpu:test", "cpu", {1: costs}, HostCosts(2e-5, 3e-6, 5e-6), 5e9, cores=2))
+    )
 
 
 def _setting(placement: str, **changes) -> Setting:
@@ -54,11 +64,16 @@ CASES = [
     ("7+1", "oppo", "auto", {}),
     ("colocated", "inter", None, {"group_size": 4, "batch_size": 8, "arena_pages": 90}),
     ("colocated", "sequential", None, {"arena_pages": 90}),
+    ("cpu", "oppo", 16, {"gpus": 1, "cost": "cpu", "cores": 2}),
 ]
 
 
 @pytest.mark.parametrize(("placement", "mode", "chunk", "changes"), CASES)
 def test_a_strided_world_equals_the_unstrided_one(placement, mode, chunk, changes):
+    if changes.get("cost") == "cpu":
+        changes = {**changes, "cost": _cpu_cost()}
+        changes["shapes"] = {r: model_shape("small", head=h, name=r).with_head(h, 4)
+                             for r, h in (("actor", "lm"), ("reward", "score"))}  # fmt: skip
     setting = _setting(placement, **changes)
     plain = _run(setting, mode, chunk, stride=False)
     strided = _run(setting, mode, chunk, stride=True)
