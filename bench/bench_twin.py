@@ -227,11 +227,11 @@ MATRIX_ARMS = (("sequential", None, None), ("inter", None, "full"), ("oppo", 16,
 
 
 def matrix(args) -> int:
-    """Calibrate on each shape of ``MATRIX_SHAPES`` in turn and predict every other shape's workloads (the
-    cells off the diagonal), against the real engine measured here: per cell the median and worst s/step
-    error over its workloads and arms (the goal of each cell: median <= 10%, worst <= 20%). Each real number
-    is the median of ``--steps`` steps interleaved across the arms, ``--rounds`` times (the median of the
-    rounds); the load is printed beside each."""
+    """Calibrate on each shape of ``MATRIX_SHAPES`` in turn and predict every shape's workloads (off the
+    diagonal, shapes it never timed), against the real engine measured here: per cell the median and worst
+    signed s/step error over its workloads and arms (the goal of each cell: median <= 10%, worst <= 20%).
+    Each real number is the median of ``--steps`` steps interleaved across the arms, ``--rounds`` times (the
+    median of the rounds); the load is printed beside each."""
     import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
@@ -252,7 +252,8 @@ def matrix(args) -> int:
             real[w] = {arm: statistics.median(r[arm][0] for r in rounds) for arm in MATRIX_ARMS}
             print(f"measured {w.name}: " + ", ".join(f"{a[0]} {t:.3f}s" for a, t in real[w].items())
                   + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("\ncalibrated on (row) -> predicting (column): median / worst s/step error (twin: predictions)")
+    print("\ncalibrated on (row) -> predicting (column): median / worst signed s/step error (twin / real "
+          "- 1; the twin's numbers are predictions)")  # fmt: skip
     print(f"{'':<10}" + "".join(f"{c:>16}" for c in shapes))
     for cal in shapes:
         cells = []
@@ -261,12 +262,13 @@ def matrix(args) -> int:
             try:
                 for w in matrix_workloads(target):
                     twin = predict(w, profiles[cal], args.warmup, args.steps, MATRIX_ARMS)
-                    errors += [abs(twin[a][0] / real[w][a] - 1) for a in MATRIX_ARMS]
+                    errors += [twin[a][0] / real[w][a] - 1 for a in MATRIX_ARMS]
             except ValueError as e:  # a profile too small for the shape: refused by name, not guessed
                 print(f"  {cal} -> {target}: refused: {e}")
                 cells.append("refused")
                 continue
-            cells.append(f"{statistics.median(errors):.0%} / {max(errors):.0%}")
+            worst = max(errors, key=abs)
+            cells.append(f"{statistics.median(errors):+.0%} / {worst:+.0%}")
         print(f"{cal:<10}" + "".join(f"{c:>16}" for c in cells) + f"   load {os.getloadavg()[0]:.1f}")
     return 0
 
