@@ -170,3 +170,17 @@ def test_setting_is_checked_and_auto_is_on_for_the_cpu_only():
         assert not ops.packed_linear_supported(torch.zeros(2, 2))
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+def test_weights_made_under_inference_mode_are_left_to_f_linear():
+    """An inference tensor has no version counter, so a pack of it could not be told stale: not packed, and
+    the engine's rollouts are the unpacked engine's."""
+    with torch.inference_mode():
+        actor = make_actor()
+    prompts = random_prompts(3, seed=4)
+    engines = {p: make_engine(actor, p) for p in (True, False)}
+    got = {p: rollouts(e, prompts) for p, e in engines.items()}
+    assert_same(got[True], got[False], atol=0)
+    assert engines[True]._loop.actor.runner.packed.nbytes == 0
+    for e in engines.values():
+        e.close()

@@ -53,7 +53,8 @@ class PackedLinears:
     ``batch_hint`` is the number of rows a forward usually has (the decode batch): oneDNN picks its layout
     for it, and any other number of rows works as well. Modules are the exact ``nn.Linear`` instances of the
     model (subclasses may change ``forward``: they are left alone) whose weight is a CPU fp32 or bf16
-    tensor that ``ops.packed_linear_supported`` accepts.
+    tensor that ``ops.packed_linear_supported`` accepts, and not an inference tensor (made under
+    ``torch.inference_mode()``: it has no version counter).
     """
 
     def __init__(self, model: nn.Module, batch_hint: int) -> None:
@@ -78,7 +79,8 @@ class PackedLinears:
         out = []
         for e in self._entries:
             w = e.module.weight
-            if not ops.packed_linear_supported(w):
+            # An inference tensor has no version counter to tell a stale pack by: left to F.linear.
+            if w.is_inference() or not ops.packed_linear_supported(w):
                 e.weight, e.version, e.packed = None, -1, None
                 continue
             version = w._version
