@@ -24,13 +24,27 @@ the engines of the process, so it is paid once per model):
 runner's per-forward metadata (persistent block tables) against the rebuild it replaced, side by side.
 
     python -m bench.bench_decode --preset tiny --batch-size 16 --new-tokens 64 --sampler --metadata
+
+``--model smollm2`` runs the bundled SmolLM2-135M-Instruct (``load_pretrained``, in ``--dtype``) instead of a
+random preset: the engine eager (with and without ``packed_weights``) against HF ``generate`` at each of
+``--batches``, the three alternating for
+``--repeats`` rounds, the fastest of each reported (``min``: on a shared machine the load only ever adds),
+in wall time and in the process's CPU time (which the other processes of a loaded machine move less; with
+one thread it is the work done),
+with ``os.getloadavg()`` beside every figure, and the step time against this machine's roofline (the
+weights' bytes over the bandwidth, the GEMM FLOPs over the GEMM rate; ``--bandwidth`` and ``--gemm-rate``,
+the measured defaults below). ``--profile`` adds a ``torch.profiler`` table of one engine step per cell:
+
+    python -m bench.bench_decode --model smollm2 --dtype fp32 --batches 16 64 --new-tokens 48 --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -48,12 +62,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_engine(actor, new_tokens: int, batch_size: int, graph: bool | str = "auto") -> RolloutEngine:
+def make_engine(
+    actor, new_tokens: int, batch_size: int, graph: bool | str = "auto", packed: bool | str = "auto"
+) -> RolloutEngine:
     """The engine as a PPO loop holds it: built once, then stepped (its construction is not timed)."""
     return RolloutEngine(
         actor=actor,
         reward=lambda prompt, response: 0.0,
-        config=EngineConfig(batch_size=batch_size, mode="sequential", max_model_len=1024, graph=graph),
+        config=EngineConfig(
+            batch_size=batch_size, mode="sequential", max_model_len=1024, graph=graph, packed_weights=packed
+        ),
         sampling=SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True),
     )
 
@@ -238,9 +256,142 @@ def decode_table(
     return table
 
 
+# This machine's roofline, measured with 2 threads (issue 35): read bandwidth, and the GEMM rate per dtype.
+BANDWIDTH = 44e9  # bytes/s
+GEMM_RATE = {torch.float32: 221e9, torch.bfloat16: 920e9}  # FLOP/s
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def roofline(actor, batch: int) -> dict[str, float]:
+    """One decode step's floor in seconds: every linear layer's weights (the LM head's included) read once
+    (``bytes_s``), and their ``2 * B * params`` FLOPs at the measured GEMM rate (``gemm_s``)."""
+    linears = [m for m in actor.modules() if isinstance(m, torch.nn.Linear)]
+    params = sum(m.weight.numel() for m in linears)
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    dtype = actor.dtype
+    return {"bytes_s": nbytes / BANDWIDTH, "gemm_s": 2 * batch * params / GEMM_RATE[dtype]}
+
+
+# Where a step's CPU time goes, by op name (self time): the first category whose pattern is in the name.
+PROFILE_GROUPS = (
+    ("GEMM (mm/addmm/linear)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn")),
+    ("paged attention", ("oppo::paged_attention",)),
+    ("cache writes", ("oppo::reshape_and_cache",)),
+    ("sampler", ("oppo::sample",)),
+    ("norms/RoPE/act (elementwise)", ("aten::mul", "aten::add", "aten::pow", "aten::mean", "aten::rsqrt",
+                                      "aten::neg", "aten::cat", "aten::silu", "aten::sigmoid", "aten::sub")),
+    ("copies/casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::contiguous", "aten::clone")),
+    ("embedding/index", ("aten::embedding", "aten::index", "aten::gather", "aten::slice", "aten::select")),
+)  # fmt: skip
+
+
+def profile_step(engine: RolloutEngine, prompts: list[list[int]], top: int = 18) -> dict[str, float]:
+    """``torch.profiler`` over one engine step: the top ops by self CPU time, and the grouped shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_prompts(prompts)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top))
+    total_us = sum(e.self_cpu_time_total for e in events)
+    groups = {name: 0.0 for name, _ in PROFILE_GROUPS} | {"other ops": 0.0}
+    for e in events:
+        name = next((g for g, pats in PROFILE_GROUPS if any(e.key.startswith(p) for p in pats)), "other ops")
+        groups[name] += e.self_cpu_time_total
+    print(f"profiled step {wall:.3f} s (ops' self time {total_us / 1e6:.3f} s)")
+    for name, us in groups.items():
+        print(f"  {name:<30} {us / 1e3:9.1f} ms  {100 * us / total_us:5.1f}%")
+    return {name: us / 1e6 for name, us in groups.items()}
+
+
+def bench_smollm2(
+    dtype: torch.dtype,
+    batches: Sequence[int],
+    *,
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    profile: bool,
+) -> dict[int, dict[str, float]]:
+    """The engine (eager; with packed weights, "engine", and without, "unpacked") against HF ``generate`` on
+    SmolLM2-135M-Instruct at each batch size, the three alternating: tok/s from the fastest of ``repeats``
+    rounds, the step time beside the roofline."""
+    from oppo_engine.pretrained import load_pretrained
+
+    actor, _ = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    vocab = actor.config.vocab_size
+    results: dict[int, dict[str, float]] = {}
+    for batch in batches:
+        prompts = [torch.randint(16, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+        engines = {
+            "engine": make_engine(actor, new_tokens, batch, graph=False, packed=True),
+            "unpacked": make_engine(actor, new_tokens, batch, graph=False, packed=False),
+        }
+        for engine in engines.values():
+            run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
+        run_hf(actor, prompts[:2], 4)
+        times: dict[str, list[float]] = {name: [] for name in (*engines, "hf")}
+        cpu: dict[str, list[float]] = {name: [] for name in times}
+        loads = []
+        for _ in range(repeats):
+            for name in times:
+                c0 = time.process_time()
+                if name == "hf":
+                    elapsed, tokens = run_hf(actor, prompts, new_tokens)
+                else:
+                    elapsed, tokens = run_engine(engines[name], prompts)
+                cpu[name].append(time.process_time() - c0)
+                assert tokens == batch * new_tokens, (name, tokens)
+                times[name].append(elapsed)
+            loads.append(os.getloadavg()[0])
+        best = {name: min(ts) for name, ts in times.items()}
+        best_cpu = {name: min(ts) for name, ts in cpu.items()}
+        roof = roofline(actor, batch)
+        step_ms = 1e3 * best["engine"] / new_tokens  # prefill included, spread over the tokens
+        r = {f"{name}_tok_s": batch * new_tokens / t for name, t in best.items()}
+        r |= {f"{name}_cpu_ms": 1e3 * t / new_tokens for name, t in best_cpu.items()}
+        r |= {
+            "step_ms": step_ms,
+            "bytes_ms": 1e3 * roof["bytes_s"],
+            "gemm_ms": 1e3 * roof["gemm_s"],
+            "load": max(loads),
+            "ratio": r["engine_tok_s"] / r["hf_tok_s"],
+            "cpu_ratio": best_cpu["hf"] / best_cpu["engine"],
+        }
+        print(
+            f"smollm2 {str(dtype).removeprefix('torch.')} B={batch} prompt={prompt_len} new={new_tokens} "
+            f"threads={torch.get_num_threads()} load={min(loads):.1f}-{max(loads):.1f}, min of {repeats}:"
+        )
+        for name in times:
+            print(
+                f"  {name:>8}: {r[f'{name}_tok_s']:8.1f} tok/s, "
+                f"{1e3 * best[name] / new_tokens:6.1f} ms/token wall, {r[f'{name}_cpu_ms']:6.1f} ms/token CPU"
+            )
+        print(
+            f"  engine/HF {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x CPU time; unpacked/HF "
+            f"{r['unpacked_tok_s'] / r['hf_tok_s']:.2f}x wall, "
+            f"{best_cpu['hf'] / best_cpu['unpacked']:.2f}x CPU; "
+            f"roofline: weights {r['bytes_ms']:.1f} ms, GEMM {r['gemm_ms']:.1f} ms a step; engine step "
+            f"{step_ms:.1f} ms = {step_ms / r['gemm_ms']:.2f}x GEMM"
+        )
+        if profile:
+            r |= {f"profile:{k}": v for k, v in profile_step(engines["engine"], prompts).items()}
+        for engine in engines.values():
+            engine.close()
+        results[batch] = r
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--model", choices=["smollm2"], default=None, help="a bundled pretrained model")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="--model's dtype")
+    p.add_argument("--profile", action="store_true", help="--model: torch.profiler over one engine step")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -259,7 +410,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "--table", action="store_true", help="eager / graph / HF at B = 1, 16, 64, 256, two models"
     )
     p.add_argument(
-        "--batches", type=int, nargs="+", default=list(TABLE_BATCHES), help="--table's batch sizes"
+        "--batches", type=int, nargs="+", default=list(TABLE_BATCHES), help="--table's, --model's batch sizes"
     )
     args = p.parse_args(argv)
     if args.threads is not None:
@@ -267,6 +418,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     device = torch.device(args.device)
     if args.host:
         return {f"host_us_b{b}": bench_host(b, args.new_tokens) for b in (16, 64, 256)}
+    if args.model == "smollm2":
+        bench_smollm2(
+            DTYPES[args.dtype],
+            args.batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            repeats=args.repeats,
+            profile=args.profile,
+        )
+        return {}
     if args.table:
         decode_table(
             device,

@@ -113,10 +113,14 @@ class EngineConfig:
     ``max_num_batched_tokens`` bounds the tokens of one forward (chunked prefill). ``attention_backend`` is
     ``"triton"`` or ``"flash_attn"`` (CUDA only). ``graph`` runs the actor's decode-only forwards through
     captured graphs (CUDA graphs per batch-size bucket on CUDA, ``torch.compile`` on the CPU): ``True``,
-    ``False``, or ``"auto"`` (fixed per device type: on for CUDA, off for the CPU). ``rollout_dtype`` is
-    the dtype of the rollout replicas of a sharded (FSDP2) or meta-device actor/critic (``None``: the
-    dtype their weights are stored in; bf16 replicas of fp32 trainer weights are common); an unsharded
-    actor/critic stored in another dtype gets a replica in it too, refreshed by ``update_policy()``.
+    ``False``, or ``"auto"`` (fixed per device type: on for CUDA, off for the CPU). ``packed_weights``
+    multiplies by the actor's ``nn.Linear`` weights packed once into oneDNN's layout rather than repacked
+    at every call (CPU, fp32 and bf16; one more copy of those weights, refreshed when they change:
+    ``oppo_engine/model/packed.py``): ``True``, ``False``, or ``"auto"`` (on for the CPU).
+    ``rollout_dtype`` is the dtype of the rollout replicas of a sharded (FSDP2) or meta-device
+    actor/critic (``None``: the dtype their weights are stored in; bf16 replicas of fp32 trainer weights
+    are common); an unsharded actor/critic stored in another dtype gets a replica in it too, refreshed by
+    ``update_policy()``.
     ``env_workers`` is the number of worker threads that run environment calls off the actor lane
     (``None``: one per sequence in flight, B + Δ_max); an async ``step`` runs on one event loop instead.
     ``env_timeout_s`` (``None``: no limit) ends a sequence whose environment call runs longer with
@@ -138,6 +142,7 @@ class EngineConfig:
     max_deferrals: int = 4
     max_policy_lag: int | None = 2
     graph: bool | str = "auto"
+    packed_weights: bool | str = "auto"
     rollout_dtype: torch.dtype | None = None
     env_workers: int | None = None
     env_timeout_s: float | None = None
@@ -196,6 +201,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.env_timeout_s must be a number > 0 or None, got {timeout!r}")
         if self.graph not in ("auto", True, False):
             raise ValueError(f"EngineConfig.graph must be 'auto', True or False, got {self.graph!r}")
+        if self.packed_weights not in ("auto", True, False):
+            raise ValueError(
+                f"EngineConfig.packed_weights must be 'auto', True or False, got {self.packed_weights!r}"
+            )
         if self.chunk != ChunkControl() and self.chunk_size != "auto":
             raise ValueError(
                 f"EngineConfig.chunk is ignored with chunk_size={self.chunk_size!r}: the search runs only "

@@ -223,6 +223,37 @@ def attention_backend_unavailable(backend: str, page_size: int, device: torch.de
     return f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}"
 
 
+def packed_linear_supported(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (an ``nn.Linear``'s) can be packed for :func:`packed_linear`: a 2-D CPU tensor,
+    bf16 (where oneDNN has bf16) or fp32 while torch's fp32 matmuls run at full precision (a reduced
+    ``float32_matmul_precision`` would let oneDNN use bf16 products)."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.layout != torch.strided:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.dtype == torch.float32:
+        precision = getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none")
+        return torch.get_float32_matmul_precision() == "highest" and precision in ("none", "ieee")
+    return False
+
+
+def pack_linear_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """``weight [N, K]`` in oneDNN's blocked layout, for :func:`packed_linear` (a copy; ``batch_hint``: the
+    usual number of input rows, which picks the layout; any number works)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight packed by :func:`pack_linear_weight` (no autograd)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(
+        x, packed, None if bias is None else bias.detach(), "none", [], ""
+    )
+
+
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

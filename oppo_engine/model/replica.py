@@ -36,6 +36,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from oppo_engine.model import packed
+
 # What a replica is fed by: the trainer's FSDP2 model (gathered), update_policy(weights=...), or the
 # trainer's unsharded model, cast (copied).
 GATHERED, FED, COPIED = "gathered", "fed", "copied"
@@ -389,6 +391,7 @@ class RolloutReplicas:
         rollout_dtype: torch.dtype | None,
     ) -> None:
         # NOTE: an unsharded model already stored in rollout_dtype is shared (zero-copy), as without it.
+        self.trained = dict(trained)
         wanted = {role: m for role, m in trained.items() if needs_replica(m, rollout_dtype)}
         device = rollout_device([*trained.values(), *others]) if wanted else None
         self.by_role: dict[str, RolloutReplica] = {
@@ -453,6 +456,13 @@ class RolloutReplicas:
                 r.gather()
             else:
                 r.ready = False  # released: restore() (resume()) gathers it
+        self._drop_packs()
+
+    def _drop_packs(self) -> None:
+        """Free the packed weights of the models run for the trained roles (model/packed.py): they are
+        packed again from the new weights at their next forward."""
+        for role, model in self.trained.items():
+            packed.drop(self.runs(role, model))
 
     def _validate(self, weights: Mapping[str, object]) -> dict[str, dict[str, torch.Tensor]]:
         """``update``'s checks, and each given role's weights validated (``RolloutReplica.validate``)."""
@@ -499,9 +509,10 @@ class RolloutReplicas:
         return None if rank < 0 else rank
 
     def release(self) -> None:
-        """Free every replica's storage."""
+        """Free every replica's storage, and the packed weights of the trained models."""
         for r in self.by_role.values():
             r.release()
+        self._drop_packs()
 
     def restore(self) -> None:
         """Give the replicas their storage back; the FSDP2 ones are gathered again (collective), the copied

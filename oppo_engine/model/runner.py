@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import operator
@@ -17,6 +18,7 @@ from oppo_engine.cache.arena import KVSpec
 from oppo_engine.cache.manager import KVCacheManager
 from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_enabled
 from oppo_engine.model.graph import CapturedDecode
+from oppo_engine.model.packed import PackedLinears
 from oppo_engine.model.support import text_config
 
 
@@ -66,6 +68,8 @@ class ModelRunner:
         self.num_q_heads = text_config(model).num_attention_heads
         # Decode-only forwards through captured graphs (the actor's, when EngineConfig.graph is on).
         self.captured: CapturedDecode | None = None
+        # The weights packed for the CPU's GEMMs (the actor's, when EngineConfig.packed_weights is on).
+        self.packed: PackedLinears | None = None
         _check_cache(model, cache)
         with paged_attention_enabled(model):  # validates the switch now rather than at the first forward
             pass
@@ -157,7 +161,7 @@ class ModelRunner:
 
     def _base_forward(self, batch: _Batch) -> torch.Tensor:
         """One base-model forward; the hidden states ``[T, hidden]``."""
-        with paged_attention_enabled(self.model), bound_metadata(batch.meta):
+        with paged_attention_enabled(self.model), bound_metadata(batch.meta), self._packed():
             out = self.base(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False)
         return out.last_hidden_state[0]
 
@@ -167,7 +171,7 @@ class ModelRunner:
             raise ValueError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
         keep = rows if rows is not None and self.keeps_logits else 0
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
-        with paged_attention_enabled(self.model), bound_metadata(batch.meta):
+        with paged_attention_enabled(self.model), bound_metadata(batch.meta), self._packed():
             out = self.model(
                 input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs
             )
@@ -175,6 +179,10 @@ class ModelRunner:
         if rows is not None and not self.keeps_logits:
             logits = logits.index_select(0, rows)
         return logits.float() if float32 else logits
+
+    def _packed(self) -> contextlib.AbstractContextManager:
+        """The packed weights swapped in for one forward, where the runner has them."""
+        return self.packed.applied() if self.packed is not None else contextlib.nullcontext()
 
     def _prepare(self, chunks: Sequence[SeqChunk], extra: np.ndarray | None = None) -> _Batch:
         """Index tensors of one forward, built on the host and moved in two copies (int64, int32), no sync;

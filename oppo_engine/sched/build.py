@@ -17,6 +17,8 @@ from oppo_engine.config import EngineConfig
 from oppo_engine.env.pool import EnvPool
 from oppo_engine.model.actor import ActorWorker
 from oppo_engine.model.graph import CapturedDecode, graph_enabled
+from oppo_engine.model.packed import for_model as packed_for_model
+from oppo_engine.model.packed import packed_enabled
 from oppo_engine.model.roles import ACTOR, CRITIC, REFERENCE, REWARD
 from oppo_engine.model.runner import ModelRunner
 from oppo_engine.model.scorer import (
@@ -93,6 +95,8 @@ def build_step_loop(
     actor_lane = DeviceLane(device, ACTOR_PRIORITY)
     actor_lane.attach(actor_cache)
     actor_runner = ModelRunner(models[ACTOR], actor_cache, backend=backend)
+    if packed_enabled(config.packed_weights, device):  # the CPU's packed GEMM weights (model/packed.py)
+        actor_runner.packed = packed_for_model(models[ACTOR], max_in_flight)
     captured = None
     if graph_enabled(config.graph, device):  # captured decode (model/graph.py)
         actor_runner.captured = captured = CapturedDecode(

@@ -1,0 +1,186 @@
+"""Packed linear weights (``EngineConfig.packed_weights``, model/packed.py): the actor's rollouts with packed
+weights are those without (bf16 bitwise per product, fp32 to rounding), the packs follow every change of
+the weights, and nothing of them is left on the model outside the engine's forwards."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_models import make_actor, random_prompts
+
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
+from oppo_engine.model import packed
+
+pytestmark = pytest.mark.skipif(
+    not ops.packed_linear_supported(torch.zeros(2, 2)), reason="no oneDNN fp32 linear on this build"
+)
+
+ATOL = 1e-5  # fp32: the same products summed in oneDNN's order, not MKL's (~1e-6 measured)
+
+
+def make_engine(actor, packed_weights, *, batch_size=4, temperature=0.0) -> RolloutEngine:
+    cfg = dict(batch_size=batch_size, mode="sequential", max_model_len=64, packed_weights=packed_weights)
+    return RolloutEngine(
+        actor, lambda prompt, response: float(len(response)), config=EngineConfig(**cfg),
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=12, ignore_eos=True, seed=3),
+    )  # fmt: skip
+
+
+def rollouts(engine: RolloutEngine, prompts) -> list:
+    engine.add_prompts(prompts)
+    out = []
+    while result := engine.step().rollouts:
+        out.extend(result)
+    return sorted(out, key=lambda r: r.group_id)
+
+
+def assert_same(a: list, b: list, atol: float = ATOL) -> None:
+    assert [r.response_ids for r in a] == [r.response_ids for r in b]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol, rtol=0)
+
+
+def no_forward_left(model: torch.nn.Module) -> bool:
+    return all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
+def test_packed_linear_is_f_linear(dtype, rows):
+    """Any number of rows against a pack made for 16, with and without a bias: bf16 bitwise on a contiguous
+    input (what the model passes), fp32 and a non-contiguous input to rounding."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(1, rows, 64, generator=g).to(dtype)
+    strided = torch.randn(64, 2, rows, generator=g).to(dtype).transpose(0, 2)  # [rows, 2, 64]
+    p = ops.pack_linear_weight(w, 16)
+    for bias in (None, b):
+        got, want = ops.packed_linear(x, p, bias), F.linear(x, w, bias)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ops.packed_linear(strided, p, bias), F.linear(strided, w, bias), **tol)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_packed_rollouts_equal_unpacked_and_leave_the_model_as_it_was(temperature):
+    actor = make_actor()
+    prompts = random_prompts(6, seed=1)
+    engines = {p: make_engine(actor, p, temperature=temperature) for p in (True, False)}
+    got = {p: rollouts(e, prompts) for p, e in engines.items()}
+    assert_same(got[True], got[False])
+    runner = engines[True]._loop.actor.runner
+    assert runner.packed is not None and runner.packed.nbytes > 0  # it did run packed
+    assert engines[False]._loop.actor.runner.packed is None
+    assert no_forward_left(actor)
+    # The trainer's forward and backward are the module's own.
+    actor.train()
+    loss = actor(torch.tensor([prompts[0]])).logits.sum()
+    loss.backward()
+    assert all(p.grad is not None for p in actor.parameters() if p.requires_grad)
+    for e in engines.values():
+        e.close()
+
+
+def test_packs_follow_in_place_updates_replaced_weights_and_update_policy():
+    """An optimizer-like in-place update, a parameter replaced by a new tensor, and a write through ``.data``
+    (which bumps no version counter) followed by ``update_policy()``: each time the packed engine's rollouts
+    are the unpacked engine's on the new weights, and differ from the old ones."""
+    actor = make_actor()
+    prompts = random_prompts(4, seed=2)
+    engines = {p: make_engine(actor, p) for p in (True, False)}
+
+    def both():
+        got = {p: rollouts(e, prompts) for p, e in engines.items()}
+        assert_same(got[True], got[False])
+        return got[True]
+
+    before = both()
+    packs = engines[True]._loop.actor.runner.packed
+    repacks = packs.repacks
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.mul_(1.5)  # an optimizer step writes in place: the version counter moves
+    after_inplace = both()
+    assert [r.logprobs for r in after_inplace] != [r.logprobs for r in before]
+    assert packs.repacks > repacks
+    layer = next(m for m in actor.modules() if isinstance(m, torch.nn.Linear))
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * 2)  # replaced, not written
+    after_replace = both()
+    assert [r.logprobs for r in after_replace] != [r.logprobs for r in after_inplace]
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.data.copy_(p.data * 0.5)  # no version bump: only update_policy() tells the engine
+    for e in engines.values():
+        e.update_policy()
+    after_data = both()
+    assert [r.logprobs for r in after_data] != [r.logprobs for r in after_replace]
+    for e in engines.values():
+        e.close()
+
+
+def test_release_memory_with_weights_frees_the_packs_and_the_next_step_packs_again():
+    actor = make_actor()
+    engine = make_engine(actor, True)
+    prompts = random_prompts(4, seed=3)
+    first = rollouts(engine, prompts)
+    packs = engine._loop.actor.runner.packed
+    assert packs.nbytes > 0
+    engine.release_memory(weights=True)
+    assert packs.nbytes == 0
+    engine.resume()
+    assert_same(rollouts(engine, prompts), first, atol=0)
+    engine.close()
+
+
+def test_another_thread_running_the_model_meanwhile_gets_the_modules_own_forward():
+    """The packed forward is the runner's thread's only: a forward of the same model on another thread while
+    it is swapped in runs the module's own product (bitwise F.linear)."""
+    actor = make_actor()
+    linear = next(m for m in actor.modules() if type(m) is torch.nn.Linear)
+    packs = packed.PackedLinears(actor, 4)
+    x = torch.randn(3, linear.in_features)
+    seen = {}
+    with torch.inference_mode(), packs.applied():
+        assert "forward" in linear.__dict__
+        t = threading.Thread(target=lambda: seen.update(other=linear(x)))
+        t.start()
+        t.join()
+    assert torch.equal(seen["other"], F.linear(x, linear.weight, linear.bias))
+    assert no_forward_left(actor)
+
+
+def test_setting_is_checked_and_auto_is_on_for_the_cpu_only():
+    with pytest.raises(ValueError, match="packed_weights"):
+        EngineConfig(packed_weights="yes")
+    assert packed.packed_enabled("auto", torch.device("cpu"))
+    assert not packed.packed_enabled("auto", torch.device("cuda"))
+    assert not packed.packed_enabled(False, torch.device("cpu"))
+    # A weight oneDNN cannot pack exactly is left to F.linear: fp16, and fp32 under reduced precision.
+    assert not ops.packed_linear_supported(torch.zeros(2, 2, dtype=torch.float16))
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert not ops.packed_linear_supported(torch.zeros(2, 2))
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def test_weights_made_under_inference_mode_are_left_to_f_linear():
+    """An inference tensor has no version counter, so a pack of it could not be told stale: not packed, and
+    the engine's rollouts are the unpacked engine's."""
+    with torch.inference_mode():
+        actor = make_actor()
+    prompts = random_prompts(3, seed=4)
+    engines = {p: make_engine(actor, p) for p in (True, False)}
+    got = {p: rollouts(e, prompts) for p, e in engines.items()}
+    assert_same(got[True], got[False], atol=0)
+    assert engines[True]._loop.actor.runner.packed.nbytes == 0
+    for e in engines.values():
+        e.close()
