@@ -273,9 +273,9 @@ def _run_group(group: list[ModeRun], opts: DemoOptions, actor_path, reward_path,
 
 
 def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
-    s0 = time.perf_counter()
+    s0, c0 = time.perf_counter(), time.process_time()
     stats = trainer.step()
-    step_s = time.perf_counter() - s0
+    step_s, cpu_s = time.perf_counter() - s0, time.process_time() - c0
     m = stats.rollout.metrics
     run.records.append(
         StepRecord(
@@ -295,6 +295,7 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             response_len=stats.response_len,
             env_calls=m.env_calls,
             exposed_env_s=m.env_wait_s,
+            cpu_s=cpu_s,
             **_rule_scores(trainer, stats.rollout.rollouts),
             **agreement_fields(stats.agreement),
         )
