@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 
-import torch
+# OpenMP threads that finish their share of a parallel region first spin at its barrier rather than sleep
+# (libgomp's default). On a machine busier than its cores the spinning threads take the cores the working
+# ones wait for: measured on 2 shared cores at a load of 6-8, SmolLM2's first PPO step (B=4, 32 new tokens)
+# took 226 s spinning and 35 s sleeping, the second 191 s and 42 s (docs/ppo.md, "The first step"). The
+# OpenMP runtime reads the policy once, when torch loads it: set here, before torch is imported; a value in
+# the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 
 def _bench_module():

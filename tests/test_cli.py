@@ -67,3 +67,23 @@ def test_every_help_shows_its_program_name_and_defaults(capsys, args, prog, defa
     for text in defaults:
         assert text in " ".join(out.split()), text  # argparse wraps lines
     assert "python -m bench" not in out
+
+
+def _wait_policy(env: dict[str, str]) -> list[str]:
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; assert 'torch' not in sys.modules; import oppo_engine.cli; "
+        "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return done.stdout.split()
+
+
+def test_the_cli_makes_openmp_threads_sleep_at_barriers_before_torch_loads_unless_told_otherwise():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    assert _wait_policy(env) == ["PASSIVE", "True"]  # set, and torch (its OpenMP runtime) loaded after
+    assert _wait_policy(env | {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", "True"]  # the user's choice wins

@@ -8,6 +8,7 @@ page leaked, and the result equals a fault-free run.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -113,6 +114,8 @@ def test_metrics_show_the_handoffs_and_both_lanes(models):
     assert m.handoffs >= 4 * 2  # every prompt, then at least its final chunk
     assert {"actor", "reward", "reference", "critic"} <= set(m.lane_busy)
     assert 0.0 <= m.exposed_scoring_s <= m.wall_s
+    # The process's CPU seconds over the step: some, and no more than every core busy for the whole step.
+    assert 0.0 < m.cpu_s <= os.cpu_count() * m.wall_s + 0.05
     assert engine.step().rollouts == []
 
 

@@ -30,6 +30,7 @@ CONTRACT_FIELDS = [
     "env_calls",
     "env_wait_s",
     "env_latency_s",
+    "cpu_s",
 ]
 
 

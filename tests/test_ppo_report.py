@@ -155,3 +155,17 @@ def test_agreement_fields_flatten_the_step_gap_and_map_empty_classes_to_none():
         "agreement_stale_mean_abs": None,
     }
     assert set(agreement_fields(None).values()) == {None}
+
+
+def test_the_first_step_is_shown_against_the_later_steps_with_the_cpu_it_got():
+    run = mode_run("sequential", [0.1] * 4, [30.0, 10.0, 12.0, 11.0])
+    for rec, cpu in zip(run.records, [15.0, 19.0, 24.0, 22.0], strict=True):
+        rec.cpu_s = cpu  # the process's CPU seconds of the step
+    table = format_table([run])
+    row = next(line for line in table.splitlines() if line.startswith("first step s (x later median)"))
+    assert "30.0 (2.7x)" in row  # 30 over the median of 10, 12 and 11
+    row = next(line for line in table.splitlines() if line.startswith("CPU/wall: first step, later"))
+    assert "0.50, 2.00" in row  # 15/30; the median of 1.9, 2.0, 2.0
+    assert records_json([run])["sequential"]["records"][0]["cpu_s"] == 15.0
+    unmeasured = format_table([mode_run("sequential", [0.1] * 4, 1.0)])
+    assert "CPU/wall: first step, later" in unmeasured and "| -" in unmeasured

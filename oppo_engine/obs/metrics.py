@@ -56,6 +56,12 @@ class StepMetrics:
             the tool time the overlap failed to hide.
         env_latency_s: ``p50``, ``p90``, ``p99`` and ``max`` seconds of those calls (from a worker taking the
             call to its answer); empty when there were none.
+        cpu_s: CPU seconds the whole process used during the step (``time.process_time``: every thread,
+            the scorer lane's and any other work of the process included). Beside ``wall_s`` and the torch
+            threads it shows where a slow step's time went on a CPU: ``cpu_s`` well below
+            ``threads * wall_s`` is a step that waited for cores (a loaded machine), ``cpu_s`` near it with a
+            long ``wall_s`` is threads spinning at OpenMP barriers rather than computing (docs/ppo.md,
+            "The first step"). ``None`` where it was not measured.
     """
 
     wall_s: float
@@ -84,6 +90,7 @@ class StepMetrics:
     env_calls: int = 0
     env_wait_s: float = 0.0
     env_latency_s: dict[str, float] = field(default_factory=dict)
+    cpu_s: float | None = None
 
 
 def format_step_summary(step_index: int, m: StepMetrics) -> str:

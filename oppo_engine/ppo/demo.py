@@ -17,12 +17,14 @@ another mode's steps between its own would hand it free tool time.
 (``ppo/math_task.py``): no reward model (``--reward`` is refused), the critic a value head on the actor's
 backbone, the reference a frozen copy. Each step records the batch's accuracy (right final number), the
 unparsed answers and the share cut off; greedy held-out accuracy is measured before the run and after
-each mode's (``heldout`` problems, outside the timed steps).
+each mode's (``heldout`` problems, outside the timed steps). Its modes run one after the other, as the tools
+task's do, so that only one mode's models are in memory at a time (``run_modes``).
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -206,57 +208,74 @@ def _heldout(model, tokenizer, opts: DemoOptions, label: str, log) -> float:
     return acc
 
 
+ONE_MODE_AT_A_TIME = ("tools", "math")  # tasks whose modes run one after the other (run_modes)
+
+
 def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print) -> list[ModeRun]:
     """``opts.steps`` PPO steps per mode, the modes interleaved step by step (whatever else loads the
     machine then slows every mode alike), their order rotated each round (no mode always runs right after
-    another, which would bias the ratios by its position); one step's lane trace per mode."""
-    runs, trainers = [], {}
-    for mode in opts.modes:
-        runs.append(ModeRun(mode))
-        try:
-            trainers[mode] = make_trainer(mode, opts, actor_path, reward_path)
-        except NotImplementedError as e:
-            runs[-1].unavailable = str(e)
-            log(f"{mode}: unavailable ({e})")
+    another, which would bias the ratios by its position); one step's lane trace per mode.
+
+    ``--task tools`` and ``--task math`` run their modes one after the other instead
+    (``ONE_MODE_AT_A_TIME``): a tools mode's calls go on in the background (the module docstring), and a
+    real model's trainer holds gigabytes (SmolLM2 in fp32: actor, critic, reference and AdamW states), so
+    each mode's trainer is built when the mode starts and freed -- its engine closed, its models dropped --
+    when it ends, after its samples and held-out evaluation: one mode's models in memory at a time."""
+    runs = [ModeRun(mode) for mode in opts.modes]
     trace_step = opts.trace_step or max(1, opts.steps // 2)
-    heldout = opts.task == "math" and opts.heldout > 0 and trainers
-    if heldout:  # every mode starts from the same weights: evaluated once, outside the timed steps
-        first = next(iter(trainers.values()))
-        initial = _heldout(first.actor, first.tokenizer, opts, "before training", log)
+    if opts.task == "math" and opts.heldout > 0:  # every mode starts from these weights: evaluated once
+        actor, _, tokenizer = _pretrained(str(actor_path), opts.seed)
+        initial = _heldout(actor, tokenizer, opts, "before training", log)
         for run in runs:
             run.eval_accuracy_initial = initial
-    bar = tqdm(total=opts.steps * len(trainers), desc="PPO steps", unit="step")
-    last = {}
-    if opts.task == "tools":  # one mode after the other (module docstring)
-        rounds = [run for run in runs for _ in range(opts.steps)]
-    else:
-        rounds = [run for i in range(opts.steps) for run in runs[i % len(runs) :] + runs[: i % len(runs)]]
+    groups = [[run] for run in runs] if opts.task in ONE_MODE_AT_A_TIME else [runs]
+    bar = tqdm(total=opts.steps * len(runs), desc="PPO steps", unit="step")
     try:
-        for run in rounds:
-            if run.mode in trainers:
-                last[run.mode] = _one_step(trainers[run.mode], run, opts.out, trace_step)
-                bar.update()
-            bar.set_postfix({r.mode: f"{r.records[-1].reward:+.2f}" for r in runs if r.records})
+        for group in groups:
+            _run_group(group, opts, actor_path, reward_path, trace_step, bar, log)
     finally:
         bar.close()
-        for trainer in trainers.values():
-            trainer.close()
-    for mode, stats in last.items():
-        _show_samples(mode, trainers[mode], stats, log)
-    if heldout:
-        for run in runs:
-            if run.mode in trainers:
-                trainer = trainers[run.mode]
-                run.eval_accuracy_final = _heldout(
-                    trainer.actor, trainer.tokenizer, opts, f"after {run.mode}", log
-                )
     return runs
 
 
+def _run_group(group: list[ModeRun], opts: DemoOptions, actor_path, reward_path, trace_step, bar, log):
+    """The modes of ``group`` interleaved (``run_modes``), then their samples and held-out accuracy; their
+    trainers are closed and dropped on the way out, whatever happens."""
+    trainers: dict[str, PPOTrainer] = {}
+    try:
+        for run in group:
+            try:
+                trainers[run.mode] = make_trainer(run.mode, opts, actor_path, reward_path)
+            except NotImplementedError as e:
+                run.unavailable = str(e)
+                bar.total -= opts.steps
+                bar.refresh()
+                log(f"{run.mode}: unavailable ({e})")
+        ready = [run for run in group if run.mode in trainers]
+        last = {}
+        for i in range(opts.steps):
+            for run in ready[i % len(ready) :] + ready[: i % len(ready)]:
+                last[run.mode] = _one_step(trainers[run.mode], run, opts.out, trace_step)
+                bar.update()
+                bar.set_postfix({run.mode: f"{run.records[-1].reward:+.2f}"})
+        for run in ready:
+            trainer = trainers[run.mode]
+            _show_samples(run.mode, trainer, last[run.mode], log)
+            if opts.task == "math" and opts.heldout > 0:
+                run.eval_accuracy_final = _heldout(
+                    trainer.actor, trainer.tokenizer, opts, f"after {run.mode}", log
+                )
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+        trainers.clear()
+        gc.collect()  # the engine's threads and the trainer's closures form cycles: free their tensors now
+
+
 def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
-    s0 = time.perf_counter()
+    s0, c0 = time.perf_counter(), time.process_time()
     stats = trainer.step()
-    step_s = time.perf_counter() - s0
+    step_s, cpu_s = time.perf_counter() - s0, time.process_time() - c0
     m = stats.rollout.metrics
     run.records.append(
         StepRecord(
@@ -276,6 +295,7 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             response_len=stats.response_len,
             env_calls=m.env_calls,
             exposed_env_s=m.env_wait_s,
+            cpu_s=cpu_s,
             **_rule_scores(trainer, stats.rollout.rollouts),
             **agreement_fields(stats.agreement),
         )

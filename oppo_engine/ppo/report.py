@@ -17,7 +17,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 TRAILING = 5  # steps in the trailing mean of the reward
 THRESHOLD_FRACTION = 0.9
@@ -52,6 +52,9 @@ class StepRecord:
     agreement_max_abs: float | None = None
     agreement_k3: float | None = None
     agreement_stale_mean_abs: float | None = None
+    # The process's CPU seconds over the whole PPO step (time.process_time; every thread): beside step_s and
+    # the torch threads, whether a slow step waited for cores or spun (StepMetrics.cpu_s is the engine's part)
+    cpu_s: float | None = None
 
 
 def agreement_fields(agreement: dict | None) -> dict[str, float | None]:
@@ -219,6 +222,24 @@ def _ratio(base: float | None, value: float | None) -> str:
     return f"{base / value:.2f}x" if base is not None and value else "-"
 
 
+def _first_step(recs: list[StepRecord]) -> str:
+    """The first step's time, and its ratio to the later steps' median: the process's one-time costs
+    (docs/ppo.md, "The first step")."""
+    if len(recs) < 2:
+        return f"{recs[0].step_s:.1f}"
+    return f"{recs[0].step_s:.1f} ({recs[0].step_s / median(r.step_s for r in recs[1:]):.1f}x)"
+
+
+def _cpu_share(recs: list[StepRecord]) -> str:
+    """The process's CPU seconds over wall seconds, first step and later steps' median ("-": not
+    measured): below the torch threads, the step waited for cores."""
+    shares = [r.cpu_s / r.step_s if r.cpu_s is not None and r.step_s > 0 else None for r in recs]
+    if shares[0] is None:
+        return "-"
+    later = [x for x in shares[1:] if x is not None]
+    return f"{shares[0]:.2f}, {median(later):.2f}" if later else f"{shares[0]:.2f}"
+
+
 def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
     recs = run.records
     ttr, base_ttr = time_to_reward(run, threshold), time_to_reward(base, threshold)
@@ -230,6 +251,8 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
         f"  speed-up vs {base.mode}": _ratio(base_ttr, ttr),
         "  steps to reward": str(steps) if steps is not None else "-",
         "s/step (PPO step)": f"{run.s_per_step():.3f}",
+        "first step s (x later median)": _first_step(recs),
+        "CPU/wall: first step, later": _cpu_share(recs),
         f"  speed-up vs {base.mode} ": _ratio(base.s_per_step(), run.s_per_step()),
         "s/step (rollout)": f"{run.rollout_s_per_step():.3f}",
         f"  speed-up vs {base.mode}  ": _ratio(base.rollout_s_per_step(), run.rollout_s_per_step()),

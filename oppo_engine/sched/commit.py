@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class StepStart:
     chunk_size: int | str | None
     counters: StepCounters
     t0: float
+    cpu0: float  # the process's CPU seconds at the start (time.process_time)
     reused: dict[str, int]
     shared_before: dict[str, int]
     recomputed_before: dict[str, int]
@@ -96,6 +98,7 @@ class StepStart:
             chunk_size=chunk_size,
             counters=counters.copy(),
             t0=loop.clock(),
+            cpu0=time.process_time(),
             reused={name: sum(cache.num_tokens(s.seq_id) for s in seqs) for name, cache in caches.items()},
             shared_before={name: cache.shared_tokens for name, cache in caches.items()},
             recomputed_before=recomputed,
@@ -266,6 +269,7 @@ def commit_step(
     timeline, t0 = loop.timeline, start.t0
     metrics = StepMetrics(
         wall_s=t_end - t0,
+        cpu_s=time.process_time() - start.cpu0,
         generation_s=out.generation_end_s - t0,
         exposed_scoring_s=out.end_s - out.generation_end_s,
         tokens_generated=out.tokens_generated,
