@@ -7,7 +7,12 @@ Tests marked ``cuda`` are skipped where no CUDA device exists.
 import os
 import tempfile
 
-import torch
+# As the oppo-engine command does (cli.py): libgomp's threads sleep at a barrier instead of spinning, which
+# on a loaded machine took the cores the working threads waited for (docs/ppo.md, "The first step"). It is
+# read when torch loads its OpenMP runtime, so it is set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
