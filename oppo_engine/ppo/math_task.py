@@ -216,9 +216,11 @@ def heldout_accuracy(
 
     held = heldout_problems()[:limit]
     ids, reward = task_prompts(tokenizer, held)
+    # The arena is sized for what these prompts can reach, not the model's own context (8192 for SmolLM2).
     config = EngineConfig(
-        batch_size=min(batch_size, len(ids)), mode="sequential", rollout_dtype=rollout_dtype
-    )
+        batch_size=min(batch_size, len(ids)), mode="sequential", rollout_dtype=rollout_dtype,
+        max_model_len=max(len(p) for p in ids) + max_new_tokens,
+    )  # fmt: skip
     engine = RolloutEngine(
         model, reward, tokenizer=tokenizer, config=config,
         sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
