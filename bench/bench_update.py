@@ -8,7 +8,9 @@ Arms: ``padded`` (one padded forward per minibatch of random rows, ``group_by_le
 arm updates the same batch from the same weights and optimizer state (restored before each timed update,
 outside the timing), so their losses must agree to rounding, and that is printed. The arms are
 interleaved round by round and each figure is the minimum over the rounds, with ``os.getloadavg()``
-beside it. Peak memory: ``ru_maxrss`` of a fresh subprocess per arm that builds the same trainer and runs
+beside it; the process's CPU time (``time.process_time()``, all its threads) is reported beside the wall
+time, being less sensitive to other processes on a shared machine.
+Peak memory: ``ru_maxrss`` of a fresh subprocess per arm that builds the same trainer and runs
 one update (so it includes the models and the engine, the same for every arm).
 
 Workloads (B=64 rollouts, minibatches of 8, one epoch):
@@ -148,10 +150,11 @@ def _restore(trainer, state: dict) -> None:
 
 
 def timed_update(trainer, batch) -> dict:
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     stats = trainer._update(batch)
     return dict(
-        update_s=time.perf_counter() - t, agreement_s=stats["agreement_s"], policy_loss=stats["policy_loss"],
+        update_s=time.perf_counter() - t, cpu_s=time.process_time() - cpu, agreement_s=stats["agreement_s"],
+        policy_loss=stats["policy_loss"],
         value_loss=stats["value_loss"], grad_norm=stats["grad_norm"], load=os.getloadavg()[0],
     )  # fmt: skip
 
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cache", default=".cache/demo_task")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-arm memory subprocesses")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed update of each arm")
     parser.add_argument("--memory-arm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     state = _snapshot(trainer)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for arm in ARMS:  # warm-up, untimed
+    for arm in [] if args.no_warmup else ARMS:  # warm-up, untimed
         _configure(trainer, arm, budget)
         _restore(trainer, state)
         trainer._update(batch)
@@ -203,21 +207,26 @@ def main(argv: list[str] | None = None) -> dict:
             _configure(trainer, arm, budget)
             _restore(trainer, state)
             runs[arm].append(timed_update(trainer, batch))
+            last = runs[arm][-1]
             print(
-                f"  round {r}: {arm:8s} {runs[arm][-1]['update_s']:.3f} s (load {runs[arm][-1]['load']:.2f})"
+                f"  round {r}: {arm:8s} {last['update_s']:.3f} s, CPU {last['cpu_s']:.3f} s "
+                f"(load {last['load']:.2f})",
+                flush=True,
             )
     trainer.close()
     memory = {arm: math.nan if args.no_memory else memory_of(arm, args) for arm in ARMS}
     best = {arm: min(rs, key=lambda x: x["update_s"]) for arm, rs in runs.items()}
+    cpu = {arm: min(r["cpu_s"] for r in rs) for arm, rs in runs.items()}
     print(
-        f"| arm | update s (min of {args.rounds}) | load | agreement forward s | vs padded | peak RSS GiB |"
+        f"| arm | update s (min of {args.rounds}) | load | agreement forward s | vs padded "
+        "| process CPU s (min) | vs padded (CPU) | peak RSS GiB |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for arm, b in best.items():
         speed = best["padded"]["update_s"] / b["update_s"]
         print(
             f"| {arm} | {b['update_s']:.3f} | {b['load']:.2f} | {b['agreement_s']:.3f} | {speed:.2f}x | "
-            f"{memory[arm]:.2f} |"
+            f"{cpu[arm]:.3f} | {cpu['padded'] / cpu[arm]:.2f}x | {memory[arm]:.2f} |"
         )
     losses = {
         arm: (rs[0]["policy_loss"], rs[0]["value_loss"], rs[0]["grad_norm"]) for arm, rs in runs.items()

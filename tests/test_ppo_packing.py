@@ -17,7 +17,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
+from oppo_engine.ppo import PPOConfig, PPOTrainer, core, engine_config_for
 from oppo_engine.ppo.packing import pack_logprobs, pack_rows, plan_packs
 from oppo_engine.ppo.task import model_config, train_tokenizer
 
@@ -84,6 +84,34 @@ def test_changing_one_sequence_leaves_the_others_logits_in_the_pack_bitwise_equa
             expect = alone.gather(-1, rows[k, 1:n, None])[:, 0]
             torch.testing.assert_close(packed[k, : n - 1], expect, rtol=1e-5, atol=1e-6)
             assert (packed[k, n - 1 :] == 0).all()
+
+
+def test_kept_columns_equal_the_full_log_probs_and_gradients_and_the_rest_are_zero():
+    """``keep`` runs the LM head and log-softmax on the kept columns alone (``logits_to_keep``): their
+    log-probs and the gradients through them are the full computation's; every other column is 0. Packed
+    (temperature 0.7) and padded alike."""
+    _, actor, *_ = ppo_models()
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 4, 13]
+    rows = torch.randint(3, actor.config.vocab_size, (3, max(lengths)), generator=g)
+    keep = torch.rand(3, max(lengths) - 1, generator=g) < 0.6
+    keep &= torch.arange(max(lengths) - 1)[None] < torch.tensor(lengths)[:, None] - 1
+    weights = torch.randn(3, max(lengths) - 1, generator=g)
+
+    def run(kept):
+        actor.zero_grad()
+        out = pack_logprobs(actor, pack_rows(rows, lengths, kept), 0.7)
+        (out * weights * keep).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in actor.named_parameters()}
+
+    (full, full_grads), (kept, kept_grads) = run(None), run(keep)
+    torch.testing.assert_close(kept[keep], full[keep], rtol=1e-5, atol=1e-6)
+    assert (kept[~keep] == 0).all() and (full[~keep] != 0).any()
+    for name in full_grads:
+        torch.testing.assert_close(kept_grads[name], full_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    padded = core.token_logprobs(actor, rows, None, 0.7, keep=keep).detach()
+    torch.testing.assert_close(padded[keep], full[keep], rtol=1e-5, atol=1e-6)
+    assert (padded[~keep] == 0).all()
 
 
 def _record_steps(trainer: PPOTrainer) -> list[dict[str, torch.Tensor]]:

@@ -328,3 +328,56 @@ def _in_prompt_order(rollouts: list[Rollout], prompt_ids: list[list[int]], n: in
             "this rollout_func"
         )
     return ordered
+
+
+class AgreementGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` that also logs the rollout-trainer agreement (``oppo_engine.ppo.agreement``).
+
+    In every ``_compute_loss`` it takes the log-probs TRL's own training forward computed for the loss
+    (``_get_per_token_logps_and_entropies``, no extra forward) and the behaviour log-probs the engine
+    returned (TRL's ``sampling_per_token_logps``), and logs ``agreement.measure`` of the gap ``delta = log
+    pi_trainer - log pi_behaviour`` over the completion's sampled tokens (``completion_mask``, times the
+    ``env_mask`` of multi-turn episodes) as ``agreement/<field>`` in TRL's metrics, with
+    ``agreement/truncated_sampling`` (1 under top-k/top-p: the behaviour log-probs are of a truncated
+    law, TRL's are not). TRL never carries a sequence over a step (the adapter refuses ``inter``/``oppo``),
+    so every token is of the ``fresh`` class. ``last_agreement`` holds the last ``Agreement`` measured.
+
+    The gap is the trainer/rollout one while the weights are those that sampled: TRL's default
+    (``num_iterations=1`` and ``steps_per_generation <= gradient_accumulation_steps``). Later iterations
+    over a generation batch measure the policy's own movement as well. TRL averages each metric over the
+    calls of a logging interval (``agreement/max_abs`` is then the mean of the per-call maxima).
+    """
+
+    def _compute_loss(self, model, inputs):
+        self._trainer_logps: torch.Tensor | None = None
+        self._capture_logps = True
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._capture_logps = False
+        behaviour = inputs.get("sampling_per_token_logps")
+        if self._trainer_logps is not None and behaviour is not None:
+            self._log_agreement(self._trainer_logps, behaviour, inputs)
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if getattr(self, "_capture_logps", False) and self._trainer_logps is None:
+            self._trainer_logps = out[0].detach()  # the first call of _compute_loss: the loss's forward
+        return out
+
+    def _log_agreement(self, trainer_logps: torch.Tensor, behaviour: torch.Tensor, inputs: dict) -> None:
+        from oppo_engine.ppo import agreement
+
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        none = torch.zeros_like(mask, dtype=torch.bool)
+        carried = torch.zeros(len(mask), dtype=torch.bool, device=mask.device)
+        gap = agreement.measure(trainer_logps, behaviour.to(trainer_logps), mask, none, carried)["fresh"]
+        self.last_agreement = gap
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        for name in gap.__slots__:
+            metrics[f"agreement/{name}"].append(float(getattr(gap, name)))
+        truncated = self.args.top_k not in (None, 0) or self.args.top_p not in (None, 1.0)
+        metrics["agreement/truncated_sampling"].append(float(truncated))

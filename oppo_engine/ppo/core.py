@@ -30,15 +30,33 @@ def token_logprobs(
     attention_mask: torch.Tensor | None,
     temperature: float,
     position_ids: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[N, L-1]`` log-prob of each next token under ``actor``'s logits over ``temperature`` (the
     distribution the engine samples from without top-k/top-p). A pack (``packing.py``) passes
-    ``attention_mask=None`` and ``position_ids`` that restart at every sequence."""
-    logits = actor(
+    ``attention_mask=None`` and ``position_ids`` that restart at every sequence.
+
+    ``keep`` (bool ``[N, L-1]``) computes only the columns it marks (0 elsewhere): the LM head and the
+    log-softmax over the vocabulary run on those positions alone (transformers' boolean ``logits_to_keep``),
+    which for a large vocabulary is most of a small model's per-token work. The marked columns' values are
+    those of the full computation (to rounding: the head's matmul has fewer rows)."""
+    inputs = dict(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).logits[:, :-1]
-    logprobs = (logits.float() / temperature).log_softmax(-1)
-    return logprobs.gather(-1, input_ids[:, 1:, None])[..., 0]
+    )
+    if keep is None:
+        logits = actor(**inputs).logits[:, :-1]
+        targets = input_ids[:, 1:]
+    else:
+        rows = torch.nn.functional.pad(keep, (0, 1))  # [N, L]: the last position predicts nothing
+        logits = actor(**inputs, logits_to_keep=rows).logits  # [K, V]: the kept positions, row-major
+        targets = input_ids[:, 1:][keep]
+    logits = logits.float()
+    if temperature != 1.0:  # NOTE: x / 1.0 is x: skipping it is exact and saves a pass over [tokens, V]
+        logits = logits / temperature
+    logprobs = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    if keep is None:
+        return logprobs
+    return torch.zeros(keep.shape, dtype=logprobs.dtype, device=logprobs.device).index_put((keep,), logprobs)
 
 
 def token_values(

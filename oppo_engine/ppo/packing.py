@@ -51,6 +51,7 @@ class Pack:
     position_ids: torch.Tensor  # [1, T] 0, 1, ... restarting at every sequence
     index: torch.Tensor  # [n, w-1] int64: column p of sequence k is packed prediction position index[k, p]
     valid: torch.Tensor  # [n, w-1] bool: p < length_k - 1 (w: the longest sequence)
+    keep: torch.Tensor | None = None  # [1, T-1] bool: the packed positions whose log-probs are needed
 
     def unpack(self, flat: torch.Tensor) -> torch.Tensor:
         """``[n, w-1]`` per-sequence columns (0 beyond each sequence) of a ``[T-1]`` packed per-token
@@ -58,8 +59,9 @@ class Pack:
         return torch.where(self.valid, flat[self.index], 0.0)
 
 
-def pack_rows(input_ids: torch.Tensor, lengths: Sequence[int]) -> Pack:
-    """Pack the first ``lengths[k]`` tokens of each row ``k`` of ``input_ids [n, L]`` (right-padded)."""
+def pack_rows(input_ids: torch.Tensor, lengths: Sequence[int], keep: torch.Tensor | None = None) -> Pack:
+    """Pack the first ``lengths[k]`` tokens of each row ``k`` of ``input_ids [n, L]`` (right-padded).
+    ``keep`` (bool ``[n, >= w-1]``, per-token columns): the only columns :func:`pack_logprobs` computes."""
     device = input_ids.device
     ids = torch.cat([input_ids[k, :n] for k, n in enumerate(lengths)])[None]
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
@@ -68,12 +70,17 @@ def pack_rows(input_ids: torch.Tensor, lengths: Sequence[int]) -> Pack:
     cols = torch.arange(max(lengths) - 1, device=device)
     valid = cols[None] < (lens - 1)[:, None]
     index = torch.where(valid, offsets[:, None] + cols[None], 0)
-    return Pack(ids, positions, index, valid)
+    flat = None
+    if keep is not None:
+        flat = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool, device=device)
+        flat[0, index[valid & keep[:, : len(cols)]]] = True
+    return Pack(ids, positions, index, valid, flat)
 
 
 def pack_logprobs(actor: nn.Module, pack: Pack, temperature: float) -> torch.Tensor:
-    """``[n, w-1]`` ``core.token_logprobs`` of every sequence of ``pack``, from one padding-free forward."""
-    flat = core.token_logprobs(actor, pack.input_ids, None, temperature, pack.position_ids)
+    """``[n, w-1]`` ``core.token_logprobs`` of every sequence of ``pack`` (with ``pack.keep``: of its kept
+    columns, 0 elsewhere), from one padding-free forward."""
+    flat = core.token_logprobs(actor, pack.input_ids, None, temperature, pack.position_ids, pack.keep)
     return pack.unpack(flat[0])
 
 

@@ -288,7 +288,10 @@ class PPOTrainer:
         cfg = self.config
         width = int(lengths[rows].max())
         if cfg.max_tokens_per_microbatch is not None:
-            pack = pack_rows(batch.input_ids[rows], lengths[rows].tolist())
+            # Only the sampled tokens' log-probs are ever read (the losses, the agreement and the stale
+            # recompute are masked): the LM head and its log-softmax run on those positions alone.
+            keep = batch.mask[rows, : width - 1] > 0
+            pack = pack_rows(batch.input_ids[rows], lengths[rows].tolist(), keep)
             logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
             return logprobs, pack_values(self.critic, pack) if values else None, width
         ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
