@@ -150,6 +150,7 @@ class ServeHandle:
         self._index_lock = threading.Lock()
         self._agent_limit = engine.config.batch_size + engine._max_overcommit
         self._closed = False
+        self.eval_calls: set = set()  # plain /v1 requests in flight (serve/evaluate.py)
 
         from oppo_engine.serve.app import build_app  # starlette is imported only when serving
 
@@ -426,6 +427,8 @@ class ServeHandle:
                     self._agents.clear()
                     for episode in list(self.episodes.values()):
                         episode.fail("the server closed")
+                    for call in list(self.eval_calls):
+                        call.cancel("the server closed")
                     await asyncio.sleep(0)
                     if self._uvicorn is not None:
                         self._uvicorn.should_exit = True
