@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from oppo_engine.config import SamplingParams
 from oppo_engine.sched.episode import Episode
@@ -52,6 +52,15 @@ def sample_seed(prompt_seed: int, sample_index: int) -> int:
     return derive_seed(prompt_seed ^ _SAMPLE_SALT, sample_index)
 
 
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """A group of ``add_group``: one sequence per member, each its own prompt, sampling and environment."""
+
+    prompts: list[list[int]]
+    sampling: list[SamplingParams]
+    envs: list[EnvFactory]
+
+
 class PromptQueue:
     """Prompts waiting for a step, in order: sequences a failed step gave back first, then the queued
     prompts, then a lazy source. Every prompt is checked against ``max_model_len`` and the vocabulary
@@ -63,8 +72,12 @@ class PromptQueue:
     ``env`` is the engine's environment factory (``None``: none); a prompt queued with its own factory
     runs in that one. Each sequence of a group gets its own ``Episode`` (its own environment instance).
 
-    ``add`` is safe from any thread (``RolloutEngine.add_prompts`` is): it appends under a lock, which
-    ``take`` and ``state_dict`` hold while they read the queue.
+    ``add_group`` queues sequences that form one group without being samples of one prompt (``n`` agents on
+    one task, each with its own first request): they share a group id (one prompt index), are taken, cut,
+    carried and failed together, and share no KV.
+
+    ``add`` and ``add_group`` are safe from any thread (``RolloutEngine.add_prompts`` is): they append under a
+    lock, which ``take`` and ``state_dict`` hold while they read the queue.
 
     ``expect(k)`` announces prompts on their way (a served episode opened, its first request not in yet):
     ``take`` waits for them -- until one comes when the step would hold nothing at all, then for as long as
@@ -166,6 +179,24 @@ class PromptQueue:
             self._pending.extend(zip(checked, per_prompt, envs, strict=True))
             self._lock.notify_all()
 
+    def add_group(
+        self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], envs: Sequence[EnvFactory]
+    ) -> None:
+        """Queue ``prompts`` as one group (see the class), each sampled once with its ``sampling`` (its seed
+        given) in its environment; validated as ``add`` validates."""
+        if self.sampling.n != 1:
+            raise ValueError(f"add_group: this engine samples every prompt n={self.sampling.n} times")
+        if not (len(prompts) == len(sampling) == len(envs)) or not prompts:
+            raise ValueError("add_group: one SamplingParams and one environment per prompt, at least one")
+        for i, s in enumerate(sampling):
+            self.check_sampling(s, f"sampling[{i}]", envs[i])
+            if s.n != 1 or s.seed is None:
+                raise ValueError(f"add_group: sampling[{i}] must sample once (n=1) with its seed given")
+        checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
+        with self._lock:
+            self._pending.append(_Group(checked, list(sampling), list(envs)))
+            self._lock.notify_all()
+
     def expect(self, k: int) -> None:
         """``k`` more prompts are on their way (negative: fewer; from any thread); see the class."""
         with self._lock:
@@ -214,14 +245,17 @@ class PromptQueue:
         if self._expected and wait:
             self._await_expected(n, holding)
         seqs: list[Seq] = []
-        group = self.sampling.n
         while len(seqs) < n:
             if self.requeued:
+                group = self.requeued[0].group_n
                 seqs.extend(self.requeued.popleft() for _ in range(group))  # given back in whole groups
                 continue
             env = None
             with self._lock:
                 queued = self._pending.popleft() if self._pending else None
+            if isinstance(queued, _Group):
+                seqs.extend(self._new_members(queued))
+                continue
             if queued is not None:
                 ids, params, env = queued
             elif self._source is not None:
@@ -264,10 +298,25 @@ class PromptQueue:
             self._next_seq_id += 1
         return group
 
+    def _new_members(self, group: _Group) -> list[Seq]:
+        index = self._next_prompt_index
+        self._next_prompt_index += 1
+        members = []
+        for j, (ids, params, env) in enumerate(zip(group.prompts, group.sampling, group.envs, strict=True)):
+            seq = Seq(self._next_seq_id, index, ids, params, params.seed, sample_index=j)
+            seq.group_size = len(group.prompts)
+            seq.episode = Episode(env)
+            members.append(seq)
+            self._next_seq_id += 1
+        return members
+
     def state_dict(self) -> dict:
         """Queued prompts, given-back sequences and the counters (a prompt source is not saved)."""
         with self._lock:
-            pending = list(self._pending)
+            pending = []
+            for entry in self._pending:  # a group's members are saved as prompts of their own
+                group = isinstance(entry, _Group)
+                pending += zip(entry.prompts, entry.sampling, entry.envs, strict=True) if group else [entry]
         return {
             "next_prompt_index": self._next_prompt_index,
             "next_seq_id": self._next_seq_id,

@@ -47,9 +47,12 @@ class ServedEpisode:
     the engine's derivation from the prompt's index)."""
 
     def __init__(
-        self, server: ServeHandle, episode_id: str, *, metadata=None, seed: int | None = None
+        self, server: ServeHandle, episode_id: str, *, metadata=None, seed: int | None = None, group=None
     ) -> None:
         self.server, self.id, self.metadata, self.seed = server, episode_id, metadata, seed
+        self.group: AgentGroup | None = group  # n agents on one task (add_agents(n=...)): one group
+        if group is not None:
+            group.members.append(self)
         self.state = OPEN
         self.touched_s = time.monotonic()
         self.kind: str | None = None
@@ -115,7 +118,10 @@ class ServedEpisode:
             max_turn_tokens=req.max_tokens,
         )
         try:
-            server.queue_episode(self, prompt)
+            if self.group is not None:
+                self.group.first_request(self, prompt)  # queued with the others, once all have come
+            else:
+                server.queue_episode(self, prompt)
         except ValueError as e:  # the engine's own checks of a prompt (an id outside the vocabulary, ...)
             raise ApiError(400, str(e), param="messages" if req.kind == "chat" else "prompt") from None
         self.kind, self.transcript = req.kind, prompt
@@ -283,6 +289,8 @@ class ServedEpisode:
         elif self.state == OPEN:
             self.state = DONE
             self.server.expect(-1)
+            if self.group is not None:  # the group can never be complete
+                self.group.member_failed(self, f"episode {self.id} finished before its first request")
         elif self.state == ENDED:
             self.state = DONE  # the engine ended it first: its reward model scores it
         # generating: the turn in flight is answered, then the episode ends (on_turn)
@@ -303,9 +311,12 @@ class ServedEpisode:
         even though its agent had finished (a rollback, a quarantine)."""
         if self.state == FAILED or (self.state == DONE and not lost):
             return
-        if self.state == OPEN:
-            self.server.expect(-1)
+        group = self.group
+        if self.state == OPEN or (self.state == GENERATING and group is not None and not group.queued):
+            self.server.expect(-1)  # announced, never queued
         self.state, self.error = FAILED, message
+        if group is not None:
+            group.member_failed(self, message)
         if self.pending is not None and not self.pending.done():
             self.pending.set_exception(
                 ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
@@ -313,6 +324,41 @@ class ServedEpisode:
             self.pending.exception()  # retrieved: a request gone meanwhile leaves no warning behind
         if self.next_obs is not None and not self.next_obs.done():
             self.next_obs.set_exception(AgentError(f"agent episode {self.id} failed: {message}"))
+
+
+class AgentGroup:
+    """``n`` agents on one task (``add_agents(n=...)``): their episodes form one group, as ``n`` samples of a
+    prompt do (one group id, cut, carried and failed together; ``Rollout.sample_index`` is the member's
+    index). Each member's first request is held until all ``n`` have come, then they are queued together
+    (``PromptQueue.add_group``): a group never waits in a step for a member that is not in it. A member that
+    fails (or finishes) before that fails the others; after it, the step loop fails the group whole."""
+
+    def __init__(self, server: ServeHandle, n: int) -> None:
+        self.server, self.n = server, n
+        self.members: list[ServedEpisode] = []  # in sample order
+        self.prompts: dict[str, list[int]] = {}  # member id -> its first request's prompt
+        self.queued = False
+        self.error: str | None = None
+
+    def first_request(self, episode: ServedEpisode, prompt: list[int]) -> None:
+        """``episode``'s first request came (``ValueError`` if its prompt is refused)."""
+        self.prompts[episode.id] = self.server._prompts.validate("the prompt", prompt)
+        if len(self.prompts) < self.n:
+            return
+        members = self.members
+        prompts = [self.prompts[m.id] for m in members]
+        self.server._prompts.add_group(prompts, [m.sampling for m in members], [m.make_env for m in members])
+        self.queued = True
+        self.server.expect(-self.n)
+
+    def member_failed(self, episode: ServedEpisode, message: str) -> None:
+        """``episode`` failed before the group was queued: so do the others (groups fail whole)."""
+        if self.queued or self.error is not None:
+            return
+        self.error = message
+        for member in self.members:
+            if member is not episode:
+                member.fail(f"sample {self.members.index(episode)} of its group failed: {message}")
 
 
 class AgentEnv:

@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
-from oppo_engine.sched.prompts import derive_seed
+from oppo_engine.sched.prompts import derive_seed, sample_seed
 from oppo_engine.serve.chat import Renderer, ToolParser, hermes_tool_parser
-from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, WAITING, ServedEpisode
+from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, WAITING, AgentGroup, ServedEpisode
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.requests import parse_turn
 from oppo_engine.serve.responses import Responses
@@ -284,19 +284,23 @@ class ServeHandle:
         """A request body as a ``TurnRequest`` (``serve/requests.py``); ``ApiError`` 400 naming the field."""
         return parse_turn(body, kind, self.tokenizer, self.vocab_size)
 
-    def open(self, metadata=None, seed: int | None = None) -> ServedEpisode:
-        """A new episode (on the serving loop; ``open_episode`` is the any-thread form): 429 over the cap."""
+    def open(self, metadata=None, seed: int | None = None, group: AgentGroup | None = None) -> ServedEpisode:
+        """A new episode (on the serving loop; ``open_episode`` is the any-thread form): 429 over the cap.
+        ``group``: it is a member of that group of agents (``add_agents(n=...)``)."""
         if self._closed:
             raise ApiError(503, "the server is closing")
-        live = sum(e.state not in (DONE, ENDED, FAILED) for e in self.episodes.values())
+        live = self._live()
         if live >= self.max_episodes:
             raise ApiError(429, f"{live} episodes are open: the cap is {self.max_episodes}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ApiError(400, f"seed must be an integer >= 0, got {seed!r}", param="seed")
-        episode = ServedEpisode(self, secrets.token_urlsafe(16), metadata=metadata, seed=seed)
+        episode = ServedEpisode(self, secrets.token_urlsafe(16), metadata=metadata, seed=seed, group=group)
         self.episodes[episode.id] = episode
         self.expect(1)
         return episode
+
+    def _live(self) -> int:
+        return sum(e.state not in (DONE, ENDED, FAILED) for e in self.episodes.values())
 
     def restart(self, old: ServedEpisode) -> ServedEpisode:
         """``on_divergence="restart"``: ``old`` ends where it is (``finish`` without a reward: the reward
@@ -336,10 +340,19 @@ class ServeHandle:
         every call) with an ``openai.AsyncOpenAI`` client bound to it (``max_retries=0``; in-process through
         the app, or over HTTP to the port with ``in_process=False``). The float returned is the episode's
         reward (``None``: the reward model's), so ``finish`` is implicit; an agent that raises ends its
-        episode in ``StepResult.failed``. B + Δ_max agents run at once, the next starting as one ends."""
-        if n != 1:
+        episode in ``StepResult.failed``. B + Δ_max agents run at once, the next starting as one ends.
+
+        ``n > 1``: ``n`` agents run each task, and their episodes form one group, as ``n`` samples of a prompt
+        do (``Rollout.group_id`` shared, ``sample_index`` 0..n-1; returned, carried and failed whole). Member
+        ``j``'s seed is derived from the task's as sample ``j``'s from a prompt's (member 0's is the task's).
+        ``ValueError`` unless ``n`` divides ``batch_size`` and at most B + Δ_max agents make a group."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"add_agents(n={n!r}): n must be an integer >= 1")
+        if n > 1 and (self.engine.config.batch_size % n or n > self._agent_limit):
             raise ValueError(
-                f"add_agents(n={n}): groups of agents are not supported yet; pass each task n times"
+                f"add_agents(n={n}): a group of n agents is returned whole, so n must divide "
+                f"batch_size={self.engine.config.batch_size} and fit the B + Δ_max={self._agent_limit} "
+                "agents in flight"
             )
         tasks = list(tasks)
         if not asyncio.iscoroutinefunction(agent_fn):
@@ -349,24 +362,25 @@ class ServeHandle:
         with self._index_lock:  # two threads' calls never share an index (a seed)
             first = self._next_task_index
             self._next_task_index += len(tasks)
-        items = [(agent_fn, first + i, task, in_process) for i, task in enumerate(tasks)]
+        items = [(agent_fn, first + i, task, in_process, n) for i, task in enumerate(tasks)]
         self.run(lambda: (self._agents.extend(items), self._pump()))
 
     def _pump(self) -> None:
-        """Start queued agents while fewer than B + Δ_max run."""
-        while self._agents and self._agents_running < self._agent_limit and not self._closed:
-            fn, index, task, in_process = self._agents[0]
-            try:
-                episode = self.open(
-                    metadata={"task_index": index}, seed=derive_seed(self.base_sampling.seed or 0, index)
-                )
-            except ApiError:
-                return  # the episode cap: the next agent starts when one ends
+        """Start queued agents (a task's ``n`` at once) while no more than B + Δ_max run."""
+        while self._agents and not self._closed:
+            fn, index, task, in_process, n = self._agents[0]
+            if self._agents_running + n > self._agent_limit or self._live() + n > self.max_episodes:
+                return  # the next starts when one ends
             self._agents.popleft()
-            self._agents_running += 1
-            t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
-            self._agent_tasks.add(t)
-            t.add_done_callback(self._agent_tasks.discard)
+            seed = derive_seed(self.base_sampling.seed or 0, index)
+            group = AgentGroup(self, n) if n > 1 else None
+            for j in range(n):
+                metadata = {"task_index": index} if n == 1 else {"task_index": index, "sample_index": j}
+                episode = self.open(metadata=metadata, seed=sample_seed(seed, j), group=group)
+                self._agents_running += 1
+                t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
+                self._agent_tasks.add(t)
+                t.add_done_callback(self._agent_tasks.discard)
 
     def client(self, episode: ServedEpisode, in_process: bool = True):
         """An ``openai.AsyncOpenAI`` bound to ``episode`` (no retries): in-process through the app (no

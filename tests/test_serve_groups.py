@@ -1,0 +1,159 @@
+"""``add_agents(agent_fn, tasks, n)``: ``n`` agents on one task form one group, as ``n`` samples of a prompt
+do -- one ``group_id``, ``sample_index`` 0..n-1, returned in one step, failed whole -- and the same agents and
+seeds give the same transcripts in every mode. Every test has a deadline: a hang fails it."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+from serve_models import chat_actor, chat_tokenizer
+
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+
+MODES = ["sequential", "intra", "inter", "oppo"]
+DEADLINE_S = 120.0
+N = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def actor(tokenizer):
+    return chat_actor(tokenizer)
+
+
+def make_engine(actor, tokenizer, mode: str, batch_size: int = 4) -> RolloutEngine:
+    cfg = {}
+    if mode in ("inter", "oppo"):
+        cfg["overcommit"] = 2
+    if mode in ("intra", "oppo"):
+        cfg["chunk_size"] = 4
+    return RolloutEngine(
+        actor, reward=lambda p, r: float(len(r)), tokenizer=tokenizer,
+        config=EngineConfig(batch_size=batch_size, mode=mode, max_model_len=512, page_size=16, **cfg),
+        sampling=SamplingParams(max_new_tokens=40, seed=4),
+    )  # fmt: skip
+
+
+async def agent(task, client):
+    messages = [{"role": "user", "content": f"what is {task} + 7 ?"}]
+    for turn in range(2):
+        answer = await client.chat.completions.create(
+            model="m", messages=messages, max_tokens=8, temperature=1.0
+        )
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content},
+            {"role": "user", "content": f"and then {turn} ?"},
+        ]
+    return float(task)
+
+
+def run(actor, tokenizer, mode: str, tasks: list[int], fn=agent, *, in_process: bool = True, expect=None):
+    """Every step's rollouts and failures, until ``expect`` (all ``len(tasks) * N``) episodes came back;
+    then one more step, which must return at once with nothing."""
+    engine = make_engine(actor, tokenizer, mode)
+    engine.serve()
+    steps = []
+    try:
+        engine.add_agents(fn, tasks, n=N, in_process=in_process)
+        deadline = time.monotonic() + DEADLINE_S
+        while sum(len(r) + len(f) for r, f in steps) < (expect or len(tasks) * N):
+            assert time.monotonic() < deadline, "the episodes did not come back"
+            result = engine.step()
+            steps.append((result.rollouts, result.failed))
+        t = time.monotonic()
+        last = engine.step()
+        assert last.rollouts == last.failed == [] and time.monotonic() - t < 5.0
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
+    return steps
+
+
+def transcripts(steps) -> dict:
+    """(task, sample index) -> the transcript; each group's members checked to come back together."""
+    out = {}
+    for rollouts, failed in steps:
+        assert failed == []
+        groups = defaultdict(list)
+        for r in rollouts:
+            groups[r.group_id].append(r)
+        for members in groups.values():
+            # a group is returned whole, in one step: its n members, one task, samples 0..n-1
+            assert sorted(r.sample_index for r in members) == list(range(N))
+            assert len({r.reward for r in members}) == 1
+            assert all(r.finish_reason == "agent_done" for r in members)
+            for r in members:
+                out[(r.reward, r.sample_index)] = (tuple(r.prompt_ids), tuple(r.response_ids))
+    return out
+
+
+def test_n_agents_on_one_task_form_one_group_with_the_same_transcripts_in_every_mode(actor, tokenizer):
+    tasks = [0, 1, 2, 3]
+    seen = {}
+    for mode in MODES:
+        seen[mode] = transcripts(run(actor, tokenizer, mode, tasks))
+        assert sorted(seen[mode]) == [(float(t), j) for t in tasks for j in range(N)], mode
+    seen["oppo-http"] = transcripts(run(actor, tokenizer, "oppo", tasks, in_process=False))
+    first = seen["sequential"]
+    for key, got in seen.items():
+        assert got == first, key
+    # the members of a group sampled with seeds of their own: their transcripts differ
+    assert any(first[(float(t), 0)] != first[(float(t), 1)] for t in tasks)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "oppo"])
+def test_a_member_that_raises_fails_its_whole_group_and_the_others_come_back(actor, tokenizer, mode):
+    calls = defaultdict(int)
+
+    async def flaky(task, client):
+        calls[task] += 1
+        if task == 1 and calls[task] == 2:  # one member of task 1's group, once it has its first answer
+            messages = [{"role": "user", "content": "hello"}]
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+            raise RuntimeError("the tool is down")
+        return await agent(task, client)
+
+    steps = run(actor, tokenizer, mode, [0, 1, 2], fn=flaky)
+    rollouts = [r for r, _ in steps for r in r]
+    failed = [f for _, f in steps for f in f]
+    assert len(failed) == N and len({f.group_id for f in failed}) == 1
+    assert sorted(f.sample_index for f in failed) == list(range(N))
+    assert any("the tool is down" in (f.error or "") for f in failed)
+    assert sorted(r.reward for r in rollouts) == [0.0, 0.0, 2.0, 2.0]
+
+
+def test_a_member_that_raises_before_its_first_request_fails_its_group_and_stalls_no_step(actor, tokenizer):
+    calls = defaultdict(int)
+
+    async def flaky(task, client):
+        calls[task] += 1
+        if task == 1 and calls[task] == 2:
+            raise RuntimeError("no first request")
+        return await agent(task, client)
+
+    # The group never had a sequence, so it comes back nowhere (as an agent that raises before its first
+    # request); its other member's request got 410 and its agent raised. The others come back, and the
+    # last step returns at once: nothing waits for the group's first requests.
+    steps = run(actor, tokenizer, "oppo", [0, 1, 2], fn=flaky, expect=4)
+    rollouts = [r for r, _ in steps for r in r]
+    assert sorted(r.reward for r in rollouts) == [0.0, 0.0, 2.0, 2.0]
+    assert [f for _, f in steps for f in f] == []
+
+
+def test_add_agents_refuses_a_group_that_the_batch_cannot_return_whole(actor, tokenizer):
+    engine = make_engine(actor, tokenizer, "oppo", batch_size=4)
+    engine.serve()
+    try:
+        with pytest.raises(ValueError, match="divide"):
+            engine.add_agents(agent, [0], n=3)
+        with pytest.raises(ValueError, match="n must be an integer"):
+            engine.add_agents(agent, [0], n=0)
+    finally:
+        engine.close()
