@@ -310,6 +310,8 @@ class StepLoop:
                     if is_eval(seq):
                         sched.remove(seq)  # its pages go back; it is answered, never trained on
                         self.evals.finished(seq)
+                    elif self.envs.hold(seq):
+                        sched.hold(seq)  # an agent may still give its reward: it ends with that answer
                     else:
                         self._finished(seq, now, cut, out, stream)
                     continue
@@ -378,7 +380,10 @@ class StepLoop:
                     self._hand_off(seq, final=False, out=out)
             else:
                 sched.finish_parked(seq, answer.outcome)
-                self._finished(seq, self.clock(), cut, out, chunk_size is not None)
+                if self.envs.hold(seq):
+                    sched.hold(seq)
+                else:
+                    self._finished(seq, self.clock(), cut, out, chunk_size is not None)
 
     def _fail(self, seq: Sequence, error: str, cut: BatchCut, out: StepOutcome) -> None:
         """``seq``'s environment failed: it leaves the step, and so does the rest of its group (groups are

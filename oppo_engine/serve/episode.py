@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from oppo_engine.serve.server import ServeHandle
 
 OPEN, GENERATING, WAITING, DONE, ENDED, FAILED = "open", "generating", "waiting", "done", "ended", "failed"
+# After the engine ends an episode, finish(reward) is awaited this share of env_timeout_s (the rest is the
+# margin before the pool expires the call, which would fail the episode).
+_END_WAIT = 0.9
 _ENGINE_FINISH = {
     "eos": "stop",
     "stop": "stop",
@@ -68,6 +71,7 @@ class ServedEpisode:
         self.last_key: str | None = None
         self.last_response: dict | None = None
         self.next_obs: asyncio.Future | None = None  # what AgentEnv.step awaits
+        self.end_waiter: asyncio.Future | None = None  # what AgentEnv.after_end awaits (finish)
         self.finish_asked: tuple[float | None] | None = None
         self.agent_error: str | None = None
         self.error: str | None = None
@@ -239,6 +243,25 @@ class ServedEpisode:
             )
             raise
 
+    async def after_end(self, reason: str) -> Observation:
+        """The engine ended the episode (``on_end`` answered the turn it cut): ``finish(reward)`` is still
+        awaited, up to the timeout, and its reward is the rollout's; without it (the timeout, an agent that
+        raises or returns ``None``) the reward model or function scores the episode."""
+        if self.finish_asked is None and self.agent_error is None and self.state == ENDED:
+            self.end_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self.end_waiter, self.server.timeout_s * _END_WAIT)
+            except TimeoutError:
+                pass
+        if self.state == FAILED:
+            raise AgentError(f"agent episode {self.id} failed: {self.error}")
+        reward = self.finish_asked[0] if self.finish_asked is not None else None
+        return Observation([], done=True, reward=reward, finish_reason=reason)
+
+    def _end_wait_over(self) -> None:
+        if self.end_waiter is not None and not self.end_waiter.done():
+            self.end_waiter.set_result(None)
+
     def on_end(self, turn_ids: list[int], logprobs: list[float], reason: str | None) -> None:
         """The engine ended the episode (``reason``: its finish reason; the turn it cut answers the pending
         request), or abandoned its sequence (``reason=None``: the episode fails)."""
@@ -292,7 +315,8 @@ class ServedEpisode:
             if self.group is not None:  # the group can never be complete
                 self.group.member_failed(self, f"episode {self.id} finished before its first request")
         elif self.state == ENDED:
-            self.state = DONE  # the engine ended it first: its reward model scores it
+            self.state = DONE  # the engine ended it first: the reward is used (after_end)
+            self._end_wait_over()
         # generating: the turn in flight is answered, then the episode ends (on_turn)
 
     def agent_failed(self, message: str) -> None:
@@ -305,6 +329,9 @@ class ServedEpisode:
             self.agent_error = message
         elif self.state == OPEN:
             self.fail(message)
+        elif self.state == ENDED:  # the engine ended it first: the reward model scores it
+            self.agent_error = message
+            self._end_wait_over()
 
     def fail(self, message: str, *, lost: bool = False) -> None:
         """The episode fails: its pending request gets 410, later ones too. ``lost``: its rollout is lost
@@ -324,6 +351,7 @@ class ServedEpisode:
             self.pending.exception()  # retrieved: a request gone meanwhile leaves no warning behind
         if self.next_obs is not None and not self.next_obs.done():
             self.next_obs.set_exception(AgentError(f"agent episode {self.id} failed: {message}"))
+        self._end_wait_over()
 
 
 class AgentGroup:
@@ -381,3 +409,7 @@ class AgentEnv:
     def end(self, turn_ids: list[int], logprobs: list[float], reason: str | None) -> None:
         """The engine ended (or abandoned) the episode; called on the actor thread."""
         self.episode.server.call_soon(self.episode.on_end, list(turn_ids), list(logprobs), reason)
+
+    def after_end(self, reason: str):
+        """A coroutine, run on the serving loop after ``end``: the agent's last word (``finish``'s reward)."""
+        return self.episode.after_end(reason)
