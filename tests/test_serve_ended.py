@@ -9,21 +9,10 @@ import time
 
 import openai
 import pytest
-from serve_models import chat_actor, chat_tokenizer
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
 DEADLINE_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def actor(tokenizer):
-    return chat_actor(tokenizer)
 
 
 def length_reward(prompt, response) -> float:

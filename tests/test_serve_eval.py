@@ -14,22 +14,11 @@ import httpx2
 import openai
 import pytest
 from hf_check import assert_logprobs_equal_hf, hf_logprobs
-from serve_models import chat_actor, chat_tokenizer
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
 DEADLINE_S = 60.0
 B = 2
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def actor(tokenizer):
-    return chat_actor(tokenizer)
 
 
 def make_engine(actor, tokenizer, mode: str = "oppo") -> RolloutEngine:

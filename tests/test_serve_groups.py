@@ -8,23 +8,12 @@ import time
 from collections import defaultdict
 
 import pytest
-from serve_models import chat_actor, chat_tokenizer
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
 MODES = ["sequential", "intra", "inter", "oppo"]
 DEADLINE_S = 120.0
 N = 2
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def actor(tokenizer):
-    return chat_actor(tokenizer)
 
 
 def make_engine(actor, tokenizer, mode: str, batch_size: int = 4) -> RolloutEngine:

@@ -12,22 +12,11 @@ import time
 import httpx2
 import openai
 import pytest
-from serve_models import chat_actor, chat_tokenizer
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
 KEY = "sekrit"
 DEADLINE_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def actor(tokenizer):
-    return chat_actor(tokenizer)
 
 
 def make_engine(actor, tokenizer, **kw) -> RolloutEngine:

@@ -8,22 +8,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from serve_models import chat_actor, chat_tokenizer
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
 MODES = ["sequential", "intra", "inter", "oppo"]
 PROMPT_S = 10.0  # well below env_timeout_s (300 s): a step that waited for the silent episode fails
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def actor(tokenizer):
-    return chat_actor(tokenizer)
 
 
 async def agent(task, client):
