@@ -265,7 +265,7 @@ class StepLoop:
             evals and cut.size == 0 and self.evals.in_flight
         ):
             self.scorer_lane.check()  # a failed scorer lane fails the step now, not at its end
-            if capacity is not None and not cut.determined:
+            if capacity is not None and (not cut.determined or cut.size == 0):  # (empty: evaluations run)
                 self._admit(capacity, cut, out, stream)
             if evals:
                 self._take_evals()
