@@ -182,3 +182,62 @@ def test_an_evaluation_whose_client_goes_away_is_dropped_and_its_pages_freed(act
         assert stats.free_pages == stats.total_pages
     finally:
         engine.close()
+
+
+async def one_turn_agent(task, client):
+    messages = [{"role": "user", "content": f"what is {task} ?"}]
+    await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    return float(task)
+
+
+def long_greedy_prompt(actor, tokenizer, stops: set[int], length: int) -> list[int]:
+    """A prompt whose greedy continuation has no stop token in its first ``length`` tokens (found with HF)."""
+    for k in range(40):
+        prompt = [5 + k, 17, 42, 99]
+        ids = list(prompt)
+        for _ in range(length):
+            ids.append(int(hf_logprobs(actor, ids)[-1].argmax()))
+            if ids[-1] in stops:
+                break
+        else:
+            return prompt
+    pytest.skip("no prompt decodes this long greedily on this model")
+
+
+def test_an_episode_that_comes_while_an_empty_step_decodes_an_evaluation_joins_that_step(actor, tokenizer):
+    engine = RolloutEngine(
+        actor, reward=lambda p, r: 0.0, tokenizer=tokenizer,
+        config=EngineConfig(batch_size=1, mode="sequential", max_model_len=256, page_size=16),
+        sampling=SamplingParams(max_new_tokens=8, seed=3),
+    )  # fmt: skip
+    handle = engine.serve()
+    prompt = long_greedy_prompt(actor, tokenizer, set(engine.eos_token_ids) | {handle.turn_end}, 120)
+    answers, results = [], []
+
+    def ask() -> None:
+        with httpx2.Client(base_url=handle.url, timeout=DEADLINE_S) as http:
+            body = {"prompt": prompt, "max_tokens": 120, "temperature": 0.0, "return_token_ids": True}
+            answers.append(http.post("/v1/completions", json=body).json())
+
+    asker = threading.Thread(target=ask, daemon=True)
+    try:
+        asker.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while not engine._loop.evals.in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        stepper = threading.Thread(target=lambda: results.append(engine.step()), daemon=True)
+        stepper.start()  # nothing to train on: it would decode the evaluation to its end
+        time.sleep(0.05)
+        engine.add_agents(one_turn_agent, [5])  # comes while that step runs: it joins it
+        stepper.join(DEADLINE_S)
+        (result,) = results
+        assert [r.reward for r in result.rollouts] == [5.0]
+        while not answers:  # the evaluation goes on in the next steps
+            assert time.monotonic() < deadline
+            engine.step()
+            time.sleep(0.01)
+        asker.join(DEADLINE_S)
+        assert len(answers[0]["choices"][0]["token_ids"]) == 120
+    finally:
+        engine.close()
