@@ -146,3 +146,33 @@ def test_add_agents_refuses_a_group_that_the_batch_cannot_return_whole(actor, to
             engine.add_agents(agent, [0], n=0)
     finally:
         engine.close()
+
+
+def test_a_second_group_size_is_refused_until_the_first_has_come_back(actor, tokenizer):
+    """With groups of 1 and 2 in flight a step could be left with one place and only a group of 2 to fill it:
+    fewer than B or a stall (the reviewer's mixed2.py). So one size at a time, and every episode of the old
+    size comes back before another size is queued."""
+    engine = make_engine(actor, tokenizer, "oppo", batch_size=2)
+    handle = engine.serve()
+    try:
+        engine.add_agents(agent, [0], n=1)
+        with pytest.raises(ValueError, match="groups of 1 are queued or in flight"):
+            engine.add_agents(agent, [1], n=2)
+        got, deadline = [], time.monotonic() + DEADLINE_S
+        while len(got) < 1:
+            assert time.monotonic() < deadline
+            got += engine.step().rollouts
+        engine.add_agents(agent, [1, 2], n=2)  # nothing of size 1 left: size 2 now
+        with pytest.raises(ValueError, match="groups of 2"):
+            handle.open_episode()
+        with pytest.raises(ValueError, match="groups of 2"):
+            engine.add_prompts([[5, 6, 7]])
+        while len(got) < 5:
+            assert time.monotonic() < deadline
+            result = engine.step()
+            assert len(result.rollouts) in (0, 2) and result.failed == []
+            got += result.rollouts
+        assert sorted(r.reward for r in got) == [0.0, 1.0, 1.0, 2.0, 2.0]
+        handle.open_episode().finish(None)  # every group of 2 came back: groups of 1 again
+    finally:
+        engine.close()

@@ -108,6 +108,9 @@ class PromptQueue:
         self._next_seq_id = 0
         self._lock = threading.Condition()  # add(), expect() from any thread; the rest from the engine's
         self._expected = 0  # prompts announced by expect(), not yet added
+        # Called with a prompt's group size before add() queues it (ValueError refuses it): the serving
+        # endpoint's one-group-size-at-a-time rule (serve/server.py).
+        self.size_check: Callable[[int], None] | None = None
         self.check_sampling(sampling, "sampling")
 
     def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
@@ -174,6 +177,8 @@ class PromptQueue:
                     f"n={self.sampling.n} times: all prompts of one engine use the same n"
                 )
         checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
+        if checked and self.size_check is not None:
+            self.size_check(self.sampling.n)
         per_prompt = sampling if sampling is not None else [None] * len(checked)
         with self._lock:
             self._pending.extend(zip(checked, per_prompt, envs, strict=True))
@@ -196,6 +201,11 @@ class PromptQueue:
         with self._lock:
             self._pending.append(_Group(checked, list(sampling), list(envs)))
             self._lock.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Prompts are queued, given back, announced or drawn from a source."""
+        return bool(self._pending or self.requeued or self._expected or self._source is not None)
 
     def expect(self, k: int) -> None:
         """``k`` more prompts are on their way (negative: fewer; from any thread); see the class."""

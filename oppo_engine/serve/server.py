@@ -151,6 +151,9 @@ class ServeHandle:
         self._agent_limit = engine.config.batch_size + engine._max_overcommit
         self._closed = False
         self.eval_calls: set = set()  # plain /v1 requests in flight (serve/evaluate.py)
+        # The size of the groups queued or in flight: one size at a time (claim_group_size); prompts and
+        # single episodes are groups of 1.
+        self.group_size = 1
 
         from oppo_engine.serve.app import build_app  # starlette is imported only when serving
 
@@ -170,6 +173,7 @@ class ServeHandle:
             raise RuntimeError(f"serve(): the server did not start: {self._failure!r}")
         self._pool.timeout_s = self.timeout_s
         self._pool.use_loop(self.loop)
+        self._prompts.size_check = self._check_prompt_size
 
     @staticmethod
     def of(engine) -> ServeHandle:
@@ -294,10 +298,41 @@ class ServeHandle:
             raise ApiError(429, f"{live} episodes are open: the cap is {self.max_episodes}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ApiError(400, f"seed must be an integer >= 0, got {seed!r}", param="seed")
+        if group is None:
+            self.claim_group_size(1)
         episode = ServedEpisode(self, secrets.token_urlsafe(16), metadata=metadata, seed=seed, group=group)
         self.episodes[episode.id] = episode
         self.expect(1)
         return episode
+
+    def claim_group_size(self, n: int) -> None:
+        """Groups of ``n`` episodes are about to be queued (serving loop): ``ApiError`` 400 if groups of
+        another size are queued or in flight. A step's cut returns whole groups, exactly B episodes: with
+        groups of two sizes it could be left with places that no finished group fits, and stall or return
+        fewer than B; so the size changes only once the engine holds none of the old size."""
+        if n == self.group_size:
+            return
+        if not self._drained():
+            raise ApiError(
+                400,
+                f"a group of {n} episode(s) while groups of {self.group_size} are queued or in flight: one "
+                "group size at a time (a step returns exactly B episodes in whole groups); let step() return "
+                "them first",
+                code="group_size_conflict",
+            )
+        self.group_size = n
+
+    def _drained(self) -> bool:
+        engine = self.engine
+        stepping = engine._guard.holder is not None and engine._guard.holder[0] == "step()"
+        return not (self._live() or self._agents or stepping or len(engine._buffer) or self._prompts.busy)
+
+    def _check_prompt_size(self, n: int) -> None:
+        """``PromptQueue.add``'s check (from any thread): ``ValueError`` as ``claim_group_size`` says."""
+        try:
+            self.run(lambda: self.claim_group_size(n))
+        except ApiError as e:
+            raise ValueError(e.message) from None
 
     def _live(self) -> int:
         return sum(e.state not in (DONE, ENDED, FAILED) for e in self.episodes.values())
@@ -363,7 +398,17 @@ class ServeHandle:
             first = self._next_task_index
             self._next_task_index += len(tasks)
         items = [(agent_fn, first + i, task, in_process, n) for i, task in enumerate(tasks)]
-        self.run(lambda: (self._agents.extend(items), self._pump()))
+
+        def queue() -> None:
+            if items:
+                self.claim_group_size(n)
+            self._agents.extend(items)
+            self._pump()
+
+        try:
+            self.run(queue)
+        except ApiError as e:
+            raise ValueError(f"add_agents(n={n}): {e.message}") from None
 
     def _pump(self) -> None:
         """Start queued agents (a task's ``n`` at once) while no more than B + Δ_max run."""
@@ -453,6 +498,7 @@ class ServeHandle:
             self.thread.join(_CLOSE_TIMEOUT_S)
         finally:
             self._pool.use_loop(None)
+            self._prompts.size_check = None
             self._pool.timeout_s = self._saved_timeout
             self.sock.close()
             if self.engine._server is self:
