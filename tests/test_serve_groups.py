@@ -176,3 +176,40 @@ def test_a_second_group_size_is_refused_until_the_first_has_come_back(actor, tok
         handle.open_episode().finish(None)  # every group of 2 came back: groups of 1 again
     finally:
         engine.close()
+
+
+def test_on_divergence_restart_answers_409_to_a_group_member_and_the_group_comes_back_whole(actor, tokenizer):
+    """A restarted member would be a singleton episode outside its group, and the group's reward would go to
+    the wrong rollout: a member's diverging request gets the 409 even under on_divergence="restart"."""
+    import openai
+
+    statuses = []
+
+    async def edits(task, client):
+        messages = [{"role": "user", "content": f"what is {task} ?"}]
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "edited"}], max_tokens=4
+            )
+        except openai.ConflictError as e:
+            statuses.append(e.status_code)
+            assert "never restarted" in str(e)
+        return 3.0
+
+    engine = make_engine(actor, tokenizer, "oppo", batch_size=2)
+    engine.serve(on_divergence="restart")
+    try:
+        engine.add_agents(edits, [0], n=2)
+        got, deadline = [], time.monotonic() + DEADLINE_S
+        while len(got) < 2:
+            assert time.monotonic() < deadline
+            result = engine.step()
+            assert result.failed == []
+            got += result.rollouts
+        assert statuses == [409, 409]
+        assert [r.reward for r in got] == [3.0, 3.0] and len({r.group_id for r in got}) == 1
+        assert sorted(r.sample_index for r in got) == [0, 1]
+        assert engine.step().rollouts == []  # no restarted episode is left behind
+    finally:
+        engine.close()

@@ -109,6 +109,12 @@ def build_app(server: ServeHandle) -> Starlette:
             except ApiError as e:
                 if e.code != "history_diverged" or server.on_divergence != "restart":
                     raise
+                if episode.group is not None:  # a restart would leave its group and take no place in it
+                    e.message += (
+                        "; a member of a group of agents (add_agents(n > 1)) is never restarted: its agent "
+                        "must extend the history, or finish"
+                    )
+                    raise
                 episode = server.restart(episode)
                 answer = await _unless_gone(request, episode.request(req), episode.fail)
             return _events(answer, req.include_usage) if req.stream else answer
