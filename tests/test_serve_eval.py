@@ -241,3 +241,37 @@ def test_an_episode_that_comes_while_an_empty_step_decodes_an_evaluation_joins_t
         assert len(answers[0]["choices"][0]["token_ids"]) == 120
     finally:
         engine.close()
+
+
+def test_an_evaluation_is_not_held_back_by_an_opened_episode_that_sends_nothing(actor, tokenizer):
+    """A step with nothing to train on waits for an opened episode's first request, but not while it has
+    evaluations to decode: they are answered while the silent episode is still open (without the fix they
+    waited for its expiry, env_timeout_s)."""
+    engine = RolloutEngine(
+        actor, reward=lambda p, r: 0.0, tokenizer=tokenizer,
+        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, max_model_len=256, page_size=16,
+                            env_timeout_s=20.0),
+        sampling=SamplingParams(max_new_tokens=16, seed=1),
+    )  # fmt: skip
+    handle = engine.serve()
+    silent = handle.open_episode()
+    answers = []
+
+    def ask() -> None:
+        with httpx2.Client(base_url=handle.url, timeout=DEADLINE_S) as http:
+            answers.append(http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 4}).json())
+
+    asker = threading.Thread(target=ask, daemon=True)
+    try:
+        asker.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while not engine._loop.evals.in_flight:  # the request is queued
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        result = engine.step()  # nothing to train on: it decodes the evaluation to its end
+        assert result.rollouts == [] and result.failed == [] and not engine._loop.evals.in_flight
+        assert handle.episodes[silent.id].state == "open"  # long before the silent one expires
+        asker.join(DEADLINE_S)
+        assert answers[0]["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        engine.close()

@@ -36,6 +36,7 @@ class EvalRequests:
         self._cancelled: set[int] = set()
         self._next = 0
         self.running: dict[int, tuple[Sequence, EvalDone]] = {}  # seq_id -> (sequence, done), across steps
+        self.on_add: Callable[[], None] | None = None  # called after add (PromptQueue.wake: a waiting take)
 
     def add(self, prompt_ids: list[int], sampling: SamplingParams, done: EvalDone) -> int:
         """Queue one evaluation (checked by the caller against the vocabulary and ``max_model_len``); returns
@@ -43,7 +44,10 @@ class EvalRequests:
         with self._lock:
             self._next += 1
             self._pending.append((self._next, list(prompt_ids), sampling, done))
-            return self._next
+            eval_id = self._next
+        if self.on_add is not None:
+            self.on_add()
+        return eval_id
 
     def cancel(self, eval_id: int) -> None:
         """Drop evaluation ``eval_id`` (its client went away): its pages are freed at the next forward."""

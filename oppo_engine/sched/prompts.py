@@ -111,6 +111,9 @@ class PromptQueue:
         # Called with a prompt's group size before add() queues it (ValueError refuses it): the serving
         # endpoint's one-group-size-at-a-time rule (serve/server.py).
         self.size_check: Callable[[int], None] | None = None
+        # Whether the step has work that needs no prompt (a served endpoint's evaluation requests): then
+        # take() does not wait for announced prompts when it has nothing else. ``wake()`` when it turns true.
+        self.side_work: Callable[[], bool] | None = None
         self.check_sampling(sampling, "sampling")
 
     def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
@@ -213,6 +216,11 @@ class PromptQueue:
             self._expected = max(0, self._expected + k)
             self._lock.notify_all()
 
+    def wake(self) -> None:
+        """Side work came (from any thread): a ``take`` waiting for announced prompts looks again."""
+        with self._lock:
+            self._lock.notify_all()
+
     def give_back(self, seqs: list[Seq]) -> None:
         """New sequences of a step rolled back, first in line again (in whole groups, in their order)."""
         self.requeued.extendleft(reversed(seqs))
@@ -222,6 +230,8 @@ class PromptQueue:
             while self._expected > 0 and len(self._pending) < n:
                 before = len(self._pending)
                 if before + len(self.requeued) + holding == 0:
+                    if self.side_work is not None and self.side_work():
+                        return  # the step has work of its own meanwhile: it joins that step, or the next
                     self._lock.wait(_WAKE_S)  # nothing to run: wait for the first (or for none expected)
                 elif not self._lock.wait_for(lambda before=before: len(self._pending) > before, ADMIT_GAP_S):
                     return  # none came within the gap: run what there is

@@ -174,6 +174,9 @@ class ServeHandle:
         self._pool.timeout_s = self.timeout_s
         self._pool.use_loop(self.loop)
         self._prompts.size_check = self._check_prompt_size
+        evals = engine._loop.evals  # a step waiting for a silent episode's first request decodes them
+        self._prompts.side_work = lambda: evals.in_flight
+        evals.on_add = self._prompts.wake
 
     @staticmethod
     def of(engine) -> ServeHandle:
@@ -498,7 +501,7 @@ class ServeHandle:
             self.thread.join(_CLOSE_TIMEOUT_S)
         finally:
             self._pool.use_loop(None)
-            self._prompts.size_check = None
+            self._prompts.size_check = self._prompts.side_work = self.engine._loop.evals.on_add = None
             self._pool.timeout_s = self._saved_timeout
             self.sock.close()
             if self.engine._server is self:
