@@ -60,7 +60,7 @@ def talk_until_ended(client) -> list[str]:
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])
 def test_finish_after_the_engine_ended_the_episode_gives_the_rollout_its_reward(actor, tokenizer, mode):
     engine = make_engine(actor, tokenizer, mode)
-    handle = engine.serve()
+    handle = engine.serve(end_grace_s=30.0)  # a loaded machine: the finish after the 409 is awaited
     episodes = [handle.open_episode(seed=k) for k in range(2)]
     rewards = [7.5, None]  # the second finishes without a reward: the reward function scores it
 
@@ -90,7 +90,7 @@ def test_finish_after_the_engine_ended_the_episode_gives_the_rollout_its_reward(
 
 def test_without_finish_the_reward_function_scores_it_after_the_timeout_and_nothing_fails(actor, tokenizer):
     engine = make_engine(actor, tokenizer, env_timeout_s=1.0)
-    handle = engine.serve()
+    handle = engine.serve(end_grace_s=None)  # awaited up to 0.9 x env_timeout_s
     episode = handle.open_episode(seed=3)
     with openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0, timeout=DEADLINE_S) as client:
         stepper_result = []
@@ -131,5 +131,59 @@ def test_an_agent_of_add_agents_returns_the_reward_of_an_episode_the_engine_ende
         assert {r.finish_reason for r in rollouts} == {"length"}
         stats = engine.cache_stats()
         assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
+
+
+def test_an_ended_episode_without_finish_holds_no_step_beyond_end_grace_and_a_late_finish_gets_409(
+    actor, tokenizer
+):
+    """A vLLM-style client (one request, never a finish): after the engine ends its episode, finish is awaited
+    only serve(end_grace_s=) (0.5 s by default), not 0.9 x env_timeout_s (here 600 s: past the deadline), and
+    a finish that comes after is refused, never silently dropped (the reviewer's held4.py)."""
+    engine = make_engine(actor, tokenizer, env_timeout_s=600.0)
+    handle = engine.serve()
+    episodes = [handle.open_episode(seed=k) for k in range(2)]
+
+    def client(episode) -> None:
+        with openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0, timeout=DEADLINE_S) as c:
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=20)
+
+    threads = [threading.Thread(target=client, args=(e,), daemon=True) for e in episodes]
+    try:
+        for t in threads:
+            t.start()
+        rollouts, failed = step_until(engine, 2)
+        assert failed == [] and {r.finish_reason for r in rollouts} == {"length"}
+        assert [r.reward for r in rollouts] == [length_reward(None, r.response_ids) for r in rollouts]
+        with pytest.raises(ValueError, match="not awaited any longer"):
+            episodes[0].finish(5.0)
+    finally:
+        engine.close()
+
+
+def test_an_agent_is_awaited_past_end_grace_and_its_return_is_the_reward(actor, tokenizer):
+    """end_grace_s bounds episodes whose client may never call finish; an agent's return is its finish, so it
+    is awaited (up to the timeout) even when it grades slowly."""
+    import asyncio
+
+    async def slow_grader(task, client):
+        messages = [{"role": "user", "content": "hello"}]
+        try:
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=20)
+            await client.chat.completions.create(
+                model="m", messages=[*messages, {"role": "assistant", "content": "x"}], max_tokens=2
+            )
+        except openai.APIStatusError:
+            pass
+        await asyncio.sleep(1.0)  # past end_grace_s
+        return 50.0 + task
+
+    engine = make_engine(actor, tokenizer, env_timeout_s=60.0)
+    engine.serve(end_grace_s=0.1)
+    try:
+        engine.add_agents(slow_grader, [0, 1])
+        rollouts, failed = step_until(engine, 2)
+        assert failed == [] and sorted(r.reward for r in rollouts) == [50.0, 51.0]
     finally:
         engine.close()

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from oppo_engine.serve.server import ServeHandle
 
 OPEN, GENERATING, WAITING, DONE, ENDED, FAILED = "open", "generating", "waiting", "done", "ended", "failed"
-# After the engine ends an episode, finish(reward) is awaited this share of env_timeout_s (the rest is the
-# margin before the pool expires the call, which would fail the episode).
+# After the engine ends an agent's episode (or any, with serve(end_grace_s=None)), finish(reward) is awaited
+# this share of env_timeout_s (the rest is the margin before the pool expires the call, which would fail the
+# episode); other episodes wait serve(end_grace_s=).
 _END_WAIT = 0.9
 _ENGINE_FINISH = {
     "eos": "stop",
@@ -76,6 +77,8 @@ class ServedEpisode:
         self.agent_error: str | None = None
         self.error: str | None = None
         self.env_made = False  # the actor thread's: the factory was called
+        self.agent = False  # run by an agent of add_agents: its return is its finish
+        self.reward_closed = False  # ended by the engine, and its finish is no longer awaited
 
     # -- requests (serving loop) -----------------------------------------------------------------------------
 
@@ -86,8 +89,18 @@ class ServedEpisode:
             raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
         if req.key == self.last_key and self.last_response is not None:
             return self.last_response  # a client's retry of the last answered request
-        if self.state in (DONE, ENDED):
-            raise ApiError(409, f"episode {self.id} has ended: open a new episode", code="episode_ended")
+        if self.state == DONE:
+            raise ApiError(
+                409, f"episode {self.id} has ended (finished): open a new episode", code="episode_ended"
+            )
+        if self.state == ENDED:
+            raise ApiError(
+                409,
+                f"episode {self.id} has ended: the engine ended it (EOS, or a length or turn limit); call "
+                "its finish now (POST .../finish with its reward; an agent of add_agents returns it), within "
+                "serve(end_grace_s=), else the reward model or function scores it; then open a new episode",
+                code="episode_ended",
+            )
         if self.state == GENERATING:
             if req.key != self.pending_key:
                 raise ApiError(409, f"episode {self.id} has a request in flight", code="request_in_flight")
@@ -245,14 +258,19 @@ class ServedEpisode:
 
     async def after_end(self, reason: str) -> Observation:
         """The engine ended the episode (``on_end`` answered the turn it cut): ``finish(reward)`` is still
-        awaited, up to the timeout, and its reward is the rollout's; without it (the timeout, an agent that
-        raises or returns ``None``) the reward model or function scores the episode."""
+        awaited -- an agent's return up to the timeout, another episode's for ``serve(end_grace_s=)`` -- and
+        its reward is the rollout's; without it (the wait over, an agent that raises or returns ``None``) the
+        reward model or function scores the episode, and a later ``finish`` gets 409."""
         if self.finish_asked is None and self.agent_error is None and self.state == ENDED:
             self.end_waiter = asyncio.get_running_loop().create_future()
+            wait = self.server.timeout_s * _END_WAIT
+            if not self.agent and self.server.end_grace_s is not None:
+                wait = min(wait, self.server.end_grace_s)
             try:
-                await asyncio.wait_for(self.end_waiter, self.server.timeout_s * _END_WAIT)
+                await asyncio.wait_for(self.end_waiter, wait)
             except TimeoutError:
                 pass
+        self.reward_closed = True  # a later finish is refused (409), never silently dropped
         if self.state == FAILED:
             raise AgentError(f"agent episode {self.id} failed: {self.error}")
         reward = self.finish_asked[0] if self.finish_asked is not None else None
@@ -305,6 +323,13 @@ class ServedEpisode:
             raise ApiError(409, f"episode {self.id} is already finished", code="already_finished")
         if self.state == FAILED:
             raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
+        if self.reward_closed:
+            raise ApiError(
+                409,
+                f"episode {self.id} was ended by the engine and its finish was not awaited any longer "
+                "(serve(end_grace_s=)): the reward model or function scored it; this reward is not used",
+                code="reward_closed",
+            )
         self.finish_asked = (reward,)
         if self.state == WAITING:
             self.state = DONE

@@ -28,6 +28,7 @@ from oppo_engine.serve.requests import parse_turn
 from oppo_engine.serve.responses import Responses
 
 SERVING_ENV_TIMEOUT_S = 300.0  # EngineConfig.env_timeout_s while serving, unless set
+END_GRACE_S = 0.5  # serve(end_grace_s=): how long an engine-ended episode (not an agent's) awaits finish
 _START_TIMEOUT_S = 30.0
 _CLOSE_TIMEOUT_S = 30.0
 _REAP_PERIOD_S = 0.5
@@ -82,11 +83,14 @@ class ServeHandle:
     parse; default ``hermes_tool_parser``), ``turn_end_token_id`` (default: the template's end of turn, found
     by rendering one turn), ``model`` (the name ``/v1/models`` answers), ``max_episodes`` (open at once; more
     get 429), ``on_divergence`` (``"refuse"``: a request that does not extend its episode's history gets 409;
-    ``"restart"``: the episode ends there and a new one, under the same id, starts from it). ``ValueError``:
-    no tokenizer; a ``process_group``; a non-loopback ``host`` without ``api_key``; ``SamplingParams.n > 1``;
-    an explicit ``eos_token_id`` that includes the template's end of turn (for a served episode it ends the
-    turn, not the episode). ``EngineConfig.env_timeout_s`` (``None``: 300 s while serving) bounds each gap
-    between an answer and the agent's next request or ``finish``."""
+    ``"restart"``: the episode ends there and a new one, under the same id, starts from it), ``end_grace_s``
+    (after the engine ends an episode of ``open_episode`` or ``POST /v1/episodes``, how long its ``finish``
+    is awaited before the reward model or function scores it, default 0.5 s; ``None``: up to 0.9 x
+    ``env_timeout_s``; an agent of ``add_agents`` is always awaited, as its return is its ``finish``).
+    ``ValueError``: no tokenizer; a ``process_group``; a non-loopback ``host`` without ``api_key``;
+    ``SamplingParams.n > 1``; an explicit ``eos_token_id`` that includes the template's end of turn (for a
+    served episode it ends the turn, not the episode). ``EngineConfig.env_timeout_s`` (``None``: 300 s while
+    serving) bounds each gap between an answer and the agent's next request or ``finish``."""
 
     def __init__(
         self,
@@ -101,6 +105,7 @@ class ServeHandle:
         model: str | None = None,
         max_episodes: int = 4096,
         on_divergence: str = "refuse",
+        end_grace_s: float | None = END_GRACE_S,
     ) -> None:
         engine._check_open()
         tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
@@ -117,6 +122,9 @@ class ServeHandle:
         if on_divergence not in ("refuse", "restart"):
             raise ValueError(f"serve(on_divergence={on_divergence!r}): 'refuse' (409) or 'restart'")
         self.on_divergence = on_divergence
+        if end_grace_s is not None and not end_grace_s >= 0:
+            raise ValueError(f"serve(end_grace_s={end_grace_s!r}): seconds >= 0, or None (up to the timeout)")
+        self.end_grace_s = end_grace_s
         if engine.sampling.n != 1:
             raise ValueError(
                 f"serve() needs SamplingParams.n=1 (an episode is one conversation), got {engine.sampling.n}"
@@ -425,6 +433,7 @@ class ServeHandle:
             for j in range(n):
                 metadata = {"task_index": index} if n == 1 else {"task_index": index, "sample_index": j}
                 episode = self.open(metadata=metadata, seed=sample_seed(seed, j), group=group)
+                episode.agent = True  # its agent's return is its finish: awaited after the engine ends it
                 self._agents_running += 1
                 t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
                 self._agent_tasks.add(t)
@@ -463,7 +472,10 @@ class ServeHandle:
         else:
             episode = self.episodes.get(episode.id, episode)  # a restart put a new episode under its id
             if episode.state not in (DONE, FAILED) and episode.finish_asked is None:
-                episode.finish(reward)
+                try:
+                    episode.finish(reward)
+                except ApiError:  # its reward window closed (past the timeout): the reward model scored it
+                    pass
         finally:
             try:
                 await client.close()
