@@ -275,3 +275,32 @@ def test_an_evaluation_is_not_held_back_by_an_opened_episode_that_sends_nothing(
         assert answers[0]["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_an_evaluation_whose_rendered_prompt_leaves_the_vocabulary_is_refused(tokenizer, kind):
+    """An actor with a smaller vocabulary than the tokenizer's: a text or chat prompt that renders to an id
+    outside it gets 400, as an episode's prompt does, and is never decoded."""
+    from serve_models import chat_actor
+
+    small = chat_actor(tokenizer)
+    small.resize_token_embeddings(64)
+    engine = RolloutEngine(
+        small, reward=lambda p, r: 0.0, tokenizer=tokenizer,
+        config=EngineConfig(batch_size=1, mode="sequential", max_model_len=256, page_size=16),
+        sampling=SamplingParams(max_new_tokens=4, seed=3),
+    )  # fmt: skip
+    handle = engine.serve()
+    text = "zzz yyy xxx www"
+    assert max(tokenizer(text)["input_ids"]) >= 64
+    if kind == "chat":
+        route, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}
+    else:
+        route, body = "/v1/completions", {"prompt": text}
+    try:
+        with httpx2.Client(base_url=handle.url, timeout=DEADLINE_S) as http:
+            answer = http.post(route, json={**body, "max_tokens": 2})
+        assert answer.status_code == 400 and "outside the vocabulary" in answer.text, answer.text
+        assert not engine._loop.evals.in_flight
+    finally:
+        engine.close()

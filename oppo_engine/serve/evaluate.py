@@ -68,7 +68,8 @@ class EvalCall:
 
 def evaluate(server: ServeHandle, req: TurnRequest) -> EvalCall:
     """Queue ``req`` for the engine's next forwards (on the serving loop); ``ApiError`` 400 if its prompt
-    does not fit ``max_model_len``, 503 once the server is closing."""
+    does not fit ``max_model_len`` or holds an id outside the vocabulary (text and chat prompts too, as an
+    episode's), 503 once the server is closing."""
     if server._closed:
         raise ApiError(503, "the server is closing")
     call = EvalCall(server, req)
@@ -79,6 +80,10 @@ def evaluate(server: ServeHandle, req: TurnRequest) -> EvalCall:
     else:
         call.prompt = [int(t) for t in server.tokenizer(req.prompt)["input_ids"]]
     server.check_length(len(call.prompt), "the prompt")
+    try:  # checked as an episode's prompt is: an id outside the actor's vocabulary is never decoded
+        server._prompts.validate("the prompt", call.prompt)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages" if req.kind == "chat" else "prompt") from None
     base = server.base_sampling
     sampling = SamplingParams(
         temperature=base.temperature if req.temperature is None else req.temperature,
