@@ -127,13 +127,18 @@ def test_a_member_that_raises_before_its_first_request_fails_its_group_and_stall
             raise RuntimeError("no first request")
         return await agent(task, client)
 
-    # The group never had a sequence, so it comes back nowhere (as an agent that raises before its first
-    # request); its other member's request got 410 and its agent raised. The others come back, and the
-    # last step returns at once: nothing waits for the group's first requests.
-    steps = run(actor, tokenizer, "oppo", [0, 1, 2], fn=flaky, expect=4)
+    # The group never had a sequence, yet it comes back once, in StepResult.failed: the member that raised
+    # with its error, the other (its request got 410) with its group's. The others come back, and the last
+    # step returns at once: nothing waits for the group's first requests.
+    steps = run(actor, tokenizer, "oppo", [0, 1, 2], fn=flaky)
     rollouts = [r for r, _ in steps for r in r]
     assert sorted(r.reward for r in rollouts) == [0.0, 0.0, 2.0, 2.0]
-    assert [f for _, f in steps for f in f] == []
+    failed = [f for _, f in steps for f in f]
+    assert len(failed) == N and len({f.group_id for f in failed}) == 1
+    assert {f.group_id for f in failed}.isdisjoint(r.group_id for r in rollouts)
+    assert sorted(f.sample_index for f in failed) == list(range(N))
+    assert all(f.finish_reason == "error" and f.response_ids == [] for f in failed)
+    assert any("no first request" in f.error for f in failed)
 
 
 def test_add_agents_refuses_a_group_that_the_batch_cannot_return_whole(actor, tokenizer):
@@ -211,5 +216,30 @@ def test_on_divergence_restart_answers_409_to_a_group_member_and_the_group_comes
         assert [r.reward for r in got] == [3.0, 3.0] and len({r.group_id for r in got}) == 1
         assert sorted(r.sample_index for r in got) == [0, 1]
         assert engine.step().rollouts == []  # no restarted episode is left behind
+    finally:
+        engine.close()
+
+
+def test_an_agent_that_raises_before_its_first_request_comes_back_in_failed(actor, tokenizer):
+    """n=1 too: an episode that never had a sequence comes back once, in StepResult.failed, with its error."""
+
+    async def broken(task, client):
+        if task == 1:
+            raise RuntimeError("no tool")
+        return await agent(task, client)
+
+    engine = make_engine(actor, tokenizer, "oppo", batch_size=2)
+    engine.serve()
+    try:
+        engine.add_agents(broken, [0, 1, 2])
+        rollouts, failed, deadline = [], [], time.monotonic() + DEADLINE_S
+        while len(rollouts) + len(failed) < 3:
+            assert time.monotonic() < deadline
+            result = engine.step()
+            rollouts += result.rollouts
+            failed += result.failed
+        assert sorted(r.reward for r in rollouts) == [0.0, 2.0]
+        assert len(failed) == 1 and "no tool" in failed[0].error and failed[0].prompt_ids == []
+        assert engine.step().failed == []  # once
     finally:
         engine.close()

@@ -114,6 +114,9 @@ class PromptQueue:
         # Whether the step has work that needs no prompt (a served endpoint's evaluation requests): then
         # take() does not wait for announced prompts when it has nothing else. ``wake()`` when it turns true.
         self.side_work: Callable[[], bool] | None = None
+        # Groups that failed before they had a sequence (a served episode whose agent raised before its first
+        # request): [(prompts, errors)], returned by the next step in StepResult.failed (take_failed).
+        self._failed: list[tuple[list[list[int]], list[str]]] = []
         self.check_sampling(sampling, "sampling")
 
     def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
@@ -207,8 +210,28 @@ class PromptQueue:
 
     @property
     def busy(self) -> bool:
-        """Prompts are queued, given back, announced or drawn from a source."""
-        return bool(self._pending or self.requeued or self._expected or self._source is not None)
+        """Prompts are queued, given back, announced or drawn from a source, or failed groups wait."""
+        return bool(
+            self._pending or self.requeued or self._expected or self._source is not None or self._failed
+        )
+
+    def add_failed(self, prompts: list[list[int]], errors: list[str]) -> None:
+        """A group that failed before it had a sequence (from any thread): one member per prompt (``[]``: it
+        never had one), each with its error; the next step returns it in ``StepResult.failed``."""
+        with self._lock:
+            self._failed.append(([list(p) for p in prompts], list(errors)))
+            self._lock.notify_all()
+
+    def take_failed(self) -> list[tuple[int, list[list[int]], list[str]]]:
+        """The groups of ``add_failed`` since the last call, each with a group id of its own (a prompt index:
+        never another group's)."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        out = []
+        for prompts, errors in failed:
+            out.append((self._next_prompt_index, prompts, errors))
+            self._next_prompt_index += 1
+        return out
 
     def expect(self, k: int) -> None:
         """``k`` more prompts are on their way (negative: fewer; from any thread); see the class."""
@@ -230,7 +253,7 @@ class PromptQueue:
             while self._expected > 0 and len(self._pending) < n:
                 before = len(self._pending)
                 if before + len(self.requeued) + holding == 0:
-                    if self.side_work is not None and self.side_work():
+                    if self._failed or (self.side_work is not None and self.side_work()):
                         return  # the step has work of its own meanwhile: it joins that step, or the next
                     self._lock.wait(_WAKE_S)  # nothing to run: wait for the first (or for none expected)
                 elif not self._lock.wait_for(lambda before=before: len(self._pending) > before, ADMIT_GAP_S):

@@ -364,9 +364,12 @@ class ServedEpisode:
         if self.state == FAILED or (self.state == DONE and not lost):
             return
         group = self.group
-        if self.state == OPEN or (self.state == GENERATING and group is not None and not group.queued):
-            self.server.expect(-1)  # announced, never queued
+        unqueued = self.state == OPEN or (self.state == GENERATING and group is not None and not group.queued)
         self.state, self.error = FAILED, message
+        if group is None and unqueued:  # no sequence: it comes back in StepResult.failed all the same
+            self.server._prompts.add_failed([[]], [message])
+        if unqueued:
+            self.server.expect(-1)  # announced, never queued (after add_failed: a waiting step returns it)
         if group is not None:
             group.member_failed(self, message)
         if self.pending is not None and not self.pending.done():
@@ -412,6 +415,9 @@ class AgentGroup:
         for member in self.members:
             if member is not episode:
                 member.fail(f"sample {self.members.index(episode)} of its group failed: {message}")
+        # No sequence: the group comes back in StepResult.failed all the same, each member with its error.
+        prompts = [self.prompts.get(m.id, []) for m in self.members]
+        self.server._prompts.add_failed(prompts, [m.error or message for m in self.members])
 
 
 class AgentEnv:
