@@ -113,3 +113,17 @@ def test_the_serve_command_refuses_a_bad_actor_with_a_message(tmp_path):
         capture_output=True, text=True, timeout=DEADLINE_S,
     )  # fmt: skip
     assert result.returncode == 2 and "oppo-engine serve:" in result.stderr
+
+
+def test_the_serve_command_exits_2_with_a_message_when_its_port_is_in_use(model_folder):
+    import socket
+
+    folder, _ = model_folder
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "oppo_engine.cli", "serve", "--actor", str(folder), "--port", str(port)],
+            capture_output=True, text=True, timeout=DEADLINE_S,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr

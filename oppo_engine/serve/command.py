@@ -37,6 +37,7 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (an episode's without its own)")
     p.add_argument("--rollouts", default=None, help="append each episode's rollout to this file (JSON lines)")
     args = p.parse_args(argv)
+    engine = None
     try:
         actor, tokenizer = load_pretrained(args.actor)
         engine = RolloutEngine(
@@ -47,6 +48,10 @@ def serve_main(argv: list[str]) -> int:
         handle = engine.serve(host=args.host, port=args.port, api_key=args.api_key)
     except (ValueError, FileNotFoundError) as e:
         p.exit(2, f"oppo-engine serve: {e}\n")
+    except OSError as e:  # the port is in use, or the address cannot be bound
+        if engine is not None:
+            engine.close()
+        p.exit(2, f"oppo-engine serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}\n")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -55,7 +60,8 @@ def serve_main(argv: list[str]) -> int:
         stop.wait()
         handle.close()
 
-    threading.Thread(target=close_when_stopped, name="oppo-serve-stop", daemon=True).start()
+    closer = threading.Thread(target=close_when_stopped, name="oppo-serve-stop", daemon=True)
+    closer.start()
     print(f"oppo-engine serve: {args.actor} at {handle.url}/v1", flush=True)
     out = open(args.rollouts, "a") if args.rollouts else None  # noqa: SIM115 (closed below)
     returned = failed = 0
@@ -71,6 +77,8 @@ def serve_main(argv: list[str]) -> int:
             if not (result.rollouts or result.failed):
                 time.sleep(_IDLE_S)
     finally:
+        stop.set()  # the endpoint is closed by one thread, before the engine: never two closes at once
+        closer.join()
         engine.close()
         if out is not None:
             out.close()
