@@ -243,3 +243,36 @@ def test_an_agent_that_raises_before_its_first_request_comes_back_in_failed(acto
         assert engine.step().failed == []  # once
     finally:
         engine.close()
+
+
+def test_a_seed_given_at_opening_refuses_another_in_the_first_request_and_an_agents_request_seed_is_used(
+    actor, tokenizer
+):
+    """One rule for seeds: fixed at the opening when given there (a first request with another gets 400, as a
+    later one does); else the first request's -- an agent's too, over its task's -- else the task's."""
+    import httpx2
+
+    async def seeded(task, client):
+        messages = [{"role": "user", "content": "same question"}]
+        answer = await client.chat.completions.create(
+            model="m", messages=messages, max_tokens=8, temperature=1.0, seed=11
+        )
+        return float(task) if answer.choices[0].message.content is not None else -1.0
+
+    engine = make_engine(actor, tokenizer, "oppo", batch_size=2)
+    handle = engine.serve()
+    try:
+        episode = handle.open_episode(seed=5)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "seed": 7}
+        answer = httpx2.post(f"{episode.base_url}/chat/completions", json=body, timeout=DEADLINE_S)
+        assert answer.status_code == 400 and "opened with seed=5" in answer.text
+        episode.finish(None)
+        engine.add_agents(seeded, [0, 1])
+        got, deadline = [], time.monotonic() + DEADLINE_S
+        while len(got) < 2:
+            assert time.monotonic() < deadline
+            got += engine.step().rollouts
+        # the same messages and the same request seed: the same transcript, whatever the task's seed
+        assert got[0].response_ids == got[1].response_ids and sorted(r.reward for r in got) == [0.0, 1.0]
+    finally:
+        engine.close()

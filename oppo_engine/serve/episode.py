@@ -47,13 +47,22 @@ class AgentError(RuntimeError):
 
 
 class ServedEpisode:
-    """One conversation (see the module). ``seed``: the episode's RNG seed (else the first request's, else
-    the engine's derivation from the prompt's index)."""
+    """One conversation (see the module). ``seed``: the episode's RNG seed, fixed at its opening (a request
+    with another gets 400, the first included); else the first request's; else ``default_seed`` (an agent's,
+    derived from its task); else the engine's derivation from the prompt's index."""
 
     def __init__(
-        self, server: ServeHandle, episode_id: str, *, metadata=None, seed: int | None = None, group=None
+        self,
+        server: ServeHandle,
+        episode_id: str,
+        *,
+        metadata=None,
+        seed: int | None = None,
+        group=None,
+        default_seed: int | None = None,
     ) -> None:
         self.server, self.id, self.metadata, self.seed = server, episode_id, metadata, seed
+        self.default_seed = default_seed
         self.group: AgentGroup | None = group  # n agents on one task (add_agents(n=...)): one group
         if group is not None:
             group.members.append(self)
@@ -124,7 +133,14 @@ class ServedEpisode:
             self.text = req.prompt
         server.check_length(len(prompt), "the prompt")
         base = server.base_sampling
-        seed = self.seed if self.seed is not None else req.seed
+        if self.seed is not None and req.seed is not None and req.seed != self.seed:
+            raise ApiError(
+                400,
+                f"seed={req.seed} but episode {self.id} was opened with seed={self.seed}: an episode's seed "
+                "is fixed at its opening when given there",
+                param="seed",
+            )
+        seed = next((s for s in (self.seed, req.seed, self.default_seed) if s is not None), None)
         self.sampling = SamplingParams(
             temperature=base.temperature if req.temperature is None else req.temperature,
             top_p=base.top_p if req.top_p is None else req.top_p,

@@ -299,7 +299,13 @@ class ServeHandle:
         """A request body as a ``TurnRequest`` (``serve/requests.py``); ``ApiError`` 400 naming the field."""
         return parse_turn(body, kind, self.tokenizer, self.vocab_size)
 
-    def open(self, metadata=None, seed: int | None = None, group: AgentGroup | None = None) -> ServedEpisode:
+    def open(
+        self,
+        metadata=None,
+        seed: int | None = None,
+        group: AgentGroup | None = None,
+        default_seed: int | None = None,
+    ) -> ServedEpisode:
         """A new episode (on the serving loop; ``open_episode`` is the any-thread form): 429 over the cap.
         ``group``: it is a member of that group of agents (``add_agents(n=...)``)."""
         if self._closed:
@@ -311,7 +317,14 @@ class ServeHandle:
             raise ApiError(400, f"seed must be an integer >= 0, got {seed!r}", param="seed")
         if group is None:
             self.claim_group_size(1)
-        episode = ServedEpisode(self, secrets.token_urlsafe(16), metadata=metadata, seed=seed, group=group)
+        episode = ServedEpisode(
+            self,
+            secrets.token_urlsafe(16),
+            metadata=metadata,
+            seed=seed,
+            group=group,
+            default_seed=default_seed,
+        )
         self.episodes[episode.id] = episode
         self.expect(1)
         return episode
@@ -353,7 +366,9 @@ class ServeHandle:
         model scores it) and a new episode takes its id, the diverging request as its first."""
         if old.state == WAITING:
             old.finish(None)
-        episode = ServedEpisode(self, old.id, metadata=old.metadata, seed=old.seed)
+        episode = ServedEpisode(
+            self, old.id, metadata=old.metadata, seed=old.seed, default_seed=old.default_seed
+        )
         self.episodes[old.id] = episode
         self.expect(1)
         return episode
@@ -432,7 +447,8 @@ class ServeHandle:
             group = AgentGroup(self, n) if n > 1 else None
             for j in range(n):
                 metadata = {"task_index": index} if n == 1 else {"task_index": index, "sample_index": j}
-                episode = self.open(metadata=metadata, seed=sample_seed(seed, j), group=group)
+                # the first request's seed, else the task's (sample j's of it)
+                episode = self.open(metadata=metadata, group=group, default_seed=sample_seed(seed, j))
                 episode.agent = True  # its agent's return is its finish: awaited after the engine ends it
                 self._agents_running += 1
                 t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
