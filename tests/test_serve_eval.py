@@ -145,13 +145,14 @@ def test_a_step_with_no_batch_of_its_own_decodes_the_evaluations_to_the_end(acto
         for t in threads:
             t.start()
         deadline = time.monotonic() + DEADLINE_S
-        while len(answers) < 3:
-            assert time.monotonic() < deadline, "the evaluations were not served"
-            result = engine.step()  # nothing to train on: the step decodes the evaluations
-            assert result.rollouts == [] and result.failed == []
+        while len(engine._loop.evals.running) + len(engine._loop.evals._pending) < 3:  # all three queued
+            assert time.monotonic() < deadline, "the evaluations were not queued"
             time.sleep(0.01)
+        result = engine.step()  # ONE step, nothing to train on: it decodes the evaluations to their end
+        assert result.rollouts == [] and result.failed == [] and not engine._loop.evals.in_flight
         for t in threads:
             t.join(DEADLINE_S)
+        assert len(answers) == 3
         for answer in answers:
             choice = answer["choices"][0]
             assert choice["finish_reason"] in ("stop", "length") and choice["token_ids"]
