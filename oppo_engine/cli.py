@@ -1,4 +1,5 @@
-"""``oppo-engine demo | bench | trace | serve-scorers | plan | calibrate``: the command-line entry points."""
+"""``oppo-engine demo | bench | trace | serve | serve-scorers | plan | calibrate``: the command-line entry
+points."""
 
 from __future__ import annotations
 
@@ -181,12 +182,16 @@ def serve_scorers(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench``, ``trace``, ``serve-scorers``, and
-    the twin's ``plan`` and ``calibrate``."""
+    """Entry point of ``oppo-engine``: ``demo`` (default job), ``bench``, ``trace``, ``serve``,
+    ``serve-scorers``, and the twin's ``plan`` and ``calibrate``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if argv and argv[0] == "serve-scorers":
         return serve_scorers(argv[1:])
+    if argv and argv[0] == "serve":
+        from oppo_engine.serve.command import serve_main
+
+        return serve_main(argv[1:])
     if argv and argv[0] in ("plan", "calibrate"):
         from oppo_engine.sim import commands
 
@@ -198,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
-    sub = parser.add_subparsers(dest="command", metavar="{demo,bench,trace,serve-scorers,plan,calibrate}")
+    commands = "{demo,bench,trace,serve,serve-scorers,plan,calibrate}"
+    sub = parser.add_subparsers(dest="command", metavar=commands)
     d = sub.add_parser(
         "demo",
         help="PPO on the embedded task in every mode, side by side (the ablation)",
@@ -258,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("bench", help="end-to-end benchmark (bench/bench_e2e.py; --help for its options)")
     sub.add_parser("trace", help="the benchmark with a Chrome/Perfetto lane trace")
+    sub.add_parser("serve", help="an OpenAI-compatible endpoint over a pretrained actor (--help for options)")
     sub.add_parser("serve-scorers", help="frozen scorers for the actor ranks of a job (--help for options)")
     sub.add_parser("plan", help="predict a PPO run on N GPUs with the twin (--help for options)")
     sub.add_parser("calibrate", help="time this device into a profile for plan and the chunk prior")

@@ -286,7 +286,7 @@ class RolloutEngine:
         return self._server
 
     def add_agents(self, agent_fn, tasks: Iterable, n: int = 1, in_process: bool = True) -> None:
-        """Run ``async def agent_fn(task, client) -> float | None`` once per task in an episode of its own,
+        """Run ``async def agent_fn(task, client) -> float | None`` n times a task (a group) in episodes,
         B + Δ at once (``ServeHandle.add_agents``: ``serve()`` first); returns at once."""
         ServeHandle.of(self).add_agents(agent_fn, tasks, n=n, in_process=in_process)
 

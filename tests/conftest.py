@@ -22,6 +22,10 @@ os.environ["OPPO_ENGINE_PROFILES"] = tempfile.mkdtemp(prefix="oppo-profiles-")
 
 import pytest  # noqa: E402
 
+# The serve tests' tiny chat model: the ``tokenizer`` and ``actor`` fixtures (a module's own fixtures of those
+# names take precedence).
+pytest_plugins = ["serve_models"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

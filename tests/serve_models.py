@@ -1,4 +1,5 @@
-"""A tiny chat model for the serve tests: a byte-level BPE trained here on template-like text, with the
+"""A tiny chat model for the serve tests (its ``tokenizer`` and ``actor`` fixtures are every test module's,
+through conftest's ``pytest_plugins``): a byte-level BPE trained here on template-like text, with the
 Qwen2-style tools template of the fixtures (its end of turn, ``<|im_end|>``, is also the tokenizer's and the
 model's EOS, as in real chat models), and a random ``from_config`` Qwen2 actor over its vocabulary (no
 hub)."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
@@ -51,3 +53,15 @@ def add(a: int, b: int) -> int:
         b: the second addend
     """
     return a + b
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """The serve tests' tokenizer, built once per test module."""
+    return chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def actor(tokenizer) -> torch.nn.Module:
+    """The serve tests' actor over ``tokenizer``'s vocabulary."""
+    return chat_actor(tokenizer)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from engine_models import EOS, VOCAB, make_actor, make_reward, random_prompts
 from envs import AsyncScriptedEnv, EnvLog, ScriptedEnv, scripted
+from hf_check import assert_logprobs_equal_hf
 from test_intra import assert_all_pages_free
 
 from oppo_engine import EngineConfig, Observation, RolloutEngine, SamplingParams
@@ -131,15 +132,7 @@ def test_action_logprobs_equal_one_hf_forward_over_the_transcript(actor):
     rollouts, failed, _ = drain(engine)
     assert failed == [] and len(rollouts) == 6
     for r in rollouts:
-        with torch.inference_mode():
-            logits = actor(torch.tensor([r.prompt_ids + r.response_ids])).logits[0].float()
-        logp = logits.log_softmax(-1)
-        p = len(r.prompt_ids)
-        for i, (tok, mask) in enumerate(zip(r.response_ids, r.action_mask, strict=True)):
-            if mask:
-                assert r.logprobs[i] == pytest.approx(logp[p - 1 + i, tok].item(), abs=1e-5)
-            else:
-                assert r.logprobs[i] == 0.0
+        assert_logprobs_equal_hf(actor, r.prompt_ids, r.response_ids, r.logprobs, r.action_mask)
         assert r.reward == rule_reward(r.prompt_ids, r.response_ids)  # the whole transcript was scored
 
 

@@ -13,8 +13,8 @@ import threading
 import time
 
 import pytest
-import torch
-from serve_models import add, chat_actor, chat_tokenizer
+from hf_check import assert_logprobs_equal_hf
+from serve_models import add
 from transformers.utils import get_json_schema
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
@@ -22,16 +22,6 @@ from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 MODES = ["sequential", "intra", "inter", "oppo"]
 DEADLINE_S = 120.0
 TOOLS = [get_json_schema(add)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def actor(tokenizer):
-    return chat_actor(tokenizer)
 
 
 def rule_reward(prompt, response) -> float:
@@ -145,13 +135,7 @@ def test_logprobs_equal_one_hf_forward_over_the_transcript(actor, tokenizer):
     rollouts, failed, _ = run_agents(actor, tokenizer, "oppo", list(range(4)), max_tokens=10)
     assert failed == [] and len(rollouts) == 4
     for r in rollouts:
-        with torch.inference_mode():
-            logits = actor(torch.tensor([r.prompt_ids + r.response_ids])).logits[0].float()
-        logp = logits.log_softmax(-1)
-        p = len(r.prompt_ids)
-        for i, (tok, mask) in enumerate(zip(r.response_ids, r.action_mask, strict=True)):
-            if mask:
-                assert r.logprobs[i] == pytest.approx(logp[p - 1 + i, tok].item(), abs=1e-5)
+        assert_logprobs_equal_hf(actor, r.prompt_ids, r.response_ids, r.logprobs, r.action_mask)
 
 
 def transcripts(rollouts, log) -> dict:

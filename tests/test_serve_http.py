@@ -12,22 +12,11 @@ import time
 import httpx2
 import openai
 import pytest
-from serve_models import chat_actor, chat_tokenizer
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
 KEY = "sekrit"
 DEADLINE_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return chat_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def actor(tokenizer):
-    return chat_actor(tokenizer)
 
 
 def make_engine(actor, tokenizer, **kw) -> RolloutEngine:
@@ -135,24 +124,24 @@ def test_unsupported_or_mistyped_fields_get_400_naming_the_field(served, change,
 def test_bad_input_gets_openai_errors_with_the_right_status(served):
     engine, handle, _, client = served
     _, base_url = open_episode(client)
-    # malformed JSON, unknown episode, no episode, a prompt past max_model_len (with the numbers)
+    # malformed JSON, unknown episode, a prompt past max_model_len (with the numbers), in an episode or not
     bad = client.post(
         f"{base_url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert_error(bad, 400)
     assert_error(client.post(f"{handle.url}/episodes/nope/v1/chat/completions", json=CHAT), 404)
-    assert_error(client.post("/v1/chat/completions", json=CHAT), 404, text="/v1/episodes")
     long = {**CHAT, "messages": [{"role": "user", "content": "the answer is 42 . " * 200}]}
-    error = assert_error(
-        client.post(f"{base_url}/chat/completions", json=long), 400, text="max_model_len=256"
-    )
-    assert "tokens" in error["message"]
+    for url in (f"{base_url}/chat/completions", "/v1/chat/completions"):
+        error = assert_error(client.post(url, json=long), 400, text="max_model_len=256")
+        assert "tokens" in error["message"]
+    assert_error(client.post("/v1/completions", json={"prompt": [1, 10**6]}), 400, param="prompt")
     # a body over 8 MiB
     huge = b'{"messages": "' + b"x" * (8 << 20) + b'"}'
     assert_error(client.post(f"{base_url}/chat/completions", content=huge), 413)
     # the API key, on every route
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/episodes"), ("POST", "/tokenize"),
-                         ("POST", "/detokenize"), ("POST", "/episodes/x/v1/chat/completions")]:  # fmt: skip
+                         ("POST", "/detokenize"), ("POST", "/episodes/x/v1/chat/completions"),
+                         ("POST", "/v1/chat/completions")]:  # fmt: skip
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             response = httpx2.request(method, handle.url + path, json={}, headers=headers, timeout=DEADLINE_S)
             assert_error(response, 401)

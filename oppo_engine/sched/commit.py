@@ -294,6 +294,12 @@ def commit_step(
         env_latency_s=latency_percentiles(env_latencies),
         **graph_metrics,
     )
+    if loop.admission is not None:  # groups that failed before they had a sequence (served agents)
+        failed += [
+            Rollout.failed_unstarted(prompt, error, group_id, j)
+            for group_id, prompts, errors in loop.admission.take_failed()
+            for j, (prompt, error) in enumerate(zip(prompts, errors, strict=True))
+        ]
     return StepResult(rollouts, metrics, failed)
 
 

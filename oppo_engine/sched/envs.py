@@ -146,6 +146,21 @@ class EnvDriver:
         )
         end(seq.response_ids[start:], seq.logprobs[start:], seq.finish_reason)
 
+    def hold(self, seq: Sequence) -> bool:
+        """``seq``'s episode ended without its environment's word (as for ``ended``). An environment with
+        ``after_end(reason)`` (an agent's, which may still give the reward) is told (``ended``) and then asked
+        for its last word: a call whose done observation (its reward, ``None``: the scorers') ends ``seq``,
+        which waits for it, parked. False if there is none to ask: ``seq`` ends now."""
+        episode = seq.episode
+        after_end = getattr(episode.env, "after_end", None) if episode is not None else None
+        if after_end is None or episode.done_by_env or not episode.ready or episode.call is not None:
+            return False
+        reason = seq.finish_reason
+        self.ended(seq)
+        episode.steps += 1
+        episode.call = self._submit(seq, lambda: after_end(reason), "step")
+        return True
+
     def close(self) -> None:
         """Cancel every call pending and let the workers go."""
         self._calls.clear()

@@ -70,6 +70,8 @@ class BatchCut:
     once the batch is complete; ``scored`` once, in addition, every member is scored. ``batch_size=None``
     takes every sequence (no overcommit).
 
+    A group of ``PromptQueue.add_group`` (agents on one task) is cut the same way, ``group_n`` sequences.
+
     ``capacity`` (``None``: none) is how many sequences the step may hold, failed ones not counted: the step
     loop admits new sequences (``admit``) while it holds fewer and the batch is not determined -- first
     requests of served episodes that came after the step started, and refills of groups that failed.
@@ -95,10 +97,10 @@ class BatchCut:
             deferred_out = max_deferrals is not None and seq.deferred_steps >= max_deferrals
             if not (deferred_out or seq.group_id in lagging):
                 continue
-            if taken + seq.sampling.n > self.size:
+            if taken + seq.group_n > self.size:
                 break
             self.due.add(seq.group_id)
-            taken += seq.sampling.n
+            taken += seq.group_n
         self._open = self.size - taken  # places for sequences of groups that are not due
         self._done: dict[int, list[Sequence]] = {}  # group id -> its finished samples
         self.batch: list[Sequence] = []
@@ -108,7 +110,7 @@ class BatchCut:
         places are left."""
         done = self._done.setdefault(seq.group_id, [])
         done.append(seq)
-        if len(done) < seq.sampling.n:
+        if len(done) < seq.group_n:
             return
         group = sorted(self._done.pop(seq.group_id), key=lambda s: s.sample_index)
         if seq.group_id in self.due:
@@ -130,7 +132,7 @@ class BatchCut:
         self._done.pop(group_id, None)
         if group_id in self.due:
             self.due.discard(group_id)
-            self._open += next(s.sampling.n for s in self._members(group_id))
+            self._open += next(s.group_n for s in self._members(group_id))
 
     def _members(self, group_id: int):
         return (s for s in self._seqs if s.group_id == group_id)

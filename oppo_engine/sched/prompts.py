@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from oppo_engine.config import SamplingParams
 from oppo_engine.sched.episode import Episode
@@ -52,6 +52,15 @@ def sample_seed(prompt_seed: int, sample_index: int) -> int:
     return derive_seed(prompt_seed ^ _SAMPLE_SALT, sample_index)
 
 
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """A group of ``add_group``: one sequence per member, each its own prompt, sampling and environment."""
+
+    prompts: list[list[int]]
+    sampling: list[SamplingParams]
+    envs: list[EnvFactory]
+
+
 class PromptQueue:
     """Prompts waiting for a step, in order: sequences a failed step gave back first, then the queued
     prompts, then a lazy source. Every prompt is checked against ``max_model_len`` and the vocabulary
@@ -63,8 +72,12 @@ class PromptQueue:
     ``env`` is the engine's environment factory (``None``: none); a prompt queued with its own factory
     runs in that one. Each sequence of a group gets its own ``Episode`` (its own environment instance).
 
-    ``add`` is safe from any thread (``RolloutEngine.add_prompts`` is): it appends under a lock, which
-    ``take`` and ``state_dict`` hold while they read the queue.
+    ``add_group`` queues sequences that form one group without being samples of one prompt (``n`` agents on
+    one task, each with its own first request): they share a group id (one prompt index), are taken, cut,
+    carried and failed together, and share no KV.
+
+    ``add`` and ``add_group`` are safe from any thread (``RolloutEngine.add_prompts`` is): they append under a
+    lock, which ``take`` and ``state_dict`` hold while they read the queue.
 
     ``expect(k)`` announces prompts on their way (a served episode opened, its first request not in yet):
     ``take`` waits for them -- until one comes when the step would hold nothing at all, then for as long as
@@ -95,6 +108,15 @@ class PromptQueue:
         self._next_seq_id = 0
         self._lock = threading.Condition()  # add(), expect() from any thread; the rest from the engine's
         self._expected = 0  # prompts announced by expect(), not yet added
+        # Called with a prompt's group size before add() queues it (ValueError refuses it): the serving
+        # endpoint's one-group-size-at-a-time rule (serve/server.py).
+        self.size_check: Callable[[int], None] | None = None
+        # Whether the step has work that needs no prompt (a served endpoint's evaluation requests): then
+        # take() does not wait for announced prompts when it has nothing else. ``wake()`` when it turns true.
+        self.side_work: Callable[[], bool] | None = None
+        # Groups that failed before they had a sequence (a served episode whose agent raised before its first
+        # request): [(prompts, errors)], returned by the next step in StepResult.failed (take_failed).
+        self._failed: list[tuple[list[list[int]], list[str]]] = []
         self.check_sampling(sampling, "sampling")
 
     def check_sampling(self, params: SamplingParams, where: str, env: EnvFactory | None = None) -> None:
@@ -161,15 +183,65 @@ class PromptQueue:
                     f"n={self.sampling.n} times: all prompts of one engine use the same n"
                 )
         checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
+        if checked and self.size_check is not None:
+            self.size_check(self.sampling.n)
         per_prompt = sampling if sampling is not None else [None] * len(checked)
         with self._lock:
             self._pending.extend(zip(checked, per_prompt, envs, strict=True))
             self._lock.notify_all()
 
+    def add_group(
+        self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams], envs: Sequence[EnvFactory]
+    ) -> None:
+        """Queue ``prompts`` as one group (see the class), each sampled once with its ``sampling`` (its seed
+        given) in its environment; validated as ``add`` validates."""
+        if self.sampling.n != 1:
+            raise ValueError(f"add_group: this engine samples every prompt n={self.sampling.n} times")
+        if not (len(prompts) == len(sampling) == len(envs)) or not prompts:
+            raise ValueError("add_group: one SamplingParams and one environment per prompt, at least one")
+        for i, s in enumerate(sampling):
+            self.check_sampling(s, f"sampling[{i}]", envs[i])
+            if s.n != 1 or s.seed is None:
+                raise ValueError(f"add_group: sampling[{i}] must sample once (n=1) with its seed given")
+        checked = [self.validate(f"prompt_token_ids[{i}]", p) for i, p in enumerate(prompts)]
+        with self._lock:
+            self._pending.append(_Group(checked, list(sampling), list(envs)))
+            self._lock.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Prompts are queued, given back, announced or drawn from a source, or failed groups wait."""
+        return bool(
+            self._pending or self.requeued or self._expected or self._source is not None or self._failed
+        )
+
+    def add_failed(self, prompts: list[list[int]], errors: list[str]) -> None:
+        """A group that failed before it had a sequence (from any thread): one member per prompt (``[]``: it
+        never had one), each with its error; the next step returns it in ``StepResult.failed``."""
+        with self._lock:
+            self._failed.append(([list(p) for p in prompts], list(errors)))
+            self._lock.notify_all()
+
+    def take_failed(self) -> list[tuple[int, list[list[int]], list[str]]]:
+        """The groups of ``add_failed`` since the last call, each with a group id of its own (a prompt index:
+        never another group's)."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        out = []
+        for prompts, errors in failed:
+            out.append((self._next_prompt_index, prompts, errors))
+            self._next_prompt_index += 1
+        return out
+
     def expect(self, k: int) -> None:
         """``k`` more prompts are on their way (negative: fewer; from any thread); see the class."""
         with self._lock:
             self._expected = max(0, self._expected + k)
+            self._lock.notify_all()
+
+    def wake(self) -> None:
+        """Side work came (from any thread): a ``take`` waiting for announced prompts looks again."""
+        with self._lock:
             self._lock.notify_all()
 
     def give_back(self, seqs: list[Seq]) -> None:
@@ -181,6 +253,8 @@ class PromptQueue:
             while self._expected > 0 and len(self._pending) < n:
                 before = len(self._pending)
                 if before + len(self.requeued) + holding == 0:
+                    if self._failed or (self.side_work is not None and self.side_work()):
+                        return  # the step has work of its own meanwhile: it joins that step, or the next
                     self._lock.wait(_WAKE_S)  # nothing to run: wait for the first (or for none expected)
                 elif not self._lock.wait_for(lambda before=before: len(self._pending) > before, ADMIT_GAP_S):
                     return  # none came within the gap: run what there is
@@ -214,14 +288,17 @@ class PromptQueue:
         if self._expected and wait:
             self._await_expected(n, holding)
         seqs: list[Seq] = []
-        group = self.sampling.n
         while len(seqs) < n:
             if self.requeued:
+                group = self.requeued[0].group_n
                 seqs.extend(self.requeued.popleft() for _ in range(group))  # given back in whole groups
                 continue
             env = None
             with self._lock:
                 queued = self._pending.popleft() if self._pending else None
+            if isinstance(queued, _Group):
+                seqs.extend(self._new_members(queued))
+                continue
             if queued is not None:
                 ids, params, env = queued
             elif self._source is not None:
@@ -264,10 +341,25 @@ class PromptQueue:
             self._next_seq_id += 1
         return group
 
+    def _new_members(self, group: _Group) -> list[Seq]:
+        index = self._next_prompt_index
+        self._next_prompt_index += 1
+        members = []
+        for j, (ids, params, env) in enumerate(zip(group.prompts, group.sampling, group.envs, strict=True)):
+            seq = Seq(self._next_seq_id, index, ids, params, params.seed, sample_index=j)
+            seq.group_size = len(group.prompts)
+            seq.episode = Episode(env)
+            members.append(seq)
+            self._next_seq_id += 1
+        return members
+
     def state_dict(self) -> dict:
         """Queued prompts, given-back sequences and the counters (a prompt source is not saved)."""
         with self._lock:
-            pending = list(self._pending)
+            pending = []
+            for entry in self._pending:  # a group's members are saved as prompts of their own
+                group = isinstance(entry, _Group)
+                pending += zip(entry.prompts, entry.sampling, entry.envs, strict=True) if group else [entry]
         return {
             "next_prompt_index": self._next_prompt_index,
             "next_seq_id": self._next_seq_id,

@@ -70,6 +70,17 @@ class Rollout:
             truncated_observations=0 if episode is None else episode.truncated,
         )
 
+    @classmethod
+    def failed_unstarted(cls, prompt_ids: list[int], error: str, group_id: int, sample_index: int) -> Rollout:
+        """A failed rollout of an episode that never had a sequence (a served agent that raised before its
+        group's first requests were all in): no tokens, NaN reward; ``prompt_ids`` its first request's, or
+        empty."""
+        return cls(
+            prompt_ids=list(prompt_ids), response_ids=[], logprobs=[], reward=math.nan, policy_versions=[],
+            deferred_steps=0, group_id=group_id, sample_index=sample_index, finish_reason="error",
+            error=error,
+        )  # fmt: skip
+
 
 @dataclass(slots=True)
 class StepResult:

@@ -119,6 +119,12 @@ class ActorScheduler:
         seq.finish_reason = reason
         self._finished(seq)
 
+    def hold(self, seq: Sequence) -> None:
+        """``seq`` has finished (``append_token`` or ``finish_parked`` said so: its pages are given back) but
+        waits for its environment's last word (an agent's reward): parked until ``finish_parked``."""
+        seq.status = SeqStatus.ENV
+        self.parked.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out for good (its environment failed) and free its actor pages."""
         for queue in (self.running, self.waiting, self.parked):
@@ -340,7 +346,7 @@ class ActorScheduler:
     def _finished(self, seq: Sequence) -> None:
         """Free a finished sequence's actor pages but those of ``kept_tokens``."""
         self.cache.truncate(seq.seq_id, self.kept_tokens.get(seq.seq_id, 0))
-        if seq.seq_id in self.cache:
+        if seq.seq_id in self.cache and seq.seq_id not in self._finished_kept:  # (held: finished twice)
             self._finished_kept.append(seq.seq_id)
         seq.status = SeqStatus.FINISHED
 

@@ -75,6 +75,13 @@ class Sequence:
     sample_index: int = 0
     finish_reason: str | None = None  # set when the scheduler finishes it: "eos", "stop", "length", ...
     episode: Episode | None = None
+    group_size: int = 0  # 0: sampling.n; else a group of one-sample sequences (agents on one task, add_group)
+
+    @property
+    def group_n(self) -> int:
+        """How many sequences its group holds: ``sampling.n`` samples of one prompt, or ``group_size``
+        sequences of their own prompts (``PromptQueue.add_group``), which share no prefix."""
+        return self.group_size or self.sampling.n
 
     @property
     def group_id(self) -> int:

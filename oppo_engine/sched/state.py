@@ -41,6 +41,7 @@ def save_sequence(seq: Sequence) -> dict:
         if scored
         else None,
         "episode": None if episode is None else _save_episode(episode),
+        "group_size": seq.group_size,
     }
 
 
@@ -48,7 +49,7 @@ def _unstarted(seq: Sequence) -> Sequence:
     """A copy of ``seq``'s prompt, seed and counters, with a fresh episode of the same factory."""
     copy = Sequence(
         seq.seq_id, seq.prompt_index, seq.prompt_ids, seq.sampling, seq.seed,
-        deferred_steps=seq.deferred_steps, sample_index=seq.sample_index,
+        deferred_steps=seq.deferred_steps, sample_index=seq.sample_index, group_size=seq.group_size,
     )  # fmt: skip
     copy.episode = Episode(seq.episode.factory, engine_factory=seq.episode.engine_factory)
     return copy
@@ -97,6 +98,7 @@ def load_sequence(state: dict, engine_env: Callable[[], object] | None = None) -
         policy_versions=list(state["policy_versions"]),
         deferred_steps=state["deferred_steps"],
         sample_index=state["sample_index"],
+        group_size=state.get("group_size", 0),
     )
     # Everything generated before counts as computed once: prefilling it again is a recompute.
     seq.computed_high = seq.num_tokens - 1 if seq.response_ids else 0

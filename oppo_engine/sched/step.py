@@ -18,6 +18,7 @@ from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.sampler import SampleBatch
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.envs import RESUME, EnvDriver
+from oppo_engine.sched.evals import EvalRequests, is_eval
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
 from oppo_engine.sched.quarantine import model_call
@@ -96,6 +97,7 @@ class StepLoop:
         self.admission = None
         self.admitted: list[Sequence] = []
         self.admitted_snapshots: list[SeqSnapshot] = []
+        self.evals = EvalRequests()  # decoded beside the step's sequences, never part of it (sched/evals.py)
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
         """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's, its scorer lane's and
@@ -146,10 +148,12 @@ class StepLoop:
                     # What is known goes to the scorers at once: the prompt, and tokens carried over.
                     lane.add(seq)
                     self._hand_off(seq, final=seq.status is SeqStatus.FINISHED, out=out)
+            for seq in self.evals.unfinished() if commit else ():
+                self.actor_sched.add(seq)  # an evaluation the last step did not finish: prefilled again
             lane.start(threaded=stream)
             out.generation_end_s = t0
             with self.actor_lane.active():
-                drained = self._generate(policy_version, chunk_size, cut, out, capacity)
+                drained = self._generate(policy_version, chunk_size, cut, out, capacity, evals=commit)
             seqs = self._seqs  # with those admitted in the middle of the step
             if not stream:
                 # The scorers see finished groups only (all samples of a prompt together, so they share
@@ -164,7 +168,8 @@ class StepLoop:
                 if not stream:
                     self._score_batch(cut)
                 lane.pause()
-        self.actor_sched.detach_all()  # the unfinished keep their pages; the overcommit buffer carries them
+        unfinished = self.actor_sched.detach_all()  # they keep their pages; the buffer carries them
+        self.evals.step_ended([s for s in unfinished if is_eval(s)], self.actor_sched.cache.free)
         for seq in out.finished_all if commit else ():  # the step stands: KV kept for a rollback can go
             self.actor_sched.cache.free(seq.seq_id)
         out.finished = list(cut.batch)
@@ -183,6 +188,7 @@ class StepLoop:
         self.scorer_lane.abort()
         self.actor_sched.detach_all()
         cache = self.actor_sched.cache
+        self.evals.fail("the step that decoded it was rolled back (retry the request)", cache.free)
         # NOTE: a sequence whose KV was dropped in the step and recomputed may hold slots of the forward that
         # failed below its starting count: only the KV before that forward's chunk was written.
         unwritten = {c.seq.seq_id: c.start for c in self._in_flight}
@@ -210,8 +216,9 @@ class StepLoop:
             self.actor_sched.cache.free(seq.seq_id)
 
     def close(self) -> None:
-        """Cancel the environment calls pending (the engine is closing)."""
+        """Cancel the environment calls pending and fail the evaluations (the engine is closing)."""
         self.envs.close()
+        self.evals.fail("the engine closed", self.actor_sched.cache.free, queued=True)
 
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
         self.executor.unit(ACTOR_LANE, "hand-off")
@@ -246,16 +253,22 @@ class StepLoop:
         cut: BatchCut,
         out: StepOutcome,
         capacity: int | None,
+        evals: bool = False,
     ) -> bool:
         """Decode until the batch is complete (streamed: and scored); True if the actor ran out of work.
-        ``capacity``: admit new sequences while the step holds fewer (failed ones not counted)."""
+        ``capacity``: admit new sequences while the step holds fewer (failed ones not counted). ``evals``:
+        decode the evaluation requests too, and, in a step with no batch of its own, until they are done."""
         sched = self.actor_sched
         stream = chunk_size is not None
         stalled_since = None
-        while not (cut.scored() if stream else cut.determined):
+        while not (cut.scored() if stream else cut.determined) or (
+            evals and cut.size == 0 and self.evals.in_flight
+        ):
             self.scorer_lane.check()  # a failed scorer lane fails the step now, not at its end
-            if capacity is not None and not cut.determined:
+            if capacity is not None and (not cut.determined or cut.size == 0):  # (empty: evaluations run)
                 self._admit(capacity, cut, out, stream)
+            if evals:
+                self._take_evals()
             if self.envs.waiting():
                 self._take_answers(cut, out, chunk_size)
             if not sched.has_work:
@@ -294,13 +307,27 @@ class StepLoop:
             for row, tok, lp in zip(samples.rows, tokens, logprobs, strict=True):
                 seq = chunks[row].seq
                 if sched.append_token(seq, tok, lp, policy_version):
-                    self._finished(seq, now, cut, out, stream)
+                    if is_eval(seq):
+                        sched.remove(seq)  # its pages go back; it is answered, never trained on
+                        self.evals.finished(seq)
+                    elif self.envs.hold(seq):
+                        sched.hold(seq)  # an agent may still give its reward: it ends with that answer
+                    else:
+                        self._finished(seq, now, cut, out, stream)
                     continue
                 if seq.status is SeqStatus.ENV:
                     self.envs.turn_ended(seq)  # its environment answers while the others decode
-                if stream and seq.num_tokens - seq.num_handed_off >= chunk_size:
+                if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and not is_eval(seq):
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
         return not (sched.has_work or sched.parked)
+
+    def _take_evals(self) -> None:
+        """Evaluation requests that came since the last forward join the actor; cancelled ones leave."""
+        new, dropped = self.evals.take()
+        for seq in dropped:
+            self.actor_sched.remove(seq)
+        for seq in new:
+            self.actor_sched.add(seq)
 
     def _admit(self, capacity: int, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
         """Fill the step up to ``capacity`` live sequences from the queue (first requests of served episodes
@@ -353,7 +380,10 @@ class StepLoop:
                     self._hand_off(seq, final=False, out=out)
             else:
                 sched.finish_parked(seq, answer.outcome)
-                self._finished(seq, self.clock(), cut, out, chunk_size is not None)
+                if self.envs.hold(seq):
+                    sched.hold(seq)
+                else:
+                    self._finished(seq, self.clock(), cut, out, chunk_size is not None)
 
     def _fail(self, seq: Sequence, error: str, cut: BatchCut, out: StepOutcome) -> None:
         """``seq``'s environment failed: it leaves the step, and so does the rest of its group (groups are

@@ -9,6 +9,7 @@
 | ``POST /v1/episodes/{id}/finish`` | ``{"reward": float or null}`` ends it (409 the second time) |
 | ``POST /episodes/{id}/v1/chat/completions`` | the episode's next turn |
 | ``POST /episodes/{id}/v1/completions`` | the same, prompt as text or token ids |
+| ``POST /v1/chat/completions``, ``/v1/completions`` | no episode: for evaluation, never trained on |
 | ``POST /tokenize``, ``POST /detokenize`` | vLLM's shapes |
 """
 
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from oppo_engine.serve.errors import ApiError
+from oppo_engine.serve.evaluate import evaluate
 
 if TYPE_CHECKING:
     from oppo_engine.serve.server import ServeHandle
@@ -103,22 +105,30 @@ def build_app(server: ServeHandle) -> Starlette:
             episode = server.episode(request.path_params["episode_id"])
             req = server.parse(await body(request), kind)
             try:
-                answer = await _unless_gone(request, episode, episode.request(req))
+                answer = await _unless_gone(request, episode.request(req), episode.fail)
             except ApiError as e:
                 if e.code != "history_diverged" or server.on_divergence != "restart":
                     raise
+                if episode.group is not None:  # a restart would leave its group and take no place in it
+                    e.message += (
+                        "; a member of a group of agents (add_agents(n > 1)) is never restarted: its agent "
+                        "must extend the history, or finish"
+                    )
+                    raise
                 episode = server.restart(episode)
-                answer = await _unless_gone(request, episode, episode.request(req))
+                answer = await _unless_gone(request, episode.request(req), episode.fail)
             return _events(answer, req.include_usage) if req.stream else answer
 
         return handler
 
-    async def plain(request: Request) -> dict:
-        raise ApiError(
-            404,
-            "requests are served per episode: POST /v1/episodes, then send them to its base_url",
-            code="episode_required",
-        )
+    def plain(kind: str):
+        async def handler(request: Request) -> dict:
+            req = server.parse(await body(request), kind)
+            call = evaluate(server, req)
+            answer = await _unless_gone(request, call.answer, call.cancel)
+            return _events(answer, req.include_usage) if req.stream else answer
+
+        return handler
 
     async def tokenize(request: Request) -> dict:
         data = await body(request)
@@ -168,8 +178,8 @@ def build_app(server: ServeHandle) -> Starlette:
         Route("/v1/episodes/{episode_id}/finish", route(finish), methods=["POST"]),
         Route("/episodes/{episode_id}/v1/chat/completions", route(turn("chat")), methods=["POST"]),
         Route("/episodes/{episode_id}/v1/completions", route(turn("completions")), methods=["POST"]),
-        Route("/v1/chat/completions", route(plain), methods=["POST"]),
-        Route("/v1/completions", route(plain), methods=["POST"]),
+        Route("/v1/chat/completions", route(plain("chat")), methods=["POST"]),
+        Route("/v1/completions", route(plain("completions")), methods=["POST"]),
         Route("/tokenize", route(tokenize), methods=["POST"]),
         Route("/detokenize", route(detokenize), methods=["POST"]),
     ]
@@ -207,9 +217,10 @@ def _events(answer: dict, include_usage: bool) -> StreamingResponse:
     return StreamingResponse(iter(lines), media_type="text/event-stream")
 
 
-async def _unless_gone(request: Request, episode, answer):
-    """Await ``answer``; a client that disconnects meanwhile fails its episode (its turn is dropped when it
-    ends: the sequence leaves the step then, its pages freed)."""
+async def _unless_gone(request: Request, answer, gone):
+    """Await ``answer``; a client that disconnects meanwhile calls ``gone(message)``: it fails its episode
+    (its turn is dropped when it ends: the sequence leaves the step then, its pages freed), or drops its
+    evaluation (at the next forward)."""
     task = asyncio.ensure_future(answer)
     while True:
         done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -217,7 +228,7 @@ async def _unless_gone(request: Request, episode, answer):
             return task.result()
         if await request.is_disconnected():
             task.cancel()
-            episode.fail("its client disconnected while its turn was generated")
+            gone("its client disconnected while its turn was generated")
             raise ApiError(499, "the client disconnected")
 
 

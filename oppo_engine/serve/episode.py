@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from oppo_engine.serve.server import ServeHandle
 
 OPEN, GENERATING, WAITING, DONE, ENDED, FAILED = "open", "generating", "waiting", "done", "ended", "failed"
+# After the engine ends an agent's episode (or any, with serve(end_grace_s=None)), finish(reward) is awaited
+# this share of env_timeout_s (the rest is the margin before the pool expires the call, which would fail the
+# episode); other episodes wait serve(end_grace_s=).
+_END_WAIT = 0.9
 _ENGINE_FINISH = {
     "eos": "stop",
     "stop": "stop",
@@ -43,13 +47,25 @@ class AgentError(RuntimeError):
 
 
 class ServedEpisode:
-    """One conversation (see the module). ``seed``: the episode's RNG seed (else the first request's, else
-    the engine's derivation from the prompt's index)."""
+    """One conversation (see the module). ``seed``: the episode's RNG seed, fixed at its opening (a request
+    with another gets 400, the first included); else the first request's; else ``default_seed`` (an agent's,
+    derived from its task); else the engine's derivation from the prompt's index."""
 
     def __init__(
-        self, server: ServeHandle, episode_id: str, *, metadata=None, seed: int | None = None
+        self,
+        server: ServeHandle,
+        episode_id: str,
+        *,
+        metadata=None,
+        seed: int | None = None,
+        group=None,
+        default_seed: int | None = None,
     ) -> None:
         self.server, self.id, self.metadata, self.seed = server, episode_id, metadata, seed
+        self.default_seed = default_seed
+        self.group: AgentGroup | None = group  # n agents on one task (add_agents(n=...)): one group
+        if group is not None:
+            group.members.append(self)
         self.state = OPEN
         self.touched_s = time.monotonic()
         self.kind: str | None = None
@@ -65,10 +81,13 @@ class ServedEpisode:
         self.last_key: str | None = None
         self.last_response: dict | None = None
         self.next_obs: asyncio.Future | None = None  # what AgentEnv.step awaits
+        self.end_waiter: asyncio.Future | None = None  # what AgentEnv.after_end awaits (finish)
         self.finish_asked: tuple[float | None] | None = None
         self.agent_error: str | None = None
         self.error: str | None = None
         self.env_made = False  # the actor thread's: the factory was called
+        self.agent = False  # run by an agent of add_agents: its return is its finish
+        self.reward_closed = False  # ended by the engine, and its finish is no longer awaited
 
     # -- requests (serving loop) -----------------------------------------------------------------------------
 
@@ -79,8 +98,18 @@ class ServedEpisode:
             raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
         if req.key == self.last_key and self.last_response is not None:
             return self.last_response  # a client's retry of the last answered request
-        if self.state in (DONE, ENDED):
-            raise ApiError(409, f"episode {self.id} has ended: open a new episode", code="episode_ended")
+        if self.state == DONE:
+            raise ApiError(
+                409, f"episode {self.id} has ended (finished): open a new episode", code="episode_ended"
+            )
+        if self.state == ENDED:
+            raise ApiError(
+                409,
+                f"episode {self.id} has ended: the engine ended it (EOS, or a length or turn limit); call "
+                "its finish now (POST .../finish with its reward; an agent of add_agents returns it), within "
+                "serve(end_grace_s=), else the reward model or function scores it; then open a new episode",
+                code="episode_ended",
+            )
         if self.state == GENERATING:
             if req.key != self.pending_key:
                 raise ApiError(409, f"episode {self.id} has a request in flight", code="request_in_flight")
@@ -104,7 +133,14 @@ class ServedEpisode:
             self.text = req.prompt
         server.check_length(len(prompt), "the prompt")
         base = server.base_sampling
-        seed = self.seed if self.seed is not None else req.seed
+        if self.seed is not None and req.seed is not None and req.seed != self.seed:
+            raise ApiError(
+                400,
+                f"seed={req.seed} but episode {self.id} was opened with seed={self.seed}: an episode's seed "
+                "is fixed at its opening when given there",
+                param="seed",
+            )
+        seed = next((s for s in (self.seed, req.seed, self.default_seed) if s is not None), None)
         self.sampling = SamplingParams(
             temperature=base.temperature if req.temperature is None else req.temperature,
             top_p=base.top_p if req.top_p is None else req.top_p,
@@ -115,7 +151,10 @@ class ServedEpisode:
             max_turn_tokens=req.max_tokens,
         )
         try:
-            server.queue_episode(self, prompt)
+            if self.group is not None:
+                self.group.first_request(self, prompt)  # queued with the others, once all have come
+            else:
+                server.queue_episode(self, prompt)
         except ValueError as e:  # the engine's own checks of a prompt (an id outside the vocabulary, ...)
             raise ApiError(400, str(e), param="messages" if req.kind == "chat" else "prompt") from None
         self.kind, self.transcript = req.kind, prompt
@@ -233,6 +272,30 @@ class ServedEpisode:
             )
             raise
 
+    async def after_end(self, reason: str) -> Observation:
+        """The engine ended the episode (``on_end`` answered the turn it cut): ``finish(reward)`` is still
+        awaited -- an agent's return up to the timeout, another episode's for ``serve(end_grace_s=)`` -- and
+        its reward is the rollout's; without it (the wait over, an agent that raises or returns ``None``) the
+        reward model or function scores the episode, and a later ``finish`` gets 409."""
+        if self.finish_asked is None and self.agent_error is None and self.state == ENDED:
+            self.end_waiter = asyncio.get_running_loop().create_future()
+            wait = self.server.timeout_s * _END_WAIT
+            if not self.agent and self.server.end_grace_s is not None:
+                wait = min(wait, self.server.end_grace_s)
+            try:
+                await asyncio.wait_for(self.end_waiter, wait)
+            except TimeoutError:
+                pass
+        self.reward_closed = True  # a later finish is refused (409), never silently dropped
+        if self.state == FAILED:
+            raise AgentError(f"agent episode {self.id} failed: {self.error}")
+        reward = self.finish_asked[0] if self.finish_asked is not None else None
+        return Observation([], done=True, reward=reward, finish_reason=reason)
+
+    def _end_wait_over(self) -> None:
+        if self.end_waiter is not None and not self.end_waiter.done():
+            self.end_waiter.set_result(None)
+
     def on_end(self, turn_ids: list[int], logprobs: list[float], reason: str | None) -> None:
         """The engine ended the episode (``reason``: its finish reason; the turn it cut answers the pending
         request), or abandoned its sequence (``reason=None``: the episode fails)."""
@@ -276,6 +339,13 @@ class ServedEpisode:
             raise ApiError(409, f"episode {self.id} is already finished", code="already_finished")
         if self.state == FAILED:
             raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
+        if self.reward_closed:
+            raise ApiError(
+                409,
+                f"episode {self.id} was ended by the engine and its finish was not awaited any longer "
+                "(serve(end_grace_s=)): the reward model or function scored it; this reward is not used",
+                code="reward_closed",
+            )
         self.finish_asked = (reward,)
         if self.state == WAITING:
             self.state = DONE
@@ -283,8 +353,11 @@ class ServedEpisode:
         elif self.state == OPEN:
             self.state = DONE
             self.server.expect(-1)
+            if self.group is not None:  # the group can never be complete
+                self.group.member_failed(self, f"episode {self.id} finished before its first request")
         elif self.state == ENDED:
-            self.state = DONE  # the engine ended it first: its reward model scores it
+            self.state = DONE  # the engine ended it first: the reward is used (after_end)
+            self._end_wait_over()
         # generating: the turn in flight is answered, then the episode ends (on_turn)
 
     def agent_failed(self, message: str) -> None:
@@ -297,15 +370,24 @@ class ServedEpisode:
             self.agent_error = message
         elif self.state == OPEN:
             self.fail(message)
+        elif self.state == ENDED:  # the engine ended it first: the reward model scores it
+            self.agent_error = message
+            self._end_wait_over()
 
     def fail(self, message: str, *, lost: bool = False) -> None:
         """The episode fails: its pending request gets 410, later ones too. ``lost``: its rollout is lost
         even though its agent had finished (a rollback, a quarantine)."""
         if self.state == FAILED or (self.state == DONE and not lost):
             return
-        if self.state == OPEN:
-            self.server.expect(-1)
+        group = self.group
+        unqueued = self.state == OPEN or (self.state == GENERATING and group is not None and not group.queued)
         self.state, self.error = FAILED, message
+        if group is None and unqueued:  # no sequence: it comes back in StepResult.failed all the same
+            self.server._prompts.add_failed([[]], [message])
+        if unqueued:
+            self.server.expect(-1)  # announced, never queued (after add_failed: a waiting step returns it)
+        if group is not None:
+            group.member_failed(self, message)
         if self.pending is not None and not self.pending.done():
             self.pending.set_exception(
                 ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
@@ -313,6 +395,45 @@ class ServedEpisode:
             self.pending.exception()  # retrieved: a request gone meanwhile leaves no warning behind
         if self.next_obs is not None and not self.next_obs.done():
             self.next_obs.set_exception(AgentError(f"agent episode {self.id} failed: {message}"))
+        self._end_wait_over()
+
+
+class AgentGroup:
+    """``n`` agents on one task (``add_agents(n=...)``): their episodes form one group, as ``n`` samples of a
+    prompt do (one group id, cut, carried and failed together; ``Rollout.sample_index`` is the member's
+    index). Each member's first request is held until all ``n`` have come, then they are queued together
+    (``PromptQueue.add_group``): a group never waits in a step for a member that is not in it. A member that
+    fails (or finishes) before that fails the others; after it, the step loop fails the group whole."""
+
+    def __init__(self, server: ServeHandle, n: int) -> None:
+        self.server, self.n = server, n
+        self.members: list[ServedEpisode] = []  # in sample order
+        self.prompts: dict[str, list[int]] = {}  # member id -> its first request's prompt
+        self.queued = False
+        self.error: str | None = None
+
+    def first_request(self, episode: ServedEpisode, prompt: list[int]) -> None:
+        """``episode``'s first request came (``ValueError`` if its prompt is refused)."""
+        self.prompts[episode.id] = self.server._prompts.validate("the prompt", prompt)
+        if len(self.prompts) < self.n:
+            return
+        members = self.members
+        prompts = [self.prompts[m.id] for m in members]
+        self.server._prompts.add_group(prompts, [m.sampling for m in members], [m.make_env for m in members])
+        self.queued = True
+        self.server.expect(-self.n)
+
+    def member_failed(self, episode: ServedEpisode, message: str) -> None:
+        """``episode`` failed before the group was queued: so do the others (groups fail whole)."""
+        if self.queued or self.error is not None:
+            return
+        self.error = message
+        for member in self.members:
+            if member is not episode:
+                member.fail(f"sample {self.members.index(episode)} of its group failed: {message}")
+        # No sequence: the group comes back in StepResult.failed all the same, each member with its error.
+        prompts = [self.prompts.get(m.id, []) for m in self.members]
+        self.server._prompts.add_failed(prompts, [m.error or message for m in self.members])
 
 
 class AgentEnv:
@@ -335,3 +456,7 @@ class AgentEnv:
     def end(self, turn_ids: list[int], logprobs: list[float], reason: str | None) -> None:
         """The engine ended (or abandoned) the episode; called on the actor thread."""
         self.episode.server.call_soon(self.episode.on_end, list(turn_ids), list(logprobs), reason)
+
+    def after_end(self, reason: str):
+        """A coroutine, run on the serving loop after ``end``: the agent's last word (``finish``'s reward)."""
+        return self.episode.after_end(reason)

@@ -20,14 +20,15 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
-from oppo_engine.sched.prompts import derive_seed
+from oppo_engine.sched.prompts import derive_seed, sample_seed
 from oppo_engine.serve.chat import Renderer, ToolParser, hermes_tool_parser
-from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, WAITING, ServedEpisode
+from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, WAITING, AgentGroup, ServedEpisode
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.requests import parse_turn
 from oppo_engine.serve.responses import Responses
 
 SERVING_ENV_TIMEOUT_S = 300.0  # EngineConfig.env_timeout_s while serving, unless set
+END_GRACE_S = 0.5  # serve(end_grace_s=): how long an engine-ended episode (not an agent's) awaits finish
 _START_TIMEOUT_S = 30.0
 _CLOSE_TIMEOUT_S = 30.0
 _REAP_PERIOD_S = 0.5
@@ -82,11 +83,14 @@ class ServeHandle:
     parse; default ``hermes_tool_parser``), ``turn_end_token_id`` (default: the template's end of turn, found
     by rendering one turn), ``model`` (the name ``/v1/models`` answers), ``max_episodes`` (open at once; more
     get 429), ``on_divergence`` (``"refuse"``: a request that does not extend its episode's history gets 409;
-    ``"restart"``: the episode ends there and a new one, under the same id, starts from it). ``ValueError``:
-    no tokenizer; a ``process_group``; a non-loopback ``host`` without ``api_key``; ``SamplingParams.n > 1``;
-    an explicit ``eos_token_id`` that includes the template's end of turn (for a served episode it ends the
-    turn, not the episode). ``EngineConfig.env_timeout_s`` (``None``: 300 s while serving) bounds each gap
-    between an answer and the agent's next request or ``finish``."""
+    ``"restart"``: the episode ends there and a new one, under the same id, starts from it), ``end_grace_s``
+    (after the engine ends an episode of ``open_episode`` or ``POST /v1/episodes``, how long its ``finish``
+    is awaited before the reward model or function scores it, default 0.5 s; ``None``: up to 0.9 x
+    ``env_timeout_s``; an agent of ``add_agents`` is always awaited, as its return is its ``finish``).
+    ``ValueError``: no tokenizer; a ``process_group``; a non-loopback ``host`` without ``api_key``;
+    ``SamplingParams.n > 1``; an explicit ``eos_token_id`` that includes the template's end of turn (for a
+    served episode it ends the turn, not the episode). ``EngineConfig.env_timeout_s`` (``None``: 300 s while
+    serving) bounds each gap between an answer and the agent's next request or ``finish``."""
 
     def __init__(
         self,
@@ -101,6 +105,7 @@ class ServeHandle:
         model: str | None = None,
         max_episodes: int = 4096,
         on_divergence: str = "refuse",
+        end_grace_s: float | None = END_GRACE_S,
     ) -> None:
         engine._check_open()
         tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
@@ -117,6 +122,9 @@ class ServeHandle:
         if on_divergence not in ("refuse", "restart"):
             raise ValueError(f"serve(on_divergence={on_divergence!r}): 'refuse' (409) or 'restart'")
         self.on_divergence = on_divergence
+        if end_grace_s is not None and not end_grace_s >= 0:
+            raise ValueError(f"serve(end_grace_s={end_grace_s!r}): seconds >= 0, or None (up to the timeout)")
+        self.end_grace_s = end_grace_s
         if engine.sampling.n != 1:
             raise ValueError(
                 f"serve() needs SamplingParams.n=1 (an episode is one conversation), got {engine.sampling.n}"
@@ -150,6 +158,10 @@ class ServeHandle:
         self._index_lock = threading.Lock()
         self._agent_limit = engine.config.batch_size + engine._max_overcommit
         self._closed = False
+        self.eval_calls: set = set()  # plain /v1 requests in flight (serve/evaluate.py)
+        # The size of the groups queued or in flight: one size at a time (claim_group_size); prompts and
+        # single episodes are groups of 1.
+        self.group_size = 1
 
         from oppo_engine.serve.app import build_app  # starlette is imported only when serving
 
@@ -169,6 +181,10 @@ class ServeHandle:
             raise RuntimeError(f"serve(): the server did not start: {self._failure!r}")
         self._pool.timeout_s = self.timeout_s
         self._pool.use_loop(self.loop)
+        self._prompts.size_check = self._check_prompt_size
+        evals = engine._loop.evals  # a step waiting for a silent episode's first request decodes them
+        self._prompts.side_work = lambda: evals.in_flight
+        evals.on_add = self._prompts.wake
 
     @staticmethod
     def of(engine) -> ServeHandle:
@@ -283,26 +299,76 @@ class ServeHandle:
         """A request body as a ``TurnRequest`` (``serve/requests.py``); ``ApiError`` 400 naming the field."""
         return parse_turn(body, kind, self.tokenizer, self.vocab_size)
 
-    def open(self, metadata=None, seed: int | None = None) -> ServedEpisode:
-        """A new episode (on the serving loop; ``open_episode`` is the any-thread form): 429 over the cap."""
+    def open(
+        self,
+        metadata=None,
+        seed: int | None = None,
+        group: AgentGroup | None = None,
+        default_seed: int | None = None,
+    ) -> ServedEpisode:
+        """A new episode (on the serving loop; ``open_episode`` is the any-thread form): 429 over the cap.
+        ``group``: it is a member of that group of agents (``add_agents(n=...)``)."""
         if self._closed:
             raise ApiError(503, "the server is closing")
-        live = sum(e.state not in (DONE, ENDED, FAILED) for e in self.episodes.values())
+        live = self._live()
         if live >= self.max_episodes:
             raise ApiError(429, f"{live} episodes are open: the cap is {self.max_episodes}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ApiError(400, f"seed must be an integer >= 0, got {seed!r}", param="seed")
-        episode = ServedEpisode(self, secrets.token_urlsafe(16), metadata=metadata, seed=seed)
+        if group is None:
+            self.claim_group_size(1)
+        episode = ServedEpisode(
+            self,
+            secrets.token_urlsafe(16),
+            metadata=metadata,
+            seed=seed,
+            group=group,
+            default_seed=default_seed,
+        )
         self.episodes[episode.id] = episode
         self.expect(1)
         return episode
+
+    def claim_group_size(self, n: int) -> None:
+        """Groups of ``n`` episodes are about to be queued (serving loop): ``ApiError`` 400 if groups of
+        another size are queued or in flight. A step's cut returns whole groups, exactly B episodes: with
+        groups of two sizes it could be left with places that no finished group fits, and stall or return
+        fewer than B; so the size changes only once the engine holds none of the old size."""
+        if n == self.group_size:
+            return
+        if not self._drained():
+            raise ApiError(
+                400,
+                f"a group of {n} episode(s) while groups of {self.group_size} are queued or in flight: one "
+                "group size at a time (a step returns exactly B episodes in whole groups); let step() return "
+                "them first",
+                code="group_size_conflict",
+            )
+        self.group_size = n
+
+    def _drained(self) -> bool:
+        engine = self.engine
+        stepping = engine._guard.holder is not None and engine._guard.holder[0] == "step()"
+        return not (self._live() or self._agents or stepping or len(engine._buffer) or self._prompts.busy)
+
+    def _check_prompt_size(self, n: int) -> None:
+        """``PromptQueue.add``'s check (from any thread): ``ValueError`` as ``claim_group_size`` says."""
+        try:
+            self.run(lambda: self.claim_group_size(n))
+        except ApiError as e:
+            raise ValueError(e.message) from None
+
+    def _live(self) -> int:
+        return sum(e.state not in (DONE, ENDED, FAILED) for e in self.episodes.values())
 
     def restart(self, old: ServedEpisode) -> ServedEpisode:
         """``on_divergence="restart"``: ``old`` ends where it is (``finish`` without a reward: the reward
         model scores it) and a new episode takes its id, the diverging request as its first."""
         if old.state == WAITING:
             old.finish(None)
-        episode = ServedEpisode(self, old.id, metadata=old.metadata, seed=old.seed)
+        episode = ServedEpisode(
+            self, old.id, metadata=old.metadata, seed=old.seed, default_seed=old.default_seed
+        )
         self.episodes[old.id] = episode
         self.expect(1)
         return episode
@@ -335,10 +401,19 @@ class ServeHandle:
         every call) with an ``openai.AsyncOpenAI`` client bound to it (``max_retries=0``; in-process through
         the app, or over HTTP to the port with ``in_process=False``). The float returned is the episode's
         reward (``None``: the reward model's), so ``finish`` is implicit; an agent that raises ends its
-        episode in ``StepResult.failed``. B + Δ_max agents run at once, the next starting as one ends."""
-        if n != 1:
+        episode in ``StepResult.failed``. B + Δ_max agents run at once, the next starting as one ends.
+
+        ``n > 1``: ``n`` agents run each task, and their episodes form one group, as ``n`` samples of a prompt
+        do (``Rollout.group_id`` shared, ``sample_index`` 0..n-1; returned, carried and failed whole). Member
+        ``j``'s seed is derived from the task's as sample ``j``'s from a prompt's (member 0's is the task's).
+        ``ValueError`` unless ``n`` divides ``batch_size`` and at most B + Δ_max agents make a group."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"add_agents(n={n!r}): n must be an integer >= 1")
+        if n > 1 and (self.engine.config.batch_size % n or n > self._agent_limit):
             raise ValueError(
-                f"add_agents(n={n}): groups of agents are not supported yet; pass each task n times"
+                f"add_agents(n={n}): a group of n agents is returned whole, so n must divide "
+                f"batch_size={self.engine.config.batch_size} and fit the B + Δ_max={self._agent_limit} "
+                "agents in flight"
             )
         tasks = list(tasks)
         if not asyncio.iscoroutinefunction(agent_fn):
@@ -348,24 +423,37 @@ class ServeHandle:
         with self._index_lock:  # two threads' calls never share an index (a seed)
             first = self._next_task_index
             self._next_task_index += len(tasks)
-        items = [(agent_fn, first + i, task, in_process) for i, task in enumerate(tasks)]
-        self.run(lambda: (self._agents.extend(items), self._pump()))
+        items = [(agent_fn, first + i, task, in_process, n) for i, task in enumerate(tasks)]
+
+        def queue() -> None:
+            if items:
+                self.claim_group_size(n)
+            self._agents.extend(items)
+            self._pump()
+
+        try:
+            self.run(queue)
+        except ApiError as e:
+            raise ValueError(f"add_agents(n={n}): {e.message}") from None
 
     def _pump(self) -> None:
-        """Start queued agents while fewer than B + Δ_max run."""
-        while self._agents and self._agents_running < self._agent_limit and not self._closed:
-            fn, index, task, in_process = self._agents[0]
-            try:
-                episode = self.open(
-                    metadata={"task_index": index}, seed=derive_seed(self.base_sampling.seed or 0, index)
-                )
-            except ApiError:
-                return  # the episode cap: the next agent starts when one ends
+        """Start queued agents (a task's ``n`` at once) while no more than B + Δ_max run."""
+        while self._agents and not self._closed:
+            fn, index, task, in_process, n = self._agents[0]
+            if self._agents_running + n > self._agent_limit or self._live() + n > self.max_episodes:
+                return  # the next starts when one ends
             self._agents.popleft()
-            self._agents_running += 1
-            t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
-            self._agent_tasks.add(t)
-            t.add_done_callback(self._agent_tasks.discard)
+            seed = derive_seed(self.base_sampling.seed or 0, index)
+            group = AgentGroup(self, n) if n > 1 else None
+            for j in range(n):
+                metadata = {"task_index": index} if n == 1 else {"task_index": index, "sample_index": j}
+                # the first request's seed, else the task's (sample j's of it)
+                episode = self.open(metadata=metadata, group=group, default_seed=sample_seed(seed, j))
+                episode.agent = True  # its agent's return is its finish: awaited after the engine ends it
+                self._agents_running += 1
+                t = self.loop.create_task(self._run_agent(fn, task, episode, in_process))
+                self._agent_tasks.add(t)
+                t.add_done_callback(self._agent_tasks.discard)
 
     def client(self, episode: ServedEpisode, in_process: bool = True):
         """An ``openai.AsyncOpenAI`` bound to ``episode`` (no retries): in-process through the app (no
@@ -400,7 +488,10 @@ class ServeHandle:
         else:
             episode = self.episodes.get(episode.id, episode)  # a restart put a new episode under its id
             if episode.state not in (DONE, FAILED) and episode.finish_asked is None:
-                episode.finish(reward)
+                try:
+                    episode.finish(reward)
+                except ApiError:  # its reward window closed (past the timeout): the reward model scored it
+                    pass
         finally:
             try:
                 await client.close()
@@ -426,6 +517,8 @@ class ServeHandle:
                     self._agents.clear()
                     for episode in list(self.episodes.values()):
                         episode.fail("the server closed")
+                    for call in list(self.eval_calls):
+                        call.cancel("the server closed")
                     await asyncio.sleep(0)
                     if self._uvicorn is not None:
                         self._uvicorn.should_exit = True
@@ -436,6 +529,7 @@ class ServeHandle:
             self.thread.join(_CLOSE_TIMEOUT_S)
         finally:
             self._pool.use_loop(None)
+            self._prompts.size_check = self._prompts.side_work = self.engine._loop.evals.on_add = None
             self._pool.timeout_s = self._saved_timeout
             self.sock.close()
             if self.engine._server is self:
