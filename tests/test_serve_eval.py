@@ -14,6 +14,7 @@ import httpx2
 import openai
 import pytest
 from hf_check import assert_logprobs_equal_hf, hf_logprobs
+from serve_stepper import Stepper
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
@@ -28,35 +29,6 @@ def make_engine(actor, tokenizer, mode: str = "oppo") -> RolloutEngine:
         config=EngineConfig(batch_size=B, mode=mode, max_model_len=256, page_size=16, **extra),
         sampling=SamplingParams(max_new_tokens=24, seed=3),
     )  # fmt: skip
-
-
-class Stepper:
-    """Calls ``engine.step()`` on a thread until stopped, keeping each step's result."""
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.engine, self.results, self.errors = engine, [], []
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="test-stepper", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                result = self.engine.step()
-                if result.rollouts or result.failed:
-                    self.results.append(result)
-                else:
-                    time.sleep(0.01)
-        except BaseException as e:
-            self.errors.append(e)
-
-    def count(self) -> int:
-        return sum(len(r.rollouts) + len(r.failed) for r in self.results)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(DEADLINE_S)
-        assert not self.thread.is_alive() and not self.errors, self.errors
 
 
 async def chatty_agent(task, client):

@@ -12,6 +12,7 @@ import time
 import httpx2
 import openai
 import pytest
+from serve_stepper import Stepper
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
@@ -26,39 +27,6 @@ def make_engine(actor, tokenizer, **kw) -> RolloutEngine:
                             page_size=16),
         sampling=SamplingParams(max_new_tokens=32, seed=2), **kw,
     )  # fmt: skip
-
-
-class Stepper:
-    """Calls ``engine.step()`` on a thread until stopped, collecting what comes back."""
-
-    def __init__(self, engine: RolloutEngine) -> None:
-        self.engine, self.rollouts, self.failed, self.errors = engine, [], [], []
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="test-stepper", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                result = self.engine.step()
-                self.rollouts += result.rollouts
-                self.failed += result.failed
-                if not result.rollouts and not result.failed:
-                    time.sleep(0.01)
-        except BaseException as e:
-            self.errors.append(e)
-
-    def wait_for(self, n: int) -> None:
-        deadline = time.monotonic() + DEADLINE_S
-        while len(self.rollouts) + len(self.failed) < n:
-            assert not self.errors, self.errors
-            assert time.monotonic() < deadline, "the episodes did not come back"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(DEADLINE_S)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture()
