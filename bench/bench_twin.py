@@ -7,6 +7,8 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --published  # the twin against public GPU measurements (bench/published.py)
     python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
     python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
+    python -m bench.bench_twin --drain      # inter vs oppo with chunk_size="auto" on a long-tail drain
+    python -m bench.bench_twin --drain --drain-workloads   # ... and on drains of the workloads below
     python -m bench.bench_twin --device-check --e2e DIR --profile P.json   # on a GPU: vs bench_e2e's steps
 
 CPU accuracy. The machine is calibrated once (``calibrate`` on one model pair: the ``small`` preset's actor
@@ -273,6 +275,119 @@ def matrix(args) -> int:
     return 0
 
 
+# -- the long-tail drain: the chunk controller's cost on a CPU ---------------------------------------------
+
+# A small Llama-layout actor whose head_dim (32) and GQA ratio (3) no preset has; the reward is the small
+# preset's Qwen2 (held out from the project's calibration and bench_twin's own workloads).
+DRAIN_ACTOR = dict(vocab_size=512, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)  # fmt: skip
+DRAIN_PROMPTS = 64
+
+
+def _drain_models(seed: int = 0):
+    from transformers import LlamaConfig  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**DRAIN_ACTOR, pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
+    actor = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    _, reward = build_models("small", torch.float32, "cpu", seed)
+    return actor, reward
+
+
+@dataclass(frozen=True)
+class Drain:
+    """A drain: these prompts and forced response lengths, stepped until the engine returns nothing."""
+
+    name: str
+    models: tuple  # (actor, reward)
+    lengths: list[int]
+    prompts: list[list[int]]
+    batch_size: int
+    overcommit: int
+
+
+def held_out_drain() -> Drain:
+    """The held-out long-tail drain: ``DRAIN_PROMPTS`` prompts of 16-48 tokens, Pareto-tailed responses
+    (``pareto_tail``: most 10-30 tokens, a few at the 160 cap), B=8, Δ=B."""
+    actor, reward = _drain_models()
+    lengths = list(pareto_tail(DRAIN_PROMPTS))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, actor.config.vocab_size) for _ in range(rng.randrange(16, 49))]
+               for _ in lengths]  # fmt: skip
+    return Drain("held-out pareto", (actor, reward), lengths, prompts, 8, 8)
+
+
+def workload_drain(w: Workload, batches: int = 8) -> Drain:
+    """``batches`` batches of a bench_twin workload, Δ = B / 2 as in its arms."""
+    actor, reward = _models(w.model, 0)
+    lengths, prompt_lens = _draws(w, batches * w.batch_size)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, actor.config.vocab_size) for _ in range(n)] for n in prompt_lens]
+    return Drain(w.name, (actor, reward), lengths, prompts, w.batch_size, w.batch_size // 2)
+
+
+def drain_once(mode: str, d: Drain) -> tuple[float, list]:
+    """One drain of ``d`` in ``mode`` (lengths forced with ``ignore_eos``, no lag bound, ``chunk_size``
+    left at ``"auto"``): the wall seconds of the whole drain, and the chunk controller's arms (``oppo``)."""
+    actor, reward = d.models
+    config = EngineConfig(batch_size=d.batch_size, mode=mode, overcommit=d.overcommit, max_policy_lag=None,
+                          max_model_len=max(map(len, d.prompts)) + max(d.lengths))  # fmt: skip
+    engine = RolloutEngine(
+        actor=actor,
+        reward=reward,
+        config=config,
+        eos_token_id=EOS_TOKEN_ID,
+        sampling=SamplingParams(max_new_tokens=max(d.lengths), ignore_eos=True, seed=0),
+    )
+    engine.add_prompts(
+        d.prompts, sampling=[SamplingParams(max_new_tokens=n, ignore_eos=True) for n in d.lengths]
+    )
+    try:
+        t0 = time.perf_counter()
+        returned = 0
+        while rollouts := engine.step().rollouts:
+            returned += len(rollouts)
+            engine.update_policy()
+        wall = time.perf_counter() - t0
+        assert returned == len(d.prompts), (returned, len(d.prompts))
+        return wall, [c for _, c, _ in engine.chunk_history]
+    finally:
+        engine.close()
+
+
+def drain(args) -> int:
+    """``inter`` against ``oppo`` with ``chunk_size="auto"``, whole drains: the held-out long-tail drain,
+    then (``--drain-workloads``) each bench_twin workload. ``--rounds`` rounds per drain, the two arms
+    interleaved (the order alternates), the median of the rounds; the load beside each."""
+    import os  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    drains = [held_out_drain()]
+    if args.drain_workloads:
+        drains += [workload_drain(w) for w in WORKLOADS]
+    summary = []
+    for d in drains:
+        drain_once("inter", d)  # a warm-up drain: first forwards, allocator, thread start
+        walls: dict[str, list[float]] = {"inter": [], "oppo": []}
+        for r in range(args.rounds):
+            for mode in ("inter", "oppo") if r % 2 == 0 else ("oppo", "inter"):
+                wall, arms = drain_once(mode, d)
+                walls[mode].append(wall)
+                shown = f"  arms: {' '.join(map(str, arms))}" if arms else ""
+                print(f"{d.name:<16} round {r} {mode:<6} {wall:.3f}s  load {os.getloadavg()[0]:.2f}{shown}")
+        inter, oppo = (statistics.median(walls[m]) for m in ("inter", "oppo"))
+        summary.append((d, inter, oppo, os.getloadavg()))
+    print(
+        f"\ninter vs oppo (chunk_size='auto', no calibrated profile), whole drains, median of {args.rounds}:"
+    )
+    for d, inter, oppo, load in summary:
+        goal = "0.97x" if d.name == "held-out pareto" else "0.95x"
+        print(f"  {d.name:<16} B={d.batch_size} Δ={d.overcommit} {len(d.prompts)} prompts: "
+              f"inter {inter:.3f}s, oppo {oppo:.3f}s, oppo at {inter / oppo:.3f}x inter (goal >= {goal}); "
+              f"load {' '.join(f'{x:.2f}' for x in load)}")  # fmt: skip
+    return 0
+
+
 # -- the paper's setting, on paper ---------------------------------------------------------------------------
 
 PAPER = {  # Table (ablation): speed-up in time to reward against TRL's sequential PPO
@@ -506,8 +621,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--published", action="store_true", help="the twin against public GPU measurements")
     p.add_argument("--long", action="store_true", help="long reasoning runs on 8xH200 (minutes)")
     p.add_argument("--matrix", action="store_true", help="calibrate on each shape, predict the others")
+    p.add_argument("--drain", action="store_true", help="inter vs oppo, chunk 'auto', long-tail drain")
+    p.add_argument("--drain-workloads", action="store_true", help="--drain: bench_twin's workloads too")
     p.add_argument("--matrix-shapes", default=",".join(MATRIX_SHAPES), help="the matrix's shapes (--matrix)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of real steps (--matrix)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--matrix, --drain)")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
     p.add_argument("--profile", type=Path, default=None, help="this GPU's profile (--device-check)")
@@ -530,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         return long_reasoning(args)
     if args.matrix:
         return matrix(args)
+    if args.drain:
+        return drain(args)
     if args.device_check:
         if args.profile is None:
             p.error("--device-check needs --profile (written by --calibrate or oppo-engine calibrate)")

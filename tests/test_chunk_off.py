@@ -106,8 +106,10 @@ def test_off_steps_run_no_scorer_work_beside_the_actor_and_change_no_number(mode
 
 
 def test_chunk_size_metric_is_off_for_a_step_the_controller_did_not_stream(models):
-    # nothing hopeless: the first exploration measures "off" and both sizes, whatever the profile says
-    engine = make_engine(models, "intra", chunk=ChunkControl(candidates=(4, 8), hopeless_margin=1e9))
+    # nothing hopeless or futile: the first exploration measures "off" and both sizes, whatever the profile
+    # says
+    control = ChunkControl(candidates=(4, 8), hopeless_margin=1e9, prior="list")
+    engine = make_engine(models, "intra", chunk=control)
     engine.add_prompts(random_prompts(30, seed=1))
     metrics = [engine.step().metrics for _ in range(5)]
     arms = [m.chunk_size for m in metrics]

@@ -62,8 +62,11 @@ class ChunkControl:
     first step (``sched/online.py``: the twin's cost model of the engine's device, where one exists:
     a GPU of the roofline table, or a profile calibrated on this machine by ``oppo-engine calibrate``) and
     the first exploration tries the predicted best chunk size and its neighbours; where no cost model
-    exists it falls back to ``"list"``. ``"list"``: the first exploration starts from "off" and the middle
-    candidate. Either way measured step times decide, and the rules above stay.
+    exists it starts from the candidate list, and after the first step (which runs "off" and times a decode
+    and the scorers' prefill) leaves out the chunk sizes the model then calls futile
+    (``ChunkSizeController.futile``: even with no slowdown they cannot beat "off" by the noise floor).
+    ``"list"``: the first exploration starts from "off" and the middle candidate, and nothing is futile.
+    Either way measured step times decide, and the rules above stay.
     """
 
     candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
@@ -365,14 +368,33 @@ class ChunkSizeController:
         return [OFF, *sizes] if self.control.off else sizes
 
     def hopeless(self) -> list[Arm]:
-        """The arms the cost model predicts slower than the best arm by more than ``hopeless_margin``, most
-        promising first (none without a profile)."""
+        """The arms the cost model predicts slower than the best arm by more than ``hopeless_margin``, and
+        the futile ones (:meth:`futile`), most promising first (none without a profile)."""
         profile = self.model()
         if profile is None:
             return []
         costs = {a: predicted_seconds_per_token(profile, a) for a in self.arms}
         limit = min(costs.values()) * (1.0 + self.control.hopeless_margin)
-        return [a for a in self.ranking() if costs[a] > limit]
+        futile = self.futile()
+        return [a for a in self.ranking() if costs[a] > limit or a in futile]
+
+    def futile(self) -> list[Arm]:
+        """The chunk sizes the cost model says cannot replace "off", under ``prior="model"``.
+
+        While no slowdown is known (no streamed step measured one and no prior predicted one: a fresh
+        machine after its first step, which runs "off" and times the decode and the scorers' prefill), the
+        model prices a chunk size with no slowdown beside the scorers and no exposed tail; both terms are
+        at least 0, so this is the least the model can ever predict for it. A chunk size whose least
+        prediction is not below "off"'s by more than ``noise_floor`` could not beat "off" by the noise
+        band (at least that floor) in the model's eyes, so a step on it is expected to be wasted: it is
+        futile, and explored only as a hopeless arm (every ``hopeless_every``-th exploration). Empty once
+        a slowdown is known (the model is then an estimate, and ``hopeless_margin`` rules), without a
+        profile, without the arm "off", and under ``prior="list"``."""
+        profile = self.model()
+        if profile is None or profile.slowdown or not self.control.off or self.control.prior != "model":
+            return []
+        limit = predicted_seconds_per_token(profile, OFF) * (1.0 - self.control.noise_floor)
+        return [c for c in self.control.candidates if predicted_seconds_per_token(profile, c) >= limit]
 
     def chunk_size(self) -> Arm:
         """The arm for the next step: a chunk size, or :data:`OFF` (do not stream)."""
