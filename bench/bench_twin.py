@@ -328,10 +328,15 @@ def workload_drain(w: Workload, batches: int = 8) -> Drain:
 
 def drain_once(mode: str, d: Drain) -> tuple[float, list]:
     """One drain of ``d`` in ``mode`` (lengths forced with ``ignore_eos``, no lag bound, ``chunk_size``
-    left at ``"auto"``): the wall seconds of the whole drain, and the chunk controller's arms (``oppo``)."""
+    left at ``"auto"``; ``"oppo-list"``: ``oppo`` under ``ChunkControl(prior="list")``, which calls no arm
+    futile, as the search ran before the first step's profile could decide): the wall seconds of the whole
+    drain, the CPU seconds of the process (every thread: the work, which the machine's load moves less
+    than the wall time), and the chunk controller's arms."""
     actor, reward = d.models
-    config = EngineConfig(batch_size=d.batch_size, mode=mode, overcommit=d.overcommit, max_policy_lag=None,
-                          max_model_len=max(map(len, d.prompts)) + max(d.lengths))  # fmt: skip
+    knobs = {"chunk": ChunkControl(prior="list")} if mode == "oppo-list" else {}
+    config = EngineConfig(batch_size=d.batch_size, mode=mode.removesuffix("-list"), overcommit=d.overcommit,
+                          max_policy_lag=None, max_model_len=max(map(len, d.prompts)) + max(d.lengths),
+                          **knobs)  # fmt: skip
     engine = RolloutEngine(
         actor=actor,
         reward=reward,
@@ -343,22 +348,23 @@ def drain_once(mode: str, d: Drain) -> tuple[float, list]:
         d.prompts, sampling=[SamplingParams(max_new_tokens=n, ignore_eos=True) for n in d.lengths]
     )
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         returned = 0
         while rollouts := engine.step().rollouts:
             returned += len(rollouts)
             engine.update_policy()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert returned == len(d.prompts), (returned, len(d.prompts))
-        return wall, [c for _, c, _ in engine.chunk_history]
+        return wall, cpu, [c for _, c, _ in engine.chunk_history]
     finally:
         engine.close()
 
 
 def drain(args) -> int:
-    """``inter`` against ``oppo`` with ``chunk_size="auto"``, whole drains: the held-out long-tail drain,
-    then (``--drain-workloads``) each bench_twin workload. ``--rounds`` rounds per drain, the two arms
-    interleaved (the order alternates), the median of the rounds; the load beside each."""
+    """``inter`` against ``oppo`` with ``chunk_size="auto"`` (and ``oppo`` under ``prior="list"``, the
+    search before the first step's profile decided), whole drains: the held-out long-tail drain, then
+    (``--drain-workloads``) each bench_twin workload. ``--rounds`` rounds per drain, the arms interleaved
+    (the order rotates), the median of the rounds; the load beside each."""
     import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
@@ -368,23 +374,31 @@ def drain(args) -> int:
     summary = []
     for d in drains:
         drain_once("inter", d)  # a warm-up drain: first forwards, allocator, thread start
-        walls: dict[str, list[float]] = {"inter": [], "oppo": []}
+        modes = ("inter", "oppo", "oppo-list")
+        walls: dict[str, list[float]] = {m: [] for m in modes}
+        cpus: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(args.rounds):
-            for mode in ("inter", "oppo") if r % 2 == 0 else ("oppo", "inter"):
-                wall, arms = drain_once(mode, d)
+            for mode in modes[r % 3 :] + modes[: r % 3]:  # each arm first in one round of three
+                wall, cpu, arms = drain_once(mode, d)
                 walls[mode].append(wall)
+                cpus[mode].append(cpu)
                 shown = f"  arms: {' '.join(map(str, arms))}" if arms else ""
-                print(f"{d.name:<16} round {r} {mode:<6} {wall:.3f}s  load {os.getloadavg()[0]:.2f}{shown}")
-        inter, oppo = (statistics.median(walls[m]) for m in ("inter", "oppo"))
-        summary.append((d, inter, oppo, os.getloadavg()))
+                print(f"{d.name:<16} round {r} {mode:<9} {wall:.3f}s wall {cpu:.3f}s CPU  "
+                      f"load {os.getloadavg()[0]:.2f}{shown}")  # fmt: skip
+        wall = [statistics.median(walls[m]) for m in modes]
+        cpu = [statistics.median(cpus[m]) for m in modes]
+        summary.append((d, wall, cpu, os.getloadavg()))
     print(
         f"\ninter vs oppo (chunk_size='auto', no calibrated profile), whole drains, median of {args.rounds}:"
     )
-    for d, inter, oppo, load in summary:
+    for d, (inter, oppo, listed), (c_inter, c_oppo, c_listed), load in summary:
         goal = "0.97x" if d.name == "held-out pareto" else "0.95x"
-        print(f"  {d.name:<16} B={d.batch_size} Δ={d.overcommit} {len(d.prompts)} prompts: "
-              f"inter {inter:.3f}s, oppo {oppo:.3f}s, oppo at {inter / oppo:.3f}x inter (goal >= {goal}); "
-              f"load {' '.join(f'{x:.2f}' for x in load)}")  # fmt: skip
+        print(
+            f"  {d.name:<16} B={d.batch_size} Δ={d.overcommit} {len(d.prompts)} prompts: "
+            f"wall inter {inter:.3f}s, oppo {oppo:.3f}s = {inter / oppo:.3f}x inter (goal >= {goal}), "
+            f"prior='list' {listed:.3f}s = {inter / listed:.3f}x; CPU: oppo {c_inter / c_oppo:.3f}x inter, "
+            f"prior='list' {c_inter / c_listed:.3f}x; load {' '.join(f'{x:.2f}' for x in load)}"
+        )
     return 0
 
 
