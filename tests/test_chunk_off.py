@@ -129,3 +129,27 @@ def test_sequential_and_inter_report_no_chunk_size(models):
         engine.add_prompts(random_prompts(6, seed=2))
         assert engine.step().metrics.chunk_size is None
         engine.close()
+
+
+def test_a_fresh_engine_decides_whether_to_stream_from_its_first_steps_profile(models, monkeypatch, tmp_path):
+    """No calibrated profile and no table GPU (a fresh machine): no prior; the first step runs "off", its
+    profile (a decode and the scorers' prefill, timed on that step's own forwards; no slowdown) reaches the
+    controller, and the arms that follow are what the controller's rule makes of that profile: nothing but
+    "off" until a later exploration when every chunk size is futile, one of the hopeful arms otherwise."""
+    monkeypatch.setenv("OPPO_ENGINE_PROFILES", str(tmp_path))  # where no profile was ever written
+    engine = make_engine(models, "oppo", batch_size=4)
+    ctrl = engine._chunk_control
+    assert ctrl.prior is None and ctrl.model() is None
+    engine.add_prompts(random_prompts(40, seed=5))
+    assert engine.step().metrics.chunk_size == OFF
+    profile = ctrl.model()
+    assert profile is not None and profile.slowdown == {}
+    futile, hopeless = ctrl.futile(), ctrl.hopeless()
+    hopeful = [a for a in ctrl.ranking() if a not in hopeless]
+    assert set(futile) <= set(hopeless)
+    if futile == list(ChunkControl().candidates):
+        arms = [engine.step().metrics.chunk_size for _ in range(5)]
+        assert arms == [OFF] * 5, arms  # the first exploration is "off" alone, then the incumbent "off"
+    else:
+        assert ctrl.chunk_size() in hopeful[: ChunkControl().explore_top]
+    engine.close()
