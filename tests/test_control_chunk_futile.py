@@ -83,6 +83,14 @@ def test_an_expensive_switch_is_not_explored_but_every_hopeless_every_th_explora
     assert sum(a != OFF for a in arms) == 1, arms
 
 
+def test_a_measured_tail_does_not_make_a_chunk_size_futile():
+    """A streamed step that measured no slowdown (every actor iteration had a prefill beside it, say) may
+    have measured a tail; the bound leaves it out, as it leaves out the slowdown."""
+    ctrl = ChunkSizeController(ChunkControl())
+    ctrl.set_profile(first_step_profile(0.01, 2e-5, tail_seqs=8.0))
+    assert ctrl.futile() == [4, 8, 16, 32]  # as with no tail: 64 is not futile
+
+
 @pytest.mark.parametrize(
     "control, profile",
     [

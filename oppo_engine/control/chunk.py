@@ -18,6 +18,7 @@ Pure Python: no torch, no numpy. The scheduler measures; this module decides.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -394,7 +395,8 @@ class ChunkSizeController:
         if profile is None or profile.slowdown or not self.control.off or self.control.prior != "model":
             return []
         limit = predicted_seconds_per_token(profile, OFF) * (1.0 - self.control.noise_floor)
-        return [c for c in self.control.candidates if predicted_seconds_per_token(profile, c) >= limit]
+        least = dataclasses.replace(profile, tail_seqs=0.0)  # NOTE: a streamed step may have measured a tail
+        return [c for c in self.control.candidates if predicted_seconds_per_token(least, c) >= limit]
 
     def chunk_size(self) -> Arm:
         """The arm for the next step: a chunk size, or :data:`OFF` (do not stream)."""
