@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from oppo_engine.config import SamplingParams
 from oppo_engine.env.protocol import Observation
+from oppo_engine.sched.prompts import sample_seed
 from oppo_engine.serve.chat import first_difference
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.requests import TurnRequest
@@ -49,7 +50,9 @@ class AgentError(RuntimeError):
 class ServedEpisode:
     """One conversation (see the module). ``seed``: the episode's RNG seed, fixed at its opening (a request
     with another gets 400, the first included); else the first request's; else ``default_seed`` (an agent's,
-    derived from its task); else the engine's derivation from the prompt's index."""
+    derived from its task); else the engine's derivation from the prompt's index. A member ``j`` of a group
+    of agents whose first request gives the seed samples with ``sample_seed(seed, j)`` (later requests repeat
+    the seed as given)."""
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class ServedEpisode:
     ) -> None:
         self.server, self.id, self.metadata, self.seed = server, episode_id, metadata, seed
         self.default_seed = default_seed
+        self.fixed_seed: int | None = None  # the seed its requests must repeat (set by the first)
         self.group: AgentGroup | None = group  # n agents on one task (add_agents(n=...)): one group
         if group is not None:
             group.members.append(self)
@@ -140,7 +144,13 @@ class ServedEpisode:
                 "is fixed at its opening when given there",
                 param="seed",
             )
-        seed = next((s for s in (self.seed, req.seed, self.default_seed) if s is not None), None)
+        # The seed the agent fixes (later requests must repeat it) and the one it samples with: member j of
+        # a group (add_agents(n > 1)) whose request gives one samples with sample_seed(seed, j), as sample j
+        # of a prompt does (member 0 with the seed as given): n agents that send one seed do not sample alike.
+        self.fixed_seed = next((s for s in (self.seed, req.seed, self.default_seed) if s is not None), None)
+        seed = self.fixed_seed
+        if self.seed is None and req.seed is not None and self.group is not None:
+            seed = sample_seed(req.seed, self.group.members.index(self))
         self.sampling = SamplingParams(
             temperature=base.temperature if req.temperature is None else req.temperature,
             top_p=base.top_p if req.top_p is None else req.top_p,
@@ -219,7 +229,7 @@ class ServedEpisode:
     def _check_sampling(self, req: TurnRequest) -> None:
         s = self.sampling
         given = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
-        fixed = {"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+        fixed = {"temperature": s.temperature, "top_p": s.top_p, "seed": self.fixed_seed}
         for name, value in given.items():
             if value is not None and value != fixed[name]:
                 raise ApiError(
