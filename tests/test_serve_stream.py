@@ -164,3 +164,17 @@ def test_text_deltas_concatenate_to_the_decoded_text_and_never_split_a_character
     assert not any("\ufffd" in p for p in parts)
     if len(text.encode()) > len(text):  # multi-byte characters: some byte tokens were held back
         assert "" in parts[:-1]
+
+
+def test_text_deltas_of_arbitrary_tokens_concatenate_to_the_whole_decode(tokenizer):
+    """Random ids (specials, and byte tokens that never form valid UTF-8, included): pushed one or three at a
+    time, the deltas and the final rest are the whole decode."""
+    import random
+
+    rng = random.Random(0)
+    for step in (1, 3):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(300)]
+        deltas = TextDeltas(tokenizer)
+        parts = [deltas.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+        parts.append(deltas.final(ids))
+        assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True)

@@ -5,9 +5,8 @@ A plain ``/v1`` request streams token by token (``EvalCall.events``): a chunk af
 decoded some of its tokens, each with its ``delta`` text, its ``token_ids`` (``return_token_ids``) and its
 log-probs (``logprobs``); the last chunk has the finish reason; ``prompt_token_ids`` comes in the first chunk
 only. The concatenation of the chunks is the non-streamed answer: text, token ids and log-probs. Text is
-detokenised incrementally and safely: the content so far is decoded as a whole and only what extends the
-text already sent goes out, and a trailing partial UTF-8 character (``\\ufffd``) is held back until the
-tokens that complete it come.
+detokenised incrementally and safely (``TextDeltas``): a trailing partial UTF-8 character is held back until
+the tokens that complete it come.
 
 An episode's turn, and a chat request with ``tools`` (its tool calls are parsed from the whole turn), come in
 one content chunk when the turn ends (``whole_turn_events``).
@@ -37,22 +36,33 @@ def sse(chunk: dict | str) -> str:
 class TextDeltas:
     """Incremental detokenisation of one turn: ``push(ids)`` returns the text the new ids add (possibly
     ``""``); ``final(content_ids)`` the rest of the whole turn's text. The deltas concatenate to
-    ``tokenizer.decode(content_ids, skip_special_tokens=True)``."""
+    ``tokenizer.decode(content_ids, skip_special_tokens=True)``.
+
+    vLLM's window: the tokens since the last text that went out are decoded together with the tokens of that
+    text (``ids[prefix:]`` against ``ids[prefix:read]``), so a tokenizer that drops a leading space at the
+    start of a decode (SentencePiece) still gives the right delta, and each push costs the window, not the
+    whole turn. A delta that ends in a partial UTF-8 character (``\ufffd``) is held back until the tokens
+    that complete it come; ``final`` decodes the whole content once, so the concatenation is exact."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+        self.prefix = self.read = 0  # ids[prefix:read]: the tokens of the last text sent
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        # NOTE: held back: a character whose bytes are not all in yet, or a decode that rewrote what was sent
-        if text.endswith("\ufffd") or not text.startswith(self.sent) or len(text) == len(self.sent):
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(before) or len(text) == len(before):
             return ""
-        delta, self.sent = text[len(self.sent) :], text
+        delta = text[len(before) :]
+        self.prefix, self.read, self.sent = self.read, len(self.ids), self.sent + delta
         return delta
 
     def final(self, content_ids: list[int]) -> str:
         text = self.tokenizer.decode(content_ids, skip_special_tokens=True)
+        # NOTE: what went out is the start of the whole text wherever a decode of a window is the matching
+        # slice of the whole (byte-level BPE, SentencePiece): the rest completes it exactly.
         delta = text[len(self.sent) :] if text.startswith(self.sent) else text
         self.sent = text
         return delta
