@@ -178,3 +178,30 @@ def test_text_deltas_of_arbitrary_tokens_concatenate_to_the_whole_decode(tokeniz
         parts = [deltas.push(ids[i : i + step]) for i in range(0, len(ids), step)]
         parts.append(deltas.final(ids))
         assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_an_episode_streams_a_completions_turn_whole_in_the_completions_chunk_shape(actor, tokenizer):
+    """An episode's turn streams in one content chunk (its shape: ``text``, ``token_ids``,
+    ``prompt_token_ids`` in the choice, as vLLM's completions); a retry without streaming is the same turn."""
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    stepper = Stepper(engine)
+    try:
+        episode = handle.open_episode(seed=1)
+        with openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0, timeout=DEADLINE_S) as c:
+            ask = dict(model="m", prompt=[5, 17, 42, 99], max_tokens=6, logprobs=1,
+                       extra_body={"return_token_ids": True})  # fmt: skip
+            chunks = list(c.completions.create(stream=True, **ask))
+            whole = c.completions.create(**ask)
+        choices = [ch.choices[0] for ch in chunks if ch.choices]
+        assert "".join(ch.text for ch in choices) == whole.choices[0].text
+        assert choices[0].model_extra["prompt_token_ids"] == [5, 17, 42, 99]
+        assert choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
+        assert choices[0].logprobs.token_logprobs == whole.choices[0].logprobs.token_logprobs
+        assert choices[-1].finish_reason == whole.choices[0].finish_reason
+        episode.finish(1.0)
+        stepper.wait_for(1)
+    finally:
+        handle.close()
+        stepper.stop()
+        engine.close()
