@@ -35,16 +35,18 @@ def make_engine(actor, tokenizer) -> RolloutEngine:
 
 
 class Hold:
-    """Holds the forward in which the streamed request has ``HOLD_AT`` tokens until ``seen`` is set."""
+    """Holds the forward in which the streamed turn (the only sequence decoding) has ``HOLD_AT`` tokens until
+    ``seen`` is set."""
 
-    def __init__(self, handle) -> None:
-        self.handle, self.seen, self.held, self.in_time = handle, threading.Event(), False, None
+    def __init__(self, engine) -> None:
+        self.engine, self.seen, self.held, self.in_time = engine, threading.Event(), False, None
 
     def __call__(self, module, args) -> None:
-        running = [e for e in self.handle.evals.running.values() if e.progress is not None]
-        if not self.held and running and len(running[0].seq.response_ids) >= HOLD_AT:
-            self.held = True
-            self.in_time = self.seen.wait(10.0)
+        for seq in list(self.engine._loop.actor_sched.running):
+            start = seq.episode.turn_start if seq.episode is not None else 0
+            if not self.held and len(seq.response_ids) - start >= HOLD_AT:
+                self.held = True
+                self.in_time = self.seen.wait(10.0)
 
 
 def chat_chunks(client, hold: Hold, **kwargs) -> list:
@@ -56,24 +58,30 @@ def chat_chunks(client, hold: Hold, **kwargs) -> list:
     return chunks
 
 
+@pytest.mark.parametrize("where", ["plain", "episode"])
 @pytest.mark.parametrize("kind", ["chat", "completions"])
-def test_streamed_chunks_concatenate_to_the_answer_and_arrive_while_it_is_decoded(actor, tokenizer, kind):
+def test_streamed_chunks_concatenate_to_the_answer_and_arrive_mid_turn(actor, tokenizer, kind, where):
+    """A plain request, and an episode's turn: the non-streamed answer to compare with is the same request
+    again (for an episode, a retry: the same turn)."""
     engine = make_engine(actor, tokenizer)
     handle = engine.serve()
     stepper = Stepper(engine)
-    client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
-    hold = Hold(handle)
+    episode = handle.open_episode() if where == "episode" else None  # its seed: the request's
+    base_url = episode.base_url if episode is not None else f"{handle.url}/v1"
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    hold = Hold(engine)
+    # a plain request decodes all MAX_TOKENS; an episode's turn (no ignore_eos) may end at its end of turn
+    extra = {"return_token_ids": True} | ({"ignore_eos": True} if episode is None else {})
     hook = actor.register_forward_pre_hook(hold)
     common = {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 11}
     try:
         if kind == "chat":
             args = dict(messages=[{"role": "user", "content": "what is 12 + 30 ?"}], logprobs=True,
-                        extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+                        extra_body=extra)  # fmt: skip
             chunks = chat_chunks(client, hold, stream_options={"include_usage": True}, **common, **args)
             whole = client.chat.completions.create(**common, **args)
         else:
-            args = dict(prompt=[5, 17, 42, 99], logprobs=1,
-                        extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+            args = dict(prompt=[5, 17, 42, 99], logprobs=1, extra_body=extra)
             chunks = []
             for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
                                                    **common, **args):  # fmt: skip
@@ -81,6 +89,9 @@ def test_streamed_chunks_concatenate_to_the_answer_and_arrive_while_it_is_decode
                 if chunk.choices and chunk.choices[0].text:
                     hold.seen.set()
             whole = client.completions.create(**common, **args)
+        if episode is not None:
+            episode.finish(1.0)
+            stepper.wait_for(1)
     finally:
         hook.remove()
         client.close()
@@ -96,7 +107,8 @@ def test_streamed_chunks_concatenate_to_the_answer_and_arrive_while_it_is_decode
         assert [ch.finish_reason for ch in choices] == [None] * (len(choices) - 1) + [
             whole.choices[0].finish_reason
         ]
-        assert chunks[-1].usage.completion_tokens == len(ids) == MAX_TOKENS
+        assert chunks[-1].usage.completion_tokens == len(ids) > HOLD_AT
+        assert episode is not None or len(ids) == MAX_TOKENS
         if kind == "chat":
             prompt = whole.model_extra["prompt_token_ids"]
             assert dumps[0]["prompt_token_ids"] == prompt
@@ -178,30 +190,3 @@ def test_text_deltas_of_arbitrary_tokens_concatenate_to_the_whole_decode(tokeniz
         parts = [deltas.push(ids[i : i + step]) for i in range(0, len(ids), step)]
         parts.append(deltas.final(ids))
         assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def test_an_episode_streams_a_completions_turn_whole_in_the_completions_chunk_shape(actor, tokenizer):
-    """An episode's turn streams in one content chunk (its shape: ``text``, ``token_ids``,
-    ``prompt_token_ids`` in the choice, as vLLM's completions); a retry without streaming is the same turn."""
-    engine = make_engine(actor, tokenizer)
-    handle = engine.serve()
-    stepper = Stepper(engine)
-    try:
-        episode = handle.open_episode(seed=1)
-        with openai.OpenAI(base_url=episode.base_url, api_key="x", max_retries=0, timeout=DEADLINE_S) as c:
-            ask = dict(model="m", prompt=[5, 17, 42, 99], max_tokens=6, logprobs=1,
-                       extra_body={"return_token_ids": True})  # fmt: skip
-            chunks = list(c.completions.create(stream=True, **ask))
-            whole = c.completions.create(**ask)
-        choices = [ch.choices[0] for ch in chunks if ch.choices]
-        assert "".join(ch.text for ch in choices) == whole.choices[0].text
-        assert choices[0].model_extra["prompt_token_ids"] == [5, 17, 42, 99]
-        assert choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
-        assert choices[0].logprobs.token_logprobs == whole.choices[0].logprobs.token_logprobs
-        assert choices[-1].finish_reason == whole.choices[0].finish_reason
-        episode.finish(1.0)
-        stepper.wait_for(1)
-    finally:
-        handle.close()
-        stepper.stop()
-        engine.close()

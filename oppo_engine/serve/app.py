@@ -109,7 +109,7 @@ def build_app(server: ServeHandle) -> Starlette:
                 why = "ignore_eos: an episode's turn ends at its template's end of turn"
                 raise ApiError(400, why, param="ignore_eos")
             try:
-                answer = await _unless_gone(request, episode.request(req), episode.fail)
+                cached = episode.start(req)
             except ApiError as e:
                 if e.code != "history_diverged" or server.on_divergence != "restart":
                     raise
@@ -120,7 +120,17 @@ def build_app(server: ServeHandle) -> Starlette:
                     )
                     raise
                 episode = server.restart(episode)
-                answer = await _unless_gone(request, episode.request(req), episode.fail)
+                cached = episode.start(req)
+            # Streamed token by token, but a chat turn with tools (its calls are parsed from the whole turn)
+            # and a retry of a turn another request streams already: those come whole.
+            queue = episode.stream() if cached is None and req.stream and not req.tools else None
+            if queue is not None:
+                name, prompt = f"{episode.id}-{episode.turn}", list(episode.transcript)
+                stream = TokenStream(server, req, name, prompt, queue, episode.fail)
+                return StreamingResponse(stream.events(), media_type="text/event-stream")
+            answer = cached
+            if answer is None:
+                answer = await _unless_gone(request, asyncio.shield(episode.pending), episode.fail)
             return _events(answer, req.include_usage) if req.stream else answer
 
         return handler
@@ -128,8 +138,9 @@ def build_app(server: ServeHandle) -> Starlette:
     def plain(kind: str):
         async def handler(request: Request) -> dict:
             req = server.parse(await body(request), kind)
-            if req.stream and not (kind == "chat" and req.tools):  # tool calls are parsed from a whole turn
-                stream = TokenStream(evaluate(server, req, stream=True), req)
+            if req.stream and not req.tools:  # tool calls are parsed from a whole turn
+                call = evaluate(server, req, stream=True)
+                stream = TokenStream(server, req, f"{call.id}-0", call.prompt, call.events, call.cancel)
                 return StreamingResponse(stream.events(), media_type="text/event-stream")
             call = evaluate(server, req)
             answer = await _unless_gone(request, call.answer, call.cancel)

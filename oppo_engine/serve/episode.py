@@ -82,6 +82,8 @@ class ServedEpisode:
         self.sampling: SamplingParams | None = None
         self.pending: asyncio.Future | None = None  # the response of the request in flight
         self.pending_key: str | None = None
+        # The pending request's token stream (``stream: true``): ``TokenStream``'s events (serve/stream.py).
+        self.stream_queue: asyncio.Queue | None = None
         self.last_key: str | None = None
         self.last_response: dict | None = None
         self.next_obs: asyncio.Future | None = None  # what AgentEnv.step awaits
@@ -97,6 +99,20 @@ class ServedEpisode:
 
     async def request(self, req: TurnRequest) -> dict:
         """Answer ``req``: the next turn, or a repeat's cached answer; ``ApiError`` otherwise."""
+        cached = self.start(req)
+        return cached if cached is not None else await asyncio.shield(self.pending)
+
+    def stream(self) -> asyncio.Queue | None:
+        """The pending request's turn, token by token (after ``start``): a queue of ``TokenStream`` events;
+        ``None`` if another request streams it already (a retry while it is generated)."""
+        if self.stream_queue is not None or self.state != GENERATING:
+            return None
+        self.stream_queue = asyncio.Queue()
+        return self.stream_queue
+
+    def start(self, req: TurnRequest) -> dict | None:
+        """The synchronous part of ``request``: a repeat's cached answer, or ``None`` with ``req`` pending
+        (``pending``, the turn's response); ``ApiError`` otherwise."""
         self.touched_s = time.monotonic()
         if self.state == FAILED:
             raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
@@ -123,7 +139,7 @@ class ServedEpisode:
             self._first(req)
         else:
             self._next(req)
-        return await asyncio.shield(self.pending)
+        return None
 
     def _first(self, req: TurnRequest) -> None:
         server = self.server
@@ -260,6 +276,11 @@ class ServedEpisode:
         self.env_made = True
         return AgentEnv(self)
 
+    def on_tokens(self, ids: list[int], logprobs: list[float]) -> None:
+        """Tokens of the turn decoded (``AgentEnv.decoded``): to the pending request's stream."""
+        if self.stream_queue is not None and self.state == GENERATING:
+            self.stream_queue.put_nowait(("tokens", ids, logprobs))
+
     async def on_turn(self, turn_ids: list[int], logprobs: list[float]) -> Observation:
         """A turn ended: answer the pending request with it; the agent's next move is the observation."""
         if self.state == FAILED:
@@ -337,6 +358,9 @@ class ServedEpisode:
             self.text += text
         self.turn += 1
         self.last_key, self.last_response = self.pending_key, response
+        if self.stream_queue is not None:
+            self.stream_queue.put_nowait(("done", list(turn_ids), list(logprobs), content_ids, finish))
+            self.stream_queue = None
         if self.pending is not None and not self.pending.done():
             self.pending.set_result(response)
 
@@ -398,10 +422,12 @@ class ServedEpisode:
             self.server.expect(-1)  # announced, never queued (after add_failed: a waiting step returns it)
         if group is not None:
             group.member_failed(self, message)
+        failure = ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
+        if self.stream_queue is not None:
+            self.stream_queue.put_nowait(("error", failure))
+            self.stream_queue = None
         if self.pending is not None and not self.pending.done():
-            self.pending.set_exception(
-                ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
-            )
+            self.pending.set_exception(failure)
             self.pending.exception()  # retrieved: a request gone meanwhile leaves no warning behind
         if self.next_obs is not None and not self.next_obs.done():
             self.next_obs.set_exception(AgentError(f"agent episode {self.id} failed: {message}"))
@@ -455,6 +481,22 @@ class AgentEnv:
 
     def __init__(self, episode: ServedEpisode) -> None:
         self.episode = episode
+        self._told = (0, 0)  # (turn start, tokens of that turn handed to the episode)
+
+    def decoded(self, response_ids: list[int], logprobs: list[float], turn_start: int) -> None:
+        """The turn so far (``response_ids[turn_start:]``; on the actor thread, after every forward): its new
+        tokens go to the episode's stream, if its pending request streams (a retried step gives the same
+        tokens again: only those beyond what went out are sent)."""
+        episode = self.episode
+        if episode.stream_queue is None:
+            return
+        start, told = self._told if self._told[0] == turn_start else (turn_start, 0)
+        end = len(response_ids)
+        if end - start > told:
+            self._told = (start, end - start)
+            episode.server.call_soon(
+                episode.on_tokens, response_ids[start + told : end], logprobs[start + told : end]
+            )
 
     def reset(self, prompt_ids: list[int]) -> None:
         """The prompt is the first request's: nothing to set up."""

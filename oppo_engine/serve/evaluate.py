@@ -28,9 +28,8 @@ _IDS = itertools.count(1)
 class EvalCall:
     """One plain request in flight. It answers ``Responses.build`` as an episode of one turn would (``id``,
     ``kind``, ``turn``, ``tools``, ``pending_req``); ``answer`` is its response, a future of the serving
-    loop. A streamed one (``stream=True``) has ``events`` instead, a queue of the serving loop:
-    ``("tokens", ids, logprobs)`` as they are decoded, then ``("done", ids, logprobs, finish_reason)`` (the
-    whole turn) or ``("error", message)``."""
+    loop. A streamed one (``stream=True``) has ``events`` instead, a queue of the serving loop for a
+    ``TokenStream`` (``serve/stream.py``)."""
 
     def __init__(self, server: ServeHandle, req: TurnRequest, stream: bool = False) -> None:
         self.server, self.pending_req, self.kind, self.tools = server, req, req.kind, req.tools
@@ -63,18 +62,23 @@ class EvalCall:
         self.server.eval_calls.discard(self)
         if self.answer.done():
             return
-        if self.events is not None:
-            self.answer.set_result(None)  # answered (a later cancel is a no-op)
-            self.events.put_nowait(("error", error) if error is not None else ("done", ids, logprobs, reason))
-            return
         if error is not None:
-            self.answer.set_exception(ApiError(503, f"the request was not served: {error}"))
+            failure = ApiError(503, f"the request was not served: {error}")
+            if self.events is not None:
+                self.answer.set_result(None)  # answered (a later cancel is a no-op)
+                self.events.put_nowait(("error", failure))
+                return
+            self.answer.set_exception(failure)
             self.answer.exception()  # retrieved: a request gone meanwhile leaves no warning behind
             return
         server = self.server
         content = ids[:-1] if ids and reason in STOPPED else ids
-        text = server.tokenizer.decode(content, skip_special_tokens=True)
         finish = "stop" if reason in STOPPED else "length"
+        if self.events is not None:
+            self.answer.set_result(None)
+            self.events.put_nowait(("done", ids, logprobs, content, finish))
+            return
+        text = server.tokenizer.decode(content, skip_special_tokens=True)
         self.answer.set_result(server.responses.build(self, self.prompt, ids, logprobs, text, finish))
 
 

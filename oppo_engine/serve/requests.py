@@ -34,7 +34,7 @@ class TurnRequest:
     logprobs: bool
     return_token_ids: bool
     key: str
-    stream: bool = False  # the answer as server-sent events
+    stream: bool = False  # the answer as server-sent events, token by token (serve/stream.py)
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's: only max_tokens (and stop ids) end it; plain /v1 requests only
 

@@ -1,15 +1,16 @@
 """Server-sent events of a streamed answer (``stream: true``), in OpenAI's chunk schemas with vLLM's
 token-in/token-out fields.
 
-A plain ``/v1`` request streams token by token (``EvalCall.events``): a chunk after every forward that
-decoded some of its tokens, each with its ``delta`` text, its ``token_ids`` (``return_token_ids``) and its
-log-probs (``logprobs``); the last chunk has the finish reason; ``prompt_token_ids`` comes in the first chunk
-only. The concatenation of the chunks is the non-streamed answer: text, token ids and log-probs. Text is
-detokenised incrementally and safely (``TextDeltas``): a trailing partial UTF-8 character is held back until
-the tokens that complete it come.
+A turn streams token by token (``TokenStream``): a plain ``/v1`` request's tokens come from its side-work
+source (``EvalCall.events``), an episode's from its environment (``AgentEnv.decoded``). A chunk after every
+forward that decoded some of its tokens, each with its ``delta`` text, its ``token_ids``
+(``return_token_ids``) and its log-probs (``logprobs``); the last chunk has the finish reason;
+``prompt_token_ids`` comes in the first chunk only. The concatenation of the chunks is the non-streamed
+answer: text, token ids and log-probs. Text is detokenised incrementally and safely (``TextDeltas``): a
+trailing partial UTF-8 character is held back until the tokens that complete it come.
 
-An episode's turn, and a chat request with ``tools`` (its tool calls are parsed from the whole turn), come in
-one content chunk when the turn ends (``whole_turn_events``).
+A request with ``tools`` (its tool calls are parsed from the whole turn), and a retry of a turn another
+request streams already, come in one content chunk when the turn ends (``whole_turn_events``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from oppo_engine.serve.errors import ApiError
-
 if TYPE_CHECKING:
-    from oppo_engine.serve.evaluate import EvalCall
     from oppo_engine.serve.requests import TurnRequest
 
 STOPPED = ("eos", "stop")  # the last token is the end of turn, an EOS or a stop token: not content
@@ -69,15 +67,18 @@ class TextDeltas:
 
 
 class TokenStream:
-    """The chunks of one streamed plain request, built from its call's events."""
+    """The chunks of one streamed turn, built from ``queue``'s events (of the serving loop):
+    ``("tokens", ids, logprobs)`` as they are decoded, then ``("done", ids, logprobs, content_ids, finish)``
+    (the whole turn, ``content_ids`` its text's tokens) or ``("error", ApiError)``. ``name``: the response
+    id's tail; ``prompt``: the ids before the turn; ``gone(message)``: the client went away mid-turn."""
 
-    def __init__(self, call: EvalCall, req: TurnRequest) -> None:
-        server = call.server
-        self.call, self.req, self.tokenizer = call, req, server.tokenizer
+    def __init__(self, server, req: TurnRequest, name: str, prompt: list[int], queue, gone) -> None:
+        self.req, self.tokenizer, self.prompt = req, server.tokenizer, prompt
+        self.queue, self.gone = queue, gone
         self.chat = req.kind == "chat"
         self.text = TextDeltas(server.tokenizer)
         self.head = {
-            "id": f"{'chatcmpl' if self.chat else 'cmpl'}-{call.id}-0",
+            "id": f"{'chatcmpl' if self.chat else 'cmpl'}-{name}",
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": server.responses.model,
@@ -87,38 +88,35 @@ class TokenStream:
         self.prompt_sent = False
 
     async def events(self) -> AsyncIterator[str]:
-        """The response body; a client that goes away cancels the call (its sequence is dropped)."""
+        """The response body."""
         finished = False
         try:
             if self.chat:
                 yield sse(self._chunk("", [], [], None))  # the role, and the prompt's ids
             while True:
-                kind, *payload = await self.call.events.get()
+                kind, *payload = await self.queue.get()
                 if kind == "error":
-                    error = ApiError(503, f"the request was not served: {payload[0]}")
                     finished = True
-                    yield sse(error.body())
+                    yield sse(payload[0].body())
                     return
                 if kind == "tokens":
                     ids, lps = payload
                     self.ids += ids
                     yield sse(self._chunk(self.text.push(ids), ids, lps, None))
                     continue
-                ids, lps, reason = payload  # the whole turn, with its last token
+                ids, lps, content, finish = payload  # the whole turn, with its last token
                 finished = True
                 new, new_lps = ids[len(self.ids) :], lps[len(self.ids) :]
-                content = ids[:-1] if ids and reason in STOPPED else ids
-                finish = "stop" if reason in STOPPED else "length"
                 yield sse(self._chunk(self.text.final(content), new, new_lps, finish))
                 if self.req.include_usage:
-                    n = len(self.call.prompt)
+                    n = len(self.prompt)
                     usage = {"prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids)}
                     yield sse({**self.head, "choices": [], "usage": usage})
                 yield sse("[DONE]")
                 return
         finally:
             if not finished:
-                self.call.cancel("its client disconnected while its answer was streamed")
+                self.gone("its client disconnected while its turn was streamed")
 
     def _chunk(self, text: str, ids: list[int], lps: list[float], finish: str | None) -> dict:
         req = self.req
@@ -147,7 +145,7 @@ class TokenStream:
             choice["token_ids"] = list(ids)
             if not self.prompt_sent:
                 # vLLM's places: the chunk's top level (chat), the choice (completions)
-                (choice if not self.chat else chunk)["prompt_token_ids"] = list(self.call.prompt)
+                (choice if not self.chat else chunk)["prompt_token_ids"] = list(self.prompt)
         self.prompt_sent = True
         return chunk
 
