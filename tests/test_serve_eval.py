@@ -117,11 +117,11 @@ def test_a_step_with_no_batch_of_its_own_decodes_the_evaluations_to_the_end(acto
         for t in threads:
             t.start()
         deadline = time.monotonic() + DEADLINE_S
-        while len(engine._loop.evals.running) + len(engine._loop.evals._pending) < 3:  # all three queued
+        while len(handle.evals.running) + len(handle.evals._pending) < 3:  # all three queued
             assert time.monotonic() < deadline, "the evaluations were not queued"
             time.sleep(0.01)
         result = engine.step()  # ONE step, nothing to train on: it decodes the evaluations to their end
-        assert result.rollouts == [] and result.failed == [] and not engine._loop.evals.in_flight
+        assert result.rollouts == [] and result.failed == [] and not handle.evals.in_flight
         for t in threads:
             t.join(DEADLINE_S)
         assert len(answers) == 3
@@ -150,7 +150,7 @@ def test_an_evaluation_whose_client_goes_away_is_dropped_and_its_pages_freed(act
             assert time.monotonic() < deadline
             time.sleep(0.05)
         engine.step()
-        assert not engine._loop.evals.in_flight
+        assert not handle.evals.in_flight
         stats = engine.cache_stats()
         assert stats.free_pages == stats.total_pages
     finally:
@@ -196,7 +196,7 @@ def test_an_episode_that_comes_while_an_empty_step_decodes_an_evaluation_joins_t
     try:
         asker.start()
         deadline = time.monotonic() + DEADLINE_S
-        while not engine._loop.evals.in_flight:
+        while not handle.evals.in_flight:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         stepper = threading.Thread(target=lambda: results.append(engine.step()), daemon=True)
@@ -238,11 +238,11 @@ def test_an_evaluation_is_not_held_back_by_an_opened_episode_that_sends_nothing(
     try:
         asker.start()
         deadline = time.monotonic() + DEADLINE_S
-        while not engine._loop.evals.in_flight:  # the request is queued
+        while not handle.evals.in_flight:  # the request is queued
             assert time.monotonic() < deadline
             time.sleep(0.01)
         result = engine.step()  # nothing to train on: it decodes the evaluation to its end
-        assert result.rollouts == [] and result.failed == [] and not engine._loop.evals.in_flight
+        assert result.rollouts == [] and result.failed == [] and not handle.evals.in_flight
         assert handle.episodes[silent.id].state == "open"  # long before the silent one expires
         asker.join(DEADLINE_S)
         assert answers[0]["choices"][0]["finish_reason"] in ("stop", "length")
@@ -274,6 +274,6 @@ def test_an_evaluation_whose_rendered_prompt_leaves_the_vocabulary_is_refused(to
         with httpx2.Client(base_url=handle.url, timeout=DEADLINE_S) as http:
             answer = http.post(route, json={**body, "max_tokens": 2})
         assert answer.status_code == 400 and "outside the vocabulary" in answer.text, answer.text
-        assert not engine._loop.evals.in_flight
+        assert not handle.evals.in_flight
     finally:
         engine.close()

@@ -276,3 +276,68 @@ def test_a_seed_given_at_opening_refuses_another_in_the_first_request_and_an_age
         assert got[0].response_ids == got[1].response_ids and sorted(r.reward for r in got) == [0.0, 1.0]
     finally:
         engine.close()
+
+
+def seeded_agent(seed: int):
+    async def agent_with_seed(task, client):
+        messages = [{"role": "user", "content": f"what is {task} + 7 ?"}]
+        for turn in range(2):
+            answer = await client.chat.completions.create(
+                model="m", messages=messages, max_tokens=8, temperature=1.0, seed=seed
+            )
+            messages += [
+                {"role": "assistant", "content": answer.choices[0].message.content},
+                {"role": "user", "content": f"and then {turn} ?"},
+            ]
+        return float(task)
+
+    return agent_with_seed
+
+
+def test_group_members_that_send_one_seed_sample_with_seeds_of_their_own(actor, tokenizer):
+    """Both agents of a group send seed=7 (and repeat it on every request): member j samples with
+    ``sample_seed(7, j)`` -- member 0 with 7 itself -- exactly as a lone episode with that seed does."""
+    from oppo_engine.sched.prompts import sample_seed
+
+    steps = run(actor, tokenizer, "oppo", [3], fn=seeded_agent(7))
+    members = {r.sample_index: r for rollouts, _ in steps for r in rollouts}
+    assert members[0].response_ids != members[1].response_ids  # they no longer sample alike
+    for j, member in members.items():
+        engine = make_engine(actor, tokenizer, "oppo")
+        engine.serve()
+        try:
+            engine.add_agents(seeded_agent(sample_seed(7, j)), [3])
+            deadline, alone = time.monotonic() + DEADLINE_S, []
+            while not alone:
+                assert time.monotonic() < deadline
+                alone = engine.step().rollouts
+        finally:
+            engine.close()
+        assert alone[0].prompt_ids == member.prompt_ids and alone[0].response_ids == member.response_ids
+
+
+def test_a_checkpoint_keeps_queued_groups_whole_and_failed_groups_awaiting_their_report():
+    """``PromptQueue.state_dict``: a group of ``add_group`` (n agents on one task) loads as one group again
+    (one group id, ``group_size`` n, samples 0..n-1, their seeds), and a group of ``add_failed`` that no step
+    has reported yet is reported by the loading queue's next ``take_failed``."""
+    from oppo_engine.sched.prompts import PromptQueue
+
+    def queue() -> PromptQueue:
+        return PromptQueue(SamplingParams(seed=7), max_model_len=64, vocab_size=128)
+
+    saved = queue()
+    saved.add([[1, 2, 3]], None)
+    saved.add_group([[4, 5], [6, 7, 8]], [SamplingParams(seed=11), SamplingParams(seed=12)], [None, None])
+    saved.add([[9]], None)
+    saved.add_failed([[10, 11], []], ["agent raised", "sample 0 of its group failed: agent raised"])
+    loaded = queue()
+    loaded.load_state_dict(saved.state_dict())
+    for q in (saved, loaded):
+        seqs = q.take(4, wait=False)
+        assert [s.prompt_ids for s in seqs] == [[1, 2, 3], [4, 5], [6, 7, 8], [9]]
+        lone, *members, last = seqs
+        assert [s.group_n for s in seqs] == [1, 2, 2, 1]
+        assert members[0].group_id == members[1].group_id != lone.group_id
+        assert [(s.sample_index, s.seed) for s in members] == [(0, 11), (1, 12)]
+        ((_, prompts, errors),) = q.take_failed()
+        assert prompts == [[10, 11], []] and errors[0] == "agent raised"

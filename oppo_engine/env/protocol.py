@@ -41,11 +41,14 @@ class Env(Protocol):
     exception from either (or a call past ``EngineConfig.env_timeout_s``) ends that sequence alone with
     ``finish_reason="error"`` in ``StepResult.failed``.
 
-    Two optional members (``serve.AgentEnv`` has both): ``step_logprobs = True`` makes the engine call
+    Optional members (``serve.AgentEnv`` has them all): ``step_logprobs = True`` makes the engine call
     ``step(turn_ids, logprobs)`` with the turn's behaviour log-probs; ``end(turn_ids, logprobs, reason)`` is
     called (on the actor thread: it must not block) when the episode ends without the environment's word --
     ``reason`` is the finish reason (``"eos"``, ``"length"``, ...) and the turn the one cut by it -- or with
-    ``reason=None`` and no turn when the sequence is abandoned (restarted, failed, quarantined, closed)."""
+    ``reason=None`` and no turn when the sequence is abandoned (restarted, failed, quarantined, closed).
+    ``decoded(response_ids, logprobs, turn_start)``, if present, is called on the actor thread after every
+    forward while the sequence decodes, with the turn so far at ``response_ids[turn_start:]`` (read-only; it
+    must not block): a served episode streams its turn with it."""
 
     def reset(self, prompt_ids: list[int]) -> None: ...
 

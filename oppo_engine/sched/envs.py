@@ -45,6 +45,8 @@ class EnvDriver:
         self.max_model_len = max_model_len
         self._calls: dict[EnvCall, Sequence] = {}  # in flight, across steps
         self._ready: list[EnvCall] = []  # finished, for sequences outside the run that collected them
+        # Sequences whose environment follows its turn token by token (``decoded``: a streamed agent's).
+        self.listening: dict[int, Sequence] = {}
         self.calls = 0
         self.latencies: list[float] = []
 
@@ -66,9 +68,18 @@ class EnvDriver:
             factory = getattr(episode.factory, "__qualname__", type(episode.factory).__qualname__)
             return f"environment factory {factory}: {type(e).__name__}: {e}"
         episode.env = env
+        if hasattr(env, "decoded"):
+            self.listening[seq.seq_id] = seq
         prompt = list(seq.prompt_ids)
         episode.call = self._submit(seq, lambda: _reset(env, prompt), "reset")
         return None
+
+    def decoded(self) -> None:
+        """After a forward: every listening environment whose sequence is decoding hears of its turn so far
+        (``env.decoded(response_ids, logprobs, turn_start)``; the lists are read-only to it)."""
+        for seq in self.listening.values():
+            if seq.status is SeqStatus.RUNNING:
+                seq.episode.env.decoded(seq.response_ids, seq.logprobs, seq.episode.turn_start)
 
     def turn_ended(self, seq: Sequence) -> None:
         """``seq``'s turn ended (it is parked): send the turn to its environment, once ``reset`` returned."""
@@ -121,6 +132,7 @@ class EnvDriver:
         episode = seq.episode
         if episode is None:
             return
+        self.listening.pop(seq.seq_id, None)
         for call in [c for c, s in self._calls.items() if s is seq]:
             del self._calls[call]
             self.pool.abandon(call)
@@ -135,6 +147,7 @@ class EnvDriver:
         environment with ``end`` is told, with the turn that was cut (an agent gets it as its answer, so this
         counts as a call: a rollback across it restarts the episode)."""
         episode = seq.episode
+        self.listening.pop(seq.seq_id, None)
         end = getattr(episode.env, "end", None) if episode is not None else None
         if end is None or episode.done_by_env:
             return

@@ -354,12 +354,19 @@ class PromptQueue:
         return members
 
     def state_dict(self) -> dict:
-        """Queued prompts, given-back sequences and the counters (a prompt source is not saved)."""
+        """Queued prompts, given-back sequences and the counters (a prompt source is not saved). A group of
+        ``add_group`` is saved as its members' prompts plus its span of them (``pending_groups``: ``[start,
+        size]``), so it loads as one group again; the groups of ``add_failed`` not yet reported are saved
+        (``failed``) and reported by the loading engine's next step."""
         with self._lock:
-            pending = []
-            for entry in self._pending:  # a group's members are saved as prompts of their own
-                group = isinstance(entry, _Group)
-                pending += zip(entry.prompts, entry.sampling, entry.envs, strict=True) if group else [entry]
+            pending, groups = [], []
+            for entry in self._pending:
+                if isinstance(entry, _Group):
+                    groups.append([len(pending), len(entry.prompts)])
+                    pending += zip(entry.prompts, entry.sampling, entry.envs, strict=True)
+                else:
+                    pending.append(entry)
+            failed = [[[list(p) for p in prompts], list(errors)] for prompts, errors in self._failed]
         return {
             "next_prompt_index": self._next_prompt_index,
             "next_seq_id": self._next_seq_id,
@@ -368,6 +375,8 @@ class PromptQueue:
             # A prompt's own environment factory, saved as the object (pickled with the state); None: the
             # engine's env=, which the loading engine gives.
             "pending_envs": [env for _, _, env in pending],
+            "pending_groups": groups,
+            "failed": failed,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -376,9 +385,22 @@ class PromptQueue:
         self._next_seq_id = state["next_seq_id"]
         self.requeued = deque(load_sequence(d, self.env) for d in state["requeued"])
         envs = state.get("pending_envs") or [None] * len(state["pending"])
-        pending = deque(
+        entries = [
             (list(ids), None if p is None else SamplingParams(**p), env)
             for (ids, p), env in zip(state["pending"], envs, strict=True)
-        )
+        ]
+        pending: deque = deque()
+        spans = dict(state.get("pending_groups", []))  # start -> size (absent from older states: no groups)
+        i = 0
+        while i < len(entries):
+            size = spans.get(i)
+            if size is None:
+                pending.append(entries[i])
+                i += 1
+                continue
+            members = entries[i : i + size]
+            pending.append(_Group([m[0] for m in members], [m[1] for m in members], [m[2] for m in members]))
+            i += size
         with self._lock:
             self._pending = pending
+            self._failed = [(prompts, errors) for prompts, errors in state.get("failed", [])]

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from oppo_engine.config import SamplingParams
 from oppo_engine.sched.episode import Episode, EpisodeSnapshot
+
+if TYPE_CHECKING:
+    from oppo_engine.sched.side import SideWork
 
 
 class SeqStatus(enum.Enum):
@@ -49,6 +53,9 @@ class Sequence:
 
     ``episode`` is the multi-turn state of a sequence with an environment (``None`` without one): the
     response then holds observation tokens too, each with log-prob 0.0 and policy version -1.
+
+    ``side`` is the source of a side sequence (``sched/side.py``: decoded beside the step, never part of
+    it), ``None`` for the step's own.
     """
 
     seq_id: int
@@ -76,6 +83,7 @@ class Sequence:
     finish_reason: str | None = None  # set when the scheduler finishes it: "eos", "stop", "length", ...
     episode: Episode | None = None
     group_size: int = 0  # 0: sampling.n; else a group of one-sample sequences (agents on one task, add_group)
+    side: SideWork | None = None
 
     @property
     def group_n(self) -> int:

@@ -18,13 +18,13 @@ from oppo_engine.model.runner import SeqChunk
 from oppo_engine.model.sampler import SampleBatch
 from oppo_engine.obs import Timeline
 from oppo_engine.sched.envs import RESUME, EnvDriver
-from oppo_engine.sched.evals import EvalRequests, is_eval
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
 from oppo_engine.sched.quarantine import model_call
 from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
 from oppo_engine.sched.sequence import SeqSnapshot, SeqStatus, Sequence
+from oppo_engine.sched.side import SideWork
 
 ACTOR_LANE = "actor"
 _POLL_S = 0.005  # how often an actor short of pages (held by the scorers) looks again
@@ -66,6 +66,9 @@ class StepLoop:
     pages; when every sequence the actor holds is parked, the actor waits for the first answer
     (``StepOutcome.env_wait_s``). A sequence whose environment fails leaves the step with its group
     (``StepOutcome.env_failed``).
+
+    Side work (``add_side_work``, ``sched/side.py``) is decoded beside a committing step's sequences and is
+    never part of it; a step with no batch of its own decodes it to the end.
     """
 
     def __init__(
@@ -97,7 +100,15 @@ class StepLoop:
         self.admission = None
         self.admitted: list[Sequence] = []
         self.admitted_snapshots: list[SeqSnapshot] = []
-        self.evals = EvalRequests()  # decoded beside the step's sequences, never part of it (sched/evals.py)
+        self.side_work: list[SideWork] = []  # decoded beside the step's sequences, never part of it
+
+    def add_side_work(self, source: SideWork) -> None:
+        """Decode ``source``'s sequences beside every committing step from now on (``sched/side.py``)."""
+        self.side_work.append(source)
+
+    def side_in_flight(self) -> bool:
+        """Some source has side work queued or decoding (safe from any thread: a flag read)."""
+        return any(source.in_flight for source in self.side_work)
 
     def use_runtime(self, clock: Clock, executor: LaneExecutor) -> None:
         """Read the time from ``clock`` and run the lanes on ``executor`` (this loop's, its scorer lane's and
@@ -148,12 +159,13 @@ class StepLoop:
                     # What is known goes to the scorers at once: the prompt, and tokens carried over.
                     lane.add(seq)
                     self._hand_off(seq, final=seq.status is SeqStatus.FINISHED, out=out)
-            for seq in self.evals.unfinished() if commit else ():
-                self.actor_sched.add(seq)  # an evaluation the last step did not finish: prefilled again
+            for source in self.side_work if commit else ():
+                for seq in source.carried():
+                    self.actor_sched.add(seq)  # side work the last step did not finish: prefilled again
             lane.start(threaded=stream)
             out.generation_end_s = t0
             with self.actor_lane.active():
-                drained = self._generate(policy_version, chunk_size, cut, out, capacity, evals=commit)
+                drained = self._generate(policy_version, chunk_size, cut, out, capacity, side=commit)
             seqs = self._seqs  # with those admitted in the middle of the step
             if not stream:
                 # The scorers see finished groups only (all samples of a prompt together, so they share
@@ -168,8 +180,10 @@ class StepLoop:
                 if not stream:
                     self._score_batch(cut)
                 lane.pause()
-        unfinished = self.actor_sched.detach_all()  # they keep their pages; the buffer carries them
-        self.evals.step_ended([s for s in unfinished if is_eval(s)], self.actor_sched.cache.free)
+        for seq in self.actor_sched.detach_all():  # they keep their pages; the buffer carries them
+            if seq.side is not None:  # but side work gives them back, and keeps its tokens
+                self.actor_sched.cache.free(seq.seq_id)
+                seq.num_computed, seq.status = 0, SeqStatus.WAITING
         for seq in out.finished_all if commit else ():  # the step stands: KV kept for a rollback can go
             self.actor_sched.cache.free(seq.seq_id)
         out.finished = list(cut.batch)
@@ -188,7 +202,7 @@ class StepLoop:
         self.scorer_lane.abort()
         self.actor_sched.detach_all()
         cache = self.actor_sched.cache
-        self.evals.fail("the step that decoded it was rolled back (retry the request)", cache.free)
+        self._fail_side("the step that decoded it was rolled back (retry the request)", queued=False)
         # NOTE: a sequence whose KV was dropped in the step and recomputed may hold slots of the forward that
         # failed below its starting count: only the KV before that forward's chunk was written.
         unwritten = {c.seq.seq_id: c.start for c in self._in_flight}
@@ -216,9 +230,14 @@ class StepLoop:
             self.actor_sched.cache.free(seq.seq_id)
 
     def close(self) -> None:
-        """Cancel the environment calls pending and fail the evaluations (the engine is closing)."""
+        """Cancel the environment calls pending and fail the side work (the engine is closing)."""
         self.envs.close()
-        self.evals.fail("the engine closed", self.actor_sched.cache.free, queued=True)
+        self._fail_side("the engine closed", queued=True)
+
+    def _fail_side(self, message: str, *, queued: bool) -> None:
+        for source in self.side_work:
+            for seq in source.fail(message, queued=queued):
+                self.actor_sched.cache.free(seq.seq_id)
 
     def _hand_off(self, seq: Sequence, *, final: bool, out: StepOutcome) -> None:
         self.executor.unit(ACTOR_LANE, "hand-off")
@@ -253,22 +272,22 @@ class StepLoop:
         cut: BatchCut,
         out: StepOutcome,
         capacity: int | None,
-        evals: bool = False,
+        side: bool = False,
     ) -> bool:
         """Decode until the batch is complete (streamed: and scored); True if the actor ran out of work.
-        ``capacity``: admit new sequences while the step holds fewer (failed ones not counted). ``evals``:
-        decode the evaluation requests too, and, in a step with no batch of its own, until they are done."""
+        ``capacity``: admit new sequences while the step holds fewer (failed ones not counted). ``side``:
+        decode the side work too, and, in a step with no batch of its own, until it is done."""
         sched = self.actor_sched
         stream = chunk_size is not None
         stalled_since = None
         while not (cut.scored() if stream else cut.determined) or (
-            evals and cut.size == 0 and self.evals.in_flight
+            side and cut.size == 0 and self.side_in_flight()
         ):
             self.scorer_lane.check()  # a failed scorer lane fails the step now, not at its end
-            if capacity is not None and (not cut.determined or cut.size == 0):  # (empty: evaluations run)
+            if capacity is not None and (not cut.determined or cut.size == 0):  # (empty: side work runs)
                 self._admit(capacity, cut, out, stream)
-            if evals:
-                self._take_evals()
+            if side:
+                self._take_side()
             if self.envs.waiting():
                 self._take_answers(cut, out, chunk_size)
             if not sched.has_work:
@@ -307,9 +326,9 @@ class StepLoop:
             for row, tok, lp in zip(samples.rows, tokens, logprobs, strict=True):
                 seq = chunks[row].seq
                 if sched.append_token(seq, tok, lp, policy_version):
-                    if is_eval(seq):
-                        sched.remove(seq)  # its pages go back; it is answered, never trained on
-                        self.evals.finished(seq)
+                    if seq.side is not None:
+                        sched.remove(seq)  # its pages go back; its source answers it, never trained on
+                        seq.side.finished(seq)
                     elif self.envs.hold(seq):
                         sched.hold(seq)  # an agent may still give its reward: it ends with that answer
                     else:
@@ -317,17 +336,22 @@ class StepLoop:
                     continue
                 if seq.status is SeqStatus.ENV:
                     self.envs.turn_ended(seq)  # its environment answers while the others decode
-                if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and not is_eval(seq):
+                if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and seq.side is None:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
+            if self.envs.listening:
+                self.envs.decoded()  # environments that follow their turns token by token
+            for source in self.side_work if side else ():
+                source.decoded()
         return not (sched.has_work or sched.parked)
 
-    def _take_evals(self) -> None:
-        """Evaluation requests that came since the last forward join the actor; cancelled ones leave."""
-        new, dropped = self.evals.take()
-        for seq in dropped:
-            self.actor_sched.remove(seq)
-        for seq in new:
-            self.actor_sched.add(seq)
+    def _take_side(self) -> None:
+        """Side work that came since the last forward joins the actor; work no longer wanted leaves."""
+        for source in self.side_work:
+            new, dropped = source.take()
+            for seq in dropped:
+                self.actor_sched.remove(seq)
+            for seq in new:
+                self.actor_sched.add(seq)
 
     def _admit(self, capacity: int, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
         """Fill the step up to ``capacity`` live sequences from the queue (first requests of served episodes

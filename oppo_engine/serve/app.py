@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.evaluate import evaluate
+from oppo_engine.serve.stream import TokenStream, whole_turn_events
 
 if TYPE_CHECKING:
     from oppo_engine.serve.server import ServeHandle
@@ -104,8 +105,11 @@ def build_app(server: ServeHandle) -> Starlette:
         async def handler(request: Request) -> dict:
             episode = server.episode(request.path_params["episode_id"])
             req = server.parse(await body(request), kind)
+            if req.ignore_eos:
+                why = "ignore_eos: an episode's turn ends at its template's end of turn"
+                raise ApiError(400, why, param="ignore_eos")
             try:
-                answer = await _unless_gone(request, episode.request(req), episode.fail)
+                cached = episode.start(req)
             except ApiError as e:
                 if e.code != "history_diverged" or server.on_divergence != "restart":
                     raise
@@ -116,7 +120,17 @@ def build_app(server: ServeHandle) -> Starlette:
                     )
                     raise
                 episode = server.restart(episode)
-                answer = await _unless_gone(request, episode.request(req), episode.fail)
+                cached = episode.start(req)
+            # Streamed token by token, but a chat turn with tools (its calls are parsed from the whole turn)
+            # and a retry of a turn another request streams already: those come whole.
+            queue = episode.stream() if cached is None and req.stream and not req.tools else None
+            if queue is not None:
+                name, prompt = f"{episode.id}-{episode.turn}", list(episode.transcript)
+                stream = TokenStream(server, req, name, prompt, queue, episode.fail)
+                return StreamingResponse(stream.events(), media_type="text/event-stream")
+            answer = cached
+            if answer is None:
+                answer = await _unless_gone(request, asyncio.shield(episode.pending), episode.fail)
             return _events(answer, req.include_usage) if req.stream else answer
 
         return handler
@@ -124,6 +138,10 @@ def build_app(server: ServeHandle) -> Starlette:
     def plain(kind: str):
         async def handler(request: Request) -> dict:
             req = server.parse(await body(request), kind)
+            if req.stream and not req.tools:  # tool calls are parsed from a whole turn
+                call = evaluate(server, req, stream=True)
+                stream = TokenStream(server, req, f"{call.id}-0", call.prompt, call.events, call.cancel)
+                return StreamingResponse(stream.events(), media_type="text/event-stream")
             call = evaluate(server, req)
             answer = await _unless_gone(request, call.answer, call.cancel)
             return _events(answer, req.include_usage) if req.stream else answer
@@ -196,25 +214,8 @@ def build_app(server: ServeHandle) -> Starlette:
 
 
 def _events(answer: dict, include_usage: bool) -> StreamingResponse:
-    """A chat answer as server-sent events, as vLLM streams one: the turn in one content chunk (the engine
-    answers a turn whole, when it ends) with ``token_ids`` and, in the first chunk only,
-    ``prompt_token_ids``; then the finish reason; the usage if asked; then ``[DONE]``."""
-    choice = answer["choices"][0]
-    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    delta = dict(choice["message"])
-    if delta.get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
-    first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
-    if "token_ids" in choice:
-        first["token_ids"] = choice["token_ids"]
-    chunks = [{**head, "choices": [first]}]
-    if "prompt_token_ids" in answer:
-        chunks[0]["prompt_token_ids"] = answer["prompt_token_ids"]
-    chunks.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]})
-    if include_usage:
-        chunks.append({**head, "choices": [], "usage": answer["usage"]})
-    lines = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
-    return StreamingResponse(iter(lines), media_type="text/event-stream")
+    """A whole answer (an episode's turn) as server-sent events (``serve/stream.py``)."""
+    return StreamingResponse(iter(whole_turn_events(answer, include_usage)), media_type="text/event-stream")
 
 
 async def _unless_gone(request: Request, answer, gone):

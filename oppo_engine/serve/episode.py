@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from oppo_engine.config import SamplingParams
 from oppo_engine.env.protocol import Observation
+from oppo_engine.sched.prompts import sample_seed
 from oppo_engine.serve.chat import first_difference
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.requests import TurnRequest
@@ -49,7 +50,9 @@ class AgentError(RuntimeError):
 class ServedEpisode:
     """One conversation (see the module). ``seed``: the episode's RNG seed, fixed at its opening (a request
     with another gets 400, the first included); else the first request's; else ``default_seed`` (an agent's,
-    derived from its task); else the engine's derivation from the prompt's index."""
+    derived from its task); else the engine's derivation from the prompt's index. A member ``j`` of a group
+    of agents whose first request gives the seed samples with ``sample_seed(seed, j)`` (later requests repeat
+    the seed as given)."""
 
     def __init__(
         self,
@@ -63,6 +66,7 @@ class ServedEpisode:
     ) -> None:
         self.server, self.id, self.metadata, self.seed = server, episode_id, metadata, seed
         self.default_seed = default_seed
+        self.fixed_seed: int | None = None  # the seed its requests must repeat (set by the first)
         self.group: AgentGroup | None = group  # n agents on one task (add_agents(n=...)): one group
         if group is not None:
             group.members.append(self)
@@ -78,6 +82,8 @@ class ServedEpisode:
         self.sampling: SamplingParams | None = None
         self.pending: asyncio.Future | None = None  # the response of the request in flight
         self.pending_key: str | None = None
+        # The pending request's token stream (``stream: true``): ``TokenStream``'s events (serve/stream.py).
+        self.stream_queue: asyncio.Queue | None = None
         self.last_key: str | None = None
         self.last_response: dict | None = None
         self.next_obs: asyncio.Future | None = None  # what AgentEnv.step awaits
@@ -93,6 +99,20 @@ class ServedEpisode:
 
     async def request(self, req: TurnRequest) -> dict:
         """Answer ``req``: the next turn, or a repeat's cached answer; ``ApiError`` otherwise."""
+        cached = self.start(req)
+        return cached if cached is not None else await asyncio.shield(self.pending)
+
+    def stream(self) -> asyncio.Queue | None:
+        """The pending request's turn, token by token (after ``start``): a queue of ``TokenStream`` events;
+        ``None`` if another request streams it already (a retry while it is generated)."""
+        if self.stream_queue is not None or self.state != GENERATING:
+            return None
+        self.stream_queue = asyncio.Queue()
+        return self.stream_queue
+
+    def start(self, req: TurnRequest) -> dict | None:
+        """The synchronous part of ``request``: a repeat's cached answer, or ``None`` with ``req`` pending
+        (``pending``, the turn's response); ``ApiError`` otherwise."""
         self.touched_s = time.monotonic()
         if self.state == FAILED:
             raise ApiError(410, f"episode {self.id} failed: {self.error}", code="episode_failed")
@@ -119,7 +139,7 @@ class ServedEpisode:
             self._first(req)
         else:
             self._next(req)
-        return await asyncio.shield(self.pending)
+        return None
 
     def _first(self, req: TurnRequest) -> None:
         server = self.server
@@ -140,7 +160,13 @@ class ServedEpisode:
                 "is fixed at its opening when given there",
                 param="seed",
             )
-        seed = next((s for s in (self.seed, req.seed, self.default_seed) if s is not None), None)
+        # The seed the agent fixes (later requests must repeat it) and the one it samples with: member j of
+        # a group (add_agents(n > 1)) whose request gives one samples with sample_seed(seed, j), as sample j
+        # of a prompt does (member 0 with the seed as given): n agents that send one seed do not sample alike.
+        self.fixed_seed = next((s for s in (self.seed, req.seed, self.default_seed) if s is not None), None)
+        seed = self.fixed_seed
+        if self.seed is None and req.seed is not None and self.group is not None:
+            seed = sample_seed(req.seed, self.group.members.index(self))
         self.sampling = SamplingParams(
             temperature=base.temperature if req.temperature is None else req.temperature,
             top_p=base.top_p if req.top_p is None else req.top_p,
@@ -219,7 +245,7 @@ class ServedEpisode:
     def _check_sampling(self, req: TurnRequest) -> None:
         s = self.sampling
         given = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
-        fixed = {"temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+        fixed = {"temperature": s.temperature, "top_p": s.top_p, "seed": self.fixed_seed}
         for name, value in given.items():
             if value is not None and value != fixed[name]:
                 raise ApiError(
@@ -249,6 +275,11 @@ class ServedEpisode:
             raise AgentError(f"agent episode {self.id} failed: {self.error}")
         self.env_made = True
         return AgentEnv(self)
+
+    def on_tokens(self, ids: list[int], logprobs: list[float]) -> None:
+        """Tokens of the turn decoded (``AgentEnv.decoded``): to the pending request's stream."""
+        if self.stream_queue is not None and self.state == GENERATING:
+            self.stream_queue.put_nowait(("tokens", ids, logprobs))
 
     async def on_turn(self, turn_ids: list[int], logprobs: list[float]) -> Observation:
         """A turn ended: answer the pending request with it; the agent's next move is the observation."""
@@ -327,6 +358,9 @@ class ServedEpisode:
             self.text += text
         self.turn += 1
         self.last_key, self.last_response = self.pending_key, response
+        if self.stream_queue is not None:
+            self.stream_queue.put_nowait(("done", list(turn_ids), list(logprobs), content_ids, finish))
+            self.stream_queue = None
         if self.pending is not None and not self.pending.done():
             self.pending.set_result(response)
 
@@ -388,10 +422,12 @@ class ServedEpisode:
             self.server.expect(-1)  # announced, never queued (after add_failed: a waiting step returns it)
         if group is not None:
             group.member_failed(self, message)
+        failure = ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
+        if self.stream_queue is not None:
+            self.stream_queue.put_nowait(("error", failure))
+            self.stream_queue = None
         if self.pending is not None and not self.pending.done():
-            self.pending.set_exception(
-                ApiError(410, f"episode {self.id} failed: {message}", code="episode_failed")
-            )
+            self.pending.set_exception(failure)
             self.pending.exception()  # retrieved: a request gone meanwhile leaves no warning behind
         if self.next_obs is not None and not self.next_obs.done():
             self.next_obs.set_exception(AgentError(f"agent episode {self.id} failed: {message}"))
@@ -445,6 +481,22 @@ class AgentEnv:
 
     def __init__(self, episode: ServedEpisode) -> None:
         self.episode = episode
+        self._told = (0, 0)  # (turn start, tokens of that turn handed to the episode)
+
+    def decoded(self, response_ids: list[int], logprobs: list[float], turn_start: int) -> None:
+        """The turn so far (``response_ids[turn_start:]``; on the actor thread, after every forward): its new
+        tokens go to the episode's stream, if its pending request streams (a retried step gives the same
+        tokens again: only those beyond what went out are sent)."""
+        episode = self.episode
+        if episode.stream_queue is None:
+            return
+        start, told = self._told if self._told[0] == turn_start else (turn_start, 0)
+        end = len(response_ids)
+        if end - start > told:
+            self._told = (start, end - start)
+            episode.server.call_soon(
+                episode.on_tokens, response_ids[start + told : end], logprobs[start + told : end]
+            )
 
     def reset(self, prompt_ids: list[int]) -> None:
         """The prompt is the first request's: nothing to set up."""

@@ -1,9 +1,10 @@
 """Requests to the plain ``/v1`` routes (no episode): served for evaluation, never trained on.
 
-Such a request is decoded while ``step()`` runs, as an episode's are, but as an evaluation sequence of the
-step loop (``sched/evals.py``): it never becomes a ``Rollout``, never takes a place of the batch, and its
-pages are freed when it ends. It is one turn: the template's end of turn (or an EOS id, or a ``stop`` token)
-ends it, ``max_tokens`` (else ``SamplingParams.max_new_tokens``) bounds it.
+Such a request is decoded while ``step()`` runs, as an episode's are, but as side work of the step loop
+(``sched/side.py``; its source is ``serve/evals.py``): it never becomes a ``Rollout``, never takes a place of
+the batch, and its pages are freed when it ends. It is one turn: the template's end of turn (or an EOS id, or
+a ``stop`` token) ends it, ``max_tokens`` (else ``SamplingParams.max_new_tokens``) bounds it; with vLLM's
+``ignore_eos`` only ``max_tokens`` and the request's ``stop`` ids end it.
 """
 
 from __future__ import annotations
@@ -15,24 +16,26 @@ from typing import TYPE_CHECKING
 from oppo_engine.config import SamplingParams
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.requests import TurnRequest
+from oppo_engine.serve.stream import STOPPED
 
 if TYPE_CHECKING:
     from oppo_engine.sched.sequence import Sequence
     from oppo_engine.serve.server import ServeHandle
 
 _IDS = itertools.count(1)
-_STOPPED = ("eos", "stop")  # the last token is the end of turn, an EOS or a stop token: not content
 
 
 class EvalCall:
     """One plain request in flight. It answers ``Responses.build`` as an episode of one turn would (``id``,
     ``kind``, ``turn``, ``tools``, ``pending_req``); ``answer`` is its response, a future of the serving
-    loop."""
+    loop. A streamed one (``stream=True``) has ``events`` instead, a queue of the serving loop for a
+    ``TokenStream`` (``serve/stream.py``)."""
 
-    def __init__(self, server: ServeHandle, req: TurnRequest) -> None:
+    def __init__(self, server: ServeHandle, req: TurnRequest, stream: bool = False) -> None:
         self.server, self.pending_req, self.kind, self.tools = server, req, req.kind, req.tools
         self.id, self.turn = f"eval{next(_IDS)}", 0
         self.answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.events: asyncio.Queue | None = asyncio.Queue() if stream else None
         self.prompt: list[int] = []
         self.eval_id: int | None = None
 
@@ -45,10 +48,14 @@ class EvalCall:
                 self._resolve, list(seq.response_ids), list(seq.logprobs), seq.finish_reason
             )
 
+    def progress(self, ids: list[int], logprobs: list[float]) -> None:
+        """Tokens decoded (on the actor thread; copies): handed to the serving loop."""
+        self.server.call_soon(self.events.put_nowait, ("tokens", ids, logprobs))
+
     def cancel(self, message: str) -> None:
         """The client went away or the server closes: the engine drops the sequence, its pages freed."""
         if self.eval_id is not None:
-            self.server.engine._loop.evals.cancel(self.eval_id)
+            self.server.evals.cancel(self.eval_id)
         self._resolve(None, None, None, message)
 
     def _resolve(self, ids, logprobs, reason, error: str | None = None) -> None:
@@ -56,23 +63,32 @@ class EvalCall:
         if self.answer.done():
             return
         if error is not None:
-            self.answer.set_exception(ApiError(503, f"the request was not served: {error}"))
+            failure = ApiError(503, f"the request was not served: {error}")
+            if self.events is not None:
+                self.answer.set_result(None)  # answered (a later cancel is a no-op)
+                self.events.put_nowait(("error", failure))
+                return
+            self.answer.set_exception(failure)
             self.answer.exception()  # retrieved: a request gone meanwhile leaves no warning behind
             return
         server = self.server
-        content = ids[:-1] if ids and reason in _STOPPED else ids
+        content = ids[:-1] if ids and reason in STOPPED else ids
+        finish = "stop" if reason in STOPPED else "length"
+        if self.events is not None:
+            self.answer.set_result(None)
+            self.events.put_nowait(("done", ids, logprobs, content, finish))
+            return
         text = server.tokenizer.decode(content, skip_special_tokens=True)
-        finish = "stop" if reason in _STOPPED else "length"
         self.answer.set_result(server.responses.build(self, self.prompt, ids, logprobs, text, finish))
 
 
-def evaluate(server: ServeHandle, req: TurnRequest) -> EvalCall:
-    """Queue ``req`` for the engine's next forwards (on the serving loop); ``ApiError`` 400 if its prompt
-    does not fit ``max_model_len`` or holds an id outside the vocabulary (text and chat prompts too, as an
-    episode's), 503 once the server is closing."""
+def evaluate(server: ServeHandle, req: TurnRequest, stream: bool = False) -> EvalCall:
+    """Queue ``req`` for the engine's next forwards (on the serving loop; ``stream``: its tokens as they are
+    decoded, ``EvalCall.events``); ``ApiError`` 400 if its prompt does not fit ``max_model_len`` or holds an
+    id outside the vocabulary (text and chat prompts too, as an episode's), 503 once the server is closing."""
     if server._closed:
         raise ApiError(503, "the server is closing")
-    call = EvalCall(server, req)
+    call = EvalCall(server, req, stream)
     if req.kind == "chat":
         call.prompt = server.renderer.render(req.messages, req.tools, generation_prompt=True)
     elif isinstance(req.prompt, list):
@@ -91,8 +107,9 @@ def evaluate(server: ServeHandle, req: TurnRequest) -> EvalCall:
         top_k=base.top_k,
         max_new_tokens=req.max_tokens or base.max_new_tokens,
         seed=req.seed,
-        stop_token_ids=tuple(sorted({server.turn_end, *req.stop_token_ids})),
+        ignore_eos=req.ignore_eos,  # then neither an EOS nor the end of turn ends it: only its stop ids
+        stop_token_ids=tuple(sorted({*req.stop_token_ids, *(() if req.ignore_eos else (server.turn_end,))})),
     )
-    call.eval_id = server.engine._loop.evals.add(call.prompt, sampling, call.done)
+    call.eval_id = server.evals.add(call.prompt, sampling, call.done, call.progress if stream else None)
     server.eval_calls.add(call)
     return call

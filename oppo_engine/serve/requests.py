@@ -2,7 +2,7 @@
 
 What the engine cannot honour exactly is refused with 400 naming the field (multi-token ``stop`` strings,
 ``logit_bias``, penalties, ``response_format``, a forced ``tool_choice``, ``top_logprobs``, ``n > 1``,
-``stream`` outside chat); a known field of the wrong type is 400 too; unknown fields are ignored, as vLLM
+``ignore_eos`` on an episode); a known field of the wrong type is 400 too; unknown fields are ignored, as vLLM
 ignores them."""
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class TurnRequest:
     logprobs: bool
     return_token_ids: bool
     key: str
-    stream: bool = False  # chat only: the answer as server-sent events (the turn in one content chunk)
+    stream: bool = False  # the answer as server-sent events, token by token (serve/stream.py)
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's: only max_tokens (and stop ids) end it; plain /v1 requests only
 
 
 def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
@@ -125,8 +126,11 @@ def parse_turn(body: Any, kind: str, tokenizer, vocab_size: int) -> TurnRequest:
         raise ApiError(400, "the request body must be a JSON object")
     _refuse_unsupported(body)
     stream = body.get("stream") or False
-    if not isinstance(stream, bool) or (stream and kind != "chat"):
-        raise ApiError(400, "stream: a boolean, and only chat completions stream", param="stream")
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be a boolean", param="stream")
+    ignore_eos = body.get("ignore_eos") or False
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "ignore_eos must be a boolean", param="ignore_eos")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
@@ -191,6 +195,7 @@ def parse_turn(body: Any, kind: str, tokenizer, vocab_size: int) -> TurnRequest:
         key="",
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        ignore_eos=ignore_eos,
     )
     request.key = json.dumps(
         [

@@ -24,6 +24,7 @@ from oppo_engine.sched.prompts import derive_seed, sample_seed
 from oppo_engine.serve.chat import Renderer, ToolParser, hermes_tool_parser
 from oppo_engine.serve.episode import DONE, ENDED, FAILED, OPEN, WAITING, AgentGroup, ServedEpisode
 from oppo_engine.serve.errors import ApiError
+from oppo_engine.serve.evals import EvalRequests
 from oppo_engine.serve.requests import parse_turn
 from oppo_engine.serve.responses import Responses
 
@@ -159,6 +160,7 @@ class ServeHandle:
         self._agent_limit = engine.config.batch_size + engine._max_overcommit
         self._closed = False
         self.eval_calls: set = set()  # plain /v1 requests in flight (serve/evaluate.py)
+        self.evals = EvalRequests()  # their sequences: side work of the step loop (serve/evals.py)
         # The size of the groups queued or in flight: one size at a time (claim_group_size); prompts and
         # single episodes are groups of 1.
         self.group_size = 1
@@ -182,9 +184,11 @@ class ServeHandle:
         self._pool.timeout_s = self.timeout_s
         self._pool.use_loop(self.loop)
         self._prompts.size_check = self._check_prompt_size
-        evals = engine._loop.evals  # a step waiting for a silent episode's first request decodes them
-        self._prompts.side_work = lambda: evals.in_flight
-        evals.on_add = self._prompts.wake
+        # Plain /v1 requests: side work of the step loop. A step waiting for a silent episode's first
+        # request decodes them meanwhile.
+        engine._loop.add_side_work(self.evals)
+        self._prompts.side_work = engine._loop.side_in_flight
+        self.evals.on_add = self._prompts.wake
 
     @staticmethod
     def of(engine) -> ServeHandle:
@@ -529,7 +533,7 @@ class ServeHandle:
             self.thread.join(_CLOSE_TIMEOUT_S)
         finally:
             self._pool.use_loop(None)
-            self._prompts.size_check = self._prompts.side_work = self.engine._loop.evals.on_add = None
+            self._prompts.size_check = self._prompts.side_work = self.evals.on_add = None
             self._pool.timeout_s = self._saved_timeout
             self.sock.close()
             if self.engine._server is self:

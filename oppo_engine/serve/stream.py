@@ -1,0 +1,184 @@
+"""Server-sent events of a streamed answer (``stream: true``), in OpenAI's chunk schemas with vLLM's
+token-in/token-out fields.
+
+A turn streams token by token (``TokenStream``): a plain ``/v1`` request's tokens come from its side-work
+source (``EvalCall.events``), an episode's from its environment (``AgentEnv.decoded``). A chunk after every
+forward that decoded some of its tokens, each with its ``delta`` text, its ``token_ids``
+(``return_token_ids``) and its log-probs (``logprobs``); the last chunk has the finish reason;
+``prompt_token_ids`` comes in the first chunk only. The concatenation of the chunks is the non-streamed
+answer: text, token ids and log-probs. Text is detokenised incrementally and safely (``TextDeltas``): a
+trailing partial UTF-8 character is held back until the tokens that complete it come.
+
+A request with ``tools`` (its tool calls are parsed from the whole turn), and a retry of a turn another
+request streams already, come in one content chunk when the turn ends (``whole_turn_events``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from oppo_engine.serve.requests import TurnRequest
+
+STOPPED = ("eos", "stop")  # the last token is the end of turn, an EOS or a stop token: not content
+
+
+def sse(chunk: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n"
+
+
+class TextDeltas:
+    """Incremental detokenisation of one turn: ``push(ids)`` returns the text the new ids add (possibly
+    ``""``); ``final(content_ids)`` the rest of the whole turn's text. The deltas concatenate to
+    ``tokenizer.decode(content_ids, skip_special_tokens=True)``.
+
+    vLLM's window: the tokens since the last text that went out are decoded together with the tokens of that
+    text (``ids[prefix:]`` against ``ids[prefix:read]``), so a tokenizer that drops a leading space at the
+    start of a decode (SentencePiece) still gives the right delta, and each push costs the window, not the
+    whole turn. A delta that ends in a partial UTF-8 character (``\ufffd``) is held back until the tokens
+    that complete it come; ``final`` decodes the whole content once, so the concatenation is exact."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+        self.prefix = self.read = 0  # ids[prefix:read]: the tokens of the last text sent
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(before) or len(text) == len(before):
+            return ""
+        delta = text[len(before) :]
+        self.prefix, self.read, self.sent = self.read, len(self.ids), self.sent + delta
+        return delta
+
+    def final(self, content_ids: list[int]) -> str:
+        text = self.tokenizer.decode(content_ids, skip_special_tokens=True)
+        # NOTE: what went out is the start of the whole text wherever a decode of a window is the matching
+        # slice of the whole (byte-level BPE, SentencePiece): the rest completes it exactly.
+        delta = text[len(self.sent) :] if text.startswith(self.sent) else text
+        self.sent = text
+        return delta
+
+
+class TokenStream:
+    """The chunks of one streamed turn, built from ``queue``'s events (of the serving loop):
+    ``("tokens", ids, logprobs)`` as they are decoded, then ``("done", ids, logprobs, content_ids, finish)``
+    (the whole turn, ``content_ids`` its text's tokens) or ``("error", ApiError)``. ``name``: the response
+    id's tail; ``prompt``: the ids before the turn; ``gone(message)``: the client went away mid-turn."""
+
+    def __init__(self, server, req: TurnRequest, name: str, prompt: list[int], queue, gone) -> None:
+        self.req, self.tokenizer, self.prompt = req, server.tokenizer, prompt
+        self.queue, self.gone = queue, gone
+        self.chat = req.kind == "chat"
+        self.text = TextDeltas(server.tokenizer)
+        self.head = {
+            "id": f"{'chatcmpl' if self.chat else 'cmpl'}-{name}",
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": server.responses.model,
+        }
+        self.ids: list[int] = []
+        self.offset = 0  # completions' text_offset of the next token
+        self.prompt_sent = False
+
+    async def events(self) -> AsyncIterator[str]:
+        """The response body."""
+        finished = False
+        try:
+            if self.chat:
+                yield sse(self._chunk("", [], [], None))  # the role, and the prompt's ids
+            while True:
+                kind, *payload = await self.queue.get()
+                if kind == "error":
+                    finished = True
+                    yield sse(payload[0].body())
+                    return
+                if kind == "tokens":
+                    ids, lps = payload
+                    self.ids += ids
+                    yield sse(self._chunk(self.text.push(ids), ids, lps, None))
+                    continue
+                ids, lps, content, finish = payload  # the whole turn, with its last token
+                finished = True
+                new, new_lps = ids[len(self.ids) :], lps[len(self.ids) :]
+                yield sse(self._chunk(self.text.final(content), new, new_lps, finish))
+                if self.req.include_usage:
+                    n = len(self.prompt)
+                    usage = {"prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids)}
+                    yield sse({**self.head, "choices": [], "usage": usage})
+                yield sse("[DONE]")
+                return
+        finally:
+            if not finished:
+                self.gone("its client disconnected while its turn was streamed")
+
+    def _chunk(self, text: str, ids: list[int], lps: list[float], finish: str | None) -> dict:
+        req = self.req
+        if self.chat:
+            delta = {"content": text} if text or ids or finish else {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if req.logprobs and ids:
+                content = [self._chat_logprob(t, lp) for t, lp in zip(ids, lps, strict=True)]
+                choice["logprobs"] = {"content": content}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            if req.logprobs:
+                tokens = [self.tokenizer.decode([t]) for t in ids]
+                offsets = []
+                for tok in tokens:
+                    offsets.append(self.offset)
+                    self.offset += len(tok)
+                choice["logprobs"] = {
+                    "tokens": tokens,
+                    "token_logprobs": list(lps),
+                    "top_logprobs": None,
+                    "text_offset": offsets,
+                }
+        chunk = {**self.head, "choices": [choice]}
+        if req.return_token_ids:
+            choice["token_ids"] = list(ids)
+            if not self.prompt_sent:
+                # vLLM's places: the chunk's top level (chat), the choice (completions)
+                (choice if not self.chat else chunk)["prompt_token_ids"] = list(self.prompt)
+        self.prompt_sent = True
+        return chunk
+
+    def _chat_logprob(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+
+
+def whole_turn_events(answer: dict, include_usage: bool) -> list[str]:
+    """A whole answer as server-sent events, as vLLM streams one: the turn in one content chunk with
+    ``token_ids`` and, in the first chunk only, ``prompt_token_ids``; then the finish reason; the usage if
+    asked; then ``[DONE]``."""
+    choice = answer["choices"][0]
+    chat = "message" in choice
+    head = {k: answer[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        delta = dict(choice["message"])
+        if delta.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+        first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+        last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    else:
+        first = {k: v for k, v in choice.items() if k != "prompt_token_ids"} | {"finish_reason": None}
+        last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+    chunks = [{**head, "choices": [first]}]
+    if "prompt_token_ids" in answer:
+        chunks[0]["prompt_token_ids"] = answer["prompt_token_ids"]
+    if "prompt_token_ids" in choice:
+        first["prompt_token_ids"] = choice["prompt_token_ids"]
+    chunks.append({**head, "choices": [last]})
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    return [sse(c) for c in chunks] + [sse("[DONE]")]

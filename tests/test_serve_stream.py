@@ -1,0 +1,192 @@
+"""Token-by-token streaming of plain ``/v1`` requests (``stream: true``), with the official ``openai`` client
+over a real 127.0.0.1 socket: the chunks concatenate to the non-streamed answer for the same seed (text,
+token ids, log-probs), ``prompt_token_ids`` comes in the first chunk only, the finish reason in the last,
+and content reaches the client while the turn is still being decoded.
+
+"While it is decoded" is checked without racing the clock: a forward pre-hook on the actor (the HF model,
+not a stand-in for the engine) holds the forward in which the request has its tenth token until the client
+has received a chunk with content, or a deadline passes; a turn delivered whole never reaches the client
+before its end, so the hold would time out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+from hf_check import assert_logprobs_equal_hf
+from serve_stepper import Stepper
+
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine.serve.stream import TextDeltas
+
+DEADLINE_S = 60.0
+HOLD_AT = 10  # tokens of the streamed request when its decode is held
+MAX_TOKENS = 40
+
+
+def make_engine(actor, tokenizer) -> RolloutEngine:
+    return RolloutEngine(
+        actor, reward=lambda p, r: 0.0, tokenizer=tokenizer,
+        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, max_model_len=256, page_size=16),
+        sampling=SamplingParams(max_new_tokens=24, seed=3),
+    )  # fmt: skip
+
+
+class Hold:
+    """Holds the forward in which the streamed turn (the only sequence decoding) has ``HOLD_AT`` tokens until
+    ``seen`` is set."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.seen, self.held, self.in_time = engine, threading.Event(), False, None
+
+    def __call__(self, module, args) -> None:
+        for seq in list(self.engine._loop.actor_sched.running):
+            start = seq.episode.turn_start if seq.episode is not None else 0
+            if not self.held and len(seq.response_ids) - start >= HOLD_AT:
+                self.held = True
+                self.in_time = self.seen.wait(10.0)
+
+
+def chat_chunks(client, hold: Hold, **kwargs) -> list:
+    chunks = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        chunks.append(chunk)
+        if chunk.choices and chunk.choices[0].delta.content:
+            hold.seen.set()
+    return chunks
+
+
+@pytest.mark.parametrize("where", ["plain", "episode"])
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_streamed_chunks_concatenate_to_the_answer_and_arrive_mid_turn(actor, tokenizer, kind, where):
+    """A plain request, and an episode's turn: the non-streamed answer to compare with is the same request
+    again (for an episode, a retry: the same turn)."""
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    stepper = Stepper(engine)
+    episode = handle.open_episode() if where == "episode" else None  # its seed: the request's
+    base_url = episode.base_url if episode is not None else f"{handle.url}/v1"
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    hold = Hold(engine)
+    # a plain request decodes all MAX_TOKENS; an episode's turn (no ignore_eos) may end at its end of turn
+    extra = {"return_token_ids": True} | ({"ignore_eos": True} if episode is None else {})
+    hook = actor.register_forward_pre_hook(hold)
+    common = {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 11}
+    try:
+        if kind == "chat":
+            args = dict(messages=[{"role": "user", "content": "what is 12 + 30 ?"}], logprobs=True,
+                        extra_body=extra)  # fmt: skip
+            chunks = chat_chunks(client, hold, stream_options={"include_usage": True}, **common, **args)
+            whole = client.chat.completions.create(**common, **args)
+        else:
+            args = dict(prompt=[5, 17, 42, 99], logprobs=1, extra_body=extra)
+            chunks = []
+            for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                   **common, **args):  # fmt: skip
+                chunks.append(chunk)
+                if chunk.choices and chunk.choices[0].text:
+                    hold.seen.set()
+            whole = client.completions.create(**common, **args)
+        if episode is not None:
+            episode.finish(1.0)
+            stepper.wait_for(1)
+    finally:
+        hook.remove()
+        client.close()
+        stepper.stop()
+    try:
+        assert hold.held and hold.in_time, "no content reached the client before the turn ended"
+        choices = [c.choices[0] for c in chunks if c.choices]
+        dumps = [c.model_dump() for c in chunks]
+        ids_per_chunk = [ch.model_extra.get("token_ids") or [] for ch in choices]
+        assert sum(bool(ids) for ids in ids_per_chunk) > 1  # token by token, not one chunk
+        ids = [t for chunk_ids in ids_per_chunk for t in chunk_ids]
+        # the finish reason in the last chunk only; the usage after it
+        assert [ch.finish_reason for ch in choices] == [None] * (len(choices) - 1) + [
+            whole.choices[0].finish_reason
+        ]
+        assert chunks[-1].usage.completion_tokens == len(ids) > HOLD_AT
+        assert episode is not None or len(ids) == MAX_TOKENS
+        if kind == "chat":
+            prompt = whole.model_extra["prompt_token_ids"]
+            assert dumps[0]["prompt_token_ids"] == prompt
+            assert all(d.get("prompt_token_ids") is None for d in dumps[1:])
+            assert choices[0].delta.role == "assistant"
+            text = "".join(ch.delta.content or "" for ch in choices)
+            assert text == whole.choices[0].message.content
+            lps = [lp.logprob for ch in choices if ch.logprobs for lp in ch.logprobs.content]
+            want = [lp.logprob for lp in whole.choices[0].logprobs.content]
+            tokens = [lp.token for ch in choices if ch.logprobs for lp in ch.logprobs.content]
+            assert tokens == [lp.token for lp in whole.choices[0].logprobs.content]
+        else:
+            prompt = whole.choices[0].model_extra["prompt_token_ids"]
+            assert choices[0].model_extra["prompt_token_ids"] == prompt == [5, 17, 42, 99]
+            assert all(ch.model_extra.get("prompt_token_ids") is None for ch in choices[1:])
+            assert "".join(ch.text for ch in choices) == whole.choices[0].text
+            lps = [lp for ch in choices if ch.logprobs for lp in ch.logprobs.token_logprobs]
+            want = whole.choices[0].logprobs.token_logprobs
+            offsets = [o for ch in choices if ch.logprobs for o in ch.logprobs.text_offset]
+            assert offsets == whole.choices[0].logprobs.text_offset
+        assert ids == whole.choices[0].model_extra["token_ids"]  # the same seed: the same tokens
+        assert lps == pytest.approx(want, abs=1e-5)
+        assert_logprobs_equal_hf(actor, prompt, ids, lps)
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
+
+
+def test_a_streamed_client_that_goes_away_drops_its_request(actor, tokenizer):
+    """A streamed request whose client closes the stream mid-turn: its sequence leaves the actor (the
+    response generator's cleanup cancels it) and every page comes back."""
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    stepper = Stepper(engine)
+    client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    try:
+        stream = client.completions.create(
+            model="m", prompt=[5, 17, 42, 99], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        first = next(iter(stream))
+        assert first.choices[0].finish_reason is None
+        stream.close()  # the client goes away mid-turn
+        deadline = time.monotonic() + DEADLINE_S
+        while handle.evals.in_flight or handle.eval_calls:
+            assert time.monotonic() < deadline, "the request outlived its client"
+            time.sleep(0.01)
+    finally:
+        client.close()
+        stepper.stop()
+    try:
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("text", ["naïve café ✓ 日本語 🙂", "what is 12 + 30 ? the answer is 42 ."])
+def test_text_deltas_concatenate_to_the_decoded_text_and_never_split_a_character(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    deltas = TextDeltas(tokenizer)
+    parts = [deltas.push([t]) for t in ids[:-1]]
+    parts.append(deltas.final(ids))
+    assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in p for p in parts)
+    if len(text.encode()) > len(text):  # multi-byte characters: some byte tokens were held back
+        assert "" in parts[:-1]
+
+
+def test_text_deltas_of_arbitrary_tokens_concatenate_to_the_whole_decode(tokenizer):
+    """Random ids (specials, and byte tokens that never form valid UTF-8, included): pushed one or three at a
+    time, the deltas and the final rest are the whole decode."""
+    import random
+
+    rng = random.Random(0)
+    for step in (1, 3):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(300)]
+        deltas = TextDeltas(tokenizer)
+        parts = [deltas.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+        parts.append(deltas.final(ids))
+        assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True)
