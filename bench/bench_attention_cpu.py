@@ -5,9 +5,10 @@
 The reference is what the CPU engine ran before the op existed (gather pages, SDPA in fp32). Shapes: the
 ``tiny`` preset's attention (4 q heads, 2 KV heads, head_dim 16, 2 layers) decoding 16 and 64 sequences at
 ~100 tokens of context, and Qwen2-0.5B's (14 q heads, 2 KV heads, head_dim 64) at 16 x 512 tokens, plus a
-prefill chunk and a sliding window on the latter. Contexts vary by sequence and pages are scattered, as
-after a few steps of allocation. Times are medians of ``torch.utils.benchmark`` runs of one forward's
-attention (every layer once); ``speedup`` = reference time / op time.
+prefill chunk and a sliding window on the latter, and SmolLM2-135M's decode (fp32 and bf16, B = 16 and 64).
+Contexts vary by sequence and pages are scattered, as after a few steps of allocation. Times are medians of
+``torch.utils.benchmark`` runs of one forward's attention (every layer once); ``speedup`` = reference time /
+op time.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ SHAPES = [
     Shape("0.5b decode bf16", 16, 14, 2, 64, 512, dtype=torch.bfloat16),
     Shape("0.5b decode window 128", 16, 14, 2, 64, 512, window=128),
     Shape("0.5b prefill chunk 64", 4, 14, 2, 64, 512, q_len=64),
+    # SmolLM2-135M's attention (9 q heads, 3 KV heads, head_dim 64) as bench_decode --model smollm2 decodes
+    # it: a 32-token prompt and 48 new tokens, ~56 tokens of context on average.
+    *(
+        Shape("smollm2 decode", batch, 9, 3, 64, 56, dtype=dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+        for batch in (16, 64)
+    ),
 ]
 
 
