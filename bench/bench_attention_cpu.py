@@ -1,19 +1,22 @@
 """CPU paged attention: the C++ op (through ``ops.paged_attention``) beside ``paged_attention_ref``.
 
-    python -m bench.bench_attention_cpu [--threads N]
+    python -m bench.bench_attention_cpu [--threads N] [--cpu] [--only NAME]
 
 The reference is what the CPU engine ran before the op existed (gather pages, SDPA in fp32). Shapes: the
 ``tiny`` preset's attention (4 q heads, 2 KV heads, head_dim 16, 2 layers) decoding 16 and 64 sequences at
 ~100 tokens of context, and Qwen2-0.5B's (14 q heads, 2 KV heads, head_dim 64) at 16 x 512 tokens, plus a
-prefill chunk and a sliding window on the latter. Contexts vary by sequence and pages are scattered, as
-after a few steps of allocation. Times are medians of ``torch.utils.benchmark`` runs of one forward's
-attention (every layer once); ``speedup`` = reference time / op time.
+prefill chunk and a sliding window on the latter, and SmolLM2-135M's decode (fp32 and bf16, B = 16 and 64).
+Contexts vary by sequence and pages are scattered, as after a few steps of allocation. Times are medians of
+``torch.utils.benchmark`` runs of one forward's attention (every layer once); ``speedup`` = reference time /
+op time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +49,13 @@ SHAPES = [
     Shape("0.5b decode bf16", 16, 14, 2, 64, 512, dtype=torch.bfloat16),
     Shape("0.5b decode window 128", 16, 14, 2, 64, 512, window=128),
     Shape("0.5b prefill chunk 64", 4, 14, 2, 64, 512, q_len=64),
+    # SmolLM2-135M's attention (9 q heads, 3 KV heads, head_dim 64) as bench_decode --model smollm2 decodes
+    # it: a 32-token prompt and 48 new tokens, ~56 tokens of context on average.
+    *(
+        Shape("smollm2 decode", batch, 9, 3, 64, 56, dtype=dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+        for batch in (16, 64)
+    ),
 ]
 
 
@@ -75,7 +85,22 @@ def median_us(fn, min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
-def measure(shape: Shape, min_run_time: float) -> dict:
+def cpu_us(fn, min_run_time: float) -> float:
+    """Thread CPU time per call, fastest of 7 rounds: on a loaded machine the work done, which wall time
+    (the other processes' share of the cores) is not. One thread only (``--cpu`` sets it)."""
+    fn()
+    calls = max(1, int(min_run_time / 7 / max(1e-6, _thread_seconds(fn, 1))))
+    return min(_thread_seconds(fn, calls) for _ in range(7)) * 1e6
+
+
+def _thread_seconds(fn, calls: int) -> float:
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - start) / calls
+
+
+def measure(shape: Shape, min_run_time: float, timer=median_us) -> dict:
     q, kv_cache, block_tables, context_lens, cu_seqlens_q = build(shape, torch.Generator().manual_seed(0))
     scale = shape.head_dim**-0.5
     out = torch.empty_like(q)
@@ -110,7 +135,7 @@ def measure(shape: Shape, min_run_time: float) -> dict:
         return o
 
     diff = (op().float() - ref().float()).abs().max().item()
-    op_us, ref_us = median_us(op, min_run_time), median_us(ref, min_run_time)
+    op_us, ref_us = timer(op, min_run_time), timer(ref, min_run_time)
     # K/V bytes one forward must read (each key once per KV head), for the op's effective bandwidth.
     keys = context_lens.clamp(max=shape.window) if shape.window and shape.q_len == 1 else context_lens
     kv_bytes = (
@@ -137,11 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="thread CPU time, min of 7 rounds, one thread (loaded machines)",
+    )
+    parser.add_argument("--only", default=None, help="only the shapes whose name contains this")
     args = parser.parse_args(argv)
+    if args.cpu:
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"CPU, {torch.get_num_threads()} threads, {PAGE_SIZE}-token pages; times per forward (all layers)")
-    rows = [measure(shape, args.min_run_time) for shape in SHAPES]
+    kind = "thread CPU time, fastest of 7 rounds" if args.cpu else "wall time, median"
+    print(
+        f"CPU, {torch.get_num_threads()} threads, {PAGE_SIZE}-token pages; {kind} per forward (all layers); "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    shapes = [s for s in SHAPES if args.only is None or args.only in s.name]
+    rows = [measure(shape, args.min_run_time, cpu_us if args.cpu else median_us) for shape in shapes]
     widths = {k: max(len(k), *(len(str(r[k])) for r in rows)) for k in rows[0]}
     print("  ".join(k.rjust(w) for k, w in widths.items()))
     for r in rows:

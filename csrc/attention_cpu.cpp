@@ -13,6 +13,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -268,6 +269,43 @@ void attend_tile(const float* __restrict q,   // [R_pad, D_pad] query rows, pre-
   }
 }
 
+// bf16 is the upper half of an fp32, so widening is a 16-bit shift into 32-bit lanes: exact, 16 at a time.
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
+inline __attribute__((always_inline)) float widen(uint16_t h) {
+  return std::bit_cast<float>(static_cast<uint32_t>(h) << 16);
+}
+inline __attribute__((always_inline)) vf widen(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof(h));  // an unaligned load; page rows are only 2-byte aligned
+  return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+}
+inline __attribute__((always_inline)) void widen_row(const uint16_t* __restrict src, int64_t n, float* __restrict dst) {
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) store(dst + d, widen(src + d));
+  for (; d < n; ++d) dst[d] = widen(src[d]);
+}
+
+// A bf16 tile's K and V rows widened to fp32 (the values the fp32 path reads, bit for bit), in one call per
+// tile: built per ISA like attend_tile, where the element-wise conversion in attend_item ran 4 lanes wide.
+OPPO_ISA_CLONES
+void widen_bf16_tile(const uint16_t* const* k_src,  // [kKeyTile] -> [D] each key's page row
+                     const uint16_t* const* v_src,  // [kKeyTile] -> [D] each value's page row
+                     int64_t num_keys, int64_t head_dim, int64_t dim_pad,
+                     float* __restrict k,   // [kKeyTile, D_pad] keys, or unused when kt is given
+                     float* __restrict v,   // [kKeyTile, D_pad] values
+                     float* __restrict kt)  // [D, kKeyTile] keys transposed, or null
+{
+  for (int64_t j = 0; j < num_keys; ++j) {
+    if (kt != nullptr) {
+      for (int64_t d = 0; d < head_dim; ++d) kt[d * kKeyTile + j] = widen(k_src[j][d]);
+    } else {
+      widen_row(k_src[j], head_dim, k + j * dim_pad);
+    }
+    widen_row(v_src[j], head_dim, v + j * dim_pad);
+  }
+}
+
 // Everything a work item reads about the call: pointers into the int32 metadata and element strides.
 struct Batch {
   const int32_t* block_tables;  // [N, max_pages]
@@ -291,6 +329,7 @@ struct Scratch {
   int64_t dim_pad;
   std::vector<float> q, acc, m, l, s, kt, k, v;
   std::vector<const float*> k_rows, v_rows;
+  std::vector<const uint16_t*> k_src, v_src;  // [kKeyTile] a bf16 tile's page rows, before widening
   std::vector<int64_t> pos, jlo, jhi;  // [R] each row's position, and its visible keys in the current tile
   Scratch(int64_t rows, int64_t head_dim)
       : dim_pad((head_dim + kLanes - 1) / kLanes * kLanes),
@@ -304,6 +343,8 @@ struct Scratch {
         v(kKeyTile * dim_pad, 0.0f),
         k_rows(kKeyTile),
         v_rows(kKeyTile),
+        k_src(kKeyTile),
+        v_src(kKeyTile),
         pos(rows),
         jlo(rows),
         jhi(rows) {}
@@ -344,6 +385,7 @@ void attend_item(const Batch& b,
   // serves many rows. fp32 rows whose head_dim fills whole vectors are read in place from the page.
   const bool transpose = rows > kDotRows;
   constexpr bool is_float = std::is_same_v<T, float>;
+  constexpr bool is_bf16 = std::is_same_v<T, at::BFloat16>;
   const bool in_place = is_float && dim_pad == head_dim;
   // The page walk advances by increments: a 64-bit division per key would cost more than its dot products.
   int64_t page_idx = key_lo / b.page_size, offset = key_lo % b.page_size;
@@ -352,26 +394,37 @@ void attend_item(const Batch& b,
     for (int64_t j = 0; j < nk; ++j) {
       const T* k_row = kv_head + table[page_idx * b.bt_stride_page] * b.kv_stride_page + offset * b.kv_stride_tok;
       const T* v_row = k_row + b.kv_stride_kv;
-      if (transpose) {
-        for (int64_t d = 0; d < head_dim; ++d) w.kt[d * kKeyTile + j] = static_cast<float>(k_row[d]);
-      }
-      if (in_place) {
-        w.k_rows[j] = reinterpret_cast<const float*>(k_row);
-        w.v_rows[j] = reinterpret_cast<const float*>(v_row);
+      if constexpr (is_bf16) {  // widened below, the whole tile in one call
+        w.k_src[j] = reinterpret_cast<const uint16_t*>(k_row);
+        w.v_src[j] = reinterpret_cast<const uint16_t*>(v_row);
+        w.k_rows[j] = w.k.data() + j * dim_pad;
+        w.v_rows[j] = w.v.data() + j * dim_pad;
       } else {
-        float* k_dst = w.k.data() + j * dim_pad;
-        float* v_dst = w.v.data() + j * dim_pad;
-        if (!transpose) {
-          for (int64_t d = 0; d < head_dim; ++d) k_dst[d] = static_cast<float>(k_row[d]);
+        if (transpose) {
+          for (int64_t d = 0; d < head_dim; ++d) w.kt[d * kKeyTile + j] = static_cast<float>(k_row[d]);
         }
-        for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = static_cast<float>(v_row[d]);
-        w.k_rows[j] = k_dst;
-        w.v_rows[j] = v_dst;
+        if (in_place) {
+          w.k_rows[j] = reinterpret_cast<const float*>(k_row);
+          w.v_rows[j] = reinterpret_cast<const float*>(v_row);
+        } else {
+          float* k_dst = w.k.data() + j * dim_pad;
+          float* v_dst = w.v.data() + j * dim_pad;
+          if (!transpose) {
+            for (int64_t d = 0; d < head_dim; ++d) k_dst[d] = static_cast<float>(k_row[d]);
+          }
+          for (int64_t d = 0; d < head_dim; ++d) v_dst[d] = static_cast<float>(v_row[d]);
+          w.k_rows[j] = k_dst;
+          w.v_rows[j] = v_dst;
+        }
       }
       if (++offset == b.page_size) {
         offset = 0;
         ++page_idx;
       }
+    }
+    if constexpr (is_bf16) {
+      widen_bf16_tile(w.k_src.data(), w.v_src.data(), nk, head_dim, dim_pad, w.k.data(), w.v.data(),
+                      transpose ? w.kt.data() : nullptr);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible_lo = b.window > 0 ? w.pos[r] - b.window + 1 : 0;

@@ -156,6 +156,31 @@ def test_another_thread_running_the_model_meanwhile_gets_the_modules_own_forward
     assert no_forward_left(actor)
 
 
+def test_packs_already_made_stop_serving_when_the_precision_drops_and_read_a_replaced_bias():
+    """The support check runs once per kind of weight per forward, not once per module: packs made earlier
+    still go unused under a reduced fp32 matmul precision, and come back with it. A bias replaced between
+    forwards (only weights are packed) is the one the product adds."""
+    actor = make_actor()
+    linear = next(m for m in actor.modules() if type(m) is torch.nn.Linear and m.bias is not None)
+    packs = packed.PackedLinears(actor, 4)
+    x = torch.randn(3, linear.in_features)
+    with torch.inference_mode(), packs.applied():
+        assert "forward" in linear.__dict__
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with torch.inference_mode(), packs.applied():
+            assert no_forward_left(actor)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    linear.bias = torch.nn.Parameter(torch.randn_like(linear.bias) * 10)
+    with torch.inference_mode(), packs.applied():
+        assert "forward" in linear.__dict__
+        got = linear(x)
+    torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), atol=ATOL, rtol=0)
+    assert no_forward_left(actor)
+
+
 def test_setting_is_checked_and_auto_is_on_for_the_cpu_only():
     with pytest.raises(ValueError, match="packed_weights"):
         EngineConfig(packed_weights="yes")

@@ -105,6 +105,18 @@ def test_half_precision_logits_match_reference(dtype: torch.dtype, vocab_size: i
     assert_matches_reference(*make_rows(3 if vocab_size > 10_000 else 24, vocab_size, dtype, seed=11))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab_size", [513, 49_152])
+def test_half_precision_logits_give_the_float32_results_bit_for_bit(dtype: torch.dtype, vocab_size: int):
+    # The actor hands the sampler its logits in the model's dtype (no [N, V] float32 copy): widening is
+    # exact, so tokens and log-probs are those of the same logits in float32, bit for bit.
+    logits, temperature, seeds, positions = make_rows(16, vocab_size, dtype, seed=12)
+    tokens, logprobs = ops.sample(logits, temperature, seeds, positions)
+    tokens32, logprobs32 = ops.sample(logits.float(), temperature, seeds, positions)
+    assert torch.equal(tokens, tokens32)
+    assert torch.equal(logprobs, logprobs32)
+
+
 @pytest.mark.parametrize("temperature", [1e-3, 0.1, 1.0, 7.5])
 def test_extreme_temperatures_match_reference(temperature: float):
     logits, _, seeds, positions = make_rows(16, 9000, seed=12)

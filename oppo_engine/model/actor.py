@@ -30,7 +30,8 @@ class ActorWorker:
         if not len(batch):
             self.runner.logits_last(chunks)
             return [], []
-        logits, packed = self.runner.logits_last_with(chunks, batch.packed())
+        # Logits in the model's dtype: ops.sample reads fp32, bf16 and fp16, widening each logit exactly.
+        logits, packed = self.runner.logits_last_with(chunks, batch.packed(), float32=False)
         if len(batch) != len(chunks):
             logits = logits.index_select(0, packed[: len(batch)])
         tokens, logprobs = self.sampler.sample(logits, batch, packed)

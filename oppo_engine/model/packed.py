@@ -36,15 +36,17 @@ from oppo_engine import ops
 
 
 class _Entry:
-    """One module's pack: the weight tensor it was made from and that tensor's version then."""
+    """One module's pack: the weight tensor it was made from, that tensor's version then, and the forward
+    that runs it (made once per pack, not once per model forward)."""
 
-    __slots__ = ("module", "weight", "version", "packed")
+    __slots__ = ("module", "weight", "version", "packed", "forward")
 
     def __init__(self, module: nn.Linear) -> None:
         self.module = module
         self.weight: torch.Tensor | None = None
         self.version = -1
         self.packed: torch.Tensor | None = None
+        self.forward = None
 
 
 class PackedLinears:
@@ -61,6 +63,7 @@ class PackedLinears:
         self.batch_hint = max(1, int(batch_hint))
         self._entries = [_Entry(m) for m in model.modules() if type(m) is nn.Linear]
         self._lock = threading.Lock()
+        self._thread = 0  # the thread of the forward holding the packs (a packed forward checks it)
         self.repacks = 0  # modules packed so far (the first packing included)
 
     @property
@@ -72,23 +75,33 @@ class PackedLinears:
         """Free every pack; the next forward packs again from the weights as they are then."""
         with self._lock:
             for e in self._entries:
-                e.weight, e.version, e.packed = None, -1, None
+                e.weight, e.version, e.packed, e.forward = None, -1, None, None
 
-    def _refresh(self) -> list[tuple[nn.Linear, torch.Tensor]]:
-        """The (module, pack) pairs to use in this forward, packing what is missing or stale."""
+    def _refresh(self) -> list[_Entry]:
+        """The entries to use in this forward, packing what is missing or stale.
+
+        NOTE: this runs before every forward of the actor (211 modules on SmolLM2), so the support check,
+        whose answer depends on a weight's dtype, device, rank and layout and on global settings (fp32
+        matmul precision), is made once per distinct (dtype, device, rank, layout) per forward, not once
+        per module."""
         out = []
+        supported: dict[tuple, bool] = {}
         for e in self._entries:
             w = e.module.weight
-            # An inference tensor has no version counter to tell a stale pack by: left to F.linear.
-            if w.is_inference() or not ops.packed_linear_supported(w):
-                e.weight, e.version, e.packed = None, -1, None
+            key = (w.dtype, w.device, w.dim(), w.layout)
+            ok = supported.get(key)
+            if ok is None:
+                ok = supported[key] = ops.packed_linear_supported(w)
+            if not ok or w.is_inference():
+                e.weight, e.version, e.packed, e.forward = None, -1, None, None
                 continue
             version = w._version
             if e.packed is None or e.weight is not w or e.version != version:
                 e.packed = ops.pack_linear_weight(w, self.batch_hint)
                 e.weight, e.version = w, version
+                e.forward = _packed_forward(self, e.module, e.packed)
                 self.repacks += 1
-            out.append((e.module, e.packed))
+            out.append(e)
         return out
 
     @contextmanager
@@ -97,28 +110,25 @@ class PackedLinears:
         stale); outside it, the module's own. Not re-entrant per model: the runner holds it per forward."""
         with self._lock:
             installed = self._refresh()
-            thread = threading.get_ident()
-            for module, packed in installed:
-                # NOTE: the instance's __dict__, not setattr: nn.Module.__setattr__ costs ~1 us, and an
-                # instance attribute named "forward" is what nn.Module.__call__ calls.
-                module.__dict__["forward"] = _packed_forward(module, packed, thread)
+            self._thread = threading.get_ident()
+            for e in installed:
+                e.module.__dict__["forward"] = e.forward
             try:
                 yield
             finally:
-                for module, _ in installed:
-                    module.__dict__.pop("forward", None)
+                for e in installed:
+                    e.module.__dict__.pop("forward", None)
 
 
-def _packed_forward(module: nn.Linear, packed: torch.Tensor, thread: int):
+def _packed_forward(packs: PackedLinears, module: nn.Linear, packed: torch.Tensor):
     """The module's forward while packed: the packed product on the thread of the runner's forward, the
     module's own on any other (the same model object running elsewhere meanwhile, e.g. as a scorer, gets
-    exactly what it gets without packs)."""
-    bias = module.bias
+    exactly what it gets without packs). The bias is read at every call: only the weight is packed."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if threading.get_ident() != thread:
+        if threading.get_ident() != packs._thread:
             return nn.Linear.forward(module, x)
-        return ops.packed_linear(x, packed, bias)
+        return ops.packed_linear(x, packed, module.bias)
 
     return forward
 

@@ -93,6 +93,40 @@ def test_half_precision_matches_reference(dtype: torch.dtype, window: int | None
     assert_op_matches_reference(case, window, softcap=30.0 if window else None)
 
 
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "window", "softcap"),
+    [(9, 3, 64, None, None), (6, 2, 80, 10, 30.0), (16, 1, 24, None, 3.0), (4, 2, 8, 5, None)],
+    ids=["smollm2_gqa", "d80_window_cap", "d24_16_rows", "d8_window"],
+)
+def test_bf16_equals_fp32_over_the_same_values_bit_for_bit(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None, softcap: float | None
+):
+    # bf16 K/V are widened to fp32 exactly and go through the fp32 path's arithmetic in its order, so the
+    # bf16 output is the fp32 output over the bf16 values, rounded once to bf16. Decode rows and prefill
+    # chunks (transposed key tiles past 8 rows), head dims with and without a partial vector.
+    case = make_case(
+        MIXED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=head_dim,
+        window=window,
+    )
+    as_fp32 = Case(
+        case.q.float(),
+        case.kv_cache.float(),
+        case.block_tables,
+        case.context_lens,
+        case.cu_seqlens_q,
+        case.scale,
+    )
+    got = run_op(case, window, softcap)
+    expected = run_op(as_fp32, window, softcap)
+    assert not expected.isnan().any()
+    assert torch.equal(got, expected.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (1, None), (7, 20.0), (None, 3.0)])
 def test_matches_dense_attention_in_float64(window: int | None, softcap: float | None):
     case = make_case([(1, 1), (1, 33), (12, 12), (7, 40)], num_q_heads=6, num_kv_heads=2, head_dim=80, seed=6)
