@@ -294,11 +294,12 @@ def main(argv: list[str] | None = None) -> dict:
         "| process CPU s (min) | vs padded (CPU) | peak RSS GiB |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = best.get("padded", {}).get("update_s", math.nan)
     for arm, b in best.items():
-        speed = best["padded"]["update_s"] / b["update_s"]
         print(
-            f"| {arm} | {b['update_s']:.3f} | {b['load']:.2f} | {b['agreement_s']:.3f} | {speed:.2f}x | "
-            f"{cpu[arm]:.3f} | {cpu['padded'] / cpu[arm]:.2f}x | {memory[arm]:.2f} |"
+            f"| {arm} | {b['update_s']:.3f} | {b['load']:.2f} | {b['agreement_s']:.3f} | "
+            f"{base / b['update_s']:.2f}x | {cpu[arm]:.3f} | {cpu.get('padded', math.nan) / cpu[arm]:.2f}x "
+            f"| {memory[arm]:.2f} |"
         )
     print("parts of each arm's fastest update (wall s):")
     for arm, b in best.items():
@@ -306,10 +307,14 @@ def main(argv: list[str] | None = None) -> dict:
     losses = {
         arm: (rs[0]["policy_loss"], rs[0]["value_loss"], rs[0]["grad_norm"]) for arm, rs in runs.items()
     }
-    diff = max(abs(a - b) for a, b in zip(losses["packed"], losses["padded"], strict=True))
+    pair = [losses[a] for a in ("packed", "padded") if a in losses]
+    diff = max(abs(a - b) for a, b in zip(*pair, strict=True)) if len(pair) == 2 else math.nan
     print(
         f"policy loss, value loss, grad norm per arm: {losses}; packed vs padded max |difference| {diff:.2e}"
     )
+    # With one arm (--arms), this process is a fresh process of that arm: its peak is that arm's.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"this process's peak RSS (ru_maxrss): {peak:.2f} GiB; load {os.getloadavg()}")
     return {"best": best, "memory": memory, "losses": losses}
 
 
