@@ -36,9 +36,12 @@ import time
 
 import torch
 
+# Every arm sets every option the arms vary: the arms share one trainer, so an option an arm left out
+# would keep the previous arm's value (before 2026-12-05, `padded` and `grouped` after a `packed` run kept
+# its budget and ran packed).
 ARMS = {
-    "padded": dict(group_by_length=False),
-    "grouped": dict(group_by_length=True),
+    "padded": dict(group_by_length=False, max_tokens_per_microbatch=None),
+    "grouped": dict(group_by_length=True, max_tokens_per_microbatch=None),
     "packed": dict(group_by_length=False, max_tokens_per_microbatch=None),  # the budget: per workload
 }
 BATCH, MINIBATCH = 64, 8
@@ -149,21 +152,85 @@ def _restore(trainer, state: dict) -> None:
     trainer.critic_optim.load_state_dict(state["critic_optim"])
 
 
+class PartTimer:
+    """Wall time of an update's parts, by wrapping what ``PPOTrainer._update`` calls: the grad-enabled
+    forwards (``_forward``), ``Tensor.backward``, the optimizer (both models' ``step`` and ``zero_grad``,
+    and the gradient clipping). The agreement forward is ``_update``'s own ``agreement_s``; the rest
+    (advantages, losses, bookkeeping) is what is left of the update's wall time."""
+
+    PARTS = ("forward", "backward", "optimizer")
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.s = dict.fromkeys(self.PARTS, 0.0)  # wall
+        self.cpu_s = dict.fromkeys(self.PARTS, 0.0)  # process CPU time (all threads)
+        self.forwards = 0
+
+    def _timed(self, part: str, fn, only_with_grad: bool = False):
+        def wrapper(*args, **kwargs):
+            if only_with_grad and not torch.is_grad_enabled():
+                return fn(*args, **kwargs)
+            t, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.s[part] += time.perf_counter() - t
+                self.cpu_s[part] += time.process_time() - cpu
+                self.forwards += part == "forward"
+
+        return wrapper
+
+    def __enter__(self) -> PartTimer:
+        t = self.trainer
+        self._saved = [(torch.Tensor, "backward", torch.Tensor.backward),
+                       (torch.nn.utils, "clip_grad_norm_", torch.nn.utils.clip_grad_norm_)]  # fmt: skip
+        torch.Tensor.backward = self._timed("backward", torch.Tensor.backward)
+        torch.nn.utils.clip_grad_norm_ = self._timed("optimizer", torch.nn.utils.clip_grad_norm_)
+        vars(t)["_forward"] = self._timed("forward", t._forward, only_with_grad=True)
+        for optim in (t.actor_optim, t.critic_optim):
+            for name in ("step", "zero_grad"):
+                vars(optim)[name] = self._timed("optimizer", getattr(optim, name))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+        vars(self.trainer).pop("_forward")
+        for optim in (self.trainer.actor_optim, self.trainer.critic_optim):
+            vars(optim).pop("step")
+            vars(optim).pop("zero_grad")
+
+
 def timed_update(trainer, batch) -> dict:
-    t, cpu = time.perf_counter(), time.process_time()
-    stats = trainer._update(batch)
+    with PartTimer(trainer) as parts:
+        t, cpu = time.perf_counter(), time.process_time()
+        stats = trainer._update(batch)
+        wall = time.perf_counter() - t
+    measured = sum(parts.s.values()) + stats["agreement_s"]
     return dict(
-        update_s=time.perf_counter() - t, cpu_s=time.process_time() - cpu, agreement_s=stats["agreement_s"],
+        update_s=wall, cpu_s=time.process_time() - cpu, agreement_s=stats["agreement_s"],
+        **{f"{k}_s": v for k, v in parts.s.items()}, other_s=wall - measured, forwards=parts.forwards,
+        **{f"{k}_cpu_s": v for k, v in parts.cpu_s.items()},
         policy_loss=stats["policy_loss"],
         value_loss=stats["value_loss"], grad_norm=stats["grad_norm"], load=os.getloadavg()[0],
     )  # fmt: skip
+
+
+def _parts(run: dict) -> str:
+    """An update's parts, as measured by ``PartTimer``."""
+    names = ("agreement", *PartTimer.PARTS, "other")
+    cpu = "/".join(f"{run[n + '_cpu_s']:.2f}" for n in PartTimer.PARTS)
+    return (
+        ", ".join(f"{n} {run[n + '_s']:.2f}" for n in names)
+        + f" ({run['forwards']} forwards; CPU s of {'/'.join(PartTimer.PARTS)}: {cpu})"
+    )
 
 
 def memory_of(arm: str, args) -> float:
     """Peak resident memory (GiB) of a fresh process that builds the trainer and runs one ``arm`` update."""
     cmd = [sys.executable, "-m", "bench.bench_update", "--workload", args.workload, "--layers",
            str(args.layers), "--cache", args.cache, "--memory-arm", arm,
-           "--threads", str(args.threads or 0)]  # fmt: skip
+           "--threads", str(args.threads or 0), "--budget", str(args.budget or 0)]  # fmt: skip
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
     return json.loads(out.strip().splitlines()[-1])["maxrss_gib"]
 
@@ -178,11 +245,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-arm memory subprocesses")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed update of each arm")
+    parser.add_argument("--budget", type=int, default=None, help="packed: max_tokens_per_microbatch "
+                        "(default: the longest sequence the workload allows)")  # fmt: skip
+    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
     parser.add_argument("--memory-arm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     trainer, batch, budget = build(args.workload, args.layers, args.cache)
+    budget = args.budget or budget
+    arms = {arm: ARMS[arm] for arm in args.arms}
     if args.memory_arm:
         _configure(trainer, args.memory_arm, budget)
         trainer._update(batch)
@@ -197,24 +269,24 @@ def main(argv: list[str] | None = None) -> dict:
         + f", {torch.get_num_threads()} threads"
     )
     state = _snapshot(trainer)
-    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for arm in [] if args.no_warmup else ARMS:  # warm-up, untimed
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for arm in [] if args.no_warmup else arms:  # warm-up, untimed
         _configure(trainer, arm, budget)
         _restore(trainer, state)
         trainer._update(batch)
     for r in range(args.rounds):
-        for arm in ARMS:
+        for arm in arms:
             _configure(trainer, arm, budget)
             _restore(trainer, state)
             runs[arm].append(timed_update(trainer, batch))
             last = runs[arm][-1]
             print(
                 f"  round {r}: {arm:8s} {last['update_s']:.3f} s, CPU {last['cpu_s']:.3f} s "
-                f"(load {last['load']:.2f})",
+                f"(load {last['load']:.2f}); " + _parts(last),
                 flush=True,
             )
     trainer.close()
-    memory = {arm: math.nan if args.no_memory else memory_of(arm, args) for arm in ARMS}
+    memory = {arm: math.nan if args.no_memory else memory_of(arm, args) for arm in arms}
     best = {arm: min(rs, key=lambda x: x["update_s"]) for arm, rs in runs.items()}
     cpu = {arm: min(r["cpu_s"] for r in rs) for arm, rs in runs.items()}
     print(
@@ -222,19 +294,27 @@ def main(argv: list[str] | None = None) -> dict:
         "| process CPU s (min) | vs padded (CPU) | peak RSS GiB |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = best.get("padded", {}).get("update_s", math.nan)
     for arm, b in best.items():
-        speed = best["padded"]["update_s"] / b["update_s"]
         print(
-            f"| {arm} | {b['update_s']:.3f} | {b['load']:.2f} | {b['agreement_s']:.3f} | {speed:.2f}x | "
-            f"{cpu[arm]:.3f} | {cpu['padded'] / cpu[arm]:.2f}x | {memory[arm]:.2f} |"
+            f"| {arm} | {b['update_s']:.3f} | {b['load']:.2f} | {b['agreement_s']:.3f} | "
+            f"{base / b['update_s']:.2f}x | {cpu[arm]:.3f} | {cpu.get('padded', math.nan) / cpu[arm]:.2f}x "
+            f"| {memory[arm]:.2f} |"
         )
+    print("parts of each arm's fastest update (wall s):")
+    for arm, b in best.items():
+        print(f"  {arm:8s} " + _parts(b))
     losses = {
         arm: (rs[0]["policy_loss"], rs[0]["value_loss"], rs[0]["grad_norm"]) for arm, rs in runs.items()
     }
-    diff = max(abs(a - b) for a, b in zip(losses["packed"], losses["padded"], strict=True))
+    pair = [losses[a] for a in ("packed", "padded") if a in losses]
+    diff = max(abs(a - b) for a, b in zip(*pair, strict=True)) if len(pair) == 2 else math.nan
     print(
         f"policy loss, value loss, grad norm per arm: {losses}; packed vs padded max |difference| {diff:.2e}"
     )
+    # With one arm (--arms), this process is a fresh process of that arm: its peak is that arm's.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"this process's peak RSS (ru_maxrss): {peak:.2f} GiB; load {os.getloadavg()}")
     return {"best": best, "memory": memory, "losses": losses}
 
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from test_ppo_packing import make_trainer, ppo_models
+from transformers import AutoModelForCausalLM
 
 from oppo_engine.ppo import PPOConfig
 from oppo_engine.ppo.agreement import CLASSES, correction_weights, measure
@@ -92,6 +93,29 @@ def test_every_step_measures_the_gap_and_fp32_rollouts_agree(budget):
         assert fresh.max_abs < 1e-4 and fresh.mean_k3 < 1e-8 and fresh.frac_large == 0
         assert s.agreement["stale"].tokens == 0 and not s.truncated_sampling
         assert 0 < s.agreement_s < s.update_s
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_an_actor_with_dropout_in_train_mode_is_measured_and_recomputed_in_eval_semantics(budget):
+    """Dropout in the actor (``attention_dropout=0.5``; the trainer holds it in ``train()``): the engine
+    samples without dropout, and pi_trainer -- the agreement, the stale recompute, the corrections' ratio
+    -- is of that same policy, not a dropout-masked draw: deterministic, and fp32 agreement is rounding."""
+    tokenizer, actor, critic, reference, reward, prompts = ppo_models()
+    config = actor.config
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_config(config).train()
+    actor.load_state_dict(reference.state_dict())
+    trainer = make_trainer(
+        (tokenizer, actor, critic, reference, reward, prompts), max_tokens_per_microbatch=budget
+    )
+    assert actor.training and actor.model.layers[0].self_attn.attention_dropout == 0.5
+    stats = trainer.train(1)[0]
+    assert stats.agreement["fresh"].max_abs < 1e-4 and actor.training  # measured before any update
+    batch = collate(canonical_order(stats.rollout.rollouts), trainer.tokenizer.pad_token_id, "cpu")
+    first, second = trainer.trainer_logprobs(batch), trainer.trainer_logprobs(batch)
+    assert torch.equal(first, second) and actor.training  # eval semantics, the mode given back
+    trainer.close()
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

@@ -7,7 +7,9 @@ copies anything; ``release_memory(weights=True)`` frees the replicas and ``resum
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import types
 from collections import Counter
 
 import pytest
@@ -606,6 +608,43 @@ def test_a_bf16_replica_of_unsharded_fp32_models_rolls_out_as_a_bf16_copy_of_the
     assert rotary.dtype == torch.float32 and torch.equal(rotary, actor.model.rotary_emb.inv_freq)
     for engine in (half, want):
         engine.add_prompts(prompts, sampling=_seeded(prompts, 40))
+    got = _drained(half)
+    assert len(got) == len(prompts) and got == _drained(want)
+    _assert_all_pages_free(half)
+
+
+def _wrap_forward_like_trl(model: torch.nn.Module) -> None:
+    """Set ``model.forward`` on the instance to a closure over the model's own bound forward, as TRL's
+    ``GRPOTrainer`` does (``trl.trainer.utils.add_fused_lm_head``): a deep copy of the model keeps the
+    closure, so its forward runs the source's weights."""
+    original = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, **kwargs):
+        return original(*args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+@pytest.mark.parametrize("wrap", ["closure", "trl"])
+def test_a_replica_of_a_model_whose_forward_a_trainer_wrapped_rolls_out_its_own_weights(wrap):
+    """A model a trainer already patched (a second engine on a model TRL trains, a second training phase):
+    its bf16 replica rolls out as a bf16 copy of the weights, never through the fp32 source's forward."""
+    actor, reward = make_llama(), make_reward()
+    if wrap == "trl":
+        utils = pytest.importorskip("trl.trainer.utils")
+        utils.add_fused_lm_head(actor)
+    else:
+        _wrap_forward_like_trl(actor)
+    assert "forward" in vars(actor)
+    prompts = random_prompts(4, seed=11)
+    half = make_engine(actor, reward, mode="sequential", rollout_dtype=torch.bfloat16)
+    want = make_engine(_bf16_copy(actor), reward, mode="sequential")
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        assert torch.equal(half.actor(input_ids=ids).logits, want.actor(input_ids=ids).logits)
+    for engine in (half, want):
+        engine.add_prompts(prompts, sampling=_seeded(prompts, 70))
     got = _drained(half)
     assert len(got) == len(prompts) and got == _drained(want)
     _assert_all_pages_free(half)

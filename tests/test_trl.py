@@ -438,8 +438,10 @@ def test_agreement_is_logged_and_equals_ppo_agreement_over_the_same_tokens(token
     engine.close()
     logged = [e for e in trainer.state.log_history if "agreement/mean_abs" in e]
     assert len(calls) == len(logged) == args.max_steps  # one loss per optimizer step here
-    # NOTE: a model built afresh from the config: a deep copy of the trained actor (as TRL left it) gave
-    # other logits, 0.3 nats from TRL's and the engine's (not investigated).
+    # NOTE: a model built afresh from the config, not a deep copy of the actor: GRPOTrainer sets the actor's
+    # forward to a closure over its own bound forward (trl's add_fused_lm_head), so a deep copy runs the
+    # *actor's* final weights whatever is loaded into it (0.3 nats off here). The engine's rollout replica
+    # drops such instance forwards (tests/test_replica.py).
     replica = AutoModelForCausalLM.from_config(actor.config).eval()
     for (weights, inputs, gap), entry in zip(calls, logged, strict=True):
         replica.load_state_dict(weights)

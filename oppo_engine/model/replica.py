@@ -165,12 +165,20 @@ def stored_dtype(model: nn.Module) -> torch.dtype:
 def _copy_in_dtype(source: nn.Module, dtype: torch.dtype) -> nn.Module:
     """``deepcopy(source)`` whose parameters are fresh (uninitialised) tensors of ``dtype``: the trainer's
     weights are never copied whole in their own dtype (no full-size temporary). Tied parameters stay one
-    tensor; buffers and everything else are deep copies."""
+    tensor; buffers and everything else are deep copies, but for a ``forward`` set on a module instance.
+
+    NOTE: trainers wrap ``forward`` on the instance in closures over the source's own bound forward (TRL's
+    ``GRPOTrainer``: ``add_fused_lm_head``; accelerate: autocast). A deep copy keeps the closure, so the
+    copy's forward would run the *source's* weights (fp32, trainer's attention, train mode): wrong log-probs,
+    no error. The copy runs its class's forward instead, over its own weights."""
     memo = {
         id(p): nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device), requires_grad=False)
         for p in source.parameters()
     }
-    return copy.deepcopy(source, memo)
+    model = copy.deepcopy(source, memo)
+    for module in model.modules():
+        vars(module).pop("forward", None)
+    return model
 
 
 class RolloutReplica:

@@ -3,6 +3,9 @@ models, KL-penalised rewards, GAE, whitening and the clipped losses. Pure functi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -22,6 +25,22 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+@contextmanager
+def eval_semantics(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with every module in eval mode (no dropout) inside the block; each module's own flag is
+    given back after it (a frozen submodule kept in eval stays so). The forwards that stand for the policy
+    the engine sampled -- pi_trainer, the stale recompute -- run in it: the engine never decodes with
+    dropout, so a dropout-masked forward would report its noise as a rollout-trainer gap."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield model
+    finally:
+        for m in training:
+            m.training = True
 
 
 def token_logprobs(

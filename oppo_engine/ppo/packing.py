@@ -113,13 +113,10 @@ def check_packing(model: nn.Module, role: str, probe: Sequence[int], forward) ->
             rows[k, : len(s)] = ids[0, starts[k] : starts[k] + len(s)]
         return forward(model, pack_rows(rows, [len(s) for s in seqs]))[-1, : len(seqs[-1]) - 1]
 
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), core.eval_semantics(model):
             packed, other, alone = run(first, second), run(changed, second), run(second)
     finally:
-        model.train(was_training)
         # NOTE: an FSDP2 root keeps its parameters unsharded after a forward (the backward would need them):
         # resharded here, else an optimizer built next would hold the unsharded tensors, not the shards.
         for module in model.modules():

@@ -300,9 +300,10 @@ class PPOTrainer:
 
     def trainer_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, L-1]`` the current actor's log-probs (pi_trainer) of ``rows`` (default: every row; 0
-        elsewhere) from no-grad forwards: packs, or chunks of rows of similar length each trimmed to its
-        longest (under long-tailed lengths a padded batch is mostly padding). Data-parallel ranks split the
-        rows and sum what they computed, so every rank holds the whole tensor. Collective."""
+        elsewhere) from no-grad forwards in eval semantics (no dropout, as the engine samples): packs, or
+        chunks of rows of similar length each trimmed to its longest (under long-tailed lengths a padded
+        batch is mostly padding). Data-parallel ranks split the rows and sum what they computed, so every
+        rank holds the whole tensor. Collective."""
         out = torch.zeros_like(batch.logprobs)
         lengths = batch.attention_mask.sum(1)
         rows = torch.arange(len(batch), device=lengths.device) if rows is None else rows
@@ -311,7 +312,7 @@ class PPOTrainer:
         else:
             chunk = self.config.minibatch_size * self.world_size
             groups = rows[torch.argsort(lengths[rows], stable=True)].split(chunk)
-        with torch.no_grad():
+        with torch.no_grad(), core.eval_semantics(self.actor):
             for group in groups:
                 for idx, weight in self._micro_batches(group, lengths):
                     logprobs, _, width = self._forward(batch, idx, lengths, values=False)
