@@ -121,6 +121,26 @@ def test_the_heldout_set_is_fixed_and_never_trained_on():
     assert len(held) == HELDOUT and held == heldout_problems()
     train = train_problems(1000)
     assert not {p.question for p in held} & {p.question for p in train}
+    assert math_task.EXAMPLE_QUESTION not in {p.question for p in held + train}
+    lo, hi = math_task.OPERATIONS
+    assert all(lo <= p.operations <= hi for p in held + train)
+
+
+@pytest.mark.parametrize("operations", [(1, 1), (2, 3)])
+def test_the_operations_setting_picks_both_sets_problems(operations):
+    held = heldout_problems(operations)
+    train = train_problems(300, operations=operations)
+    assert len(held) == HELDOUT and held == heldout_problems(operations)
+    assert all(operations[0] <= p.operations <= operations[1] for p in held + train)
+    assert not {p.question for p in held} & {p.question for p in train}
+    assert math_task.EXAMPLE_QUESTION not in {p.question for p in held + train}
+
+
+def test_the_worked_example_is_right_by_its_own_rule():
+    # The example turn teaches the format: the rule must read it as a correct, formatted answer.
+    answer = _solve(math_task.EXAMPLE_QUESTION)
+    assert grade(math_task.EXAMPLE_ANSWER, answer) == math_task.Grade(answer, True, True)
+    assert math_task.EXAMPLE_QUESTION.endswith("have now?")
 
 
 def test_the_prompt_is_the_chat_template_with_the_answer_format(smollm2):
@@ -130,6 +150,10 @@ def test_the_prompt_is_the_chat_template_with_the_answer_format(smollm2):
     text = tokenizer.decode(ids)
     assert text.endswith("<|im_start|>assistant\n")
     assert f"<|im_start|>user\n{problem.question} " in text and '"The answer is N."' in text
+    # The worked example comes first, as an earlier user turn and the assistant's answer to it.
+    example = text.index(f"<|im_start|>user\n{math_task.EXAMPLE_QUESTION} ")
+    assert example < text.index(f"<|im_start|>assistant\n{math_task.EXAMPLE_ANSWER}<|im_end|>")
+    assert text.index(f"{math_task.EXAMPLE_ANSWER}<|im_end|>") < text.index(problem.question)
 
 
 @pytest.mark.real_model  # minutes of CPU: one PPO step of SmolLM2 and two held-out evaluations
