@@ -171,3 +171,27 @@ def test_the_math_demo_trains_the_pretrained_model_and_records_accuracy(smollm2,
     assert 0 <= out["eval_accuracy_initial"] <= 1 and 0 <= out["eval_accuracy_final"] <= 1
     assert out["time_to_accuracy_s"] is None or out["time_to_accuracy_s"] > 0
     assert any(line.startswith("held-out accuracy before training") for line in lines)
+
+
+def test_the_math_demos_critic_starts_from_a_zero_value_head():
+    # A fresh head's values spread between the tokens of an answer as much as the reward itself: the demo
+    # zeroes it, so the first step's advantages are the returns minus the batch mean. Its backbone stays.
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from oppo_engine.ppo.demo import zero_value_head
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    critic = LlamaForSequenceClassification(config)
+    backbone = {k: v.clone() for k, v in critic.model.state_dict().items()}
+    ids = torch.randint(1, 64, (3, 9))
+    hidden = critic.model(ids).last_hidden_state
+    assert critic.score(hidden).abs().amax() > 0  # random before
+    zero_value_head(critic)
+    assert torch.equal(critic.score(hidden), torch.zeros(3, 9, 1))
+    assert all(torch.equal(v, backbone[k]) for k, v in critic.model.state_dict().items())
+    assert critic.score.weight.requires_grad  # still trained
