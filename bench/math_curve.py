@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lam", type=float, default=None, help="GAE's lambda (default: the demo's)")
     parser.add_argument("--kl-coef", type=float, default=None)
     parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--minibatch-size", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--max-ops", type=int, default=None, help="problems of 1..N operations")
     parser.add_argument("--rollout-correction", choices=("tis", "mis"), default=None,
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     cfg = demo.ppo_config(opts)
     given = dict(lr=args.lr, critic_lr=args.critic_lr, lam=args.lam, kl_coef=args.kl_coef, epochs=args.epochs,
+                 minibatch_size=args.minibatch_size,
                  temperature=args.temperature, rollout_correction=args.rollout_correction)  # fmt: skip
     cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
     original = demo.ppo_config
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
                 return update(batch)
 
         trainer._update = autocast_update
-    arm = dict(trainer=args.trainer, lr=cfg.lr, critic_lr=cfg.critic_lr, lam=cfg.lam, kl_coef=cfg.kl_coef,
+    arm = dict(trainer=args.trainer, value_head="zero", lr=cfg.lr, critic_lr=cfg.critic_lr, lam=cfg.lam,
+               kl_coef=cfg.kl_coef, minibatch_size=cfg.minibatch_size,
                epochs=cfg.epochs, rollout_correction=cfg.rollout_correction,
                operations=list(math_task.OPERATIONS), batch_size=cfg.batch_size,
                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, heldout=args.heldout,
@@ -103,12 +106,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     def heldout(label: str) -> float:
         t = time.perf_counter()
-        acc, batch, _ = math_task.heldout_accuracy(
+        acc, batch, rollouts = math_task.heldout_accuracy(
             trainer.actor, trainer.tokenizer, max_new_tokens=cfg.max_new_tokens, limit=args.heldout
         )
+        answers = [trainer.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rollouts[:3]]
         emit(dict(event=f"heldout_{label}", accuracy=acc, steps=trainer.steps, unparsed=batch.unparsed,
-                  cut_off=batch.cut_off,
-                  seconds=round(time.perf_counter() - t, 1), load=_load()))  # fmt: skip
+                  cut_off=batch.cut_off, seconds=round(time.perf_counter() - t, 1), load=_load(),
+                  answers=answers))  # fmt: skip
         return acc
 
     initial = args.initial if args.initial is not None else heldout("initial")
