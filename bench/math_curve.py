@@ -9,7 +9,11 @@ machine's load (``os.getloadavg()``) beside its times: on a shared machine the t
 as the engine's. ``--trainer bf16`` runs the trainer's forward and backward (the update, not the
 engine's rollout) under CPU bf16 autocast, the weights and AdamW staying fp32. ``--heldout N`` evaluates the
 first N of the 200 fixed held-out problems (200: all of them); the initial accuracy does not depend on the
-arm, so ``--initial`` can reuse a measured one.
+arm, so ``--initial`` can reuse a measured one. ``--max-ops N`` trains and evaluates on problems of 1 to N
+operations (``math_task.OPERATIONS``); ``--eval-every K`` also evaluates after every K steps (outside the
+timed steps; ``--minutes`` counts the steps only); ``--lr``, ``--critic-lr``, ``--lam``, ``--kl-coef``,
+``--epochs``, ``--minibatch-size``, ``--temperature`` and ``--rollout-correction`` override the demo's
+``PPOConfig``. The critic's value head starts at zero, as in the demo (``demo.zero_value_head``).
 """
 
 from __future__ import annotations
