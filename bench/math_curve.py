@@ -9,7 +9,11 @@ machine's load (``os.getloadavg()``) beside its times: on a shared machine the t
 as the engine's. ``--trainer bf16`` runs the trainer's forward and backward (the update, not the
 engine's rollout) under CPU bf16 autocast, the weights and AdamW staying fp32. ``--heldout N`` evaluates the
 first N of the 200 fixed held-out problems (200: all of them); the initial accuracy does not depend on the
-arm, so ``--initial`` can reuse a measured one.
+arm, so ``--initial`` can reuse a measured one. ``--max-ops N`` trains and evaluates on problems of 1 to N
+operations (``math_task.OPERATIONS``); ``--eval-every K`` also evaluates after every K steps (outside the
+timed steps; ``--minutes`` counts the steps only); ``--lr``, ``--critic-lr``, ``--lam``, ``--kl-coef``,
+``--epochs``, ``--minibatch-size``, ``--temperature`` and ``--rollout-correction`` override the demo's
+``PPOConfig``. The critic's value head starts at zero, as in the demo (``demo.zero_value_head``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=None, help="the actor's (default: the demo's)")
     parser.add_argument("--critic-lr", type=float, default=None)
+    parser.add_argument("--lam", type=float, default=None, help="GAE's lambda (default: the demo's)")
+    parser.add_argument("--kl-coef", type=float, default=None)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--minibatch-size", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--max-ops", type=int, default=None, help="problems of 1..N operations")
+    parser.add_argument("--rollout-correction", choices=("tis", "mis"), default=None,
+                        help="the PPO ratio against the trainer's own log-probs (PPOConfig)")  # fmt: skip
+    parser.add_argument("--eval-every", type=int, default=0, help="held-out accuracy every N steps too")
     parser.add_argument("--trainer", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--heldout", type=int, default=math_task.HELDOUT)
     parser.add_argument("--initial", type=float, default=None, help="a measured initial held-out accuracy")
@@ -50,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results/math_curve.jsonl")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.max_ops is not None:
+        math_task.OPERATIONS = (1, args.max_ops)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -64,7 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
         out=Path(tempfile.mkdtemp()),
     )  # fmt: skip
     cfg = demo.ppo_config(opts)
-    cfg = replace(cfg, lr=args.lr or cfg.lr, critic_lr=args.critic_lr or cfg.critic_lr)
+    given = dict(lr=args.lr, critic_lr=args.critic_lr, lam=args.lam, kl_coef=args.kl_coef, epochs=args.epochs,
+                 minibatch_size=args.minibatch_size,
+                 temperature=args.temperature, rollout_correction=args.rollout_correction)  # fmt: skip
+    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
     original = demo.ppo_config
     demo.ppo_config = lambda _opts: cfg
     t0 = time.perf_counter()
@@ -81,7 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
                 return update(batch)
 
         trainer._update = autocast_update
-    arm = dict(trainer=args.trainer, lr=cfg.lr, critic_lr=cfg.critic_lr, batch_size=cfg.batch_size,
+    arm = dict(trainer=args.trainer, value_head="zero", lr=cfg.lr, critic_lr=cfg.critic_lr, lam=cfg.lam,
+               kl_coef=cfg.kl_coef, minibatch_size=cfg.minibatch_size,
+               epochs=cfg.epochs, rollout_correction=cfg.rollout_correction,
+               operations=list(math_task.OPERATIONS), batch_size=cfg.batch_size,
                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, heldout=args.heldout,
                threads=args.threads, seed=args.seed)  # fmt: skip
     emit(dict(event="start", setup_s=round(setup_s, 1), load=_load(),
@@ -89,17 +110,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     def heldout(label: str) -> float:
         t = time.perf_counter()
-        acc, batch, _ = math_task.heldout_accuracy(
+        acc, batch, rollouts = math_task.heldout_accuracy(
             trainer.actor, trainer.tokenizer, max_new_tokens=cfg.max_new_tokens, limit=args.heldout
         )
-        emit(dict(event=f"heldout_{label}", accuracy=acc, unparsed=batch.unparsed, cut_off=batch.cut_off,
-                  seconds=round(time.perf_counter() - t, 1), load=_load()))  # fmt: skip
+        answers = [trainer.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rollouts[:3]]
+        emit(dict(event=f"heldout_{label}", accuracy=acc, steps=trainer.steps, unparsed=batch.unparsed,
+                  cut_off=batch.cut_off, seconds=round(time.perf_counter() - t, 1), load=_load(),
+                  answers=answers))  # fmt: skip
         return acc
 
     initial = args.initial if args.initial is not None else heldout("initial")
-    t_run, elapsed = time.perf_counter(), 0.0
+    elapsed = 0.0
     for _ in range(args.max_steps):
-        if time.perf_counter() - t_run > args.minutes * 60:
+        if elapsed > args.minutes * 60:  # the steps only, not the held-out evaluations
             break
         s0 = time.perf_counter()
         stats = trainer.step()
@@ -111,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
                   clipfrac=round(stats.clipfrac, 4), response_len=round(stats.response_len, 1),
                   step_s=round(step_s, 2), rollout_s=round(stats.rollout_s, 2),
                   update_s=round(stats.update_s, 2), elapsed_s=round(elapsed, 1), load=_load()))  # fmt: skip
+        if args.eval_every and stats.step % args.eval_every == 0:
+            heldout(f"step_{stats.step}")  # outside the timed steps
     trainer.close()
     final = heldout("final")
     summary = dict(event="end", initial=initial, final=final, gain_points=round(100 * (final - initial), 1),

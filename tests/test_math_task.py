@@ -121,6 +121,26 @@ def test_the_heldout_set_is_fixed_and_never_trained_on():
     assert len(held) == HELDOUT and held == heldout_problems()
     train = train_problems(1000)
     assert not {p.question for p in held} & {p.question for p in train}
+    assert math_task.EXAMPLE_QUESTION not in {p.question for p in held + train}
+    lo, hi = math_task.OPERATIONS
+    assert all(lo <= p.operations <= hi for p in held + train)
+
+
+@pytest.mark.parametrize("operations", [(1, 1), (2, 3)])
+def test_the_operations_setting_picks_both_sets_problems(operations):
+    held = heldout_problems(operations)
+    train = train_problems(300, operations=operations)
+    assert len(held) == HELDOUT and held == heldout_problems(operations)
+    assert all(operations[0] <= p.operations <= operations[1] for p in held + train)
+    assert not {p.question for p in held} & {p.question for p in train}
+    assert math_task.EXAMPLE_QUESTION not in {p.question for p in held + train}
+
+
+def test_the_worked_example_is_right_by_its_own_rule():
+    # The example turn teaches the format: the rule must read it as a correct, formatted answer.
+    answer = _solve(math_task.EXAMPLE_QUESTION)
+    assert grade(math_task.EXAMPLE_ANSWER, answer) == math_task.Grade(answer, True, True)
+    assert math_task.EXAMPLE_QUESTION.endswith("have now?")
 
 
 def test_the_prompt_is_the_chat_template_with_the_answer_format(smollm2):
@@ -130,6 +150,10 @@ def test_the_prompt_is_the_chat_template_with_the_answer_format(smollm2):
     text = tokenizer.decode(ids)
     assert text.endswith("<|im_start|>assistant\n")
     assert f"<|im_start|>user\n{problem.question} " in text and '"The answer is N."' in text
+    # The worked example comes first, as an earlier user turn and the assistant's answer to it.
+    example = text.index(f"<|im_start|>user\n{math_task.EXAMPLE_QUESTION} ")
+    assert example < text.index(f"<|im_start|>assistant\n{math_task.EXAMPLE_ANSWER}<|im_end|>")
+    assert text.index(f"{math_task.EXAMPLE_ANSWER}<|im_end|>") < text.index(problem.question)
 
 
 @pytest.mark.real_model  # minutes of CPU: one PPO step of SmolLM2 and two held-out evaluations
@@ -147,3 +171,27 @@ def test_the_math_demo_trains_the_pretrained_model_and_records_accuracy(smollm2,
     assert 0 <= out["eval_accuracy_initial"] <= 1 and 0 <= out["eval_accuracy_final"] <= 1
     assert out["time_to_accuracy_s"] is None or out["time_to_accuracy_s"] > 0
     assert any(line.startswith("held-out accuracy before training") for line in lines)
+
+
+def test_the_math_demos_critic_starts_from_a_zero_value_head():
+    # A fresh head's values spread between the tokens of an answer as much as the reward itself: the demo
+    # zeroes it, so the first step's advantages are the returns minus the batch mean. Its backbone stays.
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from oppo_engine.ppo.demo import zero_value_head
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    critic = LlamaForSequenceClassification(config)
+    backbone = {k: v.clone() for k, v in critic.model.state_dict().items()}
+    ids = torch.randint(1, 64, (3, 9))
+    hidden = critic.model(ids).last_hidden_state
+    assert critic.score(hidden).abs().amax() > 0  # random before
+    zero_value_head(critic)
+    assert torch.equal(critic.score(hidden), torch.zeros(3, 9, 1))
+    assert all(torch.equal(v, backbone[k]) for k, v in critic.model.state_dict().items())
+    assert critic.score.weight.requires_grad  # still trained

@@ -4,8 +4,10 @@ a rule (the paper's GSM8K setting in miniature), for a real chat model (the bund
 A problem is templated from a seed: a person, an object, a starting count, then one to three operations
 (buys more, gives some away, the count doubles or triples), and "How many ... now?". Small integers, never
 below zero: ``Sam has 7 pens. Sam buys 5 more pens. Sam gives 3 pens to a friend. How many pens does Sam
-have now?`` (9). The prompt goes through the model's own chat template and states the answer's format:
-``The answer is N.``
+have now?`` (9). ``OPERATIONS`` sets how many operations the task's training and held-out problems have.
+The prompt goes through the model's own chat template and states the answer's format, ``The answer is
+N.``, after one worked example (an earlier user turn and the assistant's answer to it: ``EXAMPLE_QUESTION``,
+``EXAMPLE_ANSWER``), which neither problem set ever contains.
 
 The reward is a rule (``grade``), 0 for anything it cannot read:
 
@@ -44,6 +46,16 @@ MAX_START, MAX_STEP = 20, 9  # the starting count, and each operation's operand 
 PEOPLE = ("Sam", "Mia", "Tom", "Ana", "Leo", "Zoe", "Ben", "Ivy", "Max", "Eva")
 OBJECTS = ("apples", "pens", "books", "marbles", "cards", "shells", "stickers", "coins")
 INSTRUCTION = 'Solve the problem. End your reply with "The answer is N." where N is the number.'
+# One worked example, as an earlier turn of the chat (a one-shot prompt, as GSM8K's evaluations use few-shot
+# ones). Without it SmolLM2-135M-Instruct mostly answers first with the problem's first number ("The answer
+# is 13.") and then rambles past the token limit; with it, it reasons in one line, keeps the format and
+# stops (measured on 48 one-operation problems, greedy: accuracy 8% -> 42%, cut off 40% -> 0%, 83 -> 31
+# tokens).
+EXAMPLE_QUESTION = "Tom has 5 pens. Tom buys 4 more pens. How many pens does Tom have now?"
+EXAMPLE_ANSWER = "Tom has 5 pens and buys 4 more: 5 + 4 = 9. The answer is 9."
+# The operations per problem of the task's training and held-out problems (``train_problems``,
+# ``heldout_problems``), both ends included.
+OPERATIONS = (1, 3)
 
 # A number: thousands separators in groups of three, or digits with an optional decimal part. A period
 # followed by no digit is the end of a sentence.
@@ -99,20 +111,31 @@ def problems(n: int, seed: int, min_ops: int = 1, max_ops: int = 3, exclude: fro
     return out
 
 
-def heldout_problems() -> list[Problem]:
-    """The ``HELDOUT`` fixed evaluation problems."""
-    return problems(HELDOUT, HELDOUT_SEED)
+def heldout_problems(operations: tuple[int, int] | None = None) -> list[Problem]:
+    """The ``HELDOUT`` fixed evaluation problems of ``operations`` (default ``OPERATIONS``) operations (never
+    the worked example's)."""
+    min_ops, max_ops = operations or OPERATIONS
+    return problems(HELDOUT, HELDOUT_SEED, min_ops, max_ops, exclude=frozenset({EXAMPLE_QUESTION}))
 
 
-def train_problems(n: int, seed: int = TRAIN_SEED, min_ops: int = 1, max_ops: int = 3) -> list[Problem]:
-    """``n`` training problems, disjoint from the held-out ones."""
-    held = frozenset(p.question for p in heldout_problems())
-    return problems(n, seed, min_ops, max_ops, exclude=held)
+def train_problems(
+    n: int, seed: int = TRAIN_SEED, operations: tuple[int, int] | None = None
+) -> list[Problem]:
+    """``n`` training problems of ``operations`` (default ``OPERATIONS``) operations, disjoint from the
+    held-out ones of the same operations and from the worked example."""
+    operations = operations or OPERATIONS
+    held = frozenset(p.question for p in heldout_problems(operations))
+    return problems(n, seed, *operations, exclude=held | {EXAMPLE_QUESTION})
 
 
 def messages(problem: Problem) -> list[dict]:
-    """The chat of a problem: one user turn with the question and the answer's format."""
-    return [{"role": "user", "content": f"{problem.question} {INSTRUCTION}"}]
+    """The chat of a problem: the worked example (a user turn and the assistant's answer), then one user
+    turn with the question and the answer's format."""
+    return [
+        {"role": "user", "content": f"{EXAMPLE_QUESTION} {INSTRUCTION}"},
+        {"role": "assistant", "content": EXAMPLE_ANSWER},
+        {"role": "user", "content": f"{problem.question} {INSTRUCTION}"},
+    ]
 
 
 def prompt_ids(tokenizer, problem: Problem) -> list[int]:
@@ -208,13 +231,21 @@ def score(reward: MathReward, rollouts) -> BatchScore:
 
 @torch.no_grad()
 def heldout_accuracy(
-    model, tokenizer, *, max_new_tokens: int = 128, batch_size: int = 50, rollout_dtype=None, limit=None
+    model,
+    tokenizer,
+    *,
+    max_new_tokens: int = 128,
+    batch_size: int = 50,
+    rollout_dtype=None,
+    limit=None,
+    operations: tuple[int, int] | None = None,
 ) -> tuple[float, BatchScore, list]:
-    """Greedy accuracy of ``model`` over the held-out problems (``limit``: the first ones only), through the
-    engine: ``(accuracy, BatchScore, rollouts in problem order)``. The model's weights are only read."""
+    """Greedy accuracy of ``model`` over the held-out problems of ``operations`` (default ``OPERATIONS``;
+    ``limit``: the first ones only), through the engine: ``(accuracy, BatchScore, rollouts in problem
+    order)``. The model's weights are only read."""
     from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 
-    held = heldout_problems()[:limit]
+    held = heldout_problems(operations)[:limit]
     ids, reward = task_prompts(tokenizer, held)
     # The arena is sized for what these prompts can reach, not the model's own context (8192 for SmolLM2).
     config = EngineConfig(
