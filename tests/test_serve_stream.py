@@ -26,10 +26,10 @@ HOLD_AT = 10  # tokens of the streamed request when its decode is held
 MAX_TOKENS = 40
 
 
-def make_engine(actor, tokenizer) -> RolloutEngine:
+def make_engine(actor, tokenizer, max_len: int = 256) -> RolloutEngine:
     return RolloutEngine(
         actor, reward=lambda p, r: 0.0, tokenizer=tokenizer,
-        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, max_model_len=256, page_size=16),
+        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, max_model_len=max_len, page_size=16),
         sampling=SamplingParams(max_new_tokens=24, seed=3),
     )  # fmt: skip
 
@@ -190,3 +190,50 @@ def test_text_deltas_of_arbitrary_tokens_concatenate_to_the_whole_decode(tokeniz
         parts = [deltas.push(ids[i : i + step]) for i in range(0, len(ids), step)]
         parts.append(deltas.final(ids))
         assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_streamed_turn_that_omits_the_episodes_tools_still_comes_with_its_tool_calls(actor, tokenizer):
+    """An episode opened with ``tools`` keeps them; a later request may omit them. Its streamed turn is then a
+    tool turn all the same: one chunk with the parsed ``tool_calls`` and the finish reason of the non-streamed
+    answer (a raw ``<tool_call>`` text with finish ``stop`` would make the agent's next request,
+    built from the stream, diverge from the history: 409)."""
+    engine = make_engine(actor, tokenizer, max_len=1024)  # the template renders the tools at length
+    handle = engine.serve(tool_parser=lambda text: (text or None, [("add", {"a": 1, "b": len(text)})]))
+    stepper = Stepper(engine)
+    episode = handle.open_episode()
+    client = openai.OpenAI(base_url=episode.base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    common = {"model": "m", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    try:
+        messages = [{"role": "user", "content": "what is 12 + 30 ?"}]
+        first = client.chat.completions.create(messages=messages, tools=tools, **common).choices[0].message
+        assert first.tool_calls
+        messages += [
+            first.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "42"},
+        ]
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **common))  # no tools
+        whole = client.chat.completions.create(messages=messages, **common).choices[0]  # a retry: the same
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        calls = [call for d in deltas for call in d.delta.tool_calls or []]
+        assert [c.function.name for c in calls] == [c.function.name for c in whole.message.tool_calls]
+        assert [c.id for c in calls] == [c.id for c in whole.message.tool_calls]
+        assert deltas[-1].finish_reason == whole.finish_reason in ("tool_calls", "length")
+        assert calls and all(d.finish_reason is None for d in deltas[:-1])
+        assert "".join(d.delta.content or "" for d in deltas) == (whole.message.content or "")
+        # the agent's next request, built from what it streamed, extends the history
+        streamed = {"role": "assistant", "content": whole.message.content,
+                    "tool_calls": [c.model_dump(exclude={"index"}) for c in calls]}  # fmt: skip
+        messages += [streamed, {"role": "tool", "tool_call_id": calls[0].id, "content": "1"}]
+        client.chat.completions.create(messages=messages, **common)
+        episode.finish(1.0)
+        stepper.wait_for(1)
+    finally:
+        client.close()
+        handle.close()  # first: a step waits for an open episode's next request until it closes
+        stepper.stop()
+    try:
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()

@@ -9,7 +9,8 @@ forward that decoded some of its tokens, each with its ``delta`` text, its ``tok
 answer: text, token ids and log-probs. Text is detokenised incrementally and safely (``TextDeltas``): a
 trailing partial UTF-8 character is held back until the tokens that complete it come.
 
-A request with ``tools`` (its tool calls are parsed from the whole turn), and a retry of a turn another
+A request with ``tools``, or an episode's turn when the episode has tools (its tool calls are parsed from the
+whole turn), and a retry of a turn another
 request streams already, come in one content chunk when the turn ends (``whole_turn_events``).
 """
 
