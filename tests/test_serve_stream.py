@@ -237,3 +237,40 @@ def test_a_streamed_turn_that_omits_the_episodes_tools_still_comes_with_its_tool
         assert stats.free_pages == stats.total_pages
     finally:
         engine.close()
+
+
+def test_a_closed_server_leaves_the_step_loop_and_frees_its_requests_pages(actor, tokenizer):
+    """serve(); close() with a streamed request decoding; serve(): the step loop polls one side-work source,
+    the new server's; the closed one's request was dropped (not decoded on), and every page comes back."""
+    engine = make_engine(actor, tokenizer)
+    first = engine.serve()
+    stepper = Stepper(engine)
+    client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    try:
+        stream = client.completions.create(
+            model="m", prompt=[5, 17, 42, 99], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(stream)
+        assert next(chunks).choices[0].finish_reason is None  # decoding
+        first.close()
+        with pytest.raises(openai.APIError, match="the server closed"):
+            list(chunks)
+        second = engine.serve()
+        deadline = time.monotonic() + DEADLINE_S
+        while engine._loop.side_work != [second.evals] or first.evals.in_flight:
+            assert time.monotonic() < deadline, "the closed server's requests are still decoded"
+            time.sleep(0.01)
+        with openai.OpenAI(base_url=f"{second.url}/v1", api_key="unused", max_retries=0) as again:
+            extra = {"ignore_eos": True}
+            answer = again.completions.create(model="m", prompt=[5, 17], max_tokens=4, extra_body=extra)
+            assert answer.choices[0].finish_reason == "length"  # the new server's requests are decoded
+        assert engine._loop.side_work == [second.evals]
+    finally:
+        client.close()
+        first.close()
+        stepper.stop()
+    try:
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
