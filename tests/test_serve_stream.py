@@ -274,3 +274,69 @@ def test_a_closed_server_leaves_the_step_loop_and_frees_its_requests_pages(actor
         assert stats.free_pages == stats.total_pages
     finally:
         engine.close()
+
+
+class _Served:
+    """The serving side an ``AgentEnv`` talks to: its calls recorded (the engine is not stood in for)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.stream_queue = object()  # a request streams
+        self.server = self
+
+    def call_soon(self, fn, *args) -> None:
+        self.calls.append((fn.__name__, *args))
+
+    def on_tokens(self, ids, logprobs) -> None: ...
+
+    def fail(self, message) -> None: ...
+
+
+def test_a_retried_turn_streams_only_tokens_beyond_those_sent_and_fails_if_they_differ():
+    """``AgentEnv.decoded`` after a rolled-back step: the retry's tokens at the positions already sent come
+    again and are not sent twice; a retry that decoded one of them differently fails the episode (a chunk
+    cannot be taken back), and nothing more goes out."""
+    from oppo_engine.serve.episode import AgentEnv
+    from oppo_engine.serve.stream import ROLLED_BACK
+
+    served = _Served()
+    env = AgentEnv(served)
+    lps = [-0.5] * 10
+    env.decoded([9, 9, 1, 2, 3], lps, turn_start=2)  # an earlier turn, then this one's first 3 tokens
+    env.decoded([9, 9, 1, 2], lps, turn_start=2)  # rolled back, retried: the same tokens so far
+    env.decoded([9, 9, 1, 2, 3, 4], lps, turn_start=2)
+    assert served.calls == [("on_tokens", [1, 2, 3], lps[2:5]), ("on_tokens", [4], lps[5:6])]
+    served.calls.clear()
+    env.decoded([9, 9, 1, 7, 3, 4, 5], lps, turn_start=2)  # retried differently at a token that went out
+    assert served.calls == [("fail", ROLLED_BACK)]
+    env.decoded([9, 9, 1, 2, 3, 4, 5, 6, 7], lps, turn_start=7)  # the next turn streams from its start
+    assert served.calls[-1] == ("on_tokens", [6, 7], lps[7:9])
+
+
+def test_a_turn_whose_last_forward_differs_from_what_was_streamed_ends_in_an_error(tokenizer):
+    """The turn's last forward never reaches ``decoded`` (the turn ends in it): ``TokenStream`` checks the
+    whole turn against the tokens it sent, and sends an error (and fails the episode), never a last chunk
+    that would not concatenate to the answer."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from oppo_engine.serve.requests import TurnRequest
+    from oppo_engine.serve.stream import ROLLED_BACK, TokenStream
+
+    server = SimpleNamespace(tokenizer=tokenizer, responses=SimpleNamespace(model="m"))
+    fields = ("completions", "m", None, [5, 6], None, 8, None, None, None, (), False, False, "k")
+    req = TurnRequest(*fields, stream=True)
+    gone: list[str] = []
+
+    async def events(turn: list[int]) -> list[str]:
+        queue = asyncio.Queue()
+        for event in (("tokens", [40, 41], [-1.0, -1.0]), ("done", turn, [-1.0] * len(turn), turn, "length")):
+            queue.put_nowait(event)
+        return [e async for e in TokenStream(server, req, "e-0", [5, 6], queue, gone.append).events()]
+
+    same = asyncio.run(events([40, 41, 42]))
+    assert same[-1] == "data: [DONE]\n\n" and gone == []
+    differs = asyncio.run(events([40, 43, 42]))
+    assert gone == [ROLLED_BACK] and "[DONE]" not in differs[-1]
+    assert json.loads(differs[-1][len("data: ") :])["error"]["message"] == ROLLED_BACK

@@ -21,10 +21,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from oppo_engine.serve.errors import ApiError
+
 if TYPE_CHECKING:
     from oppo_engine.serve.requests import TurnRequest
 
 STOPPED = ("eos", "stop")  # the last token is the end of turn, an EOS or a stop token: not content
+# A chunk that went out cannot be taken back: a turn whose rolled-back step's retry decoded a token already
+# streamed differently fails (its episode; a plain request's side work fails on any rollback).
+ROLLED_BACK = "the streamed turn was rolled back and decoded differently; open a new episode"
 
 
 def sse(chunk: dict | str) -> str:
@@ -106,6 +111,11 @@ class TokenStream:
                     yield sse(self._chunk(self.text.push(ids), ids, lps, None))
                     continue
                 ids, lps, content, finish = payload  # the whole turn, with its last token
+                if ids[: len(self.ids)] != self.ids:
+                    self.gone(ROLLED_BACK)  # (AgentEnv.decoded sees most; this, the turn's last forward)
+                    finished = True
+                    yield sse(ApiError(410, ROLLED_BACK, code="episode_failed").body())
+                    return
                 finished = True
                 new, new_lps = ids[len(self.ids) :], lps[len(self.ids) :]
                 yield sse(self._chunk(self.text.final(content), new, new_lps, finish))
