@@ -340,3 +340,41 @@ def test_a_turn_whose_last_forward_differs_from_what_was_streamed_ends_in_an_err
     differs = asyncio.run(events([40, 43, 42]))
     assert gone == [ROLLED_BACK] and "[DONE]" not in differs[-1]
     assert json.loads(differs[-1][len("data: ") :])["error"]["message"] == ROLLED_BACK
+
+
+class _CleanUpTokenizer:
+    """A tokenizer whose decode is not prefix-stable: it cleans up the space before a full stop (as HF's
+    ``clean_up_tokenization_spaces``), so a space that went out alone is rewritten once a "." follows it. It
+    counts the ids it decodes."""
+
+    pieces = ["a", ".", " b", " c", " "]
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        self.decoded += len(ids)
+        return "".join(self.pieces[i] for i in ids).replace(" .", ".")
+
+
+def test_text_deltas_move_on_and_never_resend_text_when_a_decode_rewrites_what_went_out():
+    tokenizer = _CleanUpTokenizer()
+    deltas = TextDeltas(tokenizer)
+    assert deltas.push([0]) == "a"
+    assert deltas.push([4]) == " "
+    assert deltas.push([1]) == "."  # " ." decodes as ".": what is new goes out, and the window moves on
+    n = 400
+    for _ in range(n):
+        assert deltas.push([3]) == " c"
+    assert deltas.read - deltas.prefix <= 2  # the window stays short: linear, not quadratic
+    assert tokenizer.decoded < 10 * n
+    ids = [0, 4, 1, *[3] * n]
+    whole = tokenizer.decode(ids)
+    sent = deltas.sent
+    assert sent == "a ." + " c" * n and whole == "a." + " c" * n
+    assert deltas.final(ids) == ""  # the text of every token went out: nothing again
+    deltas.sent = sent
+    assert deltas.final([*ids, 2]) == " b"  # only the text of the tokens beyond those
+    deltas = TextDeltas(tokenizer)
+    deltas.push([4])
+    assert deltas.final([0, 1]) == "a."  # other tokens than those pushed: beyond the text the two share
