@@ -26,10 +26,10 @@ HOLD_AT = 10  # tokens of the streamed request when its decode is held
 MAX_TOKENS = 40
 
 
-def make_engine(actor, tokenizer) -> RolloutEngine:
+def make_engine(actor, tokenizer, max_len: int = 256) -> RolloutEngine:
     return RolloutEngine(
         actor, reward=lambda p, r: 0.0, tokenizer=tokenizer,
-        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, max_model_len=256, page_size=16),
+        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, max_model_len=max_len, page_size=16),
         sampling=SamplingParams(max_new_tokens=24, seed=3),
     )  # fmt: skip
 
@@ -190,3 +190,191 @@ def test_text_deltas_of_arbitrary_tokens_concatenate_to_the_whole_decode(tokeniz
         parts = [deltas.push(ids[i : i + step]) for i in range(0, len(ids), step)]
         parts.append(deltas.final(ids))
         assert "".join(parts) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_streamed_turn_that_omits_the_episodes_tools_still_comes_with_its_tool_calls(actor, tokenizer):
+    """An episode opened with ``tools`` keeps them; a later request may omit them. Its streamed turn is then a
+    tool turn all the same: one chunk with the parsed ``tool_calls`` and the finish reason of the non-streamed
+    answer (a raw ``<tool_call>`` text with finish ``stop`` would make the agent's next request,
+    built from the stream, diverge from the history: 409)."""
+    engine = make_engine(actor, tokenizer, max_len=1024)  # the template renders the tools at length
+    handle = engine.serve(tool_parser=lambda text: (text or None, [("add", {"a": 1, "b": len(text)})]))
+    stepper = Stepper(engine)
+    episode = handle.open_episode()
+    client = openai.OpenAI(base_url=episode.base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    common = {"model": "m", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    try:
+        messages = [{"role": "user", "content": "what is 12 + 30 ?"}]
+        first = client.chat.completions.create(messages=messages, tools=tools, **common).choices[0].message
+        assert first.tool_calls
+        messages += [
+            first.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "42"},
+        ]
+        chunks = list(client.chat.completions.create(messages=messages, stream=True, **common))  # no tools
+        whole = client.chat.completions.create(messages=messages, **common).choices[0]  # a retry: the same
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        calls = [call for d in deltas for call in d.delta.tool_calls or []]
+        assert [c.function.name for c in calls] == [c.function.name for c in whole.message.tool_calls]
+        assert [c.id for c in calls] == [c.id for c in whole.message.tool_calls]
+        assert deltas[-1].finish_reason == whole.finish_reason in ("tool_calls", "length")
+        assert calls and all(d.finish_reason is None for d in deltas[:-1])
+        assert "".join(d.delta.content or "" for d in deltas) == (whole.message.content or "")
+        # the agent's next request, built from what it streamed, extends the history
+        streamed = {"role": "assistant", "content": whole.message.content,
+                    "tool_calls": [c.model_dump(exclude={"index"}) for c in calls]}  # fmt: skip
+        messages += [streamed, {"role": "tool", "tool_call_id": calls[0].id, "content": "1"}]
+        client.chat.completions.create(messages=messages, **common)
+        episode.finish(1.0)
+        stepper.wait_for(1)
+    finally:
+        client.close()
+        handle.close()  # first: a step waits for an open episode's next request until it closes
+        stepper.stop()
+    try:
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
+
+
+def test_a_closed_server_leaves_the_step_loop_and_frees_its_requests_pages(actor, tokenizer):
+    """serve(); close() with a streamed request decoding; serve(): the step loop polls one side-work source,
+    the new server's; the closed one's request was dropped (not decoded on), and every page comes back."""
+    engine = make_engine(actor, tokenizer)
+    first = engine.serve()
+    stepper = Stepper(engine)
+    client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    try:
+        stream = client.completions.create(
+            model="m", prompt=[5, 17, 42, 99], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = iter(stream)
+        assert next(chunks).choices[0].finish_reason is None  # decoding
+        first.close()
+        with pytest.raises(openai.APIError, match="the server closed"):
+            list(chunks)
+        second = engine.serve()
+        deadline = time.monotonic() + DEADLINE_S
+        while engine._loop.side_work != [second.evals] or first.evals.in_flight:
+            assert time.monotonic() < deadline, "the closed server's requests are still decoded"
+            time.sleep(0.01)
+        with openai.OpenAI(base_url=f"{second.url}/v1", api_key="unused", max_retries=0) as again:
+            extra = {"ignore_eos": True}
+            answer = again.completions.create(model="m", prompt=[5, 17], max_tokens=4, extra_body=extra)
+            assert answer.choices[0].finish_reason == "length"  # the new server's requests are decoded
+        assert engine._loop.side_work == [second.evals]
+    finally:
+        client.close()
+        first.close()
+        stepper.stop()
+    try:
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
+
+
+class _Served:
+    """The serving side an ``AgentEnv`` talks to: its calls recorded (the engine is not stood in for)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.stream_queue = object()  # a request streams
+        self.server = self
+
+    def call_soon(self, fn, *args) -> None:
+        self.calls.append((fn.__name__, *args))
+
+    def on_tokens(self, ids, logprobs) -> None: ...
+
+    def fail(self, message) -> None: ...
+
+
+def test_a_retried_turn_streams_only_tokens_beyond_those_sent_and_fails_if_they_differ():
+    """``AgentEnv.decoded`` after a rolled-back step: the retry's tokens at the positions already sent come
+    again and are not sent twice; a retry that decoded one of them differently fails the episode (a chunk
+    cannot be taken back), and nothing more goes out."""
+    from oppo_engine.serve.episode import AgentEnv
+    from oppo_engine.serve.stream import ROLLED_BACK
+
+    served = _Served()
+    env = AgentEnv(served)
+    lps = [-0.5] * 10
+    env.decoded([9, 9, 1, 2, 3], lps, turn_start=2)  # an earlier turn, then this one's first 3 tokens
+    env.decoded([9, 9, 1, 2], lps, turn_start=2)  # rolled back, retried: the same tokens so far
+    env.decoded([9, 9, 1, 2, 3, 4], lps, turn_start=2)
+    assert served.calls == [("on_tokens", [1, 2, 3], lps[2:5]), ("on_tokens", [4], lps[5:6])]
+    served.calls.clear()
+    env.decoded([9, 9, 1, 7, 3, 4, 5], lps, turn_start=2)  # retried differently at a token that went out
+    assert served.calls == [("fail", ROLLED_BACK)]
+    env.decoded([9, 9, 1, 2, 3, 4, 5, 6, 7], lps, turn_start=7)  # the next turn streams from its start
+    assert served.calls[-1] == ("on_tokens", [6, 7], lps[7:9])
+
+
+def test_a_turn_whose_last_forward_differs_from_what_was_streamed_ends_in_an_error(tokenizer):
+    """The turn's last forward never reaches ``decoded`` (the turn ends in it): ``TokenStream`` checks the
+    whole turn against the tokens it sent, and sends an error (and fails the episode), never a last chunk
+    that would not concatenate to the answer."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from oppo_engine.serve.requests import TurnRequest
+    from oppo_engine.serve.stream import ROLLED_BACK, TokenStream
+
+    server = SimpleNamespace(tokenizer=tokenizer, responses=SimpleNamespace(model="m"))
+    fields = ("completions", "m", None, [5, 6], None, 8, None, None, None, (), False, False, "k")
+    req = TurnRequest(*fields, stream=True)
+    gone: list[str] = []
+
+    async def events(turn: list[int]) -> list[str]:
+        queue = asyncio.Queue()
+        for event in (("tokens", [40, 41], [-1.0, -1.0]), ("done", turn, [-1.0] * len(turn), turn, "length")):
+            queue.put_nowait(event)
+        return [e async for e in TokenStream(server, req, "e-0", [5, 6], queue, gone.append).events()]
+
+    same = asyncio.run(events([40, 41, 42]))
+    assert same[-1] == "data: [DONE]\n\n" and gone == []
+    differs = asyncio.run(events([40, 43, 42]))
+    assert gone == [ROLLED_BACK] and "[DONE]" not in differs[-1]
+    assert json.loads(differs[-1][len("data: ") :])["error"]["message"] == ROLLED_BACK
+
+
+class _CleanUpTokenizer:
+    """A tokenizer whose decode is not prefix-stable: it cleans up the space before a full stop (as HF's
+    ``clean_up_tokenization_spaces``), so a space that went out alone is rewritten once a "." follows it. It
+    counts the ids it decodes."""
+
+    pieces = ["a", ".", " b", " c", " "]
+
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        self.decoded += len(ids)
+        return "".join(self.pieces[i] for i in ids).replace(" .", ".")
+
+
+def test_text_deltas_move_on_and_never_resend_text_when_a_decode_rewrites_what_went_out():
+    tokenizer = _CleanUpTokenizer()
+    deltas = TextDeltas(tokenizer)
+    assert deltas.push([0]) == "a"
+    assert deltas.push([4]) == " "
+    assert deltas.push([1]) == "."  # " ." decodes as ".": what is new goes out, and the window moves on
+    n = 400
+    for _ in range(n):
+        assert deltas.push([3]) == " c"
+    assert deltas.read - deltas.prefix <= 2  # the window stays short: linear, not quadratic
+    assert tokenizer.decoded < 10 * n
+    ids = [0, 4, 1, *[3] * n]
+    whole = tokenizer.decode(ids)
+    sent = deltas.sent
+    assert sent == "a ." + " c" * n and whole == "a." + " c" * n
+    assert deltas.final(ids) == ""  # the text of every token went out: nothing again
+    deltas.sent = sent
+    assert deltas.final([*ids, 2]) == " b"  # only the text of the tokens beyond those
+    deltas = TextDeltas(tokenizer)
+    deltas.push([4])
+    assert deltas.final([0, 1]) == "a."  # other tokens than those pushed: beyond the text the two share

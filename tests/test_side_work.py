@@ -26,12 +26,16 @@ class GreedySource:
         self.answers: dict[tuple[int, ...], list[int]] = {}
         self.errors: list[str] = []
         self.forwards = 0
+        self.closed = False  # its work is dropped at the next take
 
     @property
     def in_flight(self) -> bool:
         return bool(self.queue or self.running)
 
     def take(self) -> tuple[list[Sequence], list[Sequence]]:
+        if self.closed:
+            dropped, self.running, self.queue = self.running, [], []
+            return [], dropped
         new = [side_sequence(self, p, GREEDY, seed=0) for p in self.queue]
         self.queue, self.running = [], self.running + new
         return new, []
@@ -130,3 +134,29 @@ def test_closing_the_engine_fails_the_side_work_in_flight(actor, tokenizer):
     assert source.running
     engine.close()
     assert source.errors == ["the engine closed"] and not source.in_flight
+
+
+def test_a_removed_source_leaves_once_its_work_is_dropped_and_frees_its_pages(actor, tokenizer):
+    engine = make_engine(actor, tokenizer, max_new_tokens=4)
+    source, other = GreedySource(), GreedySource()
+    engine._loop.add_side_work(source)
+    engine._loop.add_side_work(other)
+    try:
+        source.queue = [[7, 8, 9]]
+        engine.add_prompts(PROMPTS)
+        engine.step()
+        assert source.running  # carried to the next step
+        source.closed = True
+        engine._loop.remove_side_work(source)
+        assert engine._loop.side_work == [source, other]  # work in flight: it stays until dropped
+        engine.step()  # nothing of its own: the side work is taken, dropped, and the source goes
+        assert engine._loop.side_work == [other] and source.answers == {}
+        other.queue = [[30, 31]]
+        engine.step()
+        assert other.answers == {(30, 31): greedy(actor, [30, 31], 12)}
+        engine._loop.remove_side_work(other)  # nothing in flight: it goes at once
+        assert engine._loop.side_work == []
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()

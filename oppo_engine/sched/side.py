@@ -1,7 +1,7 @@
 """Side work: sequences the actor decodes while a step runs, beside the step's own, that are never part of
-it. A source of side work (``SideWork``) is registered with the step loop (``StepLoop.add_side_work``); the
-loop knows nothing else about it. The served endpoint's plain ``/v1`` requests are one
-(``serve/evals.py``).
+it. A source of side work (``SideWork``) is registered with the step loop (``StepLoop.add_side_work``) and
+leaves it once removed (``remove_side_work``) and empty; the loop knows nothing else about it. The served
+endpoint's plain ``/v1`` requests are one (``serve/evals.py``).
 
 A side sequence never becomes a ``Rollout``, never takes a place of the batch (B) or of the step's admission
 (B + Δ), is never handed to the scorers, and its pages are freed when it finishes. It is marked by

@@ -7,6 +7,7 @@ actor decodes the others, and goes on with the observation's tokens prefilled in
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -100,11 +101,24 @@ class StepLoop:
         self.admission = None
         self.admitted: list[Sequence] = []
         self.admitted_snapshots: list[SeqSnapshot] = []
-        self.side_work: list[SideWork] = []  # decoded beside the step's sequences, never part of it
+        # Decoded beside the step's sequences, never part of it. NOTE: both lists are replaced, never changed
+        # in place: other threads add and remove sources while the actor iterates them.
+        self.side_work: list[SideWork] = []
+        self._side_leaving: list[SideWork] = []  # removed, gone once they have no work in flight
+        self._side_lock = threading.Lock()
 
     def add_side_work(self, source: SideWork) -> None:
         """Decode ``source``'s sequences beside every committing step from now on (``sched/side.py``)."""
-        self.side_work.append(source)
+        with self._side_lock:
+            self.side_work = [*self.side_work, source]
+
+    def remove_side_work(self, source: SideWork) -> None:
+        """``source`` (closed: it takes no new work) leaves the loop once it has no work in flight: the actor
+        thread drops what it still decodes (``take``), frees those pages, and then lets it go (safe from any
+        thread)."""
+        with self._side_lock:
+            self._side_leaving = [*self._side_leaving, source]
+        self._prune_side()  # at once when it has nothing in flight (an idle engine may never step again)
 
     def side_in_flight(self) -> bool:
         """Some source has side work queued or decoding (safe from any thread: a flag read)."""
@@ -345,13 +359,25 @@ class StepLoop:
         return not (sched.has_work or sched.parked)
 
     def _take_side(self) -> None:
-        """Side work that came since the last forward joins the actor; work no longer wanted leaves."""
+        """Side work that came since the last forward joins the actor; work no longer wanted leaves; a
+        removed source with nothing left in flight goes."""
         for source in self.side_work:
             new, dropped = source.take()
             for seq in dropped:
                 self.actor_sched.remove(seq)
             for seq in new:
                 self.actor_sched.add(seq)
+        self._prune_side()
+
+    def _prune_side(self) -> None:
+        """Removed sources with no work in flight leave. NOTE: a sequence a source hands out is always held
+        by the actor scheduler (whose step end frees a side sequence's pages), so one that leaves never
+        strands pages, whichever thread prunes it."""
+        with self._side_lock:
+            gone = [source for source in self._side_leaving if not source.in_flight]
+            if gone:
+                self.side_work = [s for s in self.side_work if s not in gone]
+                self._side_leaving = [s for s in self._side_leaving if s not in gone]
 
     def _admit(self, capacity: int, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
         """Fill the step up to ``capacity`` live sequences from the queue (first requests of served episodes

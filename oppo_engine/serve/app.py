@@ -121,9 +121,11 @@ def build_app(server: ServeHandle) -> Starlette:
                     raise
                 episode = server.restart(episode)
                 cached = episode.start(req)
-            # Streamed token by token, but a chat turn with tools (its calls are parsed from the whole turn)
-            # and a retry of a turn another request streams already: those come whole.
-            queue = episode.stream() if cached is None and req.stream and not req.tools else None
+            # Streamed token by token, but a chat turn with tools (its calls are parsed from the whole turn;
+            # the episode's tools, which a later request may omit) and a retry of a turn another request
+            # streams already: those come whole.
+            whole = req.tools or episode.tools
+            queue = episode.stream() if cached is None and req.stream and not whole else None
             if queue is not None:
                 name, prompt = f"{episode.id}-{episode.turn}", list(episode.transcript)
                 stream = TokenStream(server, req, name, prompt, queue, episode.fail)

@@ -25,6 +25,7 @@ from oppo_engine.sched.prompts import sample_seed
 from oppo_engine.serve.chat import first_difference
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.requests import TurnRequest
+from oppo_engine.serve.stream import ROLLED_BACK
 
 if TYPE_CHECKING:
     from oppo_engine.serve.server import ServeHandle
@@ -481,22 +482,25 @@ class AgentEnv:
 
     def __init__(self, episode: ServedEpisode) -> None:
         self.episode = episode
-        self._told = (0, 0)  # (turn start, tokens of that turn handed to the episode)
+        self._sent: tuple[int, list[int]] = (0, [])  # (turn start, the turn's tokens handed to the episode)
 
     def decoded(self, response_ids: list[int], logprobs: list[float], turn_start: int) -> None:
         """The turn so far (``response_ids[turn_start:]``; on the actor thread, after every forward): its new
-        tokens go to the episode's stream, if its pending request streams (a retried step gives the same
-        tokens again: only those beyond what went out are sent)."""
+        tokens go to the episode's stream, if its pending request streams. A rolled-back step is retried from
+        its snapshot: the tokens already sent come again, and only those beyond go out; if the retry decoded
+        any of them differently the stream cannot be taken back, and the episode fails (``ROLLED_BACK``)."""
         episode = self.episode
         if episode.stream_queue is None:
             return
-        start, told = self._told if self._told[0] == turn_start else (turn_start, 0)
-        end = len(response_ids)
-        if end - start > told:
-            self._told = (start, end - start)
-            episode.server.call_soon(
-                episode.on_tokens, response_ids[start + told : end], logprobs[start + told : end]
-            )
+        start, sent = self._sent if self._sent[0] == turn_start else (turn_start, [])
+        turn = response_ids[start:]
+        if turn[: len(sent)] != sent[: len(turn)]:
+            episode.server.call_soon(episode.fail, ROLLED_BACK)
+            return
+        if len(turn) > len(sent):
+            self._sent = (start, turn)
+            new_lps = logprobs[start + len(sent) : len(response_ids)]
+            episode.server.call_soon(episode.on_tokens, turn[len(sent) :], new_lps)
 
     def reset(self, prompt_ids: list[int]) -> None:
         """The prompt is the first request's: nothing to set up."""

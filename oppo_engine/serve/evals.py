@@ -47,6 +47,7 @@ class EvalRequests:
         self.running: dict[int, _Running] = {}  # eval id -> its sequence and callbacks, across steps
         self._streamed: list[_Running] = []  # those of running with a progress callback
         self.on_add: Callable[[], None] | None = None  # called after add (PromptQueue.wake: a waiting take)
+        self.closed: str | None = None  # why it takes no more work (``close``)
 
     def add(
         self,
@@ -56,11 +57,16 @@ class EvalRequests:
         progress: EvalProgress | None = None,
     ) -> int:
         """Queue one evaluation (checked by the caller against the vocabulary and ``max_model_len``); returns
-        its id, for ``cancel``. ``progress``: stream its tokens as they are decoded."""
+        its id, for ``cancel``. ``progress``: stream its tokens as they are decoded. Once closed it fails at
+        once (``done(None, why)``)."""
         with self._lock:
             self._next += 1
-            self._pending.append((self._next, list(prompt_ids), sampling, done, progress))
-            eval_id = self._next
+            eval_id, closed = self._next, self.closed
+            if closed is None:
+                self._pending.append((eval_id, list(prompt_ids), sampling, done, progress))
+        if closed is not None:
+            done(None, closed)
+            return eval_id
         if self.on_add is not None:
             self.on_add()
         return eval_id
@@ -70,6 +76,16 @@ class EvalRequests:
         with self._lock:
             self._cancelled.add(eval_id)
 
+    def close(self, message: str) -> None:
+        """Take no more work (the server closes; safe from any thread): the queued evaluations fail with
+        ``message`` now; those decoding fail at the next ``take`` (the actor thread drops them and frees their
+        pages), and ``StepLoop.remove_side_work`` lets the source go once it has none."""
+        with self._lock:
+            self.closed = message
+            pending, self._pending = list(self._pending), deque()
+        for _, _, _, done, _ in pending:
+            done(None, message)
+
     # -- SideWork: the actor thread's side --------------------------------------------------------------
 
     @property
@@ -78,13 +94,18 @@ class EvalRequests:
         return bool(self.running or self._pending)
 
     def take(self) -> tuple[list[Sequence], list[Sequence]]:
-        """The evaluations queued since the last call, as new sequences, and those cancelled since."""
-        if not (self._pending or self._cancelled):
+        """The evaluations queued since the last call, as new sequences, and those cancelled since (closed:
+        every one decoding, each failed)."""
+        if not (self._pending or self._cancelled or (self.closed and self.running)):
             return [], []
         with self._lock:
             pending, self._pending = list(self._pending), deque()
             cancelled, self._cancelled = self._cancelled, set()
+        closing = [self.running.pop(i) for i in list(self.running)] if self.closed else []
+        for entry in closing:
+            entry.done(None, self.closed)  # a no-op for a request answered already (cancelled)
         dropped = [self.running.pop(i).seq for i in cancelled if i in self.running]
+        dropped += [entry.seq for entry in closing]
         seqs = []
         for eval_id, prompt, sampling, done, progress in pending:
             if eval_id in cancelled:
@@ -95,7 +116,7 @@ class EvalRequests:
             seqs.append(seq)
             if progress is not None:
                 self._streamed.append(entry)
-        if dropped:
+        if dropped or closing:
             self._streamed = [e for e in self._streamed if e.eval_id in self.running]
         return seqs, dropped
 

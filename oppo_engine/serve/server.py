@@ -534,6 +534,9 @@ class ServeHandle:
         finally:
             self._pool.use_loop(None)
             self._prompts.size_check = self._prompts.side_work = self.evals.on_add = None
+            # its evaluations fail or are dropped (their pages freed on the actor thread), then it leaves
+            self.evals.close("the server closed")
+            self.engine._loop.remove_side_work(self.evals)
             self._pool.timeout_s = self._saved_timeout
             self.sock.close()
             if self.engine._server is self:

@@ -9,21 +9,28 @@ forward that decoded some of its tokens, each with its ``delta`` text, its ``tok
 answer: text, token ids and log-probs. Text is detokenised incrementally and safely (``TextDeltas``): a
 trailing partial UTF-8 character is held back until the tokens that complete it come.
 
-A request with ``tools`` (its tool calls are parsed from the whole turn), and a retry of a turn another
+A request with ``tools``, or an episode's turn when the episode has tools (its tool calls are parsed from the
+whole turn), and a retry of a turn another
 request streams already, come in one content chunk when the turn ends (``whole_turn_events``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
+
+from oppo_engine.serve.errors import ApiError
 
 if TYPE_CHECKING:
     from oppo_engine.serve.requests import TurnRequest
 
 STOPPED = ("eos", "stop")  # the last token is the end of turn, an EOS or a stop token: not content
+# A chunk that went out cannot be taken back: a turn whose rolled-back step's retry decoded a token already
+# streamed differently fails (its episode; a plain request's side work fails on any rollback).
+ROLLED_BACK = "the streamed turn was rolled back and decoded differently; open a new episode"
 
 
 def sse(chunk: dict | str) -> str:
@@ -34,7 +41,8 @@ def sse(chunk: dict | str) -> str:
 class TextDeltas:
     """Incremental detokenisation of one turn: ``push(ids)`` returns the text the new ids add (possibly
     ``""``); ``final(content_ids)`` the rest of the whole turn's text. The deltas concatenate to
-    ``tokenizer.decode(content_ids, skip_special_tokens=True)``.
+    ``tokenizer.decode(content_ids, skip_special_tokens=True)`` wherever a decode never rewrites the text of
+    fewer tokens (byte-level BPE, SentencePiece; not HF's ``clean_up_tokenization_spaces``).
 
     vLLM's window: the tokens since the last text that went out are decoded together with the tokens of that
     text (``ids[prefix:]`` against ``ids[prefix:read]``), so a tokenizer that drops a leading space at the
@@ -51,17 +59,31 @@ class TextDeltas:
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
         text = decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(before) or len(text) == len(before):
+        # A decode that rewrites text already sent (a tokenizer's clean-up of spaces) cannot be taken back:
+        # the text beyond what the two share goes out, and the window moves on all the same (held, it would
+        # grow with the turn: a quadratic cost).
+        common = len(os.path.commonprefix([text, before]))
+        if text.endswith("\ufffd") or len(text) == common:
             return ""
-        delta = text[len(before) :]
+        delta = text[common:]
         self.prefix, self.read, self.sent = self.read, len(self.ids), self.sent + delta
         return delta
 
     def final(self, content_ids: list[int]) -> str:
-        text = self.tokenizer.decode(content_ids, skip_special_tokens=True)
+        decode = self.tokenizer.decode
+        text = decode(content_ids, skip_special_tokens=True)
         # NOTE: what went out is the start of the whole text wherever a decode of a window is the matching
-        # slice of the whole (byte-level BPE, SentencePiece): the rest completes it exactly.
-        delta = text[len(self.sent) :] if text.startswith(self.sent) else text
+        # slice of the whole (byte-level BPE, SentencePiece): the rest completes it exactly. Where a decode
+        # rewrote text that went out, the client's text cannot be exact: the rest is the whole text beyond the
+        # tokens whose text went out (or else beyond what the two share), never the whole text again.
+        if text.startswith(self.sent):
+            delta = text[len(self.sent) :]
+        else:
+            read = self.read if content_ids[: self.read] == self.ids[: self.read] else 0
+            done = decode(content_ids[:read], skip_special_tokens=True)
+            if not (read and text.startswith(done)):
+                done = os.path.commonprefix([text, self.sent])
+            delta = text[len(done) :]
         self.sent = text
         return delta
 
@@ -105,6 +127,11 @@ class TokenStream:
                     yield sse(self._chunk(self.text.push(ids), ids, lps, None))
                     continue
                 ids, lps, content, finish = payload  # the whole turn, with its last token
+                if ids[: len(self.ids)] != self.ids:
+                    self.gone(ROLLED_BACK)  # (AgentEnv.decoded sees most; this, the turn's last forward)
+                    finished = True
+                    yield sse(ApiError(410, ROLLED_BACK, code="episode_failed").body())
+                    return
                 finished = True
                 new, new_lps = ids[len(self.ids) :], lps[len(self.ids) :]
                 yield sse(self._chunk(self.text.final(content), new, new_lps, finish))
