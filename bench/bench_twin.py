@@ -366,6 +366,23 @@ def drain(args) -> int:
     (``--drain-workloads``) each bench_twin workload. ``--rounds`` rounds per drain, the arms interleaved
     (the order rotates), the median of the rounds; the load beside each."""
     import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    # No calibrated profile: the profiles' folder is an empty one, whatever this machine calibrated.
+    with tempfile.TemporaryDirectory() as empty:
+        saved = os.environ.get("OPPO_ENGINE_PROFILES")
+        os.environ["OPPO_ENGINE_PROFILES"] = empty
+        try:
+            return _drain(args)
+        finally:
+            if saved is None:
+                os.environ.pop("OPPO_ENGINE_PROFILES")
+            else:
+                os.environ["OPPO_ENGINE_PROFILES"] = saved
+
+
+def _drain(args) -> int:
+    import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
     drains = [held_out_drain()]
@@ -389,15 +406,17 @@ def drain(args) -> int:
         cpu = [statistics.median(cpus[m]) for m in modes]
         summary.append((d, wall, cpu, os.getloadavg()))
     print(
-        f"\ninter vs oppo (chunk_size='auto', no calibrated profile), whole drains, median of {args.rounds}:"
+        f"\ninter vs oppo (chunk_size='auto', no calibrated profile), whole drains, median of {args.rounds}; "
+        "ratios are inter / arm (oppo's speed, x inter: above 1 is faster):"
     )
     for d, (inter, oppo, listed), (c_inter, c_oppo, c_listed), load in summary:
         goal = "0.97x" if d.name == "held-out pareto" else "0.95x"
         print(
             f"  {d.name:<16} B={d.batch_size} Δ={d.overcommit} {len(d.prompts)} prompts: "
-            f"wall inter {inter:.3f}s, oppo {oppo:.3f}s = {inter / oppo:.3f}x inter (goal >= {goal}), "
-            f"prior='list' {listed:.3f}s = {inter / listed:.3f}x; CPU: oppo {c_inter / c_oppo:.3f}x inter, "
-            f"prior='list' {c_inter / c_listed:.3f}x; load {' '.join(f'{x:.2f}' for x in load)}"
+            f"wall inter {inter:.3f}s, oppo {oppo:.3f}s: inter/oppo {inter / oppo:.3f}x (goal >= {goal}), "
+            f"prior='list' {listed:.3f}s: inter/list {inter / listed:.3f}x; CPU: inter/oppo "
+            f"{c_inter / c_oppo:.3f}x, inter/list {c_inter / c_listed:.3f}x; "
+            f"load {' '.join(f'{x:.2f}' for x in load)}"
         )
     return 0
 

@@ -131,25 +131,33 @@ def test_sequential_and_inter_report_no_chunk_size(models):
         engine.close()
 
 
-def test_a_fresh_engine_decides_whether_to_stream_from_its_first_steps_profile(models, monkeypatch, tmp_path):
+@pytest.mark.parametrize("noise_floor, futile", [(0.0, False), (0.9, True)])
+def test_a_fresh_engine_decides_whether_to_stream_from_its_first_steps_profile(
+    models, monkeypatch, tmp_path, noise_floor, futile
+):
     """No calibrated profile and no table GPU (a fresh machine): no prior; the first step runs "off", its
-    profile (a decode and the scorers' prefill, timed on that step's own forwards; no slowdown) reaches the
-    controller, and the arms that follow are what the controller's rule makes of that profile: nothing but
-    "off" until a later exploration when every chunk size is futile, one of the hopeful arms otherwise."""
+    profile reaches the controller: the scorers' busy time ``T`` of that step, and no hand-off/per-token
+    line (each scorer ran one whole-batch forward: one token count). Every chunk size is futile exactly
+    when ``T <= noise_floor * (N*d + T)``: never at a floor of 0 (the scorers did work), and at 0.9 unless
+    the scoring took over 9 times the decode (14 decode iterations against one forward per scorer)."""
     monkeypatch.setenv("OPPO_ENGINE_PROFILES", str(tmp_path))  # where no profile was ever written
-    engine = make_engine(models, "oppo", batch_size=4)
+    engine = make_engine(models, "oppo", batch_size=4, chunk=ChunkControl(noise_floor=noise_floor))
     ctrl = engine._chunk_control
     assert ctrl.prior is None and ctrl.model() is None
     engine.add_prompts(random_prompts(40, seed=5))
     assert engine.step().metrics.chunk_size == OFF
     profile = ctrl.model()
     assert profile is not None and profile.slowdown == {}
-    futile, hopeless = ctrl.futile(), ctrl.hopeless()
-    hopeful = [a for a in ctrl.ranking() if a not in hopeless]
-    assert set(futile) <= set(hopeless)
-    if futile == list(ChunkControl().candidates):
+    assert profile.scoring_s > 0 and profile.handoff_s == 0.0  # no line through one token count
+    assert profile.prefill_s_per_token == pytest.approx(profile.scoring_s / profile.scored_tokens_per_step)
+    decode = profile.tokens_per_step / profile.running_seqs * profile.decode_iter_s
+    assert (profile.scoring_s <= noise_floor * (decode + profile.scoring_s)) == futile, (profile, decode)
+    if futile:
+        assert ctrl.futile() == list(ChunkControl().candidates)
         arms = [engine.step().metrics.chunk_size for _ in range(5)]
         assert arms == [OFF] * 5, arms  # the first exploration is "off" alone, then the incumbent "off"
     else:
-        assert ctrl.chunk_size() in hopeful[: ChunkControl().explore_top]
+        assert ctrl.futile() == []
+        hopeful = [a for a in ctrl.ranking() if a not in ctrl.hopeless()]
+        assert ctrl.chunk_size() in hopeful[: ChunkControl().explore_top] and ctrl.chunk_size() != OFF
     engine.close()

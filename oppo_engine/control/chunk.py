@@ -18,7 +18,6 @@ Pure Python: no torch, no numpy. The scheduler measures; this module decides.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import deque
@@ -64,8 +63,9 @@ class ChunkControl:
     a GPU of the roofline table, or a profile calibrated on this machine by ``oppo-engine calibrate``) and
     the first exploration tries the predicted best chunk size and its neighbours; where no cost model
     exists it starts from the candidate list, and after the first step (which runs "off" and times a decode
-    and the scorers' prefill) leaves out the chunk sizes the model then calls futile
-    (``ChunkSizeController.futile``: even with no slowdown they cannot beat "off" by the noise floor).
+    and the scorers' prefill) leaves out every chunk size if that step's scoring is too short to hide
+    (``ChunkSizeController.futile``: no chunk size can save more than the scorers' busy time, and that
+    is within the noise floor of the step).
     ``"list"``: the first exploration starts from "off" and the middle candidate, and nothing is futile.
     Either way measured step times decide, and the rules above stay.
     """
@@ -140,7 +140,9 @@ class SwitchProfile:
     Workload, from recent steps: ``running_seqs``, mean sequences per decode iteration; ``tail_seqs``,
     sequences whose last chunk is still unscored when the step's last token is produced;
     ``tokens_per_step``, tokens generated per step; ``scored_tokens_per_step``, tokens each scorer prefills
-    per step (prompts and responses: the scoring that streaming can hide behind the actor's decode).
+    per step (prompts and responses: the scoring that streaming can hide behind the actor's decode);
+    ``scoring_s``, the scorers' busy time (wall time, overlapping forwards counted once) in a step that
+    did not stream -- all that streaming could hide -- or None before such a step was measured.
     """
 
     handoff_s: float
@@ -151,6 +153,7 @@ class SwitchProfile:
     tail_seqs: float
     tokens_per_step: float
     scored_tokens_per_step: float = 0.0
+    scoring_s: float | None = None
 
     def __post_init__(self) -> None:
         nonnegative = (
@@ -164,6 +167,10 @@ class SwitchProfile:
             value = getattr(self, name)
             if not _is_real(value) or value < 0:
                 raise ValueError(f"SwitchProfile.{name} must be a finite number >= 0, got {value!r}")
+        if self.scoring_s is not None and (not _is_real(self.scoring_s) or self.scoring_s < 0):
+            raise ValueError(
+                f"SwitchProfile.scoring_s must be None or a finite number >= 0, got {self.scoring_s!r}"
+            )
         for name in ("running_seqs", "tokens_per_step"):
             value = getattr(self, name)
             if not _is_real(value) or value <= 0:
@@ -355,6 +362,7 @@ class ChunkSizeController:
             tail_seqs=measured.tail_seqs if streamed else prior.tail_seqs,
             tokens_per_step=measured.tokens_per_step,
             scored_tokens_per_step=measured.scored_tokens_per_step,
+            scoring_s=measured.scoring_s,
         )
 
     def ranking(self) -> list[Arm]:
@@ -380,23 +388,26 @@ class ChunkSizeController:
         return [a for a in self.ranking() if costs[a] > limit or a in futile]
 
     def futile(self) -> list[Arm]:
-        """The chunk sizes the cost model says cannot replace "off", under ``prior="model"``.
+        """The chunk sizes that cannot replace "off", under ``prior="model"``: all of them or none.
 
-        While no slowdown is known (no streamed step measured one and no prior predicted one: a fresh
-        machine after its first step, which runs "off" and times the decode and the scorers' prefill), the
-        model prices a chunk size with no slowdown beside the scorers and no exposed tail; both terms are
-        at least 0, so this is the least the model can ever predict for it. A chunk size whose least
-        prediction is not below "off"'s by more than ``noise_floor`` could not beat "off" by the noise
-        band (at least that floor) in the model's eyes, so a step on it is expected to be wasted: it is
-        futile, and explored only as a hopeless arm (every ``hopeless_every``-th exploration). Empty once
-        a slowdown is known (the model is then an estimate, and ``hopeless_margin`` rules), without a
-        profile, without the arm "off", and under ``prior="list"``."""
-        profile = self.model()
-        if profile is None or profile.slowdown or not self.control.off or self.control.prior != "model":
+        A bound from what a step that did not stream measures (a fresh machine's first step runs "off"):
+        the actor's decode, ``N·d`` (``N = tokens_per_step / running_seqs`` iterations of ``d``), then the
+        scorers' busy time ``T`` (``SwitchProfile.scoring_s``), one after the other. Streaming can at most
+        hide all of ``T`` behind the decode (a slowdown, hand-offs and a tail only add to it), so no chunk
+        size can make a step faster than ``N·d``. When ``T <= noise_floor · (N·d + T)`` no chunk size
+        could beat "off" by the noise band (at least that floor): every one is futile, and explored only
+        as a hopeless arm (every ``hopeless_every``-th exploration). Otherwise none is (the bound says
+        nothing about which size pays; the measured steps decide). Empty while no such step was measured,
+        once a slowdown is known (a streamed step measured one, or the prior predicted one:
+        ``hopeless_margin`` then rules), without the arm "off", and under ``prior="list"``."""
+        measured, model = self._profile, self.model()
+        if measured is None or measured.scoring_s is None or model is None or model.slowdown:
             return []
-        limit = predicted_seconds_per_token(profile, OFF) * (1.0 - self.control.noise_floor)
-        least = dataclasses.replace(profile, tail_seqs=0.0)  # NOTE: a streamed step may have measured a tail
-        return [c for c in self.control.candidates if predicted_seconds_per_token(least, c) >= limit]
+        if not self.control.off or self.control.prior != "model":
+            return []
+        decode = measured.tokens_per_step / measured.running_seqs * measured.decode_iter_s
+        hidden = measured.scoring_s
+        return list(self.control.candidates) if hidden <= self.control.noise_floor * (decode + hidden) else []
 
     def chunk_size(self) -> Arm:
         """The arm for the next step: a chunk size, or :data:`OFF` (do not stream)."""

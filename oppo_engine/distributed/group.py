@@ -99,7 +99,8 @@ def slowest_profile(profiles: Sequence[SwitchProfile | None]) -> SwitchProfile |
         for size, value in p.slowdown.items():
             slowdown[size] = max(slowdown.get(size, value), value)
     names = [f.name for f in fields(SwitchProfile) if f.name != "slowdown"]
-    return SwitchProfile(slowdown=slowdown, **{n: max(getattr(p, n) for p in measured) for n in names})
+    values = {n: [getattr(p, n) for p in measured if getattr(p, n) is not None] for n in names}
+    return SwitchProfile(slowdown=slowdown, **{n: max(v) if v else None for n, v in values.items()})
 
 
 def memory_key(device: torch.device) -> tuple:

@@ -4,7 +4,14 @@ From one streamed step's timeline (each lane's forwards, with their token counts
 
 - the scorers' prefill cost as a line ``duration = handoff_s + tokens * prefill_s_per_token`` (least
   squares over their forwards): the intercept is the fixed cost of a hand-off (metadata, launches,
-  synchronisation), whatever the chunk size;
+  synchronisation), whatever the chunk size. A line needs forwards of at least two token counts on one
+  lane: a step that did not stream prefills the whole batch in one forward per scorer, which cannot
+  split the time into a fixed and a per-token part, so it leaves the line as it was. Until a line was
+  measured the profile attributes all of the scorers' busy time to their tokens
+  (``prefill_s_per_token = scoring time / tokens scored``, ``handoff_s = 0``): an assumption, not a
+  measurement, which prices "off" exactly as the step measured it;
+- in a step that did not stream, the scorers' busy time (``scoring_s``, overlapping forwards counted
+  once): all the time streaming could ever hide;
 - the actor's decode iteration alone (``decode_iter_s``: the median forward no scorer work overlapped),
   and how much slower it runs while a scorer prefill runs beside it, for this step's chunk size;
 - the workload: sequences per iteration, tokens per step, tokens each scorer prefilled, and the sequences
@@ -41,6 +48,7 @@ class SwitchCostProfiler:
         self.scorer_lanes = frozenset(scorer_lanes)
         self._slowdown: dict[int, float] = {}
         self._fields: dict[str, float] = {}
+        self._line = False  # a line was fitted through two token counts or more (module docstring)
 
     def observe(
         self, spans: list[Span], chunk_size: Arm, tokens_generated: int, finish_times: list[float]
@@ -60,18 +68,29 @@ class SwitchCostProfiler:
             self._slowdown[chunk_size] = self._blend(
                 self._slowdown.get(chunk_size), max(0.0, statistics.median(beside) / decode_iter - 1.0)
             )
-        handoff, per_token = _fit_line(
-            [(float(s.args["tokens"]), s.duration_s) for s in scorer], per_lane=len({s.lane for s in scorer})
-        )
         scorers = len({s.lane for s in scorer})
+        scored = sum(float(s.args["tokens"]) for s in scorer) / scorers
+        busy_s = sum(end - start for start, end in busy)
         measured = {
-            "handoff_s": handoff,
-            "prefill_s_per_token": per_token,
             "decode_iter_s": decode_iter,
             "running_seqs": tokens_generated / len(actor),
             "tokens_per_step": float(tokens_generated),
-            "scored_tokens_per_step": sum(float(s.args["tokens"]) for s in scorer) / scorers,
+            "scored_tokens_per_step": scored,
         }
+        counts: dict[str, set[float]] = {}
+        for s in scorer:
+            counts.setdefault(s.lane, set()).add(float(s.args["tokens"]))
+        if any(len(c) >= 2 for c in counts.values()):
+            if not self._line:  # the first line measured replaces the assumed one, not blends into it
+                self._fields.pop("handoff_s", None), self._fields.pop("prefill_s_per_token", None)
+            self._line = True
+            measured["handoff_s"], measured["prefill_s_per_token"] = _fit_line(
+                [(float(s.args["tokens"]), s.duration_s) for s in scorer], per_lane=scorers
+            )
+        elif not self._line:  # NOTE: no line yet: all the busy time is per token (module docstring)
+            measured["handoff_s"], measured["prefill_s_per_token"] = 0.0, busy_s / max(scored, 1.0)
+        if not streamed:
+            measured["scoring_s"] = busy_s
         if streamed:
             generation_end = max(s.end_s for s in actor)
             window = chunk_size * decode_iter
