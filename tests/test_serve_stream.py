@@ -58,6 +58,26 @@ def chat_chunks(client, hold: Hold, **kwargs) -> list:
     return chunks
 
 
+def _close_without_leak(engine) -> None:
+    """Every page is back; the engine is closed whatever the check says."""
+    try:
+        stats = engine.cache_stats()
+        assert stats.free_pages == stats.total_pages
+    finally:
+        engine.close()
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+
+
+def _long_stream(client: openai.OpenAI):
+    """A streamed plain completion of 200 tokens (``ignore_eos``): still decoding after its first chunk."""
+    return client.completions.create(
+        model="m", prompt=[5, 17, 42, 99], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
+
+
 @pytest.mark.parametrize("where", ["plain", "episode"])
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 def test_streamed_chunks_concatenate_to_the_answer_and_arrive_mid_turn(actor, tokenizer, kind, where):
@@ -68,7 +88,7 @@ def test_streamed_chunks_concatenate_to_the_answer_and_arrive_mid_turn(actor, to
     stepper = Stepper(engine)
     episode = handle.open_episode() if where == "episode" else None  # its seed: the request's
     base_url = episode.base_url if episode is not None else f"{handle.url}/v1"
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    client = _client(base_url)
     hold = Hold(engine)
     # a plain request decodes all MAX_TOKENS; an episode's turn (no ignore_eos) may end at its end of turn
     extra = {"return_token_ids": True} | ({"ignore_eos": True} if episode is None else {})
@@ -144,11 +164,9 @@ def test_a_streamed_client_that_goes_away_drops_its_request(actor, tokenizer):
     engine = make_engine(actor, tokenizer)
     handle = engine.serve()
     stepper = Stepper(engine)
-    client = openai.OpenAI(base_url=f"{handle.url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    client = _client(f"{handle.url}/v1")
     try:
-        stream = client.completions.create(
-            model="m", prompt=[5, 17, 42, 99], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
-        )
+        stream = _long_stream(client)
         first = next(iter(stream))
         assert first.choices[0].finish_reason is None
         stream.close()  # the client goes away mid-turn
@@ -159,11 +177,7 @@ def test_a_streamed_client_that_goes_away_drops_its_request(actor, tokenizer):
     finally:
         client.close()
         stepper.stop()
-    try:
-        stats = engine.cache_stats()
-        assert stats.free_pages == stats.total_pages
-    finally:
-        engine.close()
+    _close_without_leak(engine)
 
 
 @pytest.mark.parametrize("text", ["naïve café ✓ 日本語 🙂", "what is 12 + 30 ? the answer is 42 ."])
@@ -201,7 +215,7 @@ def test_a_streamed_turn_that_omits_the_episodes_tools_still_comes_with_its_tool
     handle = engine.serve(tool_parser=lambda text: (text or None, [("add", {"a": 1, "b": len(text)})]))
     stepper = Stepper(engine)
     episode = handle.open_episode()
-    client = openai.OpenAI(base_url=episode.base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    client = _client(episode.base_url)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     common = {"model": "m", "max_tokens": 6, "temperature": 1.0, "seed": 11}
     try:
@@ -232,11 +246,7 @@ def test_a_streamed_turn_that_omits_the_episodes_tools_still_comes_with_its_tool
         client.close()
         handle.close()  # first: a step waits for an open episode's next request until it closes
         stepper.stop()
-    try:
-        stats = engine.cache_stats()
-        assert stats.free_pages == stats.total_pages
-    finally:
-        engine.close()
+    _close_without_leak(engine)
 
 
 def test_a_closed_server_leaves_the_step_loop_and_frees_its_requests_pages(actor, tokenizer):
@@ -245,11 +255,9 @@ def test_a_closed_server_leaves_the_step_loop_and_frees_its_requests_pages(actor
     engine = make_engine(actor, tokenizer)
     first = engine.serve()
     stepper = Stepper(engine)
-    client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    client = _client(f"{first.url}/v1")
     try:
-        stream = client.completions.create(
-            model="m", prompt=[5, 17, 42, 99], max_tokens=200, stream=True, extra_body={"ignore_eos": True}
-        )
+        stream = _long_stream(client)
         chunks = iter(stream)
         assert next(chunks).choices[0].finish_reason is None  # decoding
         first.close()
@@ -269,11 +277,7 @@ def test_a_closed_server_leaves_the_step_loop_and_frees_its_requests_pages(actor
         client.close()
         first.close()
         stepper.stop()
-    try:
-        stats = engine.cache_stats()
-        assert stats.free_pages == stats.total_pages
-    finally:
-        engine.close()
+    _close_without_leak(engine)
 
 
 class _Served:
