@@ -47,6 +47,9 @@ class EnvDriver:
         self._ready: list[EnvCall] = []  # finished, for sequences outside the run that collected them
         # Sequences whose environment follows its turn token by token (``decoded``: a streamed agent's).
         self.listening: dict[int, Sequence] = {}
+        # A quarantine probe runs (``StepLoop.run(commit=False)``): always rolled back, so no environment is
+        # told of its tokens (``decoded``), and one that cannot be rewound is never called (``untouchable``).
+        self.probing = False
         self.calls = 0
         self.latencies: list[float] = []
 
@@ -74,9 +77,20 @@ class EnvDriver:
         episode.call = self._submit(seq, lambda: _reset(env, prompt), "reset")
         return None
 
+    def untouchable(self, seq: Sequence) -> bool:
+        """A probe runs and ``seq``'s environment cannot be rewound (``rewindable = False``: an agent's, whose
+        answers reach someone outside the engine): the probe never calls it (no turn, no end, no answer
+        taken), so ``seq`` stops there; the probe's rollback finds its environment as the step found it."""
+        episode = seq.episode
+        return self.probing and episode is not None and not getattr(episode.env, "rewindable", True)
+
     def decoded(self) -> None:
         """After a forward: every listening environment whose sequence is decoding hears of its turn so far
-        (``env.decoded(response_ids, logprobs, turn_start)``; the lists are read-only to it)."""
+        (``env.decoded(response_ids, logprobs, turn_start)``; the lists are read-only to it). Never in a
+        probe (``probing``): what a probe decodes is always rolled back, and a turn streamed from it could
+        reach a client."""
+        if self.probing:
+            return
         for seq in self.listening.values():
             if seq.status is SeqStatus.RUNNING:
                 seq.episode.env.decoded(seq.response_ids, seq.logprobs, seq.episode.turn_start)
@@ -104,8 +118,8 @@ class EnvDriver:
         while i < len(self._ready):
             call = self._ready[i]
             seq = self._calls.get(call)
-            if seq is not None and seq.seq_id not in live:
-                i += 1  # kept for a later run that holds its sequence
+            if seq is not None and (seq.seq_id not in live or self.untouchable(seq)):
+                i += 1  # kept for a later run that holds its sequence (a probe takes no agent's answer)
                 continue
             if seq is not None:
                 answer = self._answer(seq, call)
@@ -146,6 +160,8 @@ class EnvDriver:
         """``seq``'s episode ended without its environment's word (EOS, a length limit, ``max_turns``): an
         environment with ``end`` is told, with the turn that was cut (an agent gets it as its answer, so this
         counts as a call: a rollback across it restarts the episode)."""
+        if self.untouchable(seq):
+            return  # a probe ends it: the rollback puts it back as the step found it
         episode = seq.episode
         self.listening.pop(seq.seq_id, None)
         end = getattr(episode.env, "end", None) if episode is not None else None
@@ -165,6 +181,8 @@ class EnvDriver:
         for its last word: a call whose done observation (its reward, ``None``: the scorers') ends ``seq``,
         which waits for it, parked. False if there is none to ask: ``seq`` ends now."""
         episode = seq.episode
+        if self.untouchable(seq):
+            return False
         after_end = getattr(episode.env, "after_end", None) if episode is not None else None
         if after_end is None or episode.done_by_env or not episode.ready or episode.call is not None:
             return False

@@ -125,6 +125,13 @@ class ActorScheduler:
         seq.status = SeqStatus.ENV
         self.parked.append(seq)
 
+    def set_aside(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch, keeping its pages and tokens (a quarantine probe stopped it: the
+        probe's rollback truncates its KV and brings it back)."""
+        for queue in (self.running, self.waiting, self.parked):
+            if seq in queue:
+                queue.remove(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out for good (its environment failed) and free its actor pages."""
         for queue in (self.running, self.waiting, self.parked):

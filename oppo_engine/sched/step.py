@@ -151,6 +151,7 @@ class StepLoop:
         self.admitted, self.admitted_snapshots = [], []
         capacity = cut.capacity if commit and self.admission is not None else None
         with (
+            _probing(self.envs, not commit),
             _lane_threads(stream, self.actor_lane.device),
             ordered_with_caller(self.actor_lane, lane.device_lane),
         ):
@@ -165,6 +166,8 @@ class StepLoop:
                     continue
                 if seq.status in _TERMINAL:
                     cut.finished(seq)  # carried over finished: first in finish order
+                elif seq.status is SeqStatus.ENV and self.envs.untouchable(seq):
+                    continue  # a probe: it waits on an environment the probe never calls
                 elif seq.status is SeqStatus.ENV:
                     self.actor_sched.park(seq)  # its environment's call is still under way
                 else:
@@ -348,7 +351,9 @@ class StepLoop:
                     else:
                         self._finished(seq, now, cut, out, stream)
                     continue
-                if seq.status is SeqStatus.ENV:
+                if seq.status is SeqStatus.ENV and self.envs.untouchable(seq):
+                    self._set_aside(seq)  # a probe stops at an environment that cannot be rewound
+                elif seq.status is SeqStatus.ENV:
                     self.envs.turn_ended(seq)  # its environment answers while the others decode
                 if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and seq.side is None:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
@@ -357,6 +362,13 @@ class StepLoop:
             for source in self.side_work if side else ():
                 source.decoded()
         return not (sched.has_work or sched.parked)
+
+    def _set_aside(self, seq: Sequence) -> None:
+        """A probe stops ``seq`` at its turn's end (``EnvDriver.untouchable``): it leaves the actor with its
+        pages and the scorers, and no longer holds the probe; the probe's rollback puts it back."""
+        self.actor_sched.set_aside(seq)
+        if self.scorer_lane.knows(seq):
+            self.scorer_lane.drop(seq)
 
     def _take_side(self) -> None:
         """Side work that came since the last forward joins the actor; work no longer wanted leaves; a
@@ -468,6 +480,16 @@ def _lane_threads(threaded: bool, device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+@contextlib.contextmanager
+def _probing(envs: EnvDriver, probe: bool) -> Iterator[None]:
+    """The environments know a quarantine probe runs (``EnvDriver.probing``) while it does."""
+    envs.probing = probe
+    try:
+        yield
+    finally:
+        envs.probing = False
 
 
 def _sample_batch(chunks: list[ScheduledChunk]) -> SampleBatch:

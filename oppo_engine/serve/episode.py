@@ -479,6 +479,9 @@ class AgentEnv:
     fails (its agent cannot be rewound)."""
 
     step_logprobs = True  # the engine passes each turn's behaviour log-probs (the response's logprobs)
+    # An agent cannot be rewound: a quarantine probe (always rolled back) never answers it nor streams to it;
+    # the episode stops there in the probe and goes on in the step's next attempt.
+    rewindable = False
 
     def __init__(self, episode: ServedEpisode) -> None:
         self.episode = episode
