@@ -286,6 +286,7 @@ class _Served:
     def __init__(self) -> None:
         self.calls: list = []
         self.stream_queue = object()  # a request streams
+        self.state = "generating"
         self.server = self
 
     def call_soon(self, fn, *args) -> None:

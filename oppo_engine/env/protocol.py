@@ -48,8 +48,9 @@ class Env(Protocol):
     ``reason=None`` and no turn when the sequence is abandoned (restarted, failed, quarantined, closed).
     ``decoded(response_ids, logprobs, turn_start)``, if present, is called on the actor thread after every
     forward while the sequence decodes, with the turn so far at ``response_ids[turn_start:]`` (read-only; it
-    must not block): a served episode streams its turn with it; it is never called in a quarantine probe
-    (a run of the step that is always rolled back). ``rewindable = False`` says the environment cannot be made
+    must not block): a served episode streams its turn with it; an exception from it ends the sequence at
+    that forward, as one from ``step`` does; it is never called in a quarantine probe (a run of the step that
+    is always rolled back). ``rewindable = False`` says the environment cannot be made
     afresh (its answers reach someone outside the engine, as an agent's do): a probe never calls it (no
     ``step``, no ``end``, no answer taken): its sequence stops there in the probe (``serve.AgentEnv``)."""
 

@@ -84,16 +84,24 @@ class EnvDriver:
         episode = seq.episode
         return self.probing and episode is not None and not getattr(episode.env, "rewindable", True)
 
-    def decoded(self) -> None:
+    def decoded(self) -> list[tuple[Sequence, str]]:
         """After a forward: every listening environment whose sequence is decoding hears of its turn so far
         (``env.decoded(response_ids, logprobs, turn_start)``; the lists are read-only to it). Never in a
         probe (``probing``): what a probe decodes is always rolled back, and a turn streamed from it could
-        reach a client."""
+        reach a client. Returns the sequences whose ``decoded`` raised, with the error: they fail now,
+        mid-turn (an agent whose client went away), as a failed ``step`` fails them."""
         if self.probing:
-            return
+            return []
+        failed = []
         for seq in self.listening.values():
             if seq.status is SeqStatus.RUNNING:
-                seq.episode.env.decoded(seq.response_ids, seq.logprobs, seq.episode.turn_start)
+                episode = seq.episode
+                try:
+                    episode.env.decoded(seq.response_ids, seq.logprobs, episode.turn_start)
+                except Exception as e:
+                    episode.error = f"environment {env_name(episode.env)}: decoded(): {type(e).__name__}: {e}"
+                    failed.append((seq, episode.error))
+        return failed
 
     def turn_ended(self, seq: Sequence) -> None:
         """``seq``'s turn ended (it is parked): send the turn to its environment, once ``reset`` returned."""

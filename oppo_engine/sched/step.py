@@ -357,8 +357,10 @@ class StepLoop:
                     self.envs.turn_ended(seq)  # its environment answers while the others decode
                 if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and seq.side is None:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
-            if self.envs.listening:
-                self.envs.decoded()  # environments that follow their turns token by token
+            if self.envs.listening:  # environments that follow their turns token by token
+                for seq, error in self.envs.decoded():
+                    if seq.status is not SeqStatus.FAILED:  # (a sample of its group failed just now)
+                        self._fail(seq, error, cut, out)
             for source in self.side_work if side else ():
                 source.decoded()
         return not (sched.has_work or sched.parked)

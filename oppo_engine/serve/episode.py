@@ -398,8 +398,7 @@ class ServedEpisode:
     def agent_failed(self, message: str) -> None:
         """The agent raised: its episode ends in ``StepResult.failed`` with ``message``."""
         if self.state == WAITING:
-            self.state = FAILED
-            self.error = message
+            self.error, self.state = message, FAILED
             self.next_obs.set_exception(AgentError(message))
         elif self.state == GENERATING:
             self.agent_error = message
@@ -416,7 +415,7 @@ class ServedEpisode:
             return
         group = self.group
         unqueued = self.state == OPEN or (self.state == GENERATING and group is not None and not group.queued)
-        self.state, self.error = FAILED, message
+        self.error, self.state = message, FAILED  # (the actor thread reads the state: the error first)
         if group is None and unqueued:  # no sequence: it comes back in StepResult.failed all the same
             self.server._prompts.add_failed([[]], [message])
         if unqueued:
@@ -491,8 +490,12 @@ class AgentEnv:
         """The turn so far (``response_ids[turn_start:]``; on the actor thread, after every forward): its new
         tokens go to the episode's stream, if its pending request streams. A rolled-back step is retried from
         its snapshot: the tokens already sent come again, and only those beyond go out; if the retry decoded
-        any of them differently the stream cannot be taken back, and the episode fails (``ROLLED_BACK``)."""
+        any of them differently the stream cannot be taken back, and the episode fails (``ROLLED_BACK``). An
+        episode failed meanwhile (its client went away mid-turn) raises ``AgentError``: the engine fails its
+        sequence at this forward and frees its pages, rather than decoding the rest of the turn."""
         episode = self.episode
+        if episode.state == FAILED:  # (its client went away mid-turn): the sequence leaves now, pages freed
+            raise AgentError(f"agent episode {episode.id} failed: {episode.error}")
         if episode.stream_queue is None:
             return
         start, sent = self._sent if self._sent[0] == turn_start else (turn_start, [])
