@@ -31,12 +31,16 @@ def model_folder(tmp_path_factory):
     return folder, tokenizer
 
 
-def start(folder, *args) -> tuple[subprocess.Popen, str, list[str]]:
-    """The server process and its URL, read from its first line; its later lines are collected."""
+SERVE = [sys.executable, "-m", "oppo_engine.cli", "serve"]
+
+
+def start(folder, *args, command: list[str] = SERVE) -> tuple[subprocess.Popen, str, list[str]]:
+    """The server process (``command`` and its arguments) and its URL, read from its first line; its later
+    lines are collected."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "oppo_engine.cli", "serve", "--actor", str(folder), "--port", "0",
-         "--batch-size", "1", "--max-new-tokens", "24", *args],
+        [*command, "--actor", str(folder), "--port", "0", "--batch-size", "1", "--max-new-tokens", "24",
+         *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     lines: list[str] = []
@@ -127,3 +131,43 @@ def test_the_serve_command_exits_2_with_a_message_when_its_port_is_in_use(model_
         )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+
+# ``oppo-engine serve`` (serve_main) with its two closes recorded: the endpoint's, on the thread that SIGTERM
+# wakes (slowed down, as a close that waits for its connections is), and the engine's, on the main thread.
+RECORDED_CLOSES = """
+import json, sys, threading, time
+from oppo_engine import RolloutEngine
+from oppo_engine.serve.command import serve_main
+from oppo_engine.serve.server import ServeHandle
+
+events, close_endpoint, close_engine = [], ServeHandle.close, RolloutEngine.close
+
+def endpoint(self):
+    if threading.current_thread().name != "oppo-serve-stop":
+        return close_endpoint(self)
+    events.append("endpoint close starts")
+    time.sleep(1.0)
+    close_endpoint(self)
+    events.append("endpoint closed")
+
+def engine(self):
+    events.append("engine close")
+    close_engine(self)
+
+ServeHandle.close, RolloutEngine.close = endpoint, engine
+rc = serve_main(sys.argv[1:])
+print("closes: " + json.dumps(events), flush=True)
+sys.exit(rc)
+"""
+
+
+def test_on_sigterm_the_serve_command_closes_the_endpoint_before_the_engine(model_folder):
+    """The endpoint is closed by the thread SIGTERM wakes, and the engine only once that close is over:
+    never two closes at once (an engine closed under a closing endpoint). Before the fix, the main loop
+    left at once and closed the engine while the endpoint's close ran."""
+    folder, _ = model_folder
+    proc, _, lines = start(folder, command=[sys.executable, "-c", RECORDED_CLOSES])
+    assert stop(proc, lines) == 0, "".join(lines)
+    [closes] = [json.loads(line.split(": ", 1)[1]) for line in lines if line.startswith("closes: ")]
+    assert closes == ["endpoint close starts", "endpoint closed", "engine close"], "".join(lines)
