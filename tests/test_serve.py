@@ -219,8 +219,12 @@ def test_tool_calls_are_parsed_with_deterministic_ids_and_sent_back(actor, token
     from oppo_engine.serve import hermes_tool_parser
 
     assert hermes_tool_parser('hi <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>') == (
-        "hi",
+        "hi ",  # the text outside the calls as it is (vLLM keeps the text before the first call so)
         [("add", {"a": 1, "b": 2})],
+    )
+    assert hermes_tool_parser('\n<tool_call>{"name": "add", "arguments": {}}</tool_call>\n') == (
+        None,  # only whitespace outside the calls: no content
+        [("add", {})],
     )
     assert hermes_tool_parser("<tool_call>{not json}</tool_call>") is None  # returned as text, never dropped
     assert hermes_tool_parser("plain") == ("plain", [])

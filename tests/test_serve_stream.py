@@ -383,3 +383,105 @@ def test_text_deltas_move_on_and_never_resend_text_when_a_decode_rewrites_what_w
     deltas = TextDeltas(tokenizer)
     deltas.push([4])
     assert deltas.final([0, 1]) == "a."  # other tokens than those pushed: beyond the text the two share
+
+
+TOOL_TURNS = [
+    'I will add them.\n<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>',
+    '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", "arguments": '
+    '{"b": 2}}</tool_call>\n',  # two calls, only whitespace outside them: no content
+    '  lead <tool_call>{"name": "add", "arguments": {}}</tool_call> between <tool_call>{"name": "add", '
+    '"arguments": {"a": 3}}</tool_call> tail ',
+    "before <tool_call>{not json}</tool_call> after",  # does not parse: the whole turn is text
+    'text <tool_call>{"name": "add", "arguments": {}}',  # never closed: text
+    "no call at all, then a partial tag <tool_ca",
+    "\n\n",
+    "naïve café ✓ 🙂 <tool_call>" + '{"name": "add", "arguments": {"a": 42}}</tool_call>',
+]
+
+
+@pytest.mark.parametrize("per_push", [1, 3])
+@pytest.mark.parametrize("text", TOOL_TURNS)
+def test_streamed_tool_calls_concatenate_to_the_non_streamed_message(tokenizer, text, per_push):
+    """A chat turn with tools, streamed by ``TokenStream`` with the default Hermes parser, token by token (or
+    three at a time): the content deltas concatenate to the non-streamed ``content`` (the text outside the
+    calls; the whole text when a call does not parse), the ``delta.tool_calls`` are the non-streamed
+    ``tool_calls`` (with their ``index``), the finish reason is the same, and text before a call that is
+    surely content goes out before the turn ends."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from oppo_engine.serve import hermes_tool_parser
+    from oppo_engine.serve.requests import TurnRequest
+    from oppo_engine.serve.responses import Responses
+    from oppo_engine.serve.stream import TokenStream
+
+    responses = Responses(tokenizer, "m", hermes_tool_parser)
+    server = SimpleNamespace(tokenizer=tokenizer, responses=responses)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    fields = ("chat", "m", [{"role": "user", "content": "hi"}], None, tools, 64, None, None, None, (), False)
+    req = TurnRequest(*fields, True, "k", stream=True)
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    turn = [*ids, tokenizer.convert_tokens_to_ids("<|im_end|>")]  # stopped at the end of turn
+
+    async def chunks() -> list[dict]:
+        queue = asyncio.Queue()
+        for i in range(0, len(ids), per_push):
+            queue.put_nowait(("tokens", ids[i : i + per_push], [-1.0] * len(ids[i : i + per_push])))
+        queue.put_nowait(("done", turn, [-1.0] * len(turn), ids, "stop"))
+        stream = TokenStream(server, req, "e-3", [5, 6], queue, print, tools=True, turn=3)
+        events = [e async for e in stream.events()]
+        assert events[-1] == "data: [DONE]\n\n"
+        return [json.loads(e[len("data: ") :]) for e in events[:-1]]
+
+    choices = [c["choices"][0] for c in asyncio.run(chunks())]
+    message, finish = responses.chat_message(text, True, 3, "stop")
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    assert content == (message["content"] or "")
+    calls = [call for c in choices for call in c["delta"].get("tool_calls", [])]
+    assert calls == [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + [finish]
+    assert [t for c in choices for t in c["token_ids"]] == turn
+    parsed = hermes_tool_parser(text)
+    if parsed is not None and parsed[1]:
+        assert finish == "tool_calls" and calls[0]["id"] == "call_3_0"
+    before = text.split("<tool_call>")[0]
+    if before.strip() and "<tool_call>" in text:  # surely content: it went out before the last chunk
+        assert "".join(c["delta"].get("content") or "" for c in choices[:-1]) == before
+
+
+@pytest.mark.parametrize("where", ["plain", "episode"])
+def test_a_turn_with_tools_streams_token_by_token_with_the_default_parser(actor, tokenizer, where):
+    """Over the socket, with the official client: a chat turn with ``tools`` (the default Hermes parser, which
+    streams) comes token by token, not whole, and its chunks concatenate to the non-streamed answer of the
+    same seed (content, tool calls, token ids, finish reason)."""
+    engine = make_engine(actor, tokenizer, max_len=1024)  # the template renders the tools at length
+    handle = engine.serve()
+    stepper = Stepper(engine)
+    episode = handle.open_episode() if where == "episode" else None
+    client = _client(episode.base_url if episode is not None else f"{handle.url}/v1")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    ask = dict(model="m", messages=[{"role": "user", "content": "what is 12 + 30 ?"}], tools=tools,
+               max_tokens=MAX_TOKENS, temperature=1.0, seed=11,
+               extra_body={"return_token_ids": True})  # fmt: skip
+    try:
+        chunks = list(client.chat.completions.create(stream=True, **ask))
+        whole = client.chat.completions.create(**ask).choices[0]  # an episode's: a retry, the same turn
+        if episode is not None:
+            episode.finish(1.0)
+            stepper.wait_for(1)
+    finally:
+        client.close()
+        stepper.stop()
+    try:
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        ids = [t for d in deltas for t in d.model_extra.get("token_ids") or []]
+        assert sum(bool(d.model_extra.get("token_ids")) for d in deltas) > 1  # token by token, not whole
+        assert ids == whole.model_extra["token_ids"]
+        assert "".join(d.delta.content or "" for d in deltas) == (whole.message.content or "")
+        calls = [c.model_dump(exclude={"index"}) for d in deltas for c in d.delta.tool_calls or []]
+        assert calls == [c.model_dump() for c in whole.message.tool_calls or []]
+        assert deltas[-1].finish_reason == whole.finish_reason
+    finally:
+        _close_without_leak(engine)

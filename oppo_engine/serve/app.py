@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from oppo_engine.serve.errors import ApiError
 from oppo_engine.serve.evaluate import evaluate
-from oppo_engine.serve.stream import TokenStream, whole_turn_events
+from oppo_engine.serve.stream import TokenStream, streamed_calls, whole_turn_events
 
 if TYPE_CHECKING:
     from oppo_engine.serve.server import ServeHandle
@@ -121,14 +121,17 @@ def build_app(server: ServeHandle) -> Starlette:
                     raise
                 episode = server.restart(episode)
                 cached = episode.start(req)
-            # Streamed token by token, but a chat turn with tools (its calls are parsed from the whole turn;
-            # the episode's tools, which a later request may omit) and a retry of a turn another request
+            # Streamed token by token, but a chat turn with tools when the parser cannot stream its calls
+            # (the episode's tools, which a later request may omit) and a retry of a turn another request
             # streams already: those come whole.
-            whole = req.tools or episode.tools
+            tools = bool(episode.tools) and req.kind == "chat"
+            whole = tools and streamed_calls(server) is None
             queue = episode.stream() if cached is None and req.stream and not whole else None
             if queue is not None:
                 name, prompt = f"{episode.id}-{episode.turn}", list(episode.transcript)
-                stream = TokenStream(server, req, name, prompt, queue, episode.fail)
+                stream = TokenStream(
+                    server, req, name, prompt, queue, episode.fail, tools=tools, turn=episode.turn
+                )
                 return StreamingResponse(stream.events(), media_type="text/event-stream")
             answer = cached
             if answer is None:
@@ -140,9 +143,12 @@ def build_app(server: ServeHandle) -> Starlette:
     def plain(kind: str):
         async def handler(request: Request) -> dict:
             req = server.parse(await body(request), kind)
-            if req.stream and not req.tools:  # tool calls are parsed from a whole turn
+            tools = bool(req.tools) and req.kind == "chat"
+            if req.stream and not (tools and streamed_calls(server) is None):  # (else: a whole turn's calls)
                 call = evaluate(server, req, stream=True)
-                stream = TokenStream(server, req, f"{call.id}-0", call.prompt, call.events, call.cancel)
+                stream = TokenStream(
+                    server, req, f"{call.id}-0", call.prompt, call.events, call.cancel, tools=tools
+                )
                 return StreamingResponse(stream.events(), media_type="text/event-stream")
             call = evaluate(server, req)
             answer = await _unless_gone(request, call.answer, call.cancel)

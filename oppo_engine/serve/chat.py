@@ -20,13 +20,18 @@ from oppo_engine.serve.errors import ApiError
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 # A tool-call parser: a turn's text -> (content, [(name, arguments dict)]), or None when the text holds a
-# call that does not parse (the text is then returned as it is, never dropped).
+# call that does not parse (the text is then returned as it is, never dropped). One with a ``call_start``
+# attribute (the text that opens a call) has its turns streamed token by token (serve/stream.py): the content
+# it returns must start with the text before the first ``call_start`` and be ``None`` only when the text
+# outside its calls is whitespace; without it, a turn with tools comes whole.
 ToolParser = Callable[[str], "tuple[str | None, list[tuple[str, dict]]] | None"]
 
 
 def hermes_tool_parser(text: str) -> tuple[str | None, list[tuple[str, dict]]] | None:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen2.5, ``ToolEnv``):
-    the text outside them (``None`` if empty) and the calls; ``None`` if a block does not parse."""
+    the text outside them, as it is (``None`` if only whitespace: vLLM's Hermes parser keeps the text before
+    the first call as it is too), and the calls; ``None`` if a block does not parse. Streamable
+    (``call_start``)."""
     blocks = _TOOL_CALL.findall(text)
     if not blocks:
         return (text or None), []
@@ -36,8 +41,11 @@ def hermes_tool_parser(text: str) -> tuple[str | None, list[tuple[str, dict]]] |
         if error is not None:
             return None
         calls.append((name, arguments))
-    content = _TOOL_CALL.sub("", text).strip()
-    return (content or None), calls
+    content = _TOOL_CALL.sub("", text)
+    return (content if content.strip() else None), calls
+
+
+hermes_tool_parser.call_start = "<tool_call>"
 
 
 def normalise(messages: Any) -> list[dict]:

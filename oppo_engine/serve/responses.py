@@ -63,22 +63,7 @@ class Responses:
                 "choices": [choice],
                 "usage": usage,
             }
-        message: dict = {"role": "assistant", "content": text}
-        parsed = self.tool_parser(text) if episode.tools else None
-        if parsed is not None and parsed[1]:
-            content, calls = parsed
-            message["content"] = content
-            # NOTE: ids from (turn, index): deterministic, and unique within the conversation (their scope).
-            message["tool_calls"] = [
-                {
-                    "id": f"call_{episode.turn}_{i}",
-                    "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(arguments)},
-                }
-                for i, (name, arguments) in enumerate(calls)
-            ]
-            if finish == "stop":
-                finish = "tool_calls"
+        message, finish = self.chat_message(text, bool(episode.tools), episode.turn, finish)
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         if req.logprobs:
             choice["logprobs"] = {
@@ -105,6 +90,27 @@ class Responses:
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
         return body
+
+    def chat_message(self, text: str, tools: bool, turn: int, finish: str) -> tuple[dict, str]:
+        """A chat turn's message and finish reason: with ``tools``, its calls parsed (``"tool_calls"`` for a
+        turn that stopped with some); a call that does not parse leaves the whole text as the content."""
+        message: dict = {"role": "assistant", "content": text}
+        parsed = self.tool_parser(text) if tools else None
+        if parsed is not None and parsed[1]:
+            content, calls = parsed
+            message["content"] = content
+            # NOTE: ids from (turn, index): deterministic, and unique within the conversation (their scope).
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{turn}_{i}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": json.dumps(arguments)},
+                }
+                for i, (name, arguments) in enumerate(calls)
+            ]
+            if finish == "stop":
+                finish = "tool_calls"
+        return message, finish
 
     @staticmethod
     def assistant_message(response: dict) -> dict:

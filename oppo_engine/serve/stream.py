@@ -9,9 +9,14 @@ forward that decoded some of its tokens, each with its ``delta`` text, its ``tok
 answer: text, token ids and log-probs. Text is detokenised incrementally and safely (``TextDeltas``): a
 trailing partial UTF-8 character is held back until the tokens that complete it come.
 
-A request with ``tools``, or an episode's turn when the episode has tools (its tool calls are parsed from the
-whole turn), and a retry of a turn another
-request streams already, come in one content chunk when the turn ends (``whole_turn_events``).
+A chat turn with tools (a plain request's ``tools``, or an episode's, which a later request may omit) streams
+its content token by token until a call may begin (the parser's ``call_start``, ``<tool_call>`` for the
+default Hermes parser); the rest of the content and the tool calls, in OpenAI's ``delta.tool_calls`` form
+(one delta per call, whole: its arguments are the parsed JSON, so no call goes out before the turn has
+parsed), come in the last chunk, from the whole turn, so the chunks concatenate to the non-streamed
+``content`` and ``tool_calls``, and a call that does not parse comes as text. A parser without
+``call_start``, and a retry of a turn another request streams already, come in one content chunk when the
+turn ends (``whole_turn_events``).
 """
 
 from __future__ import annotations
@@ -94,10 +99,21 @@ class TokenStream:
     (the whole turn, ``content_ids`` its text's tokens) or ``("error", ApiError)``. ``name``: the response
     id's tail; ``prompt``: the ids before the turn; ``gone(message)``: the client went away mid-turn."""
 
-    def __init__(self, server, req: TurnRequest, name: str, prompt: list[int], queue, gone) -> None:
+    def __init__(
+        self, server, req: TurnRequest, name: str, prompt: list[int], queue, gone, *, tools: bool = False,
+        turn: int = 0,
+    ) -> None:  # fmt: skip
         self.req, self.tokenizer, self.prompt = req, server.tokenizer, prompt
         self.queue, self.gone = queue, gone
         self.chat = req.kind == "chat"
+        self.responses, self.turn = server.responses, turn
+        # A chat turn with tools (``turn``: its index, for the calls' ids): its content goes out as it comes
+        # while no call can have begun; from the parser's first ``call_start`` on, the rest comes when the
+        # turn ends, with the calls (``_content``).
+        self.call_start = streamed_calls(server) if tools and self.chat else None
+        self.turn_text = ""  # the turn's text so far (tools)
+        self.content_sent = ""  # the content that went out (tools)
+        self.in_call = False
         self.text = TextDeltas(server.tokenizer)
         self.head = {
             "id": f"{'chatcmpl' if self.chat else 'cmpl'}-{name}",
@@ -124,7 +140,10 @@ class TokenStream:
                 if kind == "tokens":
                     ids, lps = payload
                     self.ids += ids
-                    yield sse(self._chunk(self.text.push(ids), ids, lps, None))
+                    text = self.text.push(ids)
+                    if self.call_start is not None:
+                        text = self._content(text)
+                    yield sse(self._chunk(text, ids, lps, None))
                     continue
                 ids, lps, content, finish = payload  # the whole turn, with its last token
                 if ids[: len(self.ids)] != self.ids:
@@ -134,7 +153,10 @@ class TokenStream:
                     return
                 finished = True
                 new, new_lps = ids[len(self.ids) :], lps[len(self.ids) :]
-                yield sse(self._chunk(self.text.final(content), new, new_lps, finish))
+                if self.call_start is not None:
+                    yield sse(self._last_with_calls(content, new, new_lps, finish))
+                else:
+                    yield sse(self._chunk(self.text.final(content), new, new_lps, finish))
                 if self.req.include_usage:
                     n = len(self.prompt)
                     usage = {"prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids)}
@@ -144,6 +166,40 @@ class TokenStream:
         finally:
             if not finished:
                 self.gone("its client disconnected while its turn was streamed")
+
+    def _content(self, delta: str) -> str:
+        """Tools: what of the turn's new text ``delta`` surely is content, and goes out now. That is the text
+        before the first ``call_start`` (a partial ``call_start`` at the end is held back), and only once it
+        is not all whitespace (a turn whose text outside its calls is whitespace has no content): whatever
+        the calls turn out to be, the content of the whole turn starts with it (see ``ToolParser``)."""
+        if self.in_call:
+            return ""
+        self.turn_text += delta
+        text, start = self.turn_text, self.call_start
+        at = text.find(start, max(0, len(self.content_sent) - len(start)))
+        if at >= 0:
+            self.in_call = True
+        else:
+            at = len(text) - next((k for k in range(len(start) - 1, 0, -1) if text.endswith(start[:k])), 0)
+        safe = text[:at]
+        if not safe.strip():
+            return ""
+        new, self.content_sent = safe[len(self.content_sent) :], safe
+        return new
+
+    def _last_with_calls(self, content_ids: list[int], ids: list[int], lps: list[float], finish: str) -> dict:
+        """Tools: the last chunk, from the whole turn as the non-streamed answer has it: the content not yet
+        sent, and the tool calls (each whole, with its index: arguments are the parsed JSON, re-serialised, so
+        no call goes out before it has parsed), with the same finish reason."""
+        text = self.tokenizer.decode(content_ids, skip_special_tokens=True)
+        message, finish = self.responses.chat_message(text, True, self.turn, finish)
+        content, sent = message["content"] or "", self.content_sent
+        done = len(sent) if content.startswith(sent) else len(os.path.commonprefix([content, sent]))
+        chunk = self._chunk(content[done:], ids, lps, finish)
+        if message.get("tool_calls"):
+            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            chunk["choices"][0]["delta"]["tool_calls"] = calls
+        return chunk
 
     def _chunk(self, text: str, ids: list[int], lps: list[float], finish: str | None) -> dict:
         req = self.req
@@ -179,6 +235,12 @@ class TokenStream:
     def _chat_logprob(self, token: int, logprob: float) -> dict:
         text = self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+
+
+def streamed_calls(server) -> str | None:
+    """The text that opens a tool call if the server's parser streams (``call_start``); else ``None``: a turn
+    with tools comes whole."""
+    return getattr(server.responses.tool_parser, "call_start", None)
 
 
 def whole_turn_events(answer: dict, include_usage: bool) -> list[str]:
