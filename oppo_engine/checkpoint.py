@@ -29,9 +29,10 @@ def rank_of(engine: RolloutEngine) -> tuple[int, int]:
 
 
 def save_state(engine: RolloutEngine) -> dict:
-    """``engine``'s state (``RolloutEngine.state_dict``)."""
+    """``engine``'s state (``RolloutEngine.state_dict``); ``ValueError`` while agent episodes are in flight
+    (``refuse_agents``)."""
     delta, counters = engine._delta_control, engine._counters
-    return {
+    state = {
         "version": STATE_VERSION,
         "policy_version": engine._policy_version,
         "prompts": engine._prompts.state_dict(),
@@ -51,6 +52,31 @@ def save_state(engine: RolloutEngine) -> dict:
         },
         "env": engine._prompts.env is not None,  # the queued prompts without their own run in env=
     }
+    refuse_agents(engine, state)
+    return state
+
+
+def refuse_agents(engine: RolloutEngine, state: dict) -> None:
+    """``ValueError`` if ``state`` would drop agent episodes: sequences whose environment factory says they
+    cannot be made afresh (``rewindable = False``: a served episode's, whose agent has had, or waits for, an
+    answer), or agents of ``add_agents`` queued or running on the engine's server. Their agents cannot be
+    saved, and a restarted agent episode fails: a checkpoint that kept them would lose them silently."""
+    factories = [e["factory"] for e in _episodes(state)] + list(state["prompts"]["pending_envs"])
+    episodes = sum(f is not None and getattr(f, "rewindable", True) is False for f in factories)
+    server = engine._server
+    agents = server.agents_in_flight() if server is not None else 0
+    if episodes or agents:
+        raise ValueError(
+            f"state_dict(): agent episodes are in flight ({episodes} with a sequence in the engine, "
+            f"{agents} agents of add_agents queued or running): an agent cannot be saved, nor restarted "
+            "from a checkpoint (it has had its answers), so state_dict() refuses rather than drop them; call "
+            "it once they have come back from step() (finished, or failed after serve()'s handle.close())"
+        )
+
+
+def _episodes(state: dict) -> list[dict]:
+    saved = [*state["carried"], *state["prompts"]["requeued"]]
+    return [d["episode"] for d in saved if d.get("episode") is not None]
 
 
 def check_state(engine: RolloutEngine, state: dict) -> None:

@@ -393,7 +393,7 @@ class RolloutEngine:
         ``set_prompt_source`` is not saved: set it again after loading. Works after a failed collective of a
         process group, to restart the job from every rank's state. An environment cannot be saved: an
         unfinished episode whose environment was sent a turn (its call in flight, or answered) is saved
-        requeued from its prompt, to run with a fresh environment; this engine's own episodes go on."""
+        requeued from its prompt, to run with a fresh environment (here they go on); agents: ValueError."""
         self._check_not_closed(group=False)
         return checkpoint.save_state(self)
 

@@ -464,3 +464,57 @@ def test_add_agents_from_many_threads_never_gives_two_tasks_one_index(actor, tok
         monkeypatch.undo()
         engine.close()
     assert handle._index == 4 * 20 * 2  # no update lost: every task its own index, its own seed
+
+
+def test_state_dict_refuses_while_agent_episodes_are_in_flight_and_saves_once_they_are_back(actor, tokenizer):
+    """An agent cannot be saved, nor restarted from a checkpoint: ``state_dict()`` raises a ``ValueError``
+    naming them while agents of ``add_agents`` run and while a served episode has a sequence in the engine
+    (queued, or carried between steps), rather than save a state that drops them; once every episode is back
+    from ``step()``, it saves, and the state loads."""
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+    try:
+        engine.add_agents(make_agent({}, turns=2), [0, 1])
+        with pytest.raises(ValueError, match=r"agent episodes are in flight .*2 agents of add_agents"):
+            engine.state_dict()
+        rollouts, failed = [], []
+        while not (rollouts or failed):  # a step that returns some, with the other carried or running
+            result = engine.step()
+            rollouts, failed = result.rollouts, result.failed
+        got = len(rollouts) + len(failed)
+        if got < 2:
+            with pytest.raises(ValueError, match="agent episodes are in flight"):
+                engine.state_dict()
+            more, more_failed = drain(engine, 2 - got)
+            rollouts, failed = rollouts + more, failed + more_failed
+        assert len(rollouts) == 2 and not failed
+        # an episode of open_episode whose first request is queued: a sequence in the engine
+        episode = handle.open_episode()
+        asked = threading.Thread(target=lambda: _ask_once(episode.base_url), daemon=True)
+        asked.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while handle.run(lambda: handle.episodes[episode.id].state) != "generating":
+            assert time.monotonic() < deadline, "the request was not queued"
+            time.sleep(0.01)
+        with pytest.raises(ValueError, match=r"\(1 with a sequence in the engine, 0 agents"):
+            engine.state_dict()
+        episode.finish(1.0)  # (answered within the step below, then finished)
+        assert len(drain(engine, 1)[0]) == 1
+        asked.join(DEADLINE_S)
+        state = engine.state_dict()  # nothing in flight: saved
+    finally:
+        engine.close()
+    loaded = make_engine(actor, tokenizer, "oppo")
+    try:
+        loaded.load_state_dict(state)
+    finally:
+        loaded.close()
+
+
+def _ask_once(base_url: str) -> None:
+    import openai
+
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=DEADLINE_S) as client:
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
+        )

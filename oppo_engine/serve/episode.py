@@ -277,6 +277,9 @@ class ServedEpisode:
         self.env_made = True
         return AgentEnv(self)
 
+    # Its environments cannot be made afresh (an agent cannot be rewound): state_dict() refuses to save them.
+    make_env.rewindable = False
+
     def on_tokens(self, ids: list[int], logprobs: list[float]) -> None:
         """Tokens of the turn decoded (``AgentEnv.decoded``): to the pending request's stream."""
         if self.stream_queue is not None and self.state == GENERATING:

@@ -399,6 +399,10 @@ class ServeHandle:
 
     # -- agents ----------------------------------------------------------------------------------------------
 
+    def agents_in_flight(self) -> int:
+        """Agents of ``add_agents`` queued or running (a read, safe from any thread)."""
+        return len(self._agents) + len(self._agent_tasks)
+
     def add_agents(self, agent_fn: Callable, tasks: Iterable, *, n: int = 1, in_process: bool = True) -> None:
         """Queue ``tasks`` and return: each runs ``async def agent_fn(task, client) -> float | None`` as a
         coroutine on the serving loop, in an episode of its own (seeded from the task's index, counted over
