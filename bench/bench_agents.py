@@ -21,8 +21,10 @@ does not. The same tasks, latencies and seeds in every arm:
 
 Reported per arm, from the same run: episodes per second over the measured steps (after one warm-up step),
 and for the served arms the serving thread's CPU milliseconds per request (from /proc: the thread's user +
-system time). The machine's load average is printed beside each figure: on a shared machine the figures
-move with it.
+system time) and the actor thread's microseconds per forward in the environments' ``decoded()`` (the
+streaming hook every served episode has), with the agents it visited per forward (``--stream``: the agents
+stream their turns, so each visit also hands tokens to the serving loop). The machine's load average is
+printed beside each figure: on a shared machine the figures move with it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from oppo_engine import EngineConfig, Observation, RolloutEngine, SamplingParams
 from oppo_engine.ppo import tools_task
+from oppo_engine.sched.sequence import SeqStatus
 from oppo_engine.serve.chat import Renderer, normalise
 
 
@@ -62,15 +65,22 @@ def tool_message(task: int, turn: int) -> dict:
     return {"role": "user", "content": f"<tool_response> {task + turn} </tool_response>"}
 
 
-def make_agent(seed: int, turn_tokens: int):
+def make_agent(seed: int, turn_tokens: int, stream: bool = False):
     async def agent(task: int, client) -> float:
         messages = question(task)
         turns = turns_of(seed, task)
         for turn in range(turns):
-            answer = await client.chat.completions.create(
-                model="m", messages=messages, max_tokens=turn_tokens
-            )
-            messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+            if stream:  # token by token (the turn's text concatenated from the chunks)
+                chunks = await client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=turn_tokens, stream=True
+                )
+                content = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+            else:
+                answer = await client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=turn_tokens
+                )
+                content = answer.choices[0].message.content
+            messages.append({"role": "assistant", "content": content})
             if turn + 1 < turns:
                 await asyncio.sleep(latency(seed, task, turn))
                 messages.append(tool_message(task, turn))
@@ -134,12 +144,37 @@ def thread_cpu_s(thread: threading.Thread) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class DecodedCost:
+    """The actor thread's time in the environments' ``decoded()`` (``EnvDriver.decoded``: every served
+    episode's ``AgentEnv.decoded``, the streaming hook, after every forward), per forward, and how many
+    sequences it visited per forward (the agents decoding)."""
+
+    def __init__(self, envs) -> None:
+        self.envs, self.inner = envs, envs.decoded
+        self.calls, self.seconds, self.visited = 0, 0.0, 0
+        envs.decoded = self  # the step loop calls envs.decoded() after every forward while any listens
+
+    def __call__(self):
+        t = time.perf_counter()
+        failed = self.inner()
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        self.visited += sum(s.status is SeqStatus.RUNNING for s in self.envs.listening.values())
+        return failed
+
+    def reset(self) -> None:
+        self.calls, self.seconds, self.visited = 0, 0.0, 0
+
+
 def run_served(args, tokenizer, actor, in_process: bool) -> dict:
     engine = make_engine(args, tokenizer, actor)
     handle = engine.serve()
+    cost = DecodedCost(engine._loop.envs)
     total = args.batch_size * (args.steps + 1)
-    engine.add_agents(make_agent(args.seed, args.turn_tokens), range(total), in_process=in_process)
+    agent = make_agent(args.seed, args.turn_tokens, args.stream)
+    engine.add_agents(agent, range(total), in_process=in_process)
     engine.step()  # warm-up
+    cost.reset()
     cpu0, t0, done = thread_cpu_s(handle.thread), time.perf_counter(), 0
     for _ in range(args.steps):
         done += len(engine.step().rollouts)
@@ -147,7 +182,14 @@ def run_served(args, tokenizer, actor, in_process: bool) -> dict:
     cpu = thread_cpu_s(handle.thread) - cpu0
     requests = sum(turns_of(args.seed, t) for t in range(args.batch_size, total))  # about the measured ones
     engine.close()
-    return {"episodes_per_s": done / wall, "server_cpu_ms_per_request": 1000 * cpu / requests}
+    calls = max(cost.calls, 1)
+    return {
+        "episodes_per_s": done / wall,
+        "server_cpu_ms_per_request": 1000 * cpu / requests,
+        "decoded_us_per_forward": 1e6 * cost.seconds / calls,
+        "agents_decoding_per_forward": cost.visited / calls,
+        "forward_ms": 1000 * wall / calls,  # wall time per forward of the measured steps (all of it)
+    }
 
 
 def run_env(args, tokenizer, actor) -> dict:
@@ -230,6 +272,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="interleaved runs of every arm; the best is shown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--stream", action="store_true", help="the served arms' agents stream their turns")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     tokenizer, actor = build(args)
