@@ -125,8 +125,7 @@ def test_a_retry_failing_with_another_type_propagates_the_second():
 
 
 def test_a_probe_that_fails_another_way_is_inconclusive_and_the_steps_error_propagates():
-    # A probe runs a subset while carried sequences outside it keep their pages: it may stall for pages
-    # (the engine's own RuntimeError) where the whole step would not. That pins nothing on its groups.
+    # A probe that fails another way (here an error the engine raises itself) pins nothing on its groups.
     class Stalls(Runs):
         def _run(self, kind, groups):
             self.log.append((kind, list(groups)))

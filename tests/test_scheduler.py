@@ -221,3 +221,33 @@ def test_admission_leaves_the_pages_an_older_sequence_needs_for_its_pending_toke
         computed.append(old.num_computed)
     assert computed == [16, 20, 36]  # 16, then the prefix chunk, then on: never preempted
     assert old.num_preemptions == 0
+
+
+def test_a_starved_run_gives_up_the_kv_of_the_sequences_it_leaves_out_and_only_then():
+    """Regression (tests/test_soak.py on CI): a group the quarantine took out of a step, or a group a probe
+    leaves out, keeps the actor KV the step found it with. No run scheduled it, so nothing could free those
+    pages, and a sequence needing the actor's whole reserve waited for them until the 10 s stall check.
+    The run's scheduler now gives them up when starved -- after the kept pages, before any KV of its own."""
+    arena = KVArena({"actor": SPEC, "scorer": SPEC}, page_size=8, num_pages=8)
+    arena.set_reserve("actor", 4)  # one sequence of max_model_len=32 in each model, no spare page
+    arena.set_reserve("scorer", 4)
+    cache, scorer = KVCacheManager(arena, "actor"), KVCacheManager(arena, "scorer")
+    sched = ActorScheduler(
+        cache, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, eos_token_ids=[EOS]
+    )
+    params = SamplingParams(max_new_tokens=32)
+    out = Sequence(0, 0, list(range(4, 20)), params, seed=1)  # left out, holding 16 tokens: 2 pages
+    assert cache.append_slots(out.seq_id, 16) is not None
+    out.num_computed = 16
+    assert scorer.append_slots("scored", 32) is not None  # the scorer holds its whole reserve
+    short = Sequence(1, 1, [7] * 8, params, seed=2)  # 1 page: fits beside the left-out KV
+    long = Sequence(2, 2, [8] * 24, params, seed=3)  # 3 pages: only if the left-out KV goes
+    sched.leave_out([out])
+    sched.add(short)
+    assert [c.seq for c in sched.schedule()] == [short]  # not starved: the left-out KV stays
+    assert cache.num_tokens(out.seq_id) == 16 and out.num_computed == 16
+    sched.append_token(short, EOS, 0.0, 0)  # finished: its page back
+    sched.add(long)
+    assert [c.seq for c in sched.schedule()] == [long]  # starved: the left-out KV went
+    assert out.seq_id not in cache and out.num_computed == 0
+    assert sched.detach_all() == [long] and sched.schedule() == []

@@ -116,13 +116,22 @@ class StepStart:
         back to the queue as new sequences of the step."""
         live = [s for g in groups for s in g]
         try:
-            return loop.run(live, policy_version, cut(live), chunk_size=chunk_size)
+            return loop.run(
+                live, policy_version, cut(live), chunk_size=chunk_size, left_out=self._left_out(live)
+            )
         except BaseException:
             groups.extend(groups_of(self._take_admitted(loop)))
             loop.abort(self.seqs, self.snapshots)
             raise
         finally:
             self._take_admitted(loop)
+
+    def _left_out(self, live: list[Sequence]) -> list[Sequence]:
+        """The step's sequences outside a run over ``live``: a probe's other groups, quarantined groups.
+        They keep the KV the step found them with (a rollback's), which only the run's actor scheduler
+        can give up while the run needs the pages (``StepLoop.run``)."""
+        ids = {s.seq_id for s in live}
+        return [s for s in self.seqs if s.seq_id not in ids]
 
     def _take_admitted(self, loop: StepLoop) -> list[Sequence]:
         admitted = loop.admitted
@@ -139,7 +148,14 @@ class StepStart:
         probe, to see whether these groups fail alone."""
         live = [s for g in groups for s in g]
         try:
-            loop.run(live, policy_version, BatchCut(live, None, None), chunk_size=chunk_size, commit=False)
+            loop.run(
+                live,
+                policy_version,
+                BatchCut(live, None, None),
+                chunk_size=chunk_size,
+                commit=False,
+                left_out=self._left_out(live),
+            )
         finally:
             loop.abort(self.seqs, self.snapshots)
 

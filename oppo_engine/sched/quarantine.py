@@ -163,9 +163,10 @@ def _probe_error(probe: Callable[[list[G]], None], groups: list[G], failing: _Ki
     """The error of ``probe(groups)`` if it fails the ``failing`` way; None if it passes or fails another
     way (out of memory and interrupts propagate).
 
-    NOTE: another failure says nothing about these groups: a probe runs a subset while carried sequences
-    outside it keep their pages, so it may stall for pages (an error the engine raises itself) where the
-    whole step would not. If no probe pins the failure, the step's own error propagates."""
+    NOTE: another failure says nothing about these groups. (A probe runs a subset while the groups outside
+    it keep the KV the step found them with; the probe gives those pages up if it runs short of them --
+    ``StepLoop.run``'s ``left_out`` -- so it does not stall for pages where the whole step would not.) If
+    no probe pins the failure, the step's own error propagates."""
     try:
         probe(groups)
     except Exception as e:

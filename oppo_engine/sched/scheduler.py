@@ -39,7 +39,10 @@ class ActorScheduler:
     never preempts: it waits for pages, keeping a small watermark free for the running sequences' next
     pages. A carried-over sequence keeps its KV pages while it waits to be admitted again. When nothing
     can run at all, it gives up first the kept pages of finished sequences (see ``kept_tokens``; a rollback
-    then recomputes them), then the retained pages of the last waiting sequence.
+    then recomputes them), then those of the step's sequences this run leaves out (``leave_out``), then
+    the retained pages of the last waiting sequence. So every actor page is one the scheduler can give
+    up: with nothing left to give, it holds no page, and the arena's actor reserve (one ``max_model_len``
+    sequence) admits any waiting sequence.
 
     The scheduler holds sequences only for one step: ``detach_all`` hands the unfinished ones back (their
     pages stay in the cache) and the next step adds them again, first.
@@ -80,6 +83,7 @@ class ActorScheduler:
         # the sequence finishes, so a failed step can give them back (reused KV cannot be recomputed).
         self.kept_tokens: dict[int, int] = {}
         self._finished_kept: list[int] = []  # finished sequences that still hold kept pages
+        self._left_out: list[Sequence] = []  # the step's sequences outside this run (``leave_out``)
         self._groups: dict[int, list[Sequence]] = {}  # group id -> its samples in this step (n > 1)
         self.num_preemptions = 0
         self.recomputed_tokens = 0  # tokens prefilled again after their KV was dropped
@@ -142,6 +146,14 @@ class ActorScheduler:
         if seq.seq_id in self._finished_kept:
             self._finished_kept.remove(seq.seq_id)
 
+    def leave_out(self, seqs: Iterable[Sequence]) -> None:
+        """``seqs`` belong to the step but not to this run (a quarantine probe's other groups, a group the
+        quarantine took out): never scheduled, but the KV they hold is this scheduler's to give up when it
+        is starved (their ``num_computed`` drops to 0; a rollback then recomputes them). Without it their
+        pages would be held by no lane that can free them, and a run short of exactly those pages would
+        wait for them forever."""
+        self._left_out = [s for s in seqs if s.seq_id in self.cache]
+
     @property
     def has_work(self) -> bool:
         """Sequences are waiting or running (parked ones wait for their environment, not for the actor)."""
@@ -152,10 +164,13 @@ class ActorScheduler:
         pages held elsewhere -- another lane's -- must be freed first)."""
         chunks = self._schedule()
         while not chunks and self.waiting:
-            # Starved: give up pages only a rollback would need, then those of sequences waiting on their
-            # environment, then carried-over KV, last first.
+            # Starved: give up pages only a rollback would need, then those of the step's sequences outside
+            # this run, then those of sequences waiting on their environment, then carried-over KV, last
+            # first.
             if self._finished_kept:
                 self.cache.free(self._finished_kept.pop())
+            elif self._left_out:
+                self._drop_kv(self._left_out.pop())
             elif (parked := self._last_parked_holder()) is not None:
                 self._drop_parked_kv(parked)
             elif (holder := self._last_waiting_holder()) is not None:
@@ -393,5 +408,6 @@ class ActorScheduler:
         self.parked.clear()
         self.kept_tokens.clear()
         self._finished_kept.clear()
+        self._left_out = []
         self._groups.clear()
         return seqs

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -139,10 +139,13 @@ class StepLoop:
         cut: BatchCut,
         chunk_size: int | None = None,
         commit: bool = True,
+        left_out: Iterable[Sequence] = (),
     ) -> StepOutcome:
         """Generate and score ``seqs`` until ``cut`` has its batch; tokens are tagged with
         ``policy_version``. ``chunk_size`` streams. ``commit=False`` (a quarantine probe, rolled back
-        after) keeps the actor KV held for a rollback."""
+        after) keeps the actor KV held for a rollback. ``left_out``: the step's sequences outside this run
+        (a probe's other groups, quarantined ones), whose actor KV the run gives up if it is short of
+        pages (``ActorScheduler.leave_out``)."""
         stream = chunk_size is not None
         out = StepOutcome()
         lane = self.scorer_lane
@@ -176,6 +179,7 @@ class StepLoop:
                     # What is known goes to the scorers at once: the prompt, and tokens carried over.
                     lane.add(seq)
                     self._hand_off(seq, final=seq.status is SeqStatus.FINISHED, out=out)
+            self.actor_sched.leave_out(left_out)
             for source in self.side_work if commit else ():
                 for seq in source.carried():
                     self.actor_sched.add(seq)  # side work the last step did not finish: prefilled again
