@@ -251,3 +251,27 @@ def test_a_starved_run_gives_up_the_kv_of_the_sequences_it_leaves_out_and_only_t
     assert [c.seq for c in sched.schedule()] == [long]  # starved: the left-out KV went
     assert out.seq_id not in cache and out.num_computed == 0
     assert sched.detach_all() == [long] and sched.schedule() == []
+
+
+def test_a_starved_run_gives_up_the_kv_of_a_sequence_a_probe_set_aside():
+    """A probe stops a non-rewindable environment's sequence at its turn's end (``set_aside``): it leaves
+    every queue with its KV, which no run schedules any more. Like the KV of the sequences a run leaves out,
+    it is given up when the run is starved, or a sequence needing the actor's whole reserve would wait for
+    pages nothing frees."""
+    arena = KVArena({"actor": SPEC, "scorer": SPEC}, page_size=8, num_pages=8)
+    arena.set_reserve("actor", 4)
+    arena.set_reserve("scorer", 4)
+    cache, scorer = KVCacheManager(arena, "actor"), KVCacheManager(arena, "scorer")
+    sched = ActorScheduler(
+        cache, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32, eos_token_ids=[EOS]
+    )
+    params = SamplingParams(max_new_tokens=32)
+    aside = Sequence(0, 0, list(range(4, 20)), params, seed=1)
+    sched.add(aside)
+    assert [c.seq for c in sched.schedule()] == [aside]  # its prompt prefilled: 2 pages
+    sched.set_aside(aside)
+    assert scorer.append_slots("scored", 32) is not None  # the scorer holds its whole reserve
+    long = Sequence(2, 2, [8] * 24, params, seed=3)  # 3 pages: only if the set-aside KV goes
+    sched.add(long)
+    assert [c.seq for c in sched.schedule()] == [long]
+    assert aside.seq_id not in cache and aside.num_computed == 0

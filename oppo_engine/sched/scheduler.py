@@ -131,10 +131,13 @@ class ActorScheduler:
 
     def set_aside(self, seq: Sequence) -> None:
         """Take ``seq`` out of the batch, keeping its pages and tokens (a quarantine probe stopped it: the
-        probe's rollback truncates its KV and brings it back)."""
+        probe's rollback truncates its KV and brings it back). Its KV is then given up like that of the
+        sequences the run leaves out (``leave_out``) when the run is starved: no lane schedules it."""
         for queue in (self.running, self.waiting, self.parked):
             if seq in queue:
                 queue.remove(seq)
+        if seq.seq_id in self.cache and seq not in self._left_out:
+            self._left_out.append(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out for good (its environment failed) and free its actor pages."""
