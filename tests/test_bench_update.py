@@ -19,3 +19,15 @@ def test_each_arm_configures_the_trainer_as_named_whatever_ran_before():
         bench_update._configure(trainer, arm, 528)
         got = (trainer.config.group_by_length, trainer.config.max_tokens_per_microbatch)
         assert got == expected[arm], (before, arm)
+
+
+def test_one_packed_arm_per_budget_and_the_others_once():
+    assert bench_update.expand_arms(["padded", "packed"], None) == [
+        ("padded", "padded", None),
+        ("packed", "packed", None),
+    ]
+    assert bench_update.expand_arms(["packed", "grouped"], [528, 2048]) == [
+        ("packed@528", "packed", 528),
+        ("packed@2048", "packed", 2048),
+        ("grouped", "grouped", None),
+    ]
