@@ -52,6 +52,42 @@ ARMS = {
 BATCH, MINIBATCH = 64, 8
 
 
+def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
+    """A model, not a measurement: multiply-adds of one SmolLM2-shape decoder layer over one update of
+    ``batch`` per arm (actor and critic forward and backward, counted 3x a forward, plus the actor's no-grad
+    agreement forward), ``padded`` (random minibatches of 8, as ``PPOTrainer`` draws them at step 0 with
+    ``seed``; sdpa over each row's padded ``w x w``) and ``packed`` at each budget (each pack's dense
+    ``T x T`` mask). The projections and MLP cost 3,538,944 multiply-adds a position, attention 2 x 576 per
+    (query, key) pair."""
+    from oppo_engine.ppo.packing import plan_packs
+
+    gemm, pair = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536, 2 * 576
+    lengths = batch.attention_mask.sum(1)
+    minibatches = list(
+        torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 1_000_003)).split(8)
+    )
+
+    def cost(groups, packed: bool) -> float:
+        """Multiply-adds of forwards over ``groups`` of rows: one pack each, or one padded batch each."""
+        total = 0
+        for g in groups:
+            n = int(lengths[g].sum()) if packed else len(g) * int(lengths[g].max())
+            pairs = n * n if packed else n * int(lengths[g].max())
+            total += n * gemm + pairs * pair
+        return total
+
+    chunks = list(torch.argsort(lengths, stable=True).split(8))  # the padded agreement forward's chunks
+    gmac = (6 * cost(minibatches, False) + cost(chunks, False)) / 1e9
+    out = {"padded": dict(forwards=len(minibatches), gmac=gmac)}
+    for b in budgets:
+        packs = [mb[torch.tensor(p)] for mb in minibatches for p in plan_packs(lengths[mb].tolist(), b)]
+        whole = [torch.tensor(p) for p in plan_packs(lengths.tolist(), b)]
+        attention = sum(int(lengths[p].sum()) ** 2 * pair for p in packs) / cost(packs, True)
+        gmac = (6 * cost(packs, True) + cost(whole, True)) / 1e9
+        out[f"packed@{b}"] = dict(forwards=len(packs), gmac=gmac, attention=attention)
+    return out
+
+
 def _tokenizer(vocab: int):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -300,12 +336,23 @@ def main(argv: list[str] | None = None) -> dict:
                         "sequence the workload allows)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
     parser.add_argument("--memory-only", action="store_true", help="only the per-arm memory subprocesses")
+    parser.add_argument("--macs", action="store_true", help="smollm2: only the per-layer multiply-add model")
     parser.add_argument("--memory-arm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_only:
         return memory_only(args)
+    if args.macs:
+        from oppo_engine.ppo.batch import canonical_order, collate
+
+        batch = collate(canonical_order(synthetic_batch(BATCH, 0, 49152)), 0, "cpu")
+        macs = layer_macs(batch, args.budget or [528, 1024, 2048])
+        for arm, m in macs.items():
+            print(f"{arm}: {m['forwards']} forwards, {m['gmac']:.1f} GMAC per decoder layer per update, "
+                  f"padded/this {macs['padded']['gmac'] / m['gmac']:.2f}x"
+                  + (f", attention {m['attention']:.1%}" if "attention" in m else ""))  # fmt: skip
+        return macs
     trainer, batch, default_budget = build(args.workload, args.layers, args.cache)
     if args.memory_arm:
         build_peak = _rss_gib()
