@@ -2,6 +2,7 @@
 
     python -m bench.bench_update --workload demo --rounds 5
     python -m bench.bench_update --workload smollm2 --layers 4 --rounds 5
+    python -m bench.bench_update --workload smollm2 --layers 8 --memory-only --budget 528 2048
 
 Arms: ``padded`` (one padded forward per minibatch of random rows, ``group_by_length=False``),
 ``grouped`` (padded, rows of similar length together) and ``packed`` (``max_tokens_per_microbatch``). Every
@@ -11,7 +12,10 @@ interleaved round by round and each figure is the minimum over the rounds, with 
 beside it; the process's CPU time (``time.process_time()``, all its threads) is reported beside the wall
 time, being less sensitive to other processes on a shared machine.
 Peak memory: ``ru_maxrss`` of a fresh subprocess per arm that builds the same trainer and runs
-one update (so it includes the models and the engine, the same for every arm).
+one update (so it includes the models and the engine, the same for every arm); each subprocess also reports
+its peak after the build, before the update, and the one update's (cold) time. ``--memory-only`` runs just
+these subprocesses, one after another, the parent building nothing (so two processes never hold a model at
+once). Several ``--budget`` values make one ``packed`` arm per budget (``packed@528``, ``packed@2048``).
 
 Workloads (B=64 rollouts, minibatches of 8, one epoch):
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -45,6 +50,42 @@ ARMS = {
     "packed": dict(group_by_length=False, max_tokens_per_microbatch=None),  # the budget: per workload
 }
 BATCH, MINIBATCH = 64, 8
+
+
+def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
+    """A model, not a measurement: multiply-adds of one SmolLM2-shape decoder layer over one update of
+    ``batch`` per arm (actor and critic forward and backward, counted 3x a forward, plus the actor's no-grad
+    agreement forward), ``padded`` (random minibatches of 8, as ``PPOTrainer`` draws them at step 0 with
+    ``seed``; sdpa over each row's padded ``w x w``) and ``packed`` at each budget (each pack's dense
+    ``T x T`` mask). The projections and MLP cost 3,538,944 multiply-adds a position, attention 2 x 576 per
+    (query, key) pair."""
+    from oppo_engine.ppo.packing import plan_packs
+
+    gemm, pair = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536, 2 * 576
+    lengths = batch.attention_mask.sum(1)
+    minibatches = list(
+        torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 1_000_003)).split(8)
+    )
+
+    def cost(groups, packed: bool) -> float:
+        """Multiply-adds of forwards over ``groups`` of rows: one pack each, or one padded batch each."""
+        total = 0
+        for g in groups:
+            n = int(lengths[g].sum()) if packed else len(g) * int(lengths[g].max())
+            pairs = n * n if packed else n * int(lengths[g].max())
+            total += n * gemm + pairs * pair
+        return total
+
+    chunks = list(torch.argsort(lengths, stable=True).split(8))  # the padded agreement forward's chunks
+    gmac = (6 * cost(minibatches, False) + cost(chunks, False)) / 1e9
+    out = {"padded": dict(forwards=len(minibatches), gmac=gmac)}
+    for b in budgets:
+        packs = [mb[torch.tensor(p)] for mb in minibatches for p in plan_packs(lengths[mb].tolist(), b)]
+        whole = [torch.tensor(p) for p in plan_packs(lengths.tolist(), b)]
+        attention = sum(int(lengths[p].sum()) ** 2 * pair for p in packs) / cost(packs, True)
+        gmac = (6 * cost(packs, True) + cost(whole, True)) / 1e9
+        out[f"packed@{b}"] = dict(forwards=len(packs), gmac=gmac, attention=attention)
+    return out
 
 
 def _tokenizer(vocab: int):
@@ -226,13 +267,58 @@ def _parts(run: dict) -> str:
     )
 
 
-def memory_of(arm: str, args) -> float:
-    """Peak resident memory (GiB) of a fresh process that builds the trainer and runs one ``arm`` update."""
+def expand_arms(names: list[str], budgets: list[int] | None) -> list[tuple[str, str, int | None]]:
+    """``(label, arm, budget)`` of each arm to run: ``packed`` once per budget (labelled ``packed@B`` when
+    there are several; ``None``: the workload's default), the others once."""
+    budgets = budgets or [None]
+    out = []
+    for arm in names:
+        if arm != "packed":
+            out.append((arm, arm, None))
+            continue
+        for b in budgets:
+            out.append((f"packed@{b}" if len(budgets) > 1 else arm, arm, b))
+    return out
+
+
+def _rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def memory_of(arm: str, budget: int | None, args) -> dict:
+    """A fresh process that builds the trainer and runs one ``arm`` update: its peak resident memory (GiB,
+    ``ru_maxrss``) after the build and at the end, the update's wall and CPU time (cold: its first), the
+    load after it."""
     cmd = [sys.executable, "-m", "bench.bench_update", "--workload", args.workload, "--layers",
            str(args.layers), "--cache", args.cache, "--memory-arm", arm,
-           "--threads", str(args.threads or 0), "--budget", str(args.budget or 0)]  # fmt: skip
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
-    return json.loads(out.strip().splitlines()[-1])["maxrss_gib"]
+           "--threads", str(args.threads or 0), "--budget", str(budget or 0)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def memory_only(args) -> dict:
+    """``--memory-only``: one fresh process per arm (one after another), a table of their peaks."""
+    print(
+        f"{args.workload}: peak memory per arm, one fresh process each (build + one update)"
+        + (f", {args.layers} layers (bf16)" if args.workload == "smollm2" else " (fp32)")
+        + f"; load before {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    print(
+        "| arm | peak RSS GiB (ru_maxrss) | after build GiB | update's increase GiB | update s (cold) "
+        "| CPU s | load |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    out = {}
+    for label, arm, budget in expand_arms(args.arms, args.budget):
+        m = out[label] = memory_of(arm, budget, args)
+        print(
+            f"| {label} | {m['maxrss_gib']:.2f} | {m['build_maxrss_gib']:.2f} | "
+            f"{m['maxrss_gib'] - m['build_maxrss_gib']:.2f} | {m['update_s']:.1f} | {m['cpu_s']:.1f} | "
+            f"{m['load']:.2f} |",
+            flush=True,
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -245,22 +331,40 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-arm memory subprocesses")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed update of each arm")
-    parser.add_argument("--budget", type=int, default=None, help="packed: max_tokens_per_microbatch "
-                        "(default: the longest sequence the workload allows)")  # fmt: skip
+    parser.add_argument("--budget", type=int, nargs="+", default=None, help="packed: "
+                        "max_tokens_per_microbatch, one packed arm per value (default: the longest "
+                        "sequence the workload allows)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
+    parser.add_argument("--memory-only", action="store_true", help="only the per-arm memory subprocesses")
+    parser.add_argument("--macs", action="store_true", help="smollm2: only the per-layer multiply-add model")
     parser.add_argument("--memory-arm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    trainer, batch, budget = build(args.workload, args.layers, args.cache)
-    budget = args.budget or budget
-    arms = {arm: ARMS[arm] for arm in args.arms}
+    if args.memory_only:
+        return memory_only(args)
+    if args.macs:
+        from oppo_engine.ppo.batch import canonical_order, collate
+
+        batch = collate(canonical_order(synthetic_batch(BATCH, 0, 49152)), 0, "cpu")
+        macs = layer_macs(batch, args.budget or [528, 1024, 2048])
+        for arm, m in macs.items():
+            print(f"{arm}: {m['forwards']} forwards, {m['gmac']:.1f} GMAC per decoder layer per update, "
+                  f"padded/this {macs['padded']['gmac'] / m['gmac']:.2f}x"
+                  + (f", attention {m['attention']:.1%}" if "attention" in m else ""))  # fmt: skip
+        return macs
+    trainer, batch, default_budget = build(args.workload, args.layers, args.cache)
     if args.memory_arm:
-        _configure(trainer, args.memory_arm, budget)
+        build_peak = _rss_gib()
+        _configure(trainer, args.memory_arm, (args.budget or [0])[0] or default_budget)
+        t, cpu = time.perf_counter(), time.process_time()
         trainer._update(batch)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        print(json.dumps({"maxrss_gib": peak}))
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+        print(json.dumps(dict(maxrss_gib=_rss_gib(), build_maxrss_gib=build_peak, update_s=wall, cpu_s=cpu,
+                              load=os.getloadavg()[0])))  # fmt: skip
         return {}
+    arms = {label: (arm, b or default_budget) for label, arm, b in expand_arms(args.arms, args.budget)}
+    budget = ", ".join(str(b) for a, b in arms.values() if a == "packed") or "-"
     lengths = batch.attention_mask.sum(1)
     print(
         f"{args.workload}: B={len(batch)}, minibatch {MINIBATCH}, {int(lengths.sum())} tokens, lengths "
@@ -270,13 +374,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     state = _snapshot(trainer)
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
-    for arm in [] if args.no_warmup else arms:  # warm-up, untimed
-        _configure(trainer, arm, budget)
+    for arm, b in [] if args.no_warmup else arms.values():  # warm-up, untimed
+        _configure(trainer, arm, b)
         _restore(trainer, state)
         trainer._update(batch)
     for r in range(args.rounds):
-        for arm in arms:
-            _configure(trainer, arm, budget)
+        for arm, (kind, b) in arms.items():
+            _configure(trainer, kind, b)
             _restore(trainer, state)
             runs[arm].append(timed_update(trainer, batch))
             last = runs[arm][-1]
@@ -286,7 +390,12 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
     trainer.close()
-    memory = {arm: math.nan if args.no_memory else memory_of(arm, args) for arm in arms}
+    del trainer, state  # the memory subprocesses below must not run beside this process's models
+    gc.collect()
+    memory = {
+        arm: math.nan if args.no_memory else memory_of(kind, b, args)["maxrss_gib"]
+        for arm, (kind, b) in arms.items()
+    }
     best = {arm: min(rs, key=lambda x: x["update_s"]) for arm, rs in runs.items()}
     cpu = {arm: min(r["cpu_s"] for r in rs) for arm, rs in runs.items()}
     print(
@@ -307,7 +416,9 @@ def main(argv: list[str] | None = None) -> dict:
     losses = {
         arm: (rs[0]["policy_loss"], rs[0]["value_loss"], rs[0]["grad_norm"]) for arm, rs in runs.items()
     }
-    pair = [losses[a] for a in ("packed", "padded") if a in losses]
+    pair = [
+        losses[a] for a in (next((a for a in losses if a.startswith("packed")), ""), "padded") if a in losses
+    ]
     diff = max(abs(a - b) for a, b in zip(*pair, strict=True)) if len(pair) == 2 else math.nan
     print(
         f"policy loss, value loss, grad norm per arm: {losses}; packed vs padded max |difference| {diff:.2e}"

@@ -19,3 +19,30 @@ def test_each_arm_configures_the_trainer_as_named_whatever_ran_before():
         bench_update._configure(trainer, arm, 528)
         got = (trainer.config.group_by_length, trainer.config.max_tokens_per_microbatch)
         assert got == expected[arm], (before, arm)
+
+
+def test_one_packed_arm_per_budget_and_the_others_once():
+    assert bench_update.expand_arms(["padded", "packed"], None) == [
+        ("padded", "padded", None),
+        ("packed", "packed", None),
+    ]
+    assert bench_update.expand_arms(["packed", "grouped"], [528, 2048]) == [
+        ("packed@528", "packed", 528),
+        ("packed@2048", "packed", 2048),
+        ("grouped", "grouped", None),
+    ]
+
+
+def test_the_multiply_add_model_counts_padded_rows_and_dense_pack_masks():
+    """Two rows of 3 and 1 tokens: padded, 2 x 3 positions and 2 x 3 x 3 attended pairs; one pack of 4
+    tokens, 4 positions and a dense 4 x 4 mask; both 6 grad forwards' worth (actor and critic, 3x) plus the
+    agreement forward."""
+    import pytest
+    import torch
+
+    batch = SimpleNamespace(attention_mask=torch.tensor([[1, 1, 1], [1, 0, 0]]))
+    gemm, pair = 3_538_944, 2 * 576
+    got = bench_update.layer_macs(batch, [4])
+    assert got["padded"]["gmac"] * 1e9 == pytest.approx(7 * (6 * gemm + 18 * pair), rel=1e-12)
+    assert got["packed@4"]["gmac"] * 1e9 == pytest.approx(7 * (4 * gemm + 16 * pair), rel=1e-12)
+    assert got["packed@4"]["forwards"] == got["padded"]["forwards"] == 1

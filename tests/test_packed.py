@@ -209,3 +209,30 @@ def test_weights_made_under_inference_mode_are_left_to_f_linear():
     assert engines[True]._loop.actor.runner.packed.nbytes == 0
     for e in engines.values():
         e.close()
+
+
+def test_a_forward_already_set_on_the_instance_is_left_in_place_and_runs():
+    """A module whose forward is already set on the instance (accelerate's hooks, a user's wrapper) keeps it:
+    the packs never replace it (the wrapper's own work, e.g. moving weights, must run), and after the
+    block it is the very object that was there, not removed."""
+    actor = make_actor()
+    linears = [m for m in actor.modules() if type(m) is torch.nn.Linear]
+    hooked, plain = linears[0], linears[1]
+    calls = []
+
+    def wrapper(x, _own=hooked.forward):
+        calls.append(x.shape)
+        return _own(x)
+
+    hooked.forward = wrapper
+    packs = packed.PackedLinears(actor, 4)
+    x = torch.randn(3, hooked.in_features)
+    for _ in range(2):  # the second time with the packs already made
+        with torch.inference_mode(), packs.applied():
+            assert hooked.__dict__["forward"] is wrapper
+            assert "forward" in plain.__dict__
+            got = hooked(x)
+        assert hooked.__dict__["forward"] is wrapper
+        assert "forward" not in plain.__dict__
+    assert len(calls) == 2
+    assert torch.equal(got, F.linear(x, hooked.weight, hooked.bias))

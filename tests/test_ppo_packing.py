@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from oppo_engine.ppo import PPOConfig, PPOTrainer, core, engine_config_for
+from oppo_engine.ppo.batch import canonical_order, collate
 from oppo_engine.ppo.packing import pack_logprobs, pack_rows, plan_packs
 from oppo_engine.ppo.task import model_config, train_tokenizer
 
@@ -152,6 +153,46 @@ def test_packed_losses_and_gradients_equal_padded(group_by_length):
         assert a.keys() == b.keys() and len(a) > 10
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _NoKeepActor(torch.nn.Module):
+    """A causal LM whose forward takes no ``logits_to_keep``: every position's logits come back."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+def test_padded_forwards_run_the_lm_head_on_the_sampled_tokens_only():
+    """The padded path's LM head sees only the positions whose log-probs are read (``mask > 0``: not the
+    prompts, not the padding); their log-probs are the full computation's, every other column is 0. A model
+    whose forward takes no ``logits_to_keep`` gets the same columns from its full logits."""
+    trainer = make_trainer(ppo_models())
+    rollouts = trainer.engine.step().rollouts
+    batch = collate(canonical_order(rollouts), trainer.tokenizer.pad_token_id, "cpu")
+    lengths = batch.attention_mask.sum(1)
+    rows = torch.arange(len(batch))
+    head_rows = []
+    hook = trainer.actor.lm_head.register_forward_hook(
+        lambda m, i, o: head_rows.append(i[0].shape[:-1].numel())
+    )
+    with torch.no_grad():
+        got, _, width = trainer._forward(batch, rows, lengths, values=False)
+    hook.remove()
+    sampled = batch.mask[:, : width - 1] > 0
+    assert head_rows == [int(sampled.sum())] and sampled.sum() < sampled.numel()
+    ids, attention_mask = batch.input_ids[:, :width], batch.attention_mask[:, :width]
+    with torch.no_grad():
+        full = core.token_logprobs(trainer.actor, ids, attention_mask, trainer.config.temperature)
+        other = core.token_logprobs(_NoKeepActor(trainer.actor), ids, attention_mask, 0.7, keep=sampled)
+        full_07 = core.token_logprobs(trainer.actor, ids, attention_mask, 0.7)
+    torch.testing.assert_close(got[sampled], full[sampled], rtol=1e-5, atol=1e-6)
+    assert (got[~sampled] == 0).all() and (full[~sampled] != 0).any()
+    assert torch.equal(other[sampled], full_07[sampled]) and (other[~sampled] == 0).all()
+    trainer.close()
 
 
 def _leaky_attention(module, query, key, value, attention_mask, **kwargs):

@@ -15,7 +15,8 @@ that the packs follow the weights.
 
 The packed copies live beside the model's weights (one more copy of every ``nn.Linear`` weight: the
 actor's only) and are swapped in for the duration of the runner's forward: each module's ``forward`` is
-set on the instance, then removed, so the trainer's forwards and backwards never see them. They follow the
+set on the instance, then removed, so the trainer's forwards and backwards never see them (a module that
+already has an instance ``forward``, such as accelerate's hooks, keeps it and is not packed). They follow the
 weights: before every forward a module whose weight tensor was replaced or written in place (its
 ``_version``, which every in-place op bumps: optimizer steps, ``copy_``, ``load_state_dict``) is packed
 again, and ``update_policy()`` drops every pack of the actor and critic (``drop``), which covers writes that
@@ -56,7 +57,9 @@ class PackedLinears:
     for it, and any other number of rows works as well. Modules are the exact ``nn.Linear`` instances of the
     model (subclasses may change ``forward``: they are left alone) whose weight is a CPU fp32 or bf16
     tensor that ``ops.packed_linear_supported`` accepts, and not an inference tensor (made under
-    ``torch.inference_mode()``: it has no version counter).
+    ``torch.inference_mode()``: it has no version counter). A module whose ``forward`` is already set on
+    the instance (accelerate's hooks, a user's wrapper) is left to it at that forward: its wrapper's work
+    must run, and the object stays where it was.
     """
 
     def __init__(self, model: nn.Module, batch_hint: int) -> None:
@@ -92,7 +95,7 @@ class PackedLinears:
             ok = supported.get(key)
             if ok is None:
                 ok = supported[key] = ops.packed_linear_supported(w)
-            if not ok or w.is_inference():
+            if not ok or w.is_inference() or "forward" in e.module.__dict__:
                 e.weight, e.version, e.packed, e.forward = None, -1, None, None
                 continue
             version = w._version
@@ -116,8 +119,9 @@ class PackedLinears:
             try:
                 yield
             finally:
-                for e in installed:
-                    e.module.__dict__.pop("forward", None)
+                for e in installed:  # only what was installed here: anything set meanwhile stays
+                    if e.module.__dict__.get("forward") is e.forward:
+                        del e.module.__dict__["forward"]
 
 
 def _packed_forward(packs: PackedLinears, module: nn.Linear, packed: torch.Tensor):

@@ -3,6 +3,7 @@ models, KL-penalised rewards, GAE, whitening and the clipped losses. Pure functi
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -58,16 +59,21 @@ def token_logprobs(
     ``keep`` (bool ``[N, L-1]``) computes only the columns it marks (0 elsewhere): the LM head and the
     log-softmax over the vocabulary run on those positions alone (transformers' boolean ``logits_to_keep``),
     which for a large vocabulary is most of a small model's per-token work. The marked columns' values are
-    those of the full computation (to rounding: the head's matmul has fewer rows)."""
+    those of the full computation (to rounding: the head's matmul has fewer rows). A model whose forward
+    takes no ``logits_to_keep`` computes every position's logits, and the log-softmax runs on the marked
+    ones alone."""
     inputs = dict(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
     if keep is None:
         logits = actor(**inputs).logits[:, :-1]
         targets = input_ids[:, 1:]
-    else:
+    elif "logits_to_keep" in inspect.signature(unwrap_model(actor).forward).parameters:
         rows = torch.nn.functional.pad(keep, (0, 1))  # [N, L]: the last position predicts nothing
         logits = actor(**inputs, logits_to_keep=rows).logits  # [K, V]: the kept positions, row-major
+        targets = input_ids[:, 1:][keep]
+    else:
+        logits = actor(**inputs).logits[:, :-1][keep]
         targets = input_ids[:, 1:][keep]
     logits = logits.float()
     if temperature != 1.0:  # NOTE: x / 1.0 is x: skipping it is exact and saves a pass over [tokens, V]

@@ -287,15 +287,16 @@ class PPOTrainer:
         forward per model, padded to ``w`` (exact: right padding, causal models) or packed."""
         cfg = self.config
         width = int(lengths[rows].max())
+        # Only the sampled tokens' log-probs are ever read (the losses, the agreement and the stale
+        # recompute are masked): the LM head and its log-softmax run on those positions alone, packed or
+        # padded (not on prompts and padding).
+        keep = batch.mask[rows, : width - 1] > 0
         if cfg.max_tokens_per_microbatch is not None:
-            # Only the sampled tokens' log-probs are ever read (the losses, the agreement and the stale
-            # recompute are masked): the LM head and its log-softmax run on those positions alone.
-            keep = batch.mask[rows, : width - 1] > 0
             pack = pack_rows(batch.input_ids[rows], lengths[rows].tolist(), keep)
             logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
             return logprobs, pack_values(self.critic, pack) if values else None, width
         ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
-        logprobs = core.token_logprobs(self.actor, ids, attention_mask, cfg.temperature)
+        logprobs = core.token_logprobs(self.actor, ids, attention_mask, cfg.temperature, keep=keep)
         return logprobs, core.token_values(self.critic, ids, attention_mask) if values else None, width
 
     def trainer_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
