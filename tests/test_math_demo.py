@@ -1,0 +1,112 @@
+"""``oppo-engine demo``'s default job, the math task, on a tiny random chat model saved as a local folder (the
+real model's run: tests/test_math_task.py, marked ``real_model``): the command line's defaults are the math
+task's, the records' accuracy fields agree with the rule and with each other, and the update runs under bf16
+autocast over fp32 weights."""
+
+from __future__ import annotations
+
+import json
+from statistics import mean
+
+import pytest
+import torch
+from serve_models import chat_actor, chat_tokenizer
+
+from oppo_engine.ppo import demo, math_task, report
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """A tiny random Qwen2 chat model and its tokenizer (a chat template, ``<|im_end|>`` its EOS), saved as
+    the local folder ``--actor`` takes."""
+    folder = tmp_path_factory.mktemp("chat_model")
+    tokenizer = chat_tokenizer()
+    chat_actor(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _first_crossing(accuracy: list[float], threshold: float) -> int | None:
+    """The 1-based step of the trailing ``report.TRAILING``-step mean's first value at or above
+    ``threshold`` (the module docstring of report.py, computed here again from the records)."""
+    k = report.TRAILING
+    if len(accuracy) < k:
+        return len(accuracy) if mean(accuracy) >= threshold else None
+    return next((i for i in range(k, len(accuracy) + 1) if mean(accuracy[i - k : i]) >= threshold), None)
+
+
+def test_the_default_demo_is_the_math_task_with_consistent_accuracy_records(chat_folder, tmp_path):
+    from oppo_engine.cli import main
+
+    out = tmp_path / "out"
+    steps, heldout = 6, 4
+    # No --task, no --modes: the command line's defaults (the math task, its two modes, its trainer).
+    rc = main(["demo", "--actor", str(chat_folder), "--steps", str(steps), "--batch-size", "2",
+               "--max-new-tokens", "6", "--heldout", str(heldout), "--out", str(out),
+               "--device", "cpu"])  # fmt: skip
+    assert rc == 0
+    records = json.loads((out / "records.json").read_text())
+    assert tuple(records) == demo.MATH_DEFAULTS["modes"] == ("sequential", "oppo")
+    # The untrained model's greedy held-out accuracy, evaluated again here: every mode starts from it.
+    model, tokenizer = demo._pretrained(str(chat_folder), 0)
+    initial, _, _ = math_task.heldout_accuracy(
+        model, tokenizer, max_new_tokens=6, limit=heldout, operations=demo.DemoOptions().math_operations
+    )
+    base = records["sequential"]["records"]
+    accuracy = [r["accuracy"] for r in base]
+    first, last = mean(accuracy[: report.TRAILING]), mean(accuracy[-report.TRAILING :])
+    threshold = first + report.THRESHOLD_FRACTION * (last - first)
+    for rec in records.values():
+        assert rec["eval_accuracy_initial"] == initial
+        assert rec["eval_accuracy_final"] * heldout == int(rec["eval_accuracy_final"] * heldout)  # k of 4
+        steps_ = rec["records"]
+        assert len(steps_) == steps
+        for r in steps_:  # accuracy is a share of the batch's rollouts, not the reward
+            assert r["accuracy"] * r["rollouts"] == pytest.approx(round(r["accuracy"] * r["rollouts"]))
+            assert 0 <= r["cut_off"] <= 1 and r["unparsed"] <= r["rollouts"]
+        # Time to accuracy: the base mode's threshold, this mode's own summed step time at its crossing.
+        crossing = _first_crossing([r["accuracy"] for r in steps_], threshold)
+        expected = steps_[crossing - 1]["elapsed_s"] if crossing is not None else None
+        assert rec["time_to_accuracy_s"] == expected
+        assert steps_[-1]["elapsed_s"] == pytest.approx(sum(r["step_s"] for r in steps_))
+    assert records["sequential"]["time_to_accuracy_s"] is not None  # its own threshold: always reached
+    table = (out / "table.txt").read_text()
+    assert "time to accuracy (s)" in table and "time to reward (s)" not in table
+    assert "held-out accuracy: before -> after" in table
+    for png in ("accuracy.png", "reward.png", "control.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_math_trainer_updates_under_bf16_autocast_over_fp32_weights(chat_folder, tmp_path):
+    opts = demo.DemoOptions(task="math", modes=("sequential",), batch_size=2, max_new_tokens=6, heldout=0,
+                            out=tmp_path, threads=1)  # fmt: skip
+    trainer = demo.make_trainer("sequential", opts, chat_folder, chat_folder)
+    try:
+        before = [p.detach().clone() for p in trainer.actor.parameters()]
+        seen = []  # the dtype of the actor's logits in each forward that builds a graph (the update's)
+
+        def hook(_module, _inputs, output):
+            if torch.is_grad_enabled():
+                seen.append(output.dtype)
+
+        handle = trainer.actor.lm_head.register_forward_hook(hook)
+        trainer.step()
+        handle.remove()
+        assert seen and set(seen) == {torch.bfloat16}
+        params = list(trainer.actor.parameters())
+        assert {p.dtype for p in params} == {torch.float32}  # master weights and AdamW stay fp32
+        assert any(not torch.equal(a, b) for a, b in zip(before, params, strict=True))  # and they moved
+        assert all(s.dtype == torch.float32 for st in trainer.actor_optim.state.values() for s in st.values()
+                   if torch.is_tensor(s) and s.dim() > 0)  # fmt: skip
+    finally:
+        trainer.close()
+
+
+def test_the_math_demos_problems_have_one_operation(chat_folder):
+    # The demo trains and evaluates on one-operation problems (DemoOptions.math_operations): the 135M model
+    # gets 10% of one to three operations right greedily, and made up steps (docs/benchmarks.md).
+    assert demo.DemoOptions().math_operations == (1, 1)
+    cfg = demo.ppo_config(demo.DemoOptions(task="math", batch_size=32))
+    assert (cfg.batch_size, cfg.minibatch_size, cfg.lr, cfg.lam, cfg.rollout_correction) == (
+        32, 8, 5e-6, 1.0, "tis",
+    )  # fmt: skip
