@@ -110,3 +110,27 @@ def test_the_math_demos_problems_have_one_operation(chat_folder):
     assert (cfg.batch_size, cfg.minibatch_size, cfg.lr, cfg.lam, cfg.rollout_correction) == (
         32, 8, 5e-6, 1.0, "tis",
     )  # fmt: skip
+
+
+def test_the_math_demos_modes_sample_the_same_tokens_for_a_prompt_at_its_first_step(chat_folder, tmp_path):
+    # Every mode starts from the same weights and gives each prompt the seed of its position in the stream:
+    # what the modes differ in is which prompts finish in which step (oppo overcommits B + Δ), never a
+    # prompt's tokens. So a prompt that two modes both return at step 1 has the same response and
+    # behaviour log-probs in both; and so the modes' final accuracies differ by what they trained on, not
+    # by how they sampled.
+    opts = demo.DemoOptions(task="math", batch_size=4, max_new_tokens=6, heldout=0, out=tmp_path, threads=1)
+    responses = {}
+    for mode in ("sequential", "oppo"):
+        trainer = demo.make_trainer(mode, opts, chat_folder, chat_folder)
+        try:
+            rollouts = trainer.step().rollout.rollouts
+        finally:
+            trainer.close()
+        assert len(rollouts) == opts.batch_size
+        responses[mode] = {tuple(r.prompt_ids): (r.response_ids, r.logprobs) for r in rollouts}
+    both = responses["sequential"].keys() & responses["oppo"].keys()
+    assert both  # the first prompts of the stream are in both batches
+    for prompt in both:
+        (seq_ids, seq_lp), (oppo_ids, oppo_lp) = responses["sequential"][prompt], responses["oppo"][prompt]
+        assert seq_ids == oppo_ids
+        assert torch.allclose(torch.tensor(seq_lp), torch.tensor(oppo_lp), atol=1e-5, rtol=0)
