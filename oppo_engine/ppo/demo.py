@@ -338,10 +338,32 @@ def _run_group(group: list[ModeRun], opts: DemoOptions, actor_path, reward_path,
         gc.collect()  # the engine's threads and the trainer's closures form cycles: free their tensors now
 
 
+def release_heap() -> bool:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim(0)``; False where there is
+    none). PyTorch's CPU tensors come from ``malloc``: a PPO step of SmolLM2 frees gigabytes of activations
+    and logits whose shapes change from step to step, and glibc kept them, so the math demo's resident
+    memory grew by about 1 GB a step (11.5 -> 14.3 GB over four steps); one ``malloc_trim(0)`` at that point
+    took it to 8.0 GB (docs/benchmarks.md, "The math demo")."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
     s0, c0 = time.perf_counter(), time.process_time()
     stats = trainer.step()
     step_s, cpu_s = time.perf_counter() - s0, time.process_time() - c0
+    if isinstance(trainer.reward, math_task.MathReward):  # a real model's steps: outside the timed step
+        release_heap()
     m = stats.rollout.metrics
     run.records.append(
         StepRecord(
