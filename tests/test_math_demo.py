@@ -134,3 +134,28 @@ def test_the_math_demos_modes_sample_the_same_tokens_for_a_prompt_at_its_first_s
         (seq_ids, seq_lp), (oppo_ids, oppo_lp) = responses["sequential"][prompt], responses["oppo"][prompt]
         assert seq_ids == oppo_ids
         assert torch.allclose(torch.tensor(seq_lp), torch.tensor(oppo_lp), atol=1e-5, rtol=0)
+
+
+def test_the_math_demos_printed_batch_counts_right_answers_by_the_rule_not_the_polite_tasks_rules():
+    # SmolLM2's vocabulary has the polite task's words ("thank", "list", ...): the printed batch must not
+    # judge math answers by the polite task's rules (nor name reward hacking: the reward is the rule).
+    from oppo_engine.sched.results import Rollout
+
+    tokenizer = chat_tokenizer()
+    problems = math_task.problems(3, seed=5, max_ops=1)
+    prompts, rule = math_task.task_prompts(tokenizer, problems)
+    answers = [
+        f"The answer is {problems[0].answer}.",  # right, formatted
+        f"so {problems[1].answer}",  # right, no format
+        f"The answer is {problems[2].answer + 1}.",  # wrong, formatted
+    ]
+    rollouts = []
+    for ids, text in zip(prompts, answers, strict=True):
+        response = tokenizer(text)["input_ids"]
+        rollouts.append(Rollout(prompt_ids=ids, response_ids=response, logprobs=[0.0] * len(response),
+                                reward=rule(ids, response), policy_versions=[0] * len(response),
+                                deferred_steps=0, finish_reason="eos"))  # fmt: skip
+    lines = demo.batch_examples(tokenizer, rollouts, embedded=True, rule=rule)
+    assert lines[0].startswith("2/3 answers have the right final number; 2/3 end in the asked format")
+    assert lines[1].startswith("best  (reward +1.10)") and lines[2].startswith("worst (reward +0.10)")
+    assert not any("reward hacking" in line for line in lines)

@@ -406,6 +406,8 @@ def _show_samples(mode: str, trainer: PPOTrainer, stats, log) -> None:
     rollouts = stats.rollout.rollouts
     if trainer.engine.env is not None:
         lines = tools_task.examples(trainer.tokenizer, rollouts)
+    elif isinstance(trainer.reward, math_task.MathReward):  # its rule, not the polite task's
+        lines = batch_examples(trainer.tokenizer, rollouts, embedded=False, rule=trainer.reward)
     else:
         lines = batch_examples(trainer.tokenizer, rollouts, embedded=trainer_is_embedded(trainer))
     log(f"{mode}, last batch: {lines[0]}")
@@ -419,19 +421,29 @@ def trainer_is_embedded(trainer: PPOTrainer) -> bool:
     return all(word in vocab for word in ("thank", "list", *TOPICS))
 
 
-def batch_examples(tokenizer, rollouts, *, embedded: bool = True, width: int = 240) -> list[str]:
+def batch_examples(
+    tokenizer, rollouts, *, embedded: bool = True, width: int = 240, rule: math_task.MathReward | None = None
+) -> list[str]:
     """What the demo prints of a batch: the best- and the worst-scored answers with their rewards and, on the
     embedded task, how many answers keep its rules (``task.broken_rules``) and whether the reward model is
     being gamed -- named as reward hacking when the top-scored answer breaks a rule or repeats a sentence
     three times or more. That is what RLHF looks like when the reward model is the weak link: shown, never
-    hidden."""
+    hidden. On the math task (``rule``, its ``MathReward``) the first line counts the answers whose final
+    number is right and those in the asked format instead: the rule is the task, there is nothing to game."""
     if not rollouts:
         return ["no rollouts"]
     texts = [(tokenizer.decode(r.prompt_ids), tokenizer.decode(r.response_ids)) for r in rollouts]
     order = sorted(range(len(rollouts)), key=lambda i: rollouts[i].reward)
     best, worst = order[-1], order[0]
     n = len(rollouts)
-    if embedded:
+    if rule is not None:
+        grades = [rule.grade(r.prompt_ids, r.response_ids) for r in rollouts]
+        lines = [
+            f"{sum(g.correct for g in grades)}/{n} answers have the right final number; "
+            f'{sum(g.formatted for g in grades)}/{n} end in the asked format ("The answer is N.")'
+        ]
+        embedded = False
+    elif embedded:
         finished = [r.finish_reason == "eos" for r in rollouts]
         broken = [broken_rules(p, a, done) for (p, a), done in zip(texts, finished, strict=True)]
         polite = sum(is_polite(a) for _, a in texts)
