@@ -157,5 +157,6 @@ def test_the_math_demos_printed_batch_counts_right_answers_by_the_rule_not_the_p
                                 deferred_steps=0, finish_reason="eos"))  # fmt: skip
     lines = demo.batch_examples(tokenizer, rollouts, embedded=True, rule=rule)
     assert lines[0].startswith("2/3 answers have the right final number; 2/3 end in the asked format")
-    assert lines[1].startswith("best  (reward +1.10)") and lines[2].startswith("worst (reward +0.10)")
+    assert lines[1] == f"best  (reward +1.10): {problems[0].question}  ->  {answers[0]}"
+    assert lines[2] == f"worst (reward +0.10): {problems[2].question}  ->  {answers[2]}"  # the question alone
     assert not any("reward hacking" in line for line in lines)

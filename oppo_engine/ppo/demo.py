@@ -268,10 +268,17 @@ def _heldout(model, tokenizer, opts: DemoOptions, label: str, log) -> float:
         f"{batch.cut_off:.0%} cut off; {time.perf_counter() - t0:.0f}s)"
     )
     for r in rollouts[:2]:
-        question = tokenizer.decode(r.prompt_ids).split("<|im_start|>user\n")[-1].split(" Solve")[0]
+        question = _question(tokenizer, r.prompt_ids)
         answer = tokenizer.decode(r.response_ids, skip_special_tokens=True).replace("\n", " ")[:200]
         log(f"    {question} -> {answer}")
     return acc
+
+
+def _question(tokenizer, prompt_ids) -> str:
+    """A math prompt's problem, without the chat around it: the line of its last user turn, before the
+    instruction."""
+    text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    return text.rsplit(math_task.INSTRUCTION, 1)[0].rstrip().rsplit("\n", 1)[-1]
 
 
 ONE_MODE_AT_A_TIME = ("tools", "math")  # tasks whose modes run one after the other (run_modes)
@@ -454,6 +461,11 @@ def batch_examples(
         ]
     else:
         lines = [f"{n} rollouts"]
+    if rule is not None:  # the question alone, not the chat template and the worked example around it
+        texts = [
+            (_question(tokenizer, r.prompt_ids), tokenizer.decode(r.response_ids, skip_special_tokens=True))
+            for r in rollouts
+        ]
     for label, i in (("best ", best), ("worst", worst)):
         prompt, answer = texts[i]
         if len(answer) > width:
