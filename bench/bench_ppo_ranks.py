@@ -23,8 +23,8 @@ from pathlib import Path
 
 def _demo(args, nproc: int, out: Path) -> dict:
     batch = args.batch_size if nproc == 1 else args.batch_size // nproc
-    cmd = [sys.executable, "-m", "oppo_engine.cli", "demo", "--modes", args.mode, "--steps",
-           str(args.steps), "--batch-size", str(batch), "--cache", args.cache, "--out", str(out),
+    cmd = [sys.executable, "-m", "oppo_engine.cli", "demo", "--task", "polite", "--modes", args.mode,
+           "--steps", str(args.steps), "--batch-size", str(batch), "--cache", args.cache, "--out", str(out),
            "--device", "cpu"]  # fmt: skip
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]

@@ -1,19 +1,20 @@
 """The learning curve of ``oppo-engine demo --task math`` (SmolLM2-135M-Instruct, the rule reward) in
-``sequential`` mode: per-step accuracy, s/step and the update's share, and greedy held-out accuracy before
-and after, for the demo's step count to be set from a measured curve (issue 35).
+``sequential`` mode: per-step accuracy, s/step and the update's share, and greedy held-out accuracy before and
+after, for the demo's step count to be set from a measured curve (issue 35).
 
     python -m bench.math_curve --minutes 20 --lr 2e-6 --trainer fp32 --out bench/results/math_curve.jsonl
 
 Each step is appended to ``--out`` as one JSON line as it ends (a killed run keeps its steps), with the
-machine's load (``os.getloadavg()``) beside its times: on a shared machine the times are the load's as much
-as the engine's. ``--trainer bf16`` runs the trainer's forward and backward (the update, not the
-engine's rollout) under CPU bf16 autocast, the weights and AdamW staying fp32. ``--heldout N`` evaluates the
-first N of the 200 fixed held-out problems (200: all of them); the initial accuracy does not depend on the
-arm, so ``--initial`` can reuse a measured one. ``--max-ops N`` trains and evaluates on problems of 1 to N
-operations (``math_task.OPERATIONS``); ``--eval-every K`` also evaluates after every K steps (outside the
-timed steps; ``--minutes`` counts the steps only); ``--lr``, ``--critic-lr``, ``--lam``, ``--kl-coef``,
-``--epochs``, ``--minibatch-size``, ``--temperature`` and ``--rollout-correction`` override the demo's
-``PPOConfig``. The critic's value head starts at zero, as in the demo (``demo.zero_value_head``).
+machine's load (``os.getloadavg()``) beside its times: on a shared machine the times are the load's as much as
+the engine's. ``--trainer bf16`` runs the trainer's forward and backward (the update, not the engine's
+rollout) under CPU bf16 autocast, the weights and AdamW staying fp32 (``demo.autocast_update``, as the demo
+does). ``--heldout N`` evaluates the first N of the 200 fixed held-out problems (200: all of them); the
+initial accuracy does not depend on the arm, so ``--initial`` can reuse a measured one. ``--max-ops N`` trains
+and evaluates on problems of 1 to N operations (default ``math_task.OPERATIONS``, 1 to 3; the demo trains on
+1); ``--eval-every K`` also evaluates after every K steps (outside the timed steps; ``--minutes`` counts the
+steps only); ``--lr``, ``--critic-lr``, ``--lam``, ``--kl-coef``, ``--epochs``, ``--minibatch-size``,
+``--temperature`` and ``--rollout-correction`` override the demo's ``PPOConfig``. The critic's value head
+starts at zero, as in the demo (``demo.zero_value_head``).
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results/math_curve.jsonl")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.max_ops is not None:
-        math_task.OPERATIONS = (1, args.max_ops)
+    operations = (1, args.max_ops) if args.max_ops is not None else math_task.OPERATIONS
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     opts = replace(
         demo.DemoOptions(), task="math", modes=("sequential",), batch_size=args.batch_size,
         max_new_tokens=128, threads=args.threads, seed=args.seed, heldout=args.heldout,
-        out=Path(tempfile.mkdtemp()),
+        out=Path(tempfile.mkdtemp()), math_operations=operations, bf16_update=args.trainer == "bf16",
     )  # fmt: skip
     cfg = demo.ppo_config(opts)
     given = dict(lr=args.lr, critic_lr=args.critic_lr, lam=args.lam, kl_coef=args.kl_coef, epochs=args.epochs,
@@ -91,18 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         demo.ppo_config = original
     setup_s = time.perf_counter() - t0
-    if args.trainer == "bf16":
-        update = trainer._update
-
-        def autocast_update(batch):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return update(batch)
-
-        trainer._update = autocast_update
     arm = dict(trainer=args.trainer, value_head="zero", lr=cfg.lr, critic_lr=cfg.critic_lr, lam=cfg.lam,
                kl_coef=cfg.kl_coef, minibatch_size=cfg.minibatch_size,
                epochs=cfg.epochs, rollout_correction=cfg.rollout_correction,
-               operations=list(math_task.OPERATIONS), batch_size=cfg.batch_size,
+               operations=list(operations), batch_size=cfg.batch_size,
                temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, heldout=args.heldout,
                threads=args.threads, seed=args.seed)  # fmt: skip
     emit(dict(event="start", setup_s=round(setup_s, 1), load=_load(),
@@ -111,7 +103,11 @@ def main(argv: list[str] | None = None) -> dict:
     def heldout(label: str) -> float:
         t = time.perf_counter()
         acc, batch, rollouts = math_task.heldout_accuracy(
-            trainer.actor, trainer.tokenizer, max_new_tokens=cfg.max_new_tokens, limit=args.heldout
+            trainer.actor,
+            trainer.tokenizer,
+            max_new_tokens=cfg.max_new_tokens,
+            limit=args.heldout,
+            operations=operations,
         )
         answers = [trainer.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in rollouts[:3]]
         emit(dict(event=f"heldout_{label}", accuracy=acc, steps=trainer.steps, unparsed=batch.unparsed,

@@ -38,7 +38,8 @@ def demo(args: argparse.Namespace) -> int:
     from oppo_engine.ppo.demo import MATH_DEFAULTS, DemoOptions, run_demo
 
     t0 = time.perf_counter()
-    # Options left out take the task's defaults (--task math: a 135M model, B=16, 128 tokens, 2 threads).
+    # Options left out take the task's defaults (--task math, the default: a 135M model, B=32, 128 tokens,
+    # 2 threads, 12 steps of sequential and oppo).
     defaults = MATH_DEFAULTS if args.task == "math" else {}
     given = {
         k: v
@@ -46,9 +47,10 @@ def demo(args: argparse.Namespace) -> int:
         if v is not None
     }
     sizes = {**dict(batch_size=32, max_new_tokens=DemoOptions().max_new_tokens), **defaults, **given}
+    modes = args.modes.split(",") if args.modes is not None else defaults.get("modes", DemoOptions().modes)
     opts = DemoOptions(
-        steps=args.steps,
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        steps=args.steps if args.steps is not None else defaults.get("steps", DemoOptions().steps),
+        modes=tuple(m.strip() for m in modes if m.strip()),
         out=Path(args.out),
         cache=Path(args.cache or (".cache/demo_tools_task" if args.task == "tools" else ".cache/demo_task")),
         device=args.device,
@@ -68,7 +70,8 @@ def demo(args: argparse.Namespace) -> int:
     if args.fsdp:
         return demo_on_ranks(opts, t0)
     runs = run_demo(opts)
-    print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all")
+    load = " (load {:.1f} {:.1f} {:.1f})".format(*os.getloadavg()) if hasattr(os, "getloadavg") else ""
+    print(f"oppo-engine demo: {time.perf_counter() - t0:.0f}s in all{load}")
     return 0 if any(r.records for r in runs) else 1
 
 
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("bench", "trace"):
         rest = argv[1:] + (["--trace"] if argv[0] == "trace" and "--trace" not in argv else [])
         return bench(rest, prog=f"oppo-engine {argv[0]}")
-    from oppo_engine.ppo.demo import DEMO_MODES, DemoOptions
+    from oppo_engine.ppo.demo import DEMO_MODES, MATH_DEFAULTS, DemoOptions
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
@@ -211,13 +214,20 @@ def main(argv: list[str] | None = None) -> int:
         description=demo.__doc__,
         formatter_class=defaults,
     )
-    d.add_argument("--steps", type=int, default=DemoOptions().steps, help="PPO steps per mode")
     d.add_argument(
-        "--task", default="polite", choices=("polite", "tools", "math"),
-        help="the embedded task: polite answers, sums with a calculator tool (multi-turn), or arithmetic "
-        "word problems for a pretrained chat model (SmolLM2-135M-Instruct, or --actor) scored by a rule",
+        "--steps", type=int, default=None,
+        help=f"PPO steps per mode (None: {DemoOptions().steps}; {MATH_DEFAULTS['steps']} with --task math)",
     )  # fmt: skip
-    d.add_argument("--modes", default=",".join(DEMO_MODES), help="comma-separated engine modes")
+    d.add_argument(
+        "--task", default="math", choices=("polite", "tools", "math"),
+        help="arithmetic word problems for a pretrained chat model (SmolLM2-135M-Instruct, or --actor) "
+        "scored by a rule; or the embedded toy tasks: polite answers, sums with a calculator tool "
+        "(multi-turn)",
+    )  # fmt: skip
+    d.add_argument(
+        "--modes", default=None, help=f"comma-separated engine modes (None: {','.join(DEMO_MODES)}; "
+        f"{','.join(MATH_DEFAULTS['modes'])} with --task math)",
+    )  # fmt: skip
     d.add_argument("--out", default="demo_out", help="folder for table.txt, plots and traces")
     d.add_argument(
         "--cache", default=None, help="where the embedded task's models are built (.cache/demo_task, or "
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size",
         type=int,
         default=None,
-        help="rollouts per PPO step, B (None: 32; 16 with --task math)",
+        help="rollouts per PPO step, B (None: 32, also with --task math)",
     )
     d.add_argument(
         "--max-new-tokens", type=int, default=None,

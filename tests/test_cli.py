@@ -14,7 +14,7 @@ from oppo_engine.cli import main
         (["--batch-size", "0"], "batch_size"),
         (["--modes", "sequential,turbo"], "turbo"),
         (["--steps", "0"], "--steps"),
-        (["--actor", "/nonexistent"], "--actor and --reward go together"),
+        (["--task", "polite", "--actor", "/nonexistent"], "--actor and --reward go together"),
         (["--nproc", "0"], "--nproc must be >= 1"),
         (["--fsdp"], "--fsdp runs under torchrun"),
         (["--max-policy-lag", "0"], "max_policy_lag"),
@@ -47,7 +47,12 @@ def test_bare_command_prints_help_not_an_argparse_error(capsys):
         (
             ["demo", "--help"],
             "usage: oppo-engine demo",
-            ["(default: 30)", "(None: 32; 16 with --task math)", "torch device"],
+            [
+                "(None: 30; 12 with --task math)",
+                "(None: 32, also with --task math)",
+                "(default: math)",
+                "torch device",
+            ],
         ),
         (["bench", "--help"], "usage: oppo-engine bench", ["(default: tiny)", "(default: 3)"]),
         (["trace", "--help"], "usage: oppo-engine trace", ["(default: longtail)"]),

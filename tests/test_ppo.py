@@ -168,6 +168,8 @@ def test_demo_writes_table_plots_and_traces(task_dir, tmp_path, capsys):
     rc = main(
         [
             "demo",
+            "--task",
+            "polite",
             "--steps",
             "2",
             "--modes",
@@ -211,9 +213,9 @@ def test_demo_runs_on_models_given_by_path(task_dir, tmp_path):
     from oppo_engine.cli import main
 
     out = tmp_path / "out"
-    args = ["demo", "--steps", "1", "--modes", "sequential", "--out", str(out), "--batch-size", "2",
-            "--max-new-tokens", "8", "--actor", str(task_dir / "actor"), "--reward", str(task_dir / "reward"),
-            "--cache", str(tmp_path / "unused")]  # fmt: skip
+    args = ["demo", "--task", "polite", "--steps", "1", "--modes", "sequential", "--out", str(out),
+            "--batch-size", "2", "--max-new-tokens", "8", "--actor", str(task_dir / "actor"), "--reward",
+            str(task_dir / "reward"), "--cache", str(tmp_path / "unused")]  # fmt: skip
     assert main(args) == 0
     assert "sequential" in (out / "table.txt").read_text()
     assert not (tmp_path / "unused").exists()

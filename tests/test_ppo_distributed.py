@@ -179,9 +179,10 @@ def test_demo_on_two_ranks_trains_and_only_rank_0_prints_and_writes(tmp_path):
         model.save_pretrained(tmp_path / name)
         _tokenizer().save_pretrained(tmp_path / name)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "oppo_engine.cli", "demo", "--nproc", "2", "--steps", "2", "--modes",
-           "sequential,oppo", "--batch-size", "2", "--max-new-tokens", "8", "--device", "cpu", "--actor",
-           str(tmp_path / "actor"), "--reward", str(tmp_path / "reward"), "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "oppo_engine.cli", "demo", "--task", "polite", "--nproc", "2", "--steps",
+           "2", "--modes", "sequential,oppo", "--batch-size", "2", "--max-new-tokens", "8", "--device", "cpu",
+           "--actor", str(tmp_path / "actor"), "--reward", str(tmp_path / "reward"),
+           "--out", str(out)]  # fmt: skip
     pipe = subprocess.PIPE
     proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
     try:

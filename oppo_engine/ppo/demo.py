@@ -18,7 +18,12 @@ another mode's steps between its own would hand it free tool time.
 backbone, the reference a frozen copy. Each step records the batch's accuracy (right final number), the
 unparsed answers and the share cut off; greedy held-out accuracy is measured before the run and after
 each mode's (``heldout`` problems, outside the timed steps). Its modes run one after the other, as the tools
-task's do, so that only one mode's models are in memory at a time (``run_modes``).
+task's do, so that only one mode's models are in memory at a time (``run_modes``). It is the command line's
+default task (``oppo-engine demo``, ``make demo``), with the settings of a measured learning curve
+(``MATH_DEFAULTS``, ``ppo_config``; docs/benchmarks.md, "The math task's learning curve"): one-operation
+problems, B=32 in minibatches of 8, actor lr 5e-6, GAE λ 1, truncated importance sampling against the
+trainer's own log-probs, the update under bf16 autocast over fp32 weights, 12 steps of ``sequential`` and
+``oppo``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,23 +74,41 @@ class DemoOptions:
     fsdp: bool = False  # one data-parallel rank of a torchrun job (cli.py: demo_on_ranks)
     task: str = "polite"  # "polite" (ppo/task.py), "tools" (ppo/tools_task.py) or "math" (ppo/math_task.py)
     heldout: int = math_task.HELDOUT  # --task math: held-out problems evaluated before and after (0: none)
+    # --task math: the problems' operation counts (training and held-out alike), and whether the update
+    # (the trainer's forward and backward) runs under bf16 autocast, its weights and AdamW staying fp32
+    math_operations: tuple[int, int] = (1, 1)
+    bf16_update: bool = True
 
 
 TASKS = ("polite", "tools", "math")
 MATH_MODEL = "smollm2-135m-instruct"  # --task math without --actor
-# --task math's defaults where the command line gives none (measured on 2 CPU cores: issue 35): at T=1.0 a
-# third of SmolLM2's answers run past 128 tokens, at T=0.7 far fewer.
-MATH_DEFAULTS = dict(batch_size=16, max_new_tokens=128, threads=2)
+# --task math's defaults where the command line gives none (the CLI's default task). Measured on 2 CPU cores
+# (bench/math_curve.py, run D in docs/benchmarks.md): at B=32 greedy held-out accuracy rose 41% -> 64% in 12
+# steps (B=16 plateaued near 55%); at T=1.0 a third of SmolLM2's answers run past 128 tokens, at T=0.7 with
+# the worked example at most 1 of 32. Two modes, one after the other: the ablation's base and the engine's.
+MATH_DEFAULTS = dict(batch_size=32, max_new_tokens=128, threads=2, steps=12, modes=("sequential", "oppo"))
 MATH_TEMPERATURE = 0.7
+# Tokens per packed micro-batch of the math task's update: a minibatch of 8 rows (~140 tokens each; at most
+# ~250 with a response cut off at 128) in one pack, as `bench/bench_update --budget 2048` measured fastest.
+MATH_PACK_TOKENS = 2048
 MATH_TRAIN_PROBLEMS = 1024
 
 
 def ppo_config(opts: DemoOptions) -> PPOConfig:
-    if opts.task == "math":  # a pretrained 135M model: full fine-tuning at small learning rates
+    if opts.task == "math":
+        # A pretrained 135M model, full fine-tuning at a small learning rate (run D: 1e-5 ran away, KL 4.1
+        # nats in 4 steps; 2e-6 barely moved). GAE's λ = 1: the advantage is the return minus the value, not
+        # a chain of a young critic's differences. The engine's bf16-replica and the trainer's log-probs
+        # differ (docs/agreement.md): the loss is reweighted by their ratio, truncated (TIS).
+        # The update runs on padding-free packs (``max_tokens_per_microbatch``; ppo/packing.py): the LM head
+        # and its log-softmax over the 49,152-token vocabulary run on the sampled tokens alone (about 30 of
+        # a row's 140), not on the prompt's. The same losses to rounding, a fraction of the logits' memory:
+        # padded, a 30-step run's peak reached 16 GB (docs/benchmarks.md, "The math demo").
         return PPOConfig(
             batch_size=opts.batch_size, minibatch_size=max(1, opts.batch_size // 4), epochs=1,
-            group_by_length=True, lr=2e-6, critic_lr=2e-5, kl_coef=0.02, temperature=MATH_TEMPERATURE,
-            max_new_tokens=opts.max_new_tokens, seed=opts.seed,
+            group_by_length=True, lr=5e-6, critic_lr=2e-5, kl_coef=0.02, lam=1.0,
+            rollout_correction="tis", temperature=MATH_TEMPERATURE, max_new_tokens=opts.max_new_tokens,
+            seed=opts.seed, max_tokens_per_microbatch=MATH_PACK_TOKENS,
         )  # fmt: skip
     return PPOConfig(
         batch_size=opts.batch_size,
@@ -160,16 +184,21 @@ _PRETRAINED: dict[tuple, tuple] = {}
 
 
 def _pretrained(source: str, seed: int):
-    """``(actor, critic, tokenizer)`` of ``source``, loaded once per process (fp32); each trainer deep-copies
-    them."""
+    """``(actor, tokenizer)`` of ``source``, loaded once per process (fp32); each trainer deep-copies the
+    actor (its critic is loaded per trainer: ``_critic``, one fp32 copy of the model fewer held all run)."""
     from oppo_engine.pretrained import load_pretrained
 
     key = (source, seed)
     if key not in _PRETRAINED:
-        actor, tokenizer = load_pretrained(source, dtype=torch.float32)
-        critic, _ = load_pretrained(source, head="value", dtype=torch.float32, seed=seed)
-        _PRETRAINED[key] = (actor, critic, tokenizer)
+        _PRETRAINED[key] = load_pretrained(source, dtype=torch.float32)
     return _PRETRAINED[key]
+
+
+def _critic(source: str, seed: int):
+    """A fresh value-head model on ``source``'s backbone (fp32; a GGUF source reads its dequantized cache)."""
+    from oppo_engine.pretrained import load_pretrained
+
+    return load_pretrained(source, head="value", dtype=torch.float32, seed=seed)[0]
 
 
 def zero_value_head(critic) -> None:
@@ -190,38 +219,66 @@ def zero_value_head(critic) -> None:
 def _math_trainer(mode: str, opts: DemoOptions, source) -> PPOTrainer:
     """PPO on the math task: the pretrained actor, a value-head critic on its backbone, a frozen reference
     copy, the rule reward."""
-    actor, critic, tokenizer = _pretrained(str(source), opts.seed)
-    actor, critic = (
-        copy.deepcopy(actor).to(opts.device).train(),
-        copy.deepcopy(critic).to(opts.device).train(),
-    )
+    actor, tokenizer = _pretrained(str(source), opts.seed)
+    actor = copy.deepcopy(actor).to(opts.device).train()
+    critic = _critic(str(source), opts.seed).to(opts.device).train()
     zero_value_head(critic)
     reference = copy.deepcopy(actor).eval().requires_grad_(False)
     prompts, reward = math_task.task_prompts(
-        tokenizer, math_task.train_problems(MATH_TRAIN_PROBLEMS, opts.seed)
+        tokenizer, math_task.train_problems(MATH_TRAIN_PROBLEMS, opts.seed, operations=opts.math_operations)
     )
     cfg = ppo_config(opts)
-    return PPOTrainer(
-        actor, critic, reference, reward, tokenizer, prompts, cfg,
-        engine_config_for(cfg, **engine_overrides(mode, opts)),
+    # The KV arena is sized for what these prompts can reach, not max_model_len's 512 (its pages are B + Δ
+    # sequences of that length in each of actor, reference and critic: about 0.7 GB per 100 tokens in fp32).
+    overrides = engine_overrides(mode, opts)
+    overrides["max_model_len"] = min(opts.max_model_len, max(map(len, prompts)) + opts.max_new_tokens)
+    trainer = PPOTrainer(
+        actor, critic, reference, reward, tokenizer, prompts, cfg, engine_config_for(cfg, **overrides)
     )  # fmt: skip
+    if opts.bf16_update:
+        autocast_update(trainer, torch.device(opts.device).type)
+    return trainer
+
+
+def autocast_update(trainer: PPOTrainer, device_type: str = "cpu", dtype=torch.bfloat16) -> None:
+    """Run ``trainer``'s update (its forwards and backwards of actor and critic) under ``dtype`` autocast:
+    the weights, their gradients and AdamW's states stay in the models' dtype (fp32), only the matmuls round.
+    Pure-bf16 AdamW drops small updates (issue 35: five steps at lr 1e-5 changed 7.6% of bf16 weights); under
+    autocast the update of SmolLM2 at B=16 took 13 s against 32 s in fp32 on 2 CPU cores, and it learned
+    (docs/benchmarks.md, "The math task's learning curve"). The rollout is untouched (the engine's own
+    dtype)."""
+    update = trainer._update
+
+    def update_under_autocast(batch):
+        with torch.autocast(device_type, dtype=dtype):
+            return update(batch)
+
+    trainer._update = update_under_autocast
 
 
 def _heldout(model, tokenizer, opts: DemoOptions, label: str, log) -> float:
     """Greedy held-out accuracy of ``model`` (``opts.heldout`` problems), with two of its answers logged."""
     t0 = time.perf_counter()
     acc, batch, rollouts = math_task.heldout_accuracy(
-        model, tokenizer, max_new_tokens=opts.max_new_tokens, limit=opts.heldout
-    )
+        model, tokenizer, max_new_tokens=opts.max_new_tokens, limit=opts.heldout,
+        operations=opts.math_operations,
+    )  # fmt: skip
     log(
         f"held-out accuracy {label}: {acc:.1%} of {len(rollouts)} (greedy; {batch.unparsed} unparsed, "
         f"{batch.cut_off:.0%} cut off; {time.perf_counter() - t0:.0f}s)"
     )
     for r in rollouts[:2]:
-        question = tokenizer.decode(r.prompt_ids).split("<|im_start|>user\n")[-1].split(" Solve")[0]
+        question = _question(tokenizer, r.prompt_ids)
         answer = tokenizer.decode(r.response_ids, skip_special_tokens=True).replace("\n", " ")[:200]
         log(f"    {question} -> {answer}")
     return acc
+
+
+def _question(tokenizer, prompt_ids) -> str:
+    """A math prompt's problem, without the chat around it: the line of its last user turn, before the
+    instruction."""
+    text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    return text.rsplit(math_task.INSTRUCTION, 1)[0].rstrip().rsplit("\n", 1)[-1]
 
 
 ONE_MODE_AT_A_TIME = ("tools", "math")  # tasks whose modes run one after the other (run_modes)
@@ -240,7 +297,7 @@ def run_modes(opts: DemoOptions, actor_path: Path, reward_path: Path, log=print)
     runs = [ModeRun(mode) for mode in opts.modes]
     trace_step = opts.trace_step or max(1, opts.steps // 2)
     if opts.task == "math" and opts.heldout > 0:  # every mode starts from these weights: evaluated once
-        actor, _, tokenizer = _pretrained(str(actor_path), opts.seed)
+        actor, tokenizer = _pretrained(str(actor_path), opts.seed)
         initial = _heldout(actor, tokenizer, opts, "before training", log)
         for run in runs:
             run.eval_accuracy_initial = initial
@@ -288,10 +345,32 @@ def _run_group(group: list[ModeRun], opts: DemoOptions, actor_path, reward_path,
         gc.collect()  # the engine's threads and the trainer's closures form cycles: free their tensors now
 
 
+def release_heap() -> bool:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim(0)``; False where there is
+    none). PyTorch's CPU tensors come from ``malloc``: a PPO step of SmolLM2 frees gigabytes of activations
+    and logits whose shapes change from step to step, and glibc kept them, so the math demo's resident
+    memory grew by about 1 GB a step (11.5 -> 14.3 GB over four steps); one ``malloc_trim(0)`` at that point
+    took it to 8.0 GB (docs/benchmarks.md, "The math demo")."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
     s0, c0 = time.perf_counter(), time.process_time()
     stats = trainer.step()
     step_s, cpu_s = time.perf_counter() - s0, time.process_time() - c0
+    if isinstance(trainer.reward, math_task.MathReward):  # a real model's steps: outside the timed step
+        release_heap()
     m = stats.rollout.metrics
     run.records.append(
         StepRecord(
@@ -312,6 +391,7 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             env_calls=m.env_calls,
             exposed_env_s=m.env_wait_s,
             cpu_s=cpu_s,
+            load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             **_rule_scores(trainer, stats.rollout.rollouts),
             **agreement_fields(stats.agreement),
         )
@@ -333,6 +413,8 @@ def _show_samples(mode: str, trainer: PPOTrainer, stats, log) -> None:
     rollouts = stats.rollout.rollouts
     if trainer.engine.env is not None:
         lines = tools_task.examples(trainer.tokenizer, rollouts)
+    elif isinstance(trainer.reward, math_task.MathReward):  # its rule, not the polite task's
+        lines = batch_examples(trainer.tokenizer, rollouts, embedded=False, rule=trainer.reward)
     else:
         lines = batch_examples(trainer.tokenizer, rollouts, embedded=trainer_is_embedded(trainer))
     log(f"{mode}, last batch: {lines[0]}")
@@ -346,19 +428,29 @@ def trainer_is_embedded(trainer: PPOTrainer) -> bool:
     return all(word in vocab for word in ("thank", "list", *TOPICS))
 
 
-def batch_examples(tokenizer, rollouts, *, embedded: bool = True, width: int = 240) -> list[str]:
+def batch_examples(
+    tokenizer, rollouts, *, embedded: bool = True, width: int = 240, rule: math_task.MathReward | None = None
+) -> list[str]:
     """What the demo prints of a batch: the best- and the worst-scored answers with their rewards and, on the
     embedded task, how many answers keep its rules (``task.broken_rules``) and whether the reward model is
     being gamed -- named as reward hacking when the top-scored answer breaks a rule or repeats a sentence
     three times or more. That is what RLHF looks like when the reward model is the weak link: shown, never
-    hidden."""
+    hidden. On the math task (``rule``, its ``MathReward``) the first line counts the answers whose final
+    number is right and those in the asked format instead: the rule is the task, there is nothing to game."""
     if not rollouts:
         return ["no rollouts"]
     texts = [(tokenizer.decode(r.prompt_ids), tokenizer.decode(r.response_ids)) for r in rollouts]
     order = sorted(range(len(rollouts)), key=lambda i: rollouts[i].reward)
     best, worst = order[-1], order[0]
     n = len(rollouts)
-    if embedded:
+    if rule is not None:
+        grades = [rule.grade(r.prompt_ids, r.response_ids) for r in rollouts]
+        lines = [
+            f"{sum(g.correct for g in grades)}/{n} answers have the right final number; "
+            f'{sum(g.formatted for g in grades)}/{n} end in the asked format ("The answer is N.")'
+        ]
+        embedded = False
+    elif embedded:
         finished = [r.finish_reason == "eos" for r in rollouts]
         broken = [broken_rules(p, a, done) for (p, a), done in zip(texts, finished, strict=True)]
         polite = sum(is_polite(a) for _, a in texts)
@@ -369,6 +461,11 @@ def batch_examples(tokenizer, rollouts, *, embedded: bool = True, width: int = 2
         ]
     else:
         lines = [f"{n} rollouts"]
+    if rule is not None:  # the question alone, not the chat template and the worked example around it
+        texts = [
+            (_question(tokenizer, r.prompt_ids), tokenizer.decode(r.response_ids, skip_special_tokens=True))
+            for r in rollouts
+        ]
     for label, i in (("best ", best), ("worst", worst)):
         prompt, answer = texts[i]
         if len(answer) > width:

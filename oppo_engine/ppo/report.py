@@ -55,6 +55,9 @@ class StepRecord:
     # The process's CPU seconds over the whole PPO step (time.process_time; every thread): beside step_s and
     # the torch threads, whether a slow step waited for cores or spun (StepMetrics.cpu_s is the engine's part)
     cpu_s: float | None = None
+    # The machine's 1-minute load average (os.getloadavg) when the step ended: on a shared machine a step's
+    # time is the load's as much as the engine's (None where the platform has none)
+    load: float | None = None
 
 
 def agreement_fields(agreement: dict | None) -> dict[str, float | None]:
@@ -240,19 +243,48 @@ def _cpu_share(recs: list[StepRecord]) -> str:
     return f"{shares[0]:.2f}, {median(later):.2f}" if later else f"{shares[0]:.2f}"
 
 
+def steps_to_accuracy(run: ModeRun, threshold: float | None) -> int | None:
+    """How many steps the mode took to reach the accuracy ``threshold`` (as ``steps_to_reward``), or None."""
+    trailing = run.trailing_accuracy()
+    if threshold is None or trailing is None:
+        return None
+    return _steps_to(trailing, len(run.records), threshold)
+
+
+def _time_to(run: ModeRun, base: ModeRun, threshold: float | None, what: str) -> dict[str, str]:
+    """The table's three rows of time to ``what`` (``reward`` or ``accuracy``): seconds, the ratio to the
+    base mode's, steps."""
+    if what == "accuracy":
+        t, base_t = time_to_accuracy(run, threshold), time_to_accuracy(base, threshold)
+        steps = steps_to_accuracy(run, threshold)
+    else:
+        t, base_t = time_to_reward(run, threshold), time_to_reward(base, threshold)
+        steps = steps_to_reward(run, threshold)
+    return {
+        f"time to {what} (s)": f"{t:.1f}" if t is not None else "not reached",
+        f"  speed-up vs {base.mode}": _ratio(base_t, t),
+        f"  steps to {what}": str(steps) if steps is not None else "-",
+    }
+
+
+def _load(recs: list[StepRecord]) -> str:
+    """The machine's load average over the mode's steps, median and max ("-": not recorded)."""
+    loads = [r.load for r in recs if r.load is not None]
+    return f"{median(loads):.1f}, {max(loads):.1f}" if loads else "-"
+
+
 def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
     recs = run.records
-    ttr, base_ttr = time_to_reward(run, threshold), time_to_reward(base, threshold)
     bias = [r.length_bias for r in recs if r.length_bias is not None]
     rollout_s = sum(r.rollout_s for r in recs)
-    steps = steps_to_reward(run, threshold)
+    accuracy = accuracy_threshold(base)  # a rule task: time to accuracy in place of time to reward
+    ruled = accuracy is not None and run.trailing_accuracy() is not None
     return {
-        "time to reward (s)": f"{ttr:.1f}" if ttr is not None else "not reached",
-        f"  speed-up vs {base.mode}": _ratio(base_ttr, ttr),
-        "  steps to reward": str(steps) if steps is not None else "-",
+        **(_time_to(run, base, accuracy, "accuracy") if ruled else _time_to(run, base, threshold, "reward")),
         "s/step (PPO step)": f"{run.s_per_step():.3f}",
         "first step s (x later median)": _first_step(recs),
         "CPU/wall: first step, later": _cpu_share(recs),
+        "machine load (1 min): median, max": _load(recs),
         f"  speed-up vs {base.mode} ": _ratio(base.s_per_step(), run.s_per_step()),
         "s/step (rollout)": f"{run.rollout_s_per_step():.3f}",
         f"  speed-up vs {base.mode}  ": _ratio(base.rollout_s_per_step(), run.rollout_s_per_step()),
@@ -291,7 +323,8 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
 
 
 def format_table(runs: list[ModeRun]) -> str:
-    """The ablation table: metrics as rows, modes as columns; a mode that could not run says so."""
+    """The ablation table: metrics as rows, modes as columns; a mode that could not run says so. On a rule
+    task (``--task math``) time to accuracy takes time to reward's place."""
     base = base_run(runs)
     if base is None:
         return "\n".join(f"{r.mode}: unavailable ({r.unavailable})" for r in runs)
@@ -300,9 +333,11 @@ def format_table(runs: list[ModeRun]) -> str:
     names = list(_rows(base, base, threshold))
     width = max(map(len, names))
     col_w = max(14, *(len(m) for m in columns), *(len(v) for c in columns.values() if c for v in c.values()))
+    accuracy = accuracy_threshold(base)
+    what, value = ("accuracy", accuracy) if accuracy is not None else ("reward", threshold)
     lines = [
-        f"time to reward: threshold {threshold:+.3f} = {base.mode}'s first trailing {TRAILING}-step mean "
-        f"reward + {THRESHOLD_FRACTION} x (its final - its first)",
+        f"time to {what}: threshold {value:+.3f} = {base.mode}'s first trailing {TRAILING}-step mean "
+        f"{what} + {THRESHOLD_FRACTION} x (its final - its first)",
         "".ljust(width) + " | " + " | ".join(m.ljust(col_w) for m in columns),
     ]
     lines.append("-" * len(lines[-1]))
@@ -317,7 +352,8 @@ def format_table(runs: list[ModeRun]) -> str:
 
 def plot(out: Path, runs: list[ModeRun]) -> list[Path]:
     """reward.png (reward vs step and vs wall time, every mode overlaid, the time-to-reward threshold
-    dashed) and control.png (chunk size, 0 for "off", and Δ per step)."""
+    dashed), control.png (chunk size, 0 for "off", and Δ per step) and, on a rule task, accuracy.png
+    (``_plot_accuracy``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -356,4 +392,31 @@ def plot(out: Path, runs: list[ModeRun]) -> list[Path]:
     paths.append(out / "control.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+    if all(r.trailing_accuracy() is not None for r in runs):
+        paths.append(_plot_accuracy(plt, out / "accuracy.png", runs, base))
     return paths
+
+
+def _plot_accuracy(plt, path: Path, runs: list[ModeRun], base: ModeRun) -> Path:
+    """accuracy.png (a rule task): each mode's per-step batch accuracy (thin) and its trailing mean (thick)
+    against the mode's own PPO step time, the time-to-accuracy threshold dashed, and the held-out accuracy
+    before and after as markers at 0 and the mode's last step."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        t = [r.elapsed_s for r in run.records]
+        (line,) = ax.plot(t, [r.accuracy for r in run.records], alpha=0.35, linewidth=1)
+        trailing = run.trailing_accuracy()
+        ax.plot(t[len(t) - len(trailing) :], trailing, color=line.get_color(), linewidth=2,
+                label=f"{run.mode} (trailing {TRAILING}-step mean)")  # fmt: skip
+        if run.eval_accuracy_initial is not None and run.eval_accuracy_final is not None:
+            ax.plot([0, t[-1]], [run.eval_accuracy_initial, run.eval_accuracy_final], "o--",
+                    color=line.get_color(), linewidth=0.8, label=f"{run.mode}: held-out, greedy")  # fmt: skip
+    ax.axhline(accuracy_threshold(base), color="grey", linestyle="--", linewidth=1, label="threshold")
+    ax.set(xlabel="the mode's own PPO step time (s)", ylabel="accuracy (right final number)",
+           title="accuracy vs wall time", ylim=(0, 1))  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
