@@ -4,6 +4,7 @@
 
 #include "attention.h"
 #include "cache_ops.h"
+#include "norm_ops.h"
 #include "sample_ops.h"
 
 TORCH_LIBRARY(oppo, m) {
@@ -26,6 +27,9 @@ TORCH_LIBRARY(oppo, m) {
   // returns tokens [N] int64 and logprobs [N] fp32 (log_softmax(logits / T) at the token). CPU only: CUDA
   // samples with the Triton kernel.
   m.def("sample(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> (Tensor, Tensor)");
+  // x: [..., H] contiguous fp32/bf16; weight: [H], x's dtype. HF's Llama-form RMSNorm of x, bit for bit:
+  // weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype) (norm_cpu.cpp). CPU only.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
@@ -33,6 +37,7 @@ TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("copy_pages", &oppo::copy_pages_cpu);
   m.impl("paged_attention", &oppo::paged_attention_cpu);
   m.impl("sample", &oppo::sample_cpu);
+  m.impl("rms_norm", &oppo::rms_norm_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA

@@ -82,6 +82,11 @@ def _sample_fake(logits, temperature, seeds, positions):  # noqa: ARG001
     return logits.new_empty(num_rows, dtype=torch.int64), logits.new_empty(num_rows, dtype=torch.float32)
 
 
+@torch.library.register_fake("oppo::rms_norm")
+def _rms_norm_fake(x, weight, eps):  # noqa: ARG001
+    return torch.empty_like(x)
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: int
 ) -> None:
@@ -252,6 +257,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(
         x, packed, None if bias is None else bias.detach(), "none", [], ""
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama-form RMSNorm of ``x [..., H]`` (contiguous CPU float32 or bfloat16, ``weight [H]`` of the
+    same dtype), bit for bit: ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(x.dtype)``
+    in one op (``oppo_engine/model/fused.py``). No autograd."""
+    return torch.ops.oppo.rms_norm(x, weight, eps)
 
 
 def sample(

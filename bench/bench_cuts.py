@@ -1,0 +1,95 @@
+"""The exact non-GEMM cuts of a SmolLM2 decode step, each measured alone: the same engine stepped with the
+cut on and off, the two alternating.
+
+A cut is switched off on the actor's runner itself (``ModelRunner.fused``: the fused RMSNorms of
+``oppo_engine/model/fused.py``), so both arms run the same weights, cache and prompts. Each round runs
+one engine step per arm (32-token prompts, ``--new-tokens`` greedy with ``ignore_eos``, prefill
+included) and records per generated token: the calling thread's CPU time (``time.thread_time``; the
+figure a loaded machine moves least), the process's CPU time and the wall time; the fastest of
+``--rounds`` is reported, with ``os.getloadavg()`` beside it. Both arms' tokens and log-probs are
+compared: they must be equal to the bit.
+
+    python -m bench.bench_cuts --dtype bf16 --batch-size 16 --cut fused --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from bench.bench_decode import DTYPES, make_engine
+from oppo_engine.model.runner import ModelRunner
+
+CUTS = ("fused",)
+
+
+def actor_runner(engine) -> ModelRunner:
+    """The engine's actor runner (the one whose model is the engine's actor)."""
+    import gc
+
+    runners = [o for o in gc.get_objects() if isinstance(o, ModelRunner) and o.model is engine.actor]
+    if len(runners) != 1:
+        raise RuntimeError(f"expected one actor runner, found {len(runners)}")
+    return runners[0]
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cut", choices=CUTS, action="append", help="the cuts switched off in the 'off' arm")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cuts = args.cut or list(CUTS)
+    from oppo_engine.pretrained import load_pretrained
+
+    actor, _ = load_pretrained("smollm2-135m-instruct", dtype=DTYPES[args.dtype])
+    g = torch.Generator().manual_seed(0)
+    vocab = actor.config.vocab_size
+    prompts = [torch.randint(16, vocab, (32,), generator=g).tolist() for _ in range(args.batch_size)]
+    engine = make_engine(actor, args.new_tokens, args.batch_size, graph=False, packed=True)
+    runner = actor_runner(engine)
+    on = {cut: getattr(runner, cut) for cut in cuts}
+    if any(v is None for v in on.values()):
+        raise RuntimeError(f"a cut is not active on this runner: {on}")
+
+    def arm(name: str):
+        for cut in cuts:
+            setattr(runner, cut, on[cut] if name == "on" else None)
+        engine.add_prompts(prompts)
+        t, c, w = time.thread_time(), time.process_time(), time.perf_counter()
+        result = engine.step()
+        t, c, w = time.thread_time() - t, time.process_time() - c, time.perf_counter() - w
+        out = sorted((r.prompt_ids, r.response_ids, r.logprobs) for r in result.rollouts)
+        return out, {"thread_ms": t, "cpu_ms": c, "wall_ms": w}
+
+    first = {name: arm(name)[0] for name in ("on", "off")}  # warm-up, and the exactness check
+    assert first["on"] == first["off"], "the cut changed the tokens or log-probs"
+    best: dict[str, dict[str, float]] = {"on": {}, "off": {}}
+    loads = []
+    for r in range(args.rounds):
+        for name in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            out, times = arm(name)
+            assert out == first[name]
+            for k, v in times.items():
+                best[name][k] = min(best[name].get(k, float("inf")), 1e3 * v / args.new_tokens)
+        loads.append(os.getloadavg()[0])
+    engine.close()
+    print(
+        f"cuts {'+'.join(cuts)}: smollm2 {args.dtype} B={args.batch_size} new={args.new_tokens} "
+        f"threads={args.threads} load={min(loads):.1f}-{max(loads):.1f}, fastest of {args.rounds}, per token:"
+    )
+    for name in ("off", "on"):
+        print("  " + f"{name:>3}: " + ", ".join(f"{k} {v:7.2f}" for k, v in best[name].items()))
+    print("  saved: " + ", ".join(f"{k} {best['off'][k] - best['on'][k]:6.2f}" for k in best["on"]))
+    return best
+
+
+if __name__ == "__main__":
+    main()
