@@ -1,15 +1,16 @@
 """The exact non-GEMM cuts of a SmolLM2 decode step, each measured alone: the same engine stepped with the
 cut on and off, the two alternating.
 
-A cut is switched off on the actor's runner itself (``ModelRunner.fused``: the fused RMSNorms of
-``oppo_engine/model/fused.py``), so both arms run the same weights, cache and prompts. Each round runs
-one engine step per arm (32-token prompts, ``--new-tokens`` greedy with ``ignore_eos``, prefill
-included) and records per generated token: the calling thread's CPU time (``time.thread_time``; the
-figure a loaded machine moves least), the process's CPU time and the wall time; the fastest of
-``--rounds`` is reported, with ``os.getloadavg()`` beside it. Both arms' tokens and log-probs are
-compared: they must be equal to the bit.
+The "on" arm runs every exact fusion of ``oppo_engine/model/fused.py``; the "off" arm the same minus
+``--cut`` (``norm``: the fused RMSNorms; ``attention``: the fused rotary embedding and cache write of Llama's
+attention; ``all``: both), by switching the actor runner's ``ModelRunner.fused``, so both arms run the
+same engine, weights, cache and prompts. Each round runs one engine step per arm (32-token prompts,
+``--new-tokens`` greedy with ``ignore_eos``, prefill included) and records per generated token: the
+calling thread's CPU time (``time.thread_time``; the figure a loaded machine moves least), the process's
+CPU time and the wall time; the fastest of ``--rounds`` is reported, with ``os.getloadavg()`` beside it.
+Both arms' tokens and log-probs are compared: they must be equal to the bit.
 
-    python -m bench.bench_cuts --dtype bf16 --batch-size 16 --cut fused --rounds 5
+    python -m bench.bench_cuts --dtype bf16 --batch-size 16 --cut attention --rounds 5
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import time
 import torch
 
 from bench.bench_decode import DTYPES, make_engine
+from oppo_engine.model import fused
 from oppo_engine.model.runner import ModelRunner
 
-CUTS = ("fused",)
+CUTS = {"norm": ("is_llama_rms_norm",), "attention": ("is_llama_attention",)}
+CUTS["all"] = CUTS["norm"] + CUTS["attention"]
 
 
 def actor_runner(engine) -> ModelRunner:
@@ -43,10 +46,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cut", choices=CUTS, action="append", help="the cuts switched off in the 'off' arm")
+    p.add_argument("--cut", choices=list(CUTS), default="all", help="what the 'off' arm runs without")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cuts = args.cut or list(CUTS)
     from oppo_engine.pretrained import load_pretrained
 
     actor, _ = load_pretrained("smollm2-135m-instruct", dtype=DTYPES[args.dtype])
@@ -55,13 +57,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     prompts = [torch.randint(16, vocab, (32,), generator=g).tolist() for _ in range(args.batch_size)]
     engine = make_engine(actor, args.new_tokens, args.batch_size, graph=False, packed=True)
     runner = actor_runner(engine)
-    on = {cut: getattr(runner, cut) for cut in cuts}
-    if any(v is None for v in on.values()):
-        raise RuntimeError(f"a cut is not active on this runner: {on}")
+    saved = {name: getattr(fused, name) for name in CUTS[args.cut]}
+    for name in saved:
+        setattr(fused, name, lambda module: False)
+    arms = {"on": runner.fused, "off": fused.FusedModules(actor)}
+    for name, fn in saved.items():
+        setattr(fused, name, fn)
 
     def arm(name: str):
-        for cut in cuts:
-            setattr(runner, cut, on[cut] if name == "on" else None)
+        runner.fused = arms[name]
         engine.add_prompts(prompts)
         t, c, w = time.thread_time(), time.process_time(), time.perf_counter()
         result = engine.step()
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         loads.append(os.getloadavg()[0])
     engine.close()
     print(
-        f"cuts {'+'.join(cuts)}: smollm2 {args.dtype} B={args.batch_size} new={args.new_tokens} "
+        f"cut {args.cut}: smollm2 {args.dtype} B={args.batch_size} new={args.new_tokens} "
         f"threads={args.threads} load={min(loads):.1f}-{max(loads):.1f}, fastest of {args.rounds}, per token:"
     )
     for name in ("off", "on"):

@@ -157,15 +157,93 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
     tokens and log-probs are the same floats with the fused norms as with HF's own."""
     batch = prompts((2, 5, 8, 11, 13, 16), seed=5)
     actor = build_actor(name, dtype=dtype)
-    calls = []
-    real = ops.rms_norm
-    monkeypatch.setattr(ops, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    calls = {"rms_norm": 0, "rotary_and_cache": 0}
+
+    def counted(op, real):
+        def call(*args):
+            calls[op] += 1
+            return real(*args)
+
+        return call
+
+    for op in calls:
+        monkeypatch.setattr(ops, op, counted(op, getattr(ops, op)))
     for temperature in (0.0, 0.8):
         with_fusion = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
-        assert calls, "the fused norm never ran"
-        calls.clear()
+        assert calls["rms_norm"], "the fused norm never ran"
+        assert calls["rotary_and_cache"] or name != "llama", "the fused attention never ran"
+        calls.update(rms_norm=0, rotary_and_cache=0)
         with monkeypatch.context() as m:
             m.setattr(fused, "is_llama_rms_norm", lambda module: False)
+            m.setattr(fused, "is_llama_attention", lambda module: False)
             without = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
-        assert not calls
+        assert calls == {"rms_norm": 0, "rotary_and_cache": 0}
         assert with_fusion == without
+
+
+# -- Llama's attention: the rotary embedding and the cache write in one op ------------------------------
+
+
+def hf_rotary(q, k, cos, sin):
+    """HF's own ``apply_rotary_pos_emb`` on ``[T, H, D]`` tensors laid out as the attention lays them out."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q4, k4 = q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2)
+    q_embed, k_embed = apply_rotary_pos_emb(q4, k4, cos.unsqueeze(0), sin.unsqueeze(0))
+    return q_embed[0].transpose(0, 1), k_embed[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 12, 80])
+def test_rotary_and_cache_equals_hf_rotary_and_cache_write_bit_for_bit(dtype, head_dim):
+    """Every position from 0 to 4095 (HF's own cos/sin, from the model's rotary module), GQA heads; the
+    cache receives HF's rotated K and the V unchanged, at the slots given, and nothing else changes."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim
+    )
+    rotary = LlamaRotaryEmbedding(cfg)
+    g = torch.Generator().manual_seed(head_dim)
+    tokens = 4096
+    positions = torch.arange(tokens)[None]
+    x = torch.empty(1, tokens, 1, dtype=dtype)
+    with torch.inference_mode():
+        cos, sin = (t[0] for t in rotary(x, positions))
+    q = (torch.randn(tokens, 4, head_dim, generator=g) * 3).to(dtype)
+    k = (torch.randn(tokens, 2, head_dim, generator=g) * 3).to(dtype)
+    v = torch.randn(tokens, 2, head_dim, generator=g).to(dtype)
+    page_size, layers = 16, 2
+    cache = torch.randn(tokens // page_size + 1, layers, 2, page_size, 2, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(cache.shape[0] * page_size, generator=g)[:tokens]
+    slots[::7] = -1  # skipped tokens
+    want_q, want_k = hf_rotary(q, k, cos, sin)
+    want_cache = cache.clone()
+    ops.reshape_and_cache(want_k, v, want_cache, slots, 1)
+    got_q = ops.rotary_and_cache(q, k, v, cos, sin, cache, slots, 1)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(cache, want_cache)
+
+
+def test_rotary_and_cache_refuses_what_it_does_not_compute():
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    cos = sin = torch.randn(3, 8)
+    cache = torch.zeros(2, 1, 2, 4, 2, 8)
+    slots = torch.arange(3)
+    with pytest.raises(ValueError, match="cos and sin must be contiguous"):
+        ops.rotary_and_cache(q, k, k, cos[:2], sin[:2], cache, slots, 0)
+    with pytest.raises(ValueError, match="all be float32 or all bfloat16"):
+        ops.rotary_and_cache(q, k, k, cos.bfloat16(), sin.bfloat16(), cache, slots, 0)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        ops.rotary_and_cache(q[..., :7].contiguous(), k[..., :7].contiguous(), k, cos[:, :7].contiguous(),
+                             sin[:, :7].contiguous(), cache, slots, 0)  # fmt: skip
+    with pytest.raises(ValueError, match="layer"):
+        ops.rotary_and_cache(q, k, k, cos, sin, cache, slots, 5)
+
+
+def test_only_llamas_own_attention_is_fused():
+    assert fused.FusedModules(build_actor("llama")).attentions
+    for name in ("qwen2", "mistral", "qwen3", "gemma", "phi3", "granite", "olmo2"):
+        if name in FAMILIES:
+            assert not fused.FusedModules(build_actor(name)).attentions, name
