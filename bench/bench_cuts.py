@@ -10,6 +10,12 @@ calling thread's CPU time (``time.thread_time``; the figure a loaded machine mov
 CPU time and the wall time; the fastest of ``--rounds`` is reported, with ``os.getloadavg()`` beside it.
 Both arms' tokens and log-probs are compared: they must be equal to the bit.
 
+``--breakdown`` instead splits one step's thread CPU time by subtraction: the step as it runs, the same
+step with every linear layer's product replaced by a ready zero tensor of its shape ("no GEMM"), and with
+the paged attention replaced too ("no GEMM, no attention"), the three alternating, fastest of
+``--rounds``; then the calling thread's CPU time per Python function (``cProfile`` timed by
+``time.thread_time``) of one step without GEMMs and attention, the top entries printed.
+
     python -m bench.bench_cuts --dtype bf16 --batch-size 16 --cut attention --rounds 5
 """
 
@@ -21,22 +27,72 @@ import time
 
 import torch
 
-from bench.bench_decode import DTYPES, make_engine
+from bench.bench_decode import DTYPES, actor_runner, make_engine
 from oppo_engine.model import fused
-from oppo_engine.model.runner import ModelRunner
 
 CUTS = {"norm": ("is_llama_rms_norm",), "attention": ("is_llama_attention",)}
 CUTS["all"] = CUTS["norm"] + CUTS["attention"]
 
 
-def actor_runner(engine) -> ModelRunner:
-    """The engine's actor runner (the one whose model is the engine's actor)."""
-    import gc
+def breakdown(engine, prompts, new_tokens: int, rounds: int, top: int = 25) -> dict[str, float]:
+    """Thread CPU per token of a step: as it runs, without GEMMs, without GEMMs and attention (see above)."""
+    import cProfile
+    import pstats
 
-    runners = [o for o in gc.get_objects() if isinstance(o, ModelRunner) and o.model is engine.actor]
-    if len(runners) != 1:
-        raise RuntimeError(f"expected one actor runner, found {len(runners)}")
-    return runners[0]
+    from oppo_engine import ops
+
+    real = {"packed_linear": ops.packed_linear, "paged_attention": ops.paged_attention}
+    zeros: dict[tuple, torch.Tensor] = {}
+
+    def no_linear(x, packed, bias):
+        key = (tuple(x.shape), id(packed))
+        if key not in zeros:
+            zeros[key] = torch.zeros_like(real["packed_linear"](x, packed, bias))
+        return zeros[key]
+
+    def no_attention(q, *args, **kwargs):
+        return torch.zeros_like(q)
+
+    arms = {
+        "step": dict(real),
+        "no GEMM": {"packed_linear": no_linear, "paged_attention": real["paged_attention"]},
+        "no GEMM, no attention": {"packed_linear": no_linear, "paged_attention": no_attention},
+    }
+
+    def step(patch) -> float:
+        for name, fn in patch.items():
+            setattr(ops, name, fn)
+        engine.add_prompts(prompts)
+        t = time.thread_time()
+        engine.step()
+        return 1e3 * (time.thread_time() - t) / new_tokens
+
+    best = {name: float("inf") for name in arms}
+    loads = []
+    try:
+        for _ in range(rounds):
+            for name, patch in arms.items():
+                best[name] = min(best[name], step(patch))
+            loads.append(os.getloadavg()[0])
+        for name, fn in arms["no GEMM, no attention"].items():
+            setattr(ops, name, fn)
+        engine.add_prompts(prompts)
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        engine.step()
+        prof.disable()
+    finally:
+        for name, fn in real.items():
+            setattr(ops, name, fn)
+    print(f"thread CPU per token, fastest of {rounds}, load {min(loads):.1f}-{max(loads):.1f}:")
+    for name, ms in best.items():
+        print(f"  {name:<24} {ms:7.2f} ms")
+    rest = best["no GEMM, no attention"]
+    gemm, attention = best["step"] - best["no GEMM"], best["no GEMM"] - rest
+    print(f"  => GEMM {gemm:.2f} ms, attention {attention:.2f} ms, the rest {rest:.2f} ms")
+    print("one step without GEMM and attention, thread CPU by function (cProfile adds its own cost):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    return best
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -47,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cut", choices=list(CUTS), default="all", help="what the 'off' arm runs without")
+    p.add_argument("--breakdown", action="store_true", help="split a step's thread CPU time (see above)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from oppo_engine.pretrained import load_pretrained
@@ -56,6 +113,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     vocab = actor.config.vocab_size
     prompts = [torch.randint(16, vocab, (32,), generator=g).tolist() for _ in range(args.batch_size)]
     engine = make_engine(actor, args.new_tokens, args.batch_size, graph=False, packed=True)
+    if args.breakdown:
+        engine.add_prompts(prompts)
+        engine.step()  # warm-up: the packs are made here
+        best = breakdown(engine, prompts, args.new_tokens, args.rounds)
+        engine.close()
+        return {"breakdown": best}
     runner = actor_runner(engine)
     saved = {name: getattr(fused, name) for name in CUTS[args.cut]}
     for name in saved:
