@@ -333,8 +333,10 @@ def bench_smollm2(
         if "unpacked" in arms:
             engines["unpacked"] = make_engine(actor, new_tokens, batch, graph=False, packed=False)
         if "unfused" in arms:
+            before = {id(r) for r in actor_runners(actor)}
             engines["unfused"] = make_engine(actor, new_tokens, batch, graph=False, packed=True)
-            actor_runner(engines["unfused"]).fused = None
+            (runner,) = [r for r in actor_runners(actor) if id(r) not in before]  # the new engine's
+            runner.fused = None
         for engine in engines.values():
             run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
         run_hf(actor, prompts[:2], 4)
@@ -394,11 +396,16 @@ def bench_smollm2(
     return results
 
 
-def actor_runner(engine: RolloutEngine) -> ModelRunner:
-    """The engine's actor runner (the one whose model is the engine's actor)."""
+def actor_runners(actor: torch.nn.Module) -> list[ModelRunner]:
+    """Every live runner of ``actor``."""
     import gc
 
-    runners = [o for o in gc.get_objects() if isinstance(o, ModelRunner) and o.model is engine.actor]
+    return [o for o in gc.get_objects() if isinstance(o, ModelRunner) and o.model is actor]
+
+
+def actor_runner(engine: RolloutEngine) -> ModelRunner:
+    """The engine's actor runner (the only live runner of the engine's actor)."""
+    runners = actor_runners(engine.actor)
     if len(runners) != 1:
         raise RuntimeError(f"expected one actor runner, found {len(runners)}")
     return runners[0]
