@@ -315,10 +315,12 @@ def bench_smollm2(
     new_tokens: int,
     repeats: int,
     profile: bool,
+    arms: Sequence[str] = ("unpacked",),
 ) -> dict[int, dict[str, float]]:
-    """The engine (eager; with packed weights, "engine", and without, "unpacked") against HF ``generate`` on
-    SmolLM2-135M-Instruct at each batch size, the three alternating: tok/s from the fastest of ``repeats``
-    rounds, the step time beside the roofline."""
+    """The engine (eager, packed weights, the exact fusions: "engine") against HF ``generate`` on
+    SmolLM2-135M-Instruct at each batch size, with the ``arms`` beside it ("unpacked": without packed
+    weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``), all alternating: tok/s
+    from the fastest of ``repeats`` rounds, the step time beside the roofline."""
     from oppo_engine.pretrained import load_pretrained
 
     actor, _ = load_pretrained("smollm2-135m-instruct", dtype=dtype)
@@ -327,10 +329,14 @@ def bench_smollm2(
     results: dict[int, dict[str, float]] = {}
     for batch in batches:
         prompts = [torch.randint(16, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-        engines = {
-            "engine": make_engine(actor, new_tokens, batch, graph=False, packed=True),
-            "unpacked": make_engine(actor, new_tokens, batch, graph=False, packed=False),
-        }
+        engines = {"engine": make_engine(actor, new_tokens, batch, graph=False, packed=True)}
+        if "unpacked" in arms:
+            engines["unpacked"] = make_engine(actor, new_tokens, batch, graph=False, packed=False)
+        if "unfused" in arms:
+            before = {id(r) for r in actor_runners(actor)}
+            engines["unfused"] = make_engine(actor, new_tokens, batch, graph=False, packed=True)
+            (runner,) = [r for r in actor_runners(actor) if id(r) not in before]  # the new engine's
+            runner.fused = None
         for engine in engines.values():
             run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
         run_hf(actor, prompts[:2], 4)
@@ -371,10 +377,14 @@ def bench_smollm2(
                 f"  {name:>8}: {r[f'{name}_tok_s']:8.1f} tok/s, "
                 f"{1e3 * best[name] / new_tokens:6.1f} ms/token wall, {r[f'{name}_cpu_ms']:6.1f} ms/token CPU"
             )
+        others = "".join(
+            f"{name}/HF {r[f'{name}_tok_s'] / r['hf_tok_s']:.2f}x wall, "
+            f"{best_cpu['hf'] / best_cpu[name]:.2f}x CPU; "
+            for name in engines
+            if name != "engine"
+        )
         print(
-            f"  engine/HF {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x CPU time; unpacked/HF "
-            f"{r['unpacked_tok_s'] / r['hf_tok_s']:.2f}x wall, "
-            f"{best_cpu['hf'] / best_cpu['unpacked']:.2f}x CPU; "
+            f"  engine/HF {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x CPU time; {others}"
             f"roofline: weights {r['bytes_ms']:.1f} ms, GEMM {r['gemm_ms']:.1f} ms a step; engine step "
             f"{step_ms:.1f} ms = {step_ms / r['gemm_ms']:.2f}x GEMM"
         )
@@ -386,12 +396,34 @@ def bench_smollm2(
     return results
 
 
+def actor_runners(actor: torch.nn.Module) -> list[ModelRunner]:
+    """Every live runner of ``actor``."""
+    import gc
+
+    return [o for o in gc.get_objects() if isinstance(o, ModelRunner) and o.model is actor]
+
+
+def actor_runner(engine: RolloutEngine) -> ModelRunner:
+    """The engine's actor runner (the only live runner of the engine's actor)."""
+    runners = actor_runners(engine.actor)
+    if len(runners) != 1:
+        raise RuntimeError(f"expected one actor runner, found {len(runners)}")
+    return runners[0]
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--model", choices=["smollm2"], default=None, help="a bundled pretrained model")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="--model's dtype")
     p.add_argument("--profile", action="store_true", help="--model: torch.profiler over one engine step")
+    p.add_argument(
+        "--arms",
+        nargs="*",
+        choices=["unpacked", "unfused"],
+        default=["unpacked"],
+        help="--model: the engine variants run beside the engine and HF",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -426,6 +458,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             new_tokens=args.new_tokens,
             repeats=args.repeats,
             profile=args.profile,
+            arms=args.arms,
         )
         return {}
     if args.table:

@@ -4,6 +4,8 @@
 
 #include "attention.h"
 #include "cache_ops.h"
+#include "norm_ops.h"
+#include "rope_ops.h"
 #include "sample_ops.h"
 
 TORCH_LIBRARY(oppo, m) {
@@ -26,6 +28,15 @@ TORCH_LIBRARY(oppo, m) {
   // returns tokens [N] int64 and logprobs [N] fp32 (log_softmax(logits / T) at the token). CPU only: CUDA
   // samples with the Triton kernel.
   m.def("sample(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> (Tensor, Tensor)");
+  // x: [..., H] contiguous fp32/bf16; weight: [H], x's dtype. HF's Llama-form RMSNorm of x, bit for bit:
+  // weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype) (norm_cpu.cpp). CPU only.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // q: [T, Hq, D], k/v: [T, Hkv, D], cos/sin: [T, D], one dtype (fp32/bf16). HF's rotary embedding of q and
+  // k, bit for bit (q * cos + rotate_half(q) * sin, each op rounded); writes the rotated k and v into the
+  // cache as reshape_and_cache does and returns the rotated q (rope_cpu.cpp). CPU only.
+  m.def(
+      "rotary_and_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, int layer) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
@@ -33,6 +44,8 @@ TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("copy_pages", &oppo::copy_pages_cpu);
   m.impl("paged_attention", &oppo::paged_attention_cpu);
   m.impl("sample", &oppo::sample_cpu);
+  m.impl("rms_norm", &oppo::rms_norm_cpu);
+  m.impl("rotary_and_cache", &oppo::rotary_and_cache_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA

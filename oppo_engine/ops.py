@@ -82,6 +82,16 @@ def _sample_fake(logits, temperature, seeds, positions):  # noqa: ARG001
     return logits.new_empty(num_rows, dtype=torch.int64), logits.new_empty(num_rows, dtype=torch.float32)
 
 
+@torch.library.register_fake("oppo::rms_norm")
+def _rms_norm_fake(x, weight, eps):  # noqa: ARG001
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("oppo::rotary_and_cache")
+def _rotary_and_cache_fake(q, k, v, cos, sin, kv_cache, slot_mapping, layer):  # noqa: ARG001
+    return torch.empty_like(q)
+
+
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: int
 ) -> None:
@@ -252,6 +262,30 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(
         x, packed, None if bias is None else bias.detach(), "none", [], ""
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama-form RMSNorm of ``x [..., H]`` (contiguous CPU float32 or bfloat16, ``weight [H]`` of the
+    same dtype), bit for bit: ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(x.dtype)``
+    in one op (``oppo_engine/model/fused.py``). No autograd."""
+    return torch.ops.oppo.rms_norm(x, weight, eps)
+
+
+def rotary_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """HF's rotary embedding of ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``cos``/``sin [T, D]``, bit for bit
+    (``x * cos + rotate_half(x) * sin``, each op rounded to the dtype); the rotated ``k`` and ``v`` are
+    written into ``kv_cache`` at ``slot_mapping`` as :func:`reshape_and_cache` writes them, and the rotated
+    ``q`` is returned. CPU float32 or bfloat16, one op (``oppo_engine/model/fused.py``)."""
+    return torch.ops.oppo.rotary_and_cache(q, k, v, cos, sin, kv_cache, slot_mapping, layer)
 
 
 def sample(

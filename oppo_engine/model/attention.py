@@ -64,6 +64,11 @@ def bound_metadata(meta: AttentionMetadata) -> Iterator[None]:
         _bound.meta = saved
 
 
+def bound() -> AttentionMetadata | None:
+    """The metadata bound to this thread by ``bound_metadata`` (None outside the runner's forward)."""
+    return getattr(_bound, "meta", None)
+
+
 def paged_attention_forward(
     module: nn.Module,
     query: torch.Tensor,

@@ -16,6 +16,7 @@ from torch import nn
 from oppo_engine import ops
 from oppo_engine.cache.arena import KVSpec
 from oppo_engine.cache.manager import KVCacheManager
+from oppo_engine.model import fused
 from oppo_engine.model.attention import AttentionMetadata, bound_metadata, paged_attention_enabled
 from oppo_engine.model.graph import CapturedDecode
 from oppo_engine.model.packed import PackedLinears
@@ -70,6 +71,8 @@ class ModelRunner:
         self.captured: CapturedDecode | None = None
         # The weights packed for the CPU's GEMMs (the actor's, when EngineConfig.packed_weights is on).
         self.packed: PackedLinears | None = None
+        # Exact fused replacements of the model's small-op modules (its RMSNorms) for the CPU's forwards.
+        self.fused: fused.FusedModules | None = fused.for_model(model) if self.device.type == "cpu" else None
         _check_cache(model, cache)
         with paged_attention_enabled(model):  # validates the switch now rather than at the first forward
             pass
@@ -164,7 +167,7 @@ class ModelRunner:
 
     def _base_forward(self, batch: _Batch) -> torch.Tensor:
         """One base-model forward; the hidden states ``[T, hidden]``."""
-        with paged_attention_enabled(self.model), bound_metadata(batch.meta), self._packed():
+        with paged_attention_enabled(self.model), bound_metadata(batch.meta), self._packed(), self._fused():
             out = self.base(input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False)
         return out.last_hidden_state[0]
 
@@ -174,7 +177,7 @@ class ModelRunner:
             raise ValueError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
         keep = rows if rows is not None and self.keeps_logits else 0
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
-        with paged_attention_enabled(self.model), bound_metadata(batch.meta), self._packed():
+        with paged_attention_enabled(self.model), bound_metadata(batch.meta), self._packed(), self._fused():
             out = self.model(
                 input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs
             )
@@ -186,6 +189,10 @@ class ModelRunner:
     def _packed(self) -> contextlib.AbstractContextManager:
         """The packed weights swapped in for one forward, where the runner has them."""
         return self.packed.applied() if self.packed is not None else contextlib.nullcontext()
+
+    def _fused(self) -> contextlib.AbstractContextManager:
+        """The fused modules installed for one forward, where the runner has them."""
+        return self.fused.applied() if self.fused is not None else contextlib.nullcontext()
 
     def _prepare(self, chunks: Sequence[SeqChunk], extra: np.ndarray | None = None) -> _Batch:
         """Index tensors of one forward, built on the host and moved in two copies (int64, int32), no sync;

@@ -1,0 +1,304 @@
+"""Exact fused replacements of HF modules for the engine's forwards on the CPU.
+
+A decode step on the CPU runs hundreds of small ops a forward: HF's RMSNorm alone is eight (``to``,
+``pow``, ``mean``, ``add``, ``rsqrt``, ``mul``, ``to``, ``mul``) per norm, 61 norms a SmolLM2 forward, and
+on rows of a few hundred values each op costs more in dispatch and allocation than in arithmetic. The
+modules replaced here run the same arithmetic in fewer ops, **bit for bit**: the engine's tokens and
+log-probs are those of HF's modules (``tests/test_fused.py``).
+
+- **RMSNorm** (``ops.rms_norm``, one C++ op): a module is replaced only where its class's ``forward`` is,
+  to the character, the Llama-form forward below (``LLAMA_RMS_NORM_FORWARD``: Llama, Qwen2, Qwen3,
+  Mistral, Phi3, Granite, ... share it); any other norm (Gemma's ``1 + weight``, OLMo's, a kernelized one)
+  runs its own forward. Each call falls back to the module's own forward where the op does not apply: a
+  dtype other than float32/bfloat16, mixed dtypes, a non-contiguous input, CUDA, autocast, or a forward
+  that records gradients.
+- **Llama's attention** (``ops.rotary_and_cache``): between its projections and the engine's paged
+  attention, HF's Llama attention applies the rotary embedding (``apply_rotary_pos_emb``: 16 small ops a
+  layer) and the engine writes K/V into the cache; one C++ op does both, rounding where HF's ops round, and
+  the rest of HF's attention forward (interface lookup, transposes, the deprecation and kernel-hub wrappers)
+  is skipped. Only ``transformers.models.llama``'s own ``LlamaAttention`` qualifies, and only while its
+  forward, ``apply_rotary_pos_emb`` and ``rotate_half`` read as below (``LLAMA_ATTENTION_FORWARD``,
+  ``LLAMA_ROTARY``); a call falls back to HF's forward outside the runner's forward, with a mask or an HF
+  cache, in training mode, or for a dtype or device the op does not take. A model whose rotary embedding
+  was swapped for a hub kernel (``kernels.kernelize``) is not supported by this path.
+
+The replacements are installed for the duration of the runner's forward as instance attributes (as the
+packed weights are, ``model/packed.py``) and act only on the threads running such a forward: the same
+model running elsewhere meanwhile (a trainer's forward and backward) gets its own modules. Weights are read
+at every call, so they follow every update.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from oppo_engine import ops
+from oppo_engine.model import attention
+
+# The RMSNorm forward the fused op reproduces (transformers' LlamaRMSNorm.forward, as of 5.x). A class
+# qualifies only if its forward's source is exactly this (dedented), so a change upstream disables the
+# fusion rather than making it wrong.
+LLAMA_RMS_NORM_FORWARD = """\
+def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+"""
+
+LLAMA_ATTENTION_FORWARD = """\
+@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+def forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    cache: Cache | None = None,
+    **kwargs: Unpack[TransformersKwargs],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+"""
+# The rotary helpers of transformers.models.llama.modeling_llama that the forward above calls; the module's
+# source must contain each verbatim.
+LLAMA_ROTARY = (
+    """\
+def rotate_half(x):
+    \"\"\"Rotates half the hidden dims of the input.\"\"\"
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+""",
+    "def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):\n",
+    """\
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+""",
+)
+_LLAMA_MODULE = "transformers.models.llama.modeling_llama"
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+_forms: dict[tuple[str, type], bool] = {}  # (form, class) -> whether the class reads as that form
+_forms_lock = threading.Lock()
+
+
+def is_llama_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` computes the Llama-form RMSNorm: its class's forward is ``LLAMA_RMS_NORM_FORWARD``
+    verbatim, it has a 1-D ``weight`` parameter and a float ``variance_epsilon``."""
+    cls = type(module)
+    with _forms_lock:
+        form = _forms.get(("norm", cls))
+        if form is None:
+            try:
+                source = textwrap.dedent(inspect.getsource(cls.forward))
+            except (OSError, TypeError):
+                source = ""
+            form = _forms["norm", cls] = source == LLAMA_RMS_NORM_FORWARD
+    weight = getattr(module, "weight", None)
+    return (
+        form
+        and isinstance(weight, nn.Parameter)
+        and weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+    )
+
+
+def is_llama_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' own ``LlamaAttention`` with the forward and rotary helpers above
+    (``LLAMA_ATTENTION_FORWARD``, ``LLAMA_ROTARY``) and an even head dim."""
+    cls = type(module)
+    with _forms_lock:
+        form = _forms.get(("attention", cls))
+        if form is None:
+            form = _forms["attention", cls] = _reads_as_llama_attention(cls)
+    head_dim = getattr(module, "head_dim", None)
+    return (
+        form
+        and isinstance(head_dim, int)
+        and head_dim % 2 == 0
+        and all(isinstance(getattr(module, n, None), nn.Module) for n in _PROJECTIONS)
+        and isinstance(getattr(module, "layer_idx", None), int)
+        and isinstance(getattr(module, "scaling", None), float)
+    )
+
+
+def _reads_as_llama_attention(cls: type) -> bool:
+    forward = inspect.unwrap(cls.forward)
+    if getattr(forward, "__module__", None) != _LLAMA_MODULE:
+        return False
+    try:
+        source = textwrap.dedent(inspect.getsource(forward))
+        module_source = inspect.getsource(inspect.getmodule(forward))
+    except (OSError, TypeError):
+        return False
+    return source == LLAMA_ATTENTION_FORWARD and all(part in module_source for part in LLAMA_ROTARY)
+
+
+class FusedModules:
+    """The fused replacements for one model's modules (its Llama-form RMSNorms, its Llama attention),
+    installed by ``applied``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.norms = [m for m in model.modules() if is_llama_rms_norm(m)]
+        self.attentions = [m for m in model.modules() if is_llama_attention(m)]
+        self._installs = [(m, _fused_norm_forward(self, m)) for m in self.norms]
+        self._installs += [(m, _fused_attention_forward(self, m)) for m in self.attentions]
+        self._lock = threading.Lock()
+        self._threads: Counter[int] = Counter()  # threads inside applied(), with their depth
+
+    def active(self) -> bool:
+        """Whether this thread is inside ``applied()``."""
+        return threading.get_ident() in self._threads
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """Inside the block, on this thread, each fused module runs its fused forward. Re-entrant, and
+        several threads may be inside at once (the modules are restored when the last one leaves)."""
+        me = threading.get_ident()
+        with self._lock:
+            if not self._threads:
+                for m, fwd in self._installs:
+                    m.__dict__["forward"] = fwd
+            self._threads[me] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._threads[me] -= 1
+                if self._threads[me] == 0:
+                    del self._threads[me]
+                if not self._threads:
+                    for m, _ in self._installs:
+                        m.__dict__.pop("forward", None)
+
+
+def _fused_norm_forward(fused: FusedModules, module: nn.Module):
+    """The norm's forward while fused: ``ops.rms_norm`` where it applies, the module's own elsewhere."""
+    own = type(module).forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if (
+            hidden_states.dtype not in _FUSED_DTYPES
+            or weight.dtype != hidden_states.dtype
+            or hidden_states.device.type != "cpu"
+            or weight.device.type != "cpu"
+            or not hidden_states.is_contiguous()
+            or not weight.is_contiguous()
+            or (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))
+            or torch.is_autocast_enabled("cpu")
+            or not fused.active()
+        ):
+            return own(module, hidden_states)
+        return ops.rms_norm(hidden_states, weight, module.variance_epsilon)
+
+    return forward
+
+
+def _fused_attention_forward(fused: FusedModules, module: nn.Module):
+    """Llama's attention while fused: HF's projections, ``ops.rotary_and_cache`` in place of its rotary
+    embedding and the engine's cache write, the engine's paged attention (as ``paged_attention_forward``
+    calls it), HF's output projection. HF's own forward wherever the fused path does not apply."""
+    own = type(module).forward
+    layer, head_dim, scaling = module.layer_idx, module.head_dim, module.scaling
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        meta = attention.bound()
+        if (
+            meta is None
+            or attention_mask is not None
+            or cache is not None
+            or kwargs.get("past_key_values") is not None
+            or position_embeddings is None
+            or module.training
+            or hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1
+            or hidden_states.dtype not in _FUSED_DTYPES
+            or hidden_states.device.type != "cpu"
+            or meta.kv_cache.dtype != hidden_states.dtype
+            or meta.kv_cache.device.type != "cpu"
+            or position_embeddings[0].dtype != hidden_states.dtype
+            or torch.is_grad_enabled()
+            or torch.is_autocast_enabled("cpu")
+            or not fused.active()
+        ):
+            return own(module, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        num_tokens = hidden_states.shape[1]
+        cos, sin = position_embeddings
+        # The projections are looked up at every call (an adapter library may have wrapped them since).
+        q = module.q_proj(hidden_states).view(num_tokens, -1, head_dim)
+        k = module.k_proj(hidden_states).view(num_tokens, -1, head_dim)
+        v = module.v_proj(hidden_states).view(num_tokens, -1, head_dim)
+        q = ops.rotary_and_cache(q, k, v, cos[0], sin[0], meta.kv_cache, meta.slot_mapping, layer)
+        out = ops.paged_attention(
+            q,
+            meta.kv_cache,
+            layer,
+            meta.block_tables,
+            meta.context_lens,
+            meta.cu_seqlens_q,
+            scaling,
+            max_q_len=meta.max_q_len,
+            max_context_len=meta.max_context_len,
+            backend=meta.backend,
+            plan=meta.plan,
+        )
+        return module.o_proj(out.view(1, num_tokens, -1)), None
+
+    return forward
+
+
+_by_model: weakref.WeakKeyDictionary[nn.Module, FusedModules] = weakref.WeakKeyDictionary()
+_by_model_lock = threading.Lock()
+
+
+def for_model(model: nn.Module) -> FusedModules:
+    """The fused modules of ``model``, shared by every runner of it in the process."""
+    with _by_model_lock:
+        fused = _by_model.get(model)
+        if fused is None:
+            fused = _by_model[model] = FusedModules(model)
+        return fused

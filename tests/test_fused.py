@@ -1,0 +1,249 @@
+"""The exact fused modules of ``oppo_engine/model/fused.py``: bit for bit HF's modules, in the op and in the
+engine (tokens and log-probs with fusion equal those without, to the bit)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from families import FAMILIES, ROUTED, build_actor, prompts
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
+from oppo_engine.model import fused
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def random_norm(hidden: int, dtype: torch.dtype, seed: int, eps: float = 1e-5) -> LlamaRMSNorm:
+    g = torch.Generator().manual_seed(seed)
+    norm = LlamaRMSNorm(hidden, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=g) * 0.5 + 1.0)
+    return norm.to(dtype)
+
+
+def random_rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows at scales from 1e-3 to 1e3 (each row its own), so the variance and the rounding vary widely."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    scale = 10.0 ** (torch.rand(*shape[:-1], 1, generator=g) * 6 - 3)
+    return (x * scale).to(dtype)
+
+
+def test_llama_rms_norm_has_the_reference_form():
+    """The installed transformers' LlamaRMSNorm is the form the op reproduces (else nothing is fused)."""
+    assert fused.is_llama_rms_norm(LlamaRMSNorm(8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_op_equals_hf_bit_for_bit(dtype, threads):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, (rows, hidden) in enumerate([(1, 576), (3, 48), (16, 576), (17, 576), (64, 576), (100, 64),
+                                            (600, 576), (2048, 576), (5, 16)]):  # fmt: skip
+            for eps in (1e-5, 1e-6):
+                norm = random_norm(hidden, dtype, seed=i)
+                norm.variance_epsilon = eps
+                x = random_rows((1, rows, hidden), dtype, seed=100 + i)
+                with torch.inference_mode():
+                    want = norm(x)
+                    got = ops.rms_norm(x, norm.weight, eps)
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                   want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (
+                    f"rows={rows} hidden={hidden} eps={eps}: {(got.float() - want.float()).abs().max()}"
+                )  # fmt: skip
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_rms_norm_op_equals_hf_on_zeros_and_extremes():
+    for dtype in DTYPES:
+        norm = random_norm(64, dtype, seed=3)
+        x = random_rows((4, 64), dtype, seed=4)
+        x[0] = 0  # variance 0: rsqrt(eps)
+        x[1, :5] = torch.finfo(dtype).max / 4
+        x[2] = torch.finfo(dtype).tiny
+        with torch.inference_mode():
+            assert torch.equal(ops.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+
+
+def test_rms_norm_op_refuses_what_it_does_not_compute():
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="both be float32 or both bfloat16"):
+        ops.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), w, 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.rms_norm(torch.ones(8, 2).t(), w, 1e-5)
+    with pytest.raises(ValueError, match=r"\[\.\.\., H\]"):
+        ops.rms_norm(torch.ones(2, 4), w, 1e-5)
+
+
+FUSED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "granite")
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_every_familys_norms_fused_are_its_own_bit_for_bit(name):
+    """Each family's norms that are fused give their own forward's bits (bf16 and fp32), and the
+    Llama-form families are recognised (their norms are fused at all)."""
+    for dtype in DTYPES:
+        model = build_actor(name, dtype=dtype)
+        mods = fused.FusedModules(model)
+        if name in FUSED_FAMILIES:
+            assert mods.norms, f"{name}: no norm recognised"
+        for j, norm in enumerate(mods.norms):
+            x = random_rows((1, 7, norm.weight.shape[0]), dtype, seed=j)
+            with torch.inference_mode():
+                want = norm(x)
+                with mods.applied():
+                    assert "forward" in norm.__dict__
+                    got = norm(x)
+            assert torch.equal(got, want), f"{name} {dtype} norm {j}"
+            assert "forward" not in norm.__dict__
+
+
+def test_other_norm_forms_are_not_fused():
+    for name in ("gemma", "olmo2", "cohere", "gpt2"):
+        if name in FAMILIES:
+            assert not fused.FusedModules(build_actor(name)).norms, name
+
+
+def test_fused_forward_falls_back_off_thread_and_under_autograd(monkeypatch):
+    norm = random_norm(16, torch.float32, seed=0)
+    mods = fused.FusedModules(norm)
+    calls = []
+    monkeypatch.setattr(ops, "rms_norm", lambda *a: calls.append(1) or torch.zeros(1))
+    x = torch.randn(2, 16)
+    with mods.applied():
+        other = []
+        t = threading.Thread(target=lambda: other.append(norm(x)))
+        t.start()
+        t.join()
+        assert calls == [] and torch.equal(other[0], norm.__class__.forward(norm, x))
+        y = norm(x.requires_grad_())  # autograd: the module's own forward, differentiable
+        y.sum().backward()
+        assert calls == [] and x.grad is not None
+        with torch.inference_mode():
+            norm(x.detach())
+        assert calls == [1]
+
+
+def rollouts(actor, batch, *, temperature: float) -> list[tuple[list[int], list[float]]]:
+    engine = RolloutEngine(
+        actor=actor,
+        reward=lambda p, r: 0.0,
+        config=EngineConfig(batch_size=4, mode="sequential", max_model_len=128, page_size=8),
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=12, seed=7, ignore_eos=True),
+    )
+    try:
+        engine.add_prompts(batch)
+        done = []
+        while result := engine.step().rollouts:
+            done += result
+    finally:
+        engine.close()
+    by_prompt = {tuple(r.prompt_ids): (r.response_ids, r.logprobs) for r in done}
+    return [by_prompt[tuple(p)] for p in batch]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, dtype, monkeypatch):
+    """Mixed prefills and decodes (6 prompts of 2-16 tokens, batch 4), greedy and sampled: the engine's
+    tokens and log-probs are the same floats with the fused norms as with HF's own."""
+    batch = prompts((2, 5, 8, 11, 13, 16), seed=5)
+    actor = build_actor(name, dtype=dtype)
+    calls = {"rms_norm": 0, "rotary_and_cache": 0}
+
+    def counted(op, real):
+        def call(*args):
+            calls[op] += 1
+            return real(*args)
+
+        return call
+
+    for op in calls:
+        monkeypatch.setattr(ops, op, counted(op, getattr(ops, op)))
+    for temperature in (0.0, 0.8):
+        with_fusion = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
+        assert calls["rms_norm"], "the fused norm never ran"
+        assert calls["rotary_and_cache"] or name != "llama", "the fused attention never ran"
+        calls.update(rms_norm=0, rotary_and_cache=0)
+        with monkeypatch.context() as m:
+            m.setattr(fused, "is_llama_rms_norm", lambda module: False)
+            m.setattr(fused, "is_llama_attention", lambda module: False)
+            without = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
+        assert calls == {"rms_norm": 0, "rotary_and_cache": 0}
+        assert with_fusion == without
+
+
+# -- Llama's attention: the rotary embedding and the cache write in one op ------------------------------
+
+
+def hf_rotary(q, k, cos, sin):
+    """HF's own ``apply_rotary_pos_emb`` on ``[T, H, D]`` tensors laid out as the attention lays them out."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q4, k4 = q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2)
+    q_embed, k_embed = apply_rotary_pos_emb(q4, k4, cos.unsqueeze(0), sin.unsqueeze(0))
+    return q_embed[0].transpose(0, 1), k_embed[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 12, 80])
+def test_rotary_and_cache_equals_hf_rotary_and_cache_write_bit_for_bit(dtype, head_dim):
+    """Every position from 0 to 4095 (HF's own cos/sin, from the model's rotary module), GQA heads; the
+    cache receives HF's rotated K and the V unchanged, at the slots given, and nothing else changes."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim
+    )
+    rotary = LlamaRotaryEmbedding(cfg)
+    g = torch.Generator().manual_seed(head_dim)
+    tokens = 4096
+    positions = torch.arange(tokens)[None]
+    x = torch.empty(1, tokens, 1, dtype=dtype)
+    with torch.inference_mode():
+        cos, sin = (t[0] for t in rotary(x, positions))
+    q = (torch.randn(tokens, 4, head_dim, generator=g) * 3).to(dtype)
+    k = (torch.randn(tokens, 2, head_dim, generator=g) * 3).to(dtype)
+    v = torch.randn(tokens, 2, head_dim, generator=g).to(dtype)
+    page_size, layers = 16, 2
+    cache = torch.randn(tokens // page_size + 1, layers, 2, page_size, 2, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(cache.shape[0] * page_size, generator=g)[:tokens]
+    slots[::7] = -1  # skipped tokens
+    want_q, want_k = hf_rotary(q, k, cos, sin)
+    want_cache = cache.clone()
+    ops.reshape_and_cache(want_k, v, want_cache, slots, 1)
+    got_q = ops.rotary_and_cache(q, k, v, cos, sin, cache, slots, 1)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(cache, want_cache)
+
+
+def test_rotary_and_cache_refuses_what_it_does_not_compute():
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    cos = sin = torch.randn(3, 8)
+    cache = torch.zeros(2, 1, 2, 4, 2, 8)
+    slots = torch.arange(3)
+    with pytest.raises(ValueError, match="cos and sin must be contiguous"):
+        ops.rotary_and_cache(q, k, k, cos[:2], sin[:2], cache, slots, 0)
+    with pytest.raises(ValueError, match="all be float32 or all bfloat16"):
+        ops.rotary_and_cache(q, k, k, cos.bfloat16(), sin.bfloat16(), cache, slots, 0)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        ops.rotary_and_cache(q[..., :7].contiguous(), k[..., :7].contiguous(), k, cos[:, :7].contiguous(),
+                             sin[:, :7].contiguous(), cache, slots, 0)  # fmt: skip
+    with pytest.raises(ValueError, match="layer"):
+        ops.rotary_and_cache(q, k, k, cos, sin, cache, slots, 5)
+
+
+def test_only_llamas_own_attention_is_fused():
+    assert fused.FusedModules(build_actor("llama")).attentions
+    for name in ("qwen2", "mistral", "qwen3", "gemma", "phi3", "granite", "olmo2"):
+        if name in FAMILIES:
+            assert not fused.FusedModules(build_actor(name)).attentions, name
