@@ -1,0 +1,155 @@
+"""The chunk controller's exploration budget (``ChunkControl.explore_budget``): exploration steps may cost,
+beyond the incumbent, at most that fraction of the run's time so far plus one step's misestimate, whatever
+the run's length. So a short run on a machine where streaming costs (this CPU) does not stream at all, a
+long one still explores, and an arm the cost model predicts to pay is explored at once. Fake clock, exact
+numbers, no noise unless stated."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oppo_engine.control import OFF, ChunkControl, ChunkSizeController, SwitchProfile
+
+SIZES = (4, 8, 16, 32, 64)
+TOKENS = 1000
+
+
+def first_step(scoring_s: float = 0.2) -> SwitchProfile:
+    """What the profiler reports after one unstreamed step (as in test_control_chunk_futile): 100 decode
+    iterations of 1 ms, then ``scoring_s`` of scoring; no hand-off line, no slowdown, no tail."""
+    return SwitchProfile(
+        handoff_s=0.0,
+        prefill_s_per_token=scoring_s / 1000,
+        decode_iter_s=1e-3,
+        slowdown={},
+        running_seqs=8.0,
+        tail_seqs=0.0,
+        tokens_per_step=800.0,
+        scored_tokens_per_step=1000.0,
+        scoring_s=scoring_s,
+    )
+
+
+# Streaming pays: a 3% slowdown hides 1.5 s of scoring behind a 0.26 s decode (test_control_chunk_off).
+PAYS = SwitchProfile(
+    handoff_s=1e-3,
+    prefill_s_per_token=1e-4,
+    decode_iter_s=1e-3,
+    slowdown={4: 0.03, 64: 0.03},
+    running_seqs=32.0,
+    tail_seqs=4.0,
+    tokens_per_step=8192.0,
+    scored_tokens_per_step=15000.0,
+)
+
+
+def run(ctrl, landscape, steps, profile=None):
+    """``steps`` steps: arm a takes ``landscape[a]`` seconds (TOKENS tokens); ``profile`` arrives after the
+    first step, as the profiler's after a fresh machine's first (unstreamed) step."""
+    arms = []
+    for k in range(steps):
+        arm = ctrl.chunk_size()
+        ctrl.observe(arm, landscape[arm], TOKENS)
+        arms.append(arm)
+        if k == 0 and profile is not None:
+            ctrl.set_profile(profile)
+    return arms
+
+
+COSTLY = {OFF: 1.0, 4: 1.5, 8: 1.4, 16: 1.35, 32: 1.4, 64: 1.45}  # this CPU: every streamed step is slower
+
+
+def test_a_short_run_where_nothing_predicts_streaming_does_not_stream():
+    """The held-out drain's case: a fresh machine, the first step's scoring long enough to explore (nothing
+    futile), no slowdown known. A streamed step whose cost nothing predicts is taken at ``hopeless_margin``
+    (a quarter) of a step; 3% of the run covers that after 0.25 / 0.03 = 8.33 steps of equal length, so
+    the first streamed step is the 10th (after 9 observed), and a run of 9 steps never streams."""
+    ctrl = ChunkSizeController(ChunkControl())
+    arms = run(ctrl, COSTLY, 12, first_step())
+    assert ctrl.futile() == []  # the bound alone would explore at once
+    assert arms[:9] == [OFF] * 9, arms
+    assert arms[9] in SIZES, arms
+    assert ctrl.spent == pytest.approx((COSTLY[arms[9]] - 1.0) * (arms[9:].count(arms[9]) > 0))
+
+
+def test_without_a_budget_the_same_run_streams_at_once():
+    arms = run(ChunkSizeController(ChunkControl(explore_budget=None)), COSTLY, 12, first_step())
+    assert arms[0] == OFF and arms[1] in SIZES, arms
+
+
+def test_an_arm_predicted_to_pay_is_explored_at_once_and_kept():
+    """A cost model that predicts streaming pays (the prior on a GPU, or a measured slowdown) makes the
+    streamed arms' expected cost negative: the budget defers nothing, and "off", which that model calls
+    hopeless, does not run. The first exploration's steps are charged against the arm it adopts."""
+    pays = {OFF: 1.0, 4: 0.75, 8: 0.6, 16: 0.5, 32: 0.55, 64: 0.7}
+    ctrl = ChunkSizeController(ChunkControl())
+    ctrl.set_prior(PAYS)
+    assert ctrl.expected_excess(16) < 0
+    arms = run(ctrl, pays, 4)  # the warm-up step, then the predicted best and its neighbours
+    assert sorted(arms[1:]) == [16, 32, 64], arms
+    assert ctrl.incumbent == 16
+    assert ctrl.spent == pytest.approx(sum(pays[a] - pays[16] for a in arms[1:]))
+    arms += run(ctrl, pays, 40)
+    assert ctrl.incumbent == 16 and arms[-10:] == [16] * 10
+
+
+def test_the_first_streamed_arm_of_an_uninformed_model_is_the_middle_candidate():
+    """With no hand-off, tail or slowdown known every chunk size costs the decode alone: the model ties
+    them, and ties rank as without a model (the middle candidate, then its neighbours), not smallest
+    first (which made the first streamed step always 4)."""
+    ctrl = ChunkSizeController(ChunkControl(explore_budget=None))
+    ctrl.set_profile(first_step())
+    assert [a for a in ctrl.ranking() if a != OFF] == [16, 8, 32, 4, 64]
+    assert run(ChunkSizeController(ChunkControl(explore_budget=None)), COSTLY, 2, first_step())[1] == 16
+
+
+def test_a_long_run_still_explores():
+    ctrl = ChunkSizeController(ChunkControl())
+    arms = run(ctrl, COSTLY, 300, first_step())
+    streamed = sum(a != OFF for a in arms)
+    assert ctrl.incumbent == OFF
+    assert 3 <= streamed <= math.floor((0.03 * 300 + 0.5) / 0.35), arms  # each costs >= 0.35 of a step
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    slower=st.lists(st.floats(1.05, 3.0), min_size=5, max_size=5),
+    budget=st.sampled_from([0.0, 0.01, 0.03, 0.1]),
+    profile=st.sampled_from(["none", "first_step", "list"]),
+    lengths=st.lists(st.floats(0.2, 5.0), min_size=1, max_size=7),
+)
+def test_exploration_costs_at_most_the_budget_plus_one_step(slower, budget, profile, lengths):
+    """Every arm is slower than "off" by its factor; steps vary in length (``lengths`` cycled, as a drain's
+    batches do). After every step, what the controller charged its exploration steps (each step's seconds
+    beyond the incumbent's mean time per token) is at most ``explore_budget`` of the time so far plus the
+    largest single charge. With steps of one length the charge is exactly the seconds the streamed steps
+    cost beyond "off"."""
+    control = ChunkControl(explore_budget=budget, prior="list" if profile == "list" else "model")
+    ctrl = ChunkSizeController(control)
+    factor = dict(zip(SIZES, slower, strict=True))
+    excess = elapsed = worst = 0.0
+    for k in range(150):
+        arm = ctrl.chunk_size()
+        base = lengths[k % len(lengths)]
+        seconds = base if arm == OFF else base * factor[arm]
+        before = ctrl.spent
+        ctrl.observe(arm, seconds, TOKENS)
+        if k == 0 and profile != "none":
+            ctrl.set_profile(first_step())
+        excess += seconds - base
+        worst = max(worst, ctrl.spent - before)
+        elapsed += seconds
+        assert ctrl.elapsed == pytest.approx(elapsed)
+        assert ctrl.spent <= budget * elapsed + worst + 1e-9, (k, ctrl.spent, elapsed, worst)
+        if len(lengths) == 1:
+            assert ctrl.spent == pytest.approx(excess, abs=1e-9)
+    if budget == 0.0:
+        assert excess == 0.0  # nothing is free to explore: nothing streams
+
+
+@pytest.mark.parametrize("budget", [-0.01, 1.5, math.nan, True, "0.03"])
+def test_bad_budget_raises_value_error(budget):
+    with pytest.raises(ValueError, match="explore_budget"):
+        ChunkControl(explore_budget=budget)
