@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,23 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 
 VERSION = 1
 ROLES = ("actor", "reward", "reference", "critic")
+
+# The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
+# of the model's shape: the feature a refusal names, and how much of it a shape has (per token or per
+# forward). A constant whose term the calibration's forwards could not measure (under ``FIT_SHARE`` of
+# every timed forward) is recorded with the largest amount among the calibration's models
+# (``ThreadCosts.unfitted``): a shape with more of that feature is refused (``Profile.check_shape``).
+FEATURES: dict[str, tuple[str, Callable[[ModelShape], float]]] = {
+    "layer_s": ("the fixed cost per layer (layers)", lambda s: s.layers),
+    "pair_s": ("attention per query-key pair (layers x query width)", lambda s: s.layers * s.q_width),
+    "kv_byte_s": (
+        "the KV cache read per context token (layers x KV bytes)",
+        lambda s: s.layers * s.kv_width * 2 * s.dtype_bytes,
+    ),
+    "token_hidden_s": ("elementwise work per token (layers x hidden)", lambda s: s.layers * s.hidden),
+    "logit_s": ("logit post-processing per row (vocabulary)", lambda s: s.vocab if s.head == "lm" else 0),
+}
+FIT_SHARE = 0.02  # a term under this share of every timed forward is within their timing noise
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +49,9 @@ class ThreadCosts:
     than stays in cache); ``bandwidth``: bytes/s of a
     large copy; per-unit costs in seconds (see ``sim/calibration.py``); ``gemm_scale``: how much longer the
     projections take inside a forward than the bare GEMMs predict (fitted); ``fit_error``: the median
-    relative error of the fit over the timed forwards."""
+    relative error of the fit over the timed forwards; ``unfitted``: the constants the calibration could
+    not fit (``FEATURES``: their term under ``FIT_SHARE`` of every timed forward, so the value is noise),
+    each with the largest amount of its feature among the calibration's models."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -44,6 +64,7 @@ class ThreadCosts:
     fit_error: float
     streaming: list[tuple[float, int, float]] = field(default_factory=list)
     gemm_scale: float = 1.0
+    unfitted: dict[str, float] = field(default_factory=dict)
 
     def streaming_bandwidth(self, working_set: float, rows: int = 1) -> float:
         """Bytes/s at which projections of ``rows`` rows read weights out of a working set of
@@ -99,6 +120,23 @@ class Profile:
     created: str = ""
     models: dict[str, dict] = field(default_factory=dict)
     version: int = VERSION
+
+    def check_shape(self, shape: ModelShape, role: str) -> None:
+        """``ValueError`` naming the feature if ``shape`` (the ``role`` model's) has more of a feature than
+        the models this profile was calibrated on had when their forwards could not fit its constant
+        (``ThreadCosts.unfitted``): the profile is too small to price it."""
+        for threads, costs in sorted(self.threads.items()):
+            for name, reach in costs.unfitted.items():
+                feature, amount = FEATURES[name]
+                need = amount(shape)
+                if need > reach:
+                    raise ValueError(
+                        f"device: the profile of {self.device!r} could not fit {feature}, constant {name} "
+                        f"({threads} thread(s)): in the forwards it timed that term stayed under "
+                        f"{FIT_SHARE:.0%} of every one, with at most {reach:,.0f} of it; the {role} model "
+                        f"({shape.name}) has {need:,.0f}: the profile is too small to price it; calibrate "
+                        "on a model at least that large (oppo-engine calibrate)"
+                    )
 
     def costs_at(self, threads: int) -> ThreadCosts:
         """The constants of the nearest calibrated thread count."""
