@@ -1,19 +1,20 @@
-"""A profile too small to fit a constant: the calibration marks each per-forward constant whose term stayed
-under ``FIT_SHARE`` of every timed forward (its value is noise) with the largest amount of its feature the
-calibration's models had, and a plan for a shape with more of that feature is refused with a ValueError
-naming the feature. The fit is run on made-up forward times (exact sums of known constants: a test input,
-not a measurement)."""
+"""A profile that never measured a feature: the calibration marks each per-forward constant whose feature no
+timed forward had (its column zero in every one) with the largest amount of its feature the calibration's
+models had, and a plan for a shape with more of that feature is refused with a ValueError naming the
+feature. A constant the non-negative fit put at zero (timing noise) is not marked: the model is priced.
+The fit is run on made-up forward times (exact sums of known constants: a test input, not a measurement)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from oppo_engine.sim import plan
 from oppo_engine.sim.calibration import FORWARD_GRID, _batch, _fit_with
 from oppo_engine.sim.cost import HostCosts
-from oppo_engine.sim.profile import FEATURES, FIT_SHARE, Profile, ThreadCosts
+from oppo_engine.sim.profile import VERSION, Profile, ThreadCosts
 from oppo_engine.sim.shapes import attention_pairs, model_shape
 
 # GEMMs (and weight streaming) priced as free: the made-up forward times are the fitted terms alone.
@@ -41,13 +42,9 @@ def forward_s(shape, role, point, c: dict) -> float:
 TRUE = dict(forward_s=1e-4, layer_s=2e-5, pair_s=1e-9, kv_byte_s=1e-11, token_hidden_s=1e-9, logit_s=1e-9)
 
 
-def fitted(**constants) -> ThreadCosts:
+def fitted(models=((ACTOR, "actor"), (REWARD, "reward")), **constants) -> ThreadCosts:
     c = {**TRUE, **constants}
-    points = [
-        (s, r, p, forward_s(s, r, p, c))
-        for s, r in ((ACTOR, "actor"), (REWARD, "reward"))
-        for p in FORWARD_GRID
-    ]
+    points = [(s, r, p, forward_s(s, r, p, c)) for s, r in models for p in FORWARD_GRID]
     return _fit_with(points, FREE_GEMMS, free_scale=False)
 
 
@@ -57,35 +54,55 @@ def test_every_constant_with_a_measurable_term_is_fitted():
     assert costs.pair_s == pytest.approx(TRUE["pair_s"], rel=1e-6) and costs.fit_error < 1e-9
 
 
-def test_a_term_the_timed_forwards_do_not_show_is_marked_unfitted_with_the_calibrations_reach():
-    """No attention cost in the timed forwards (a model too small for it to show): its constant is noise,
-    recorded with the largest layers x query width the calibration ran (the tiny actor's and reward's)."""
-    costs = fitted(pair_s=0.0)
-    assert set(costs.unfitted) == {"pair_s"}
-    assert costs.unfitted["pair_s"] == max(FEATURES["pair_s"][1](s) for s in (ACTOR, REWARD))
-    # A term present but below the share in every forward is as unmeasured as an absent one.
-    tiny = fitted(pair_s=TRUE["pair_s"] * 1e-4)
-    assert "pair_s" in tiny.unfitted and FIT_SHARE == 0.02
+GEMM = {kn: [(1, 2e9), (16, 2e10), (256, 5e10)] for kn in (16384, 1048576)}
 
 
 def _profile(costs: ThreadCosts) -> Profile:
+    costs = dataclasses.replace(costs, gemm=GEMM, bandwidth=1e10)
     return Profile("cpu:test", "cpu", {1: costs}, HostCosts(2e-5, 3e-6, 5e-6), 5e9, cores=2)
 
 
-def test_a_shape_with_more_of_an_unfitted_feature_is_refused_naming_it(tmp_path):
-    gemm = {kn: [(1, 2e9), (16, 2e10), (256, 5e10)] for kn in (16384, 1048576)}
-    costs = dataclasses.replace(fitted(pair_s=0.0), gemm=gemm, bandwidth=1e10)
+def _plan(actor: str, profile: Profile):
+    return plan(actor, reward="rule", device=profile, gpus=1, placement="cpu", batch_size=2, lengths=8,
+                prompt_lengths=8, steps=1)  # fmt: skip
+
+
+def test_a_constant_the_fit_zeroed_under_noise_is_not_marked_and_larger_models_are_priced():
+    """A term too small to show (logit post-processing on a small vocabulary, as a real ``calibrate(small)``
+    here fitted at 6.9% error; attention and elementwise work on ``tiny`` at load 14): the fit zeroes its
+    constant, but the forwards had the feature, so nothing is refused: 0.5b and 1.5b are priced."""
+    costs = fitted(logit_s=0.0, pair_s=TRUE["pair_s"] * 1e-4, token_hidden_s=0.0)
+    assert costs.logit_s == 0.0 and costs.unfitted == {}
+    profile = _profile(costs)
+    for model in ("0.5b", "1.5b"):
+        assert _plan(model, profile).modes  # priced, not refused
+
+
+def test_a_feature_no_timed_forward_had_is_marked_and_a_model_with_it_refused_naming_it(tmp_path):
+    """Calibrated on models without a vocabulary head (a score and a value head): no forward had logits, so
+    ``logit_s`` was never measured; a model with a vocabulary is refused naming the feature."""
+    critic = model_shape("tiny", head="value", dtype_bytes=4, name="critic")
+    costs = fitted(models=((REWARD, "reward"), (critic, "critic")))
+    assert costs.unfitted == {"logit_s": 0}
     profile = _profile(costs)
     assert Profile.load(profile.save(tmp_path / "p.json")) == profile  # the mark survives the file
-    profile.check_shape(ACTOR, "actor")  # the calibration's own shape: priced
-    small = model_shape("small", dtype_bytes=4, name="small")
-    assert FEATURES["pair_s"][1](small) > costs.unfitted["pair_s"]
-    with pytest.raises(
-        ValueError, match=r"could not fit attention per query-key pair .* the actor model \(small"
-    ):
-        profile.check_shape(small, "actor")
-    with pytest.raises(ValueError, match=r"constant pair_s .* too small to price it"):
-        plan("small", reward="rule", device=profile, gpus=1, placement="cpu", batch_size=2, lengths=8,
-             prompt_lengths=8, steps=1)  # fmt: skip
-    fitted_profile = _profile(dataclasses.replace(costs, unfitted={}))
-    fitted_profile.check_shape(small, "actor")  # nothing unfitted: nothing refused
+    profile.check_shape(REWARD, "reward")  # the calibration's own shape: priced
+    refused = r"fit logit post-processing per row \(vocabulary\), constant logit_s .* \(actor\) has 512"
+    with pytest.raises(ValueError, match=refused):
+        profile.check_shape(ACTOR, "actor")
+    with pytest.raises(ValueError, match=r"constant logit_s .* too small to price it"):
+        _plan("small", profile)
+    _profile(dataclasses.replace(costs, unfitted={})).check_shape(ACTOR, "actor")  # nothing unfitted
+
+
+def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its_version(tmp_path):
+    """Profiles are format version 2 (``ThreadCosts.unfitted``): an older reader refuses them by version
+    ("calibrate again") instead of failing on the new field; a version-1 file still loads."""
+    profile = _profile(fitted())
+    data = profile.to_json()
+    assert VERSION == 2 and data["version"] == 2
+    old = {**data, "version": 1, "threads": {t: {k: v for k, v in c.items() if k != "unfitted"}
+                                             for t, c in data["threads"].items()}}  # fmt: skip
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert Profile.load(path) == profile
