@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oppo_engine.control import OFF, ChunkControl, ChunkSizeController, SwitchProfile
+from oppo_engine.control.chunk import predicted_seconds_per_token
 
 SIZES = (4, 8, 16, 32, 64)
 TOKENS = 1000
@@ -71,7 +72,10 @@ def test_a_short_run_where_nothing_predicts_streaming_does_not_stream():
     assert ctrl.futile() == []  # the bound alone would explore at once
     assert arms[:9] == [OFF] * 9, arms
     assert arms[9] in SIZES, arms
-    assert ctrl.spent == pytest.approx((COSTLY[arms[9]] - 1.0) * (arms[9:].count(arms[9]) > 0))
+    # That step overdraws the account (0.35 or more of a step against 3% of 10): the next two run "off",
+    # and what was charged is exactly that one step's excess.
+    assert arms[10:] == [OFF, OFF], arms
+    assert ctrl.spent == pytest.approx(COSTLY[arms[9]] - 1.0)
 
 
 def test_without_a_budget_the_same_run_streams_at_once():
@@ -93,6 +97,57 @@ def test_an_arm_predicted_to_pay_is_explored_at_once_and_kept():
     assert ctrl.spent == pytest.approx(sum(pays[a] - pays[16] for a in arms[1:]))
     arms += run(ctrl, pays, 40)
     assert ctrl.incumbent == 16 and arms[-10:] == [16] * 10
+
+
+# A prior under which 16 pays a little and its neighbours cost a little (predicted seconds per token:
+# "off" 3.74e-5, 16 3.40e-5, 8 4.18e-5, 32 4.00e-5): the steps below are timed exactly as it predicts.
+NARROW = SwitchProfile(
+    handoff_s=1e-3,
+    prefill_s_per_token=1e-4,
+    decode_iter_s=1e-3,
+    slowdown={4: 2.0, 8: 0.2, 16: 0.0, 32: 0.2, 64: 2.0},
+    running_seqs=32.0,
+    tail_seqs=4.0,
+    tokens_per_step=8192.0,
+    scored_tokens_per_step=500.0,
+)
+
+
+def _predicted_run(budget, steps):
+    ctrl = ChunkSizeController(ChunkControl(explore_budget=budget))
+    ctrl.set_prior(NARROW)
+    landscape = {a: predicted_seconds_per_token(NARROW, a) * TOKENS for a in (OFF, *SIZES)}
+    return run(ctrl, landscape, steps), ctrl
+
+
+def test_with_the_prior_the_first_exploration_is_as_without_a_budget():
+    """16 measured and predicted to pay must not wait behind "off": once "off" is measured the steps run
+    before it are priced (16 cost nothing), so 32's small predicted cost is affordable at once. Before the
+    fix the budgeted run went 16, 16, off, off, off, 32; the unbudgeted one goes 16, 16, off, 32."""
+    budgeted, _ = _predicted_run(0.03, 8)
+    unbudgeted, _ = _predicted_run(None, 8)
+    assert unbudgeted[:4] == [16, 16, OFF, 32]
+    assert budgeted[:4] == unbudgeted[:4], budgeted
+
+
+def test_when_the_rest_of_the_first_exploration_is_unaffordable_what_was_measured_decides():
+    """No budget at all: after "off" nothing more is affordable. An arm measured to pay is not deferred
+    behind "off": the decision runs on what was measured and its confirming steps follow at once."""
+    arms, ctrl = _predicted_run(0.0, 8)
+    assert arms[:3] == [16, 16, OFF]
+    assert arms[3:6] == [16, 16, 16], arms
+    assert ctrl.incumbent == 16
+
+
+def test_after_a_switch_the_measured_excesses_are_relative_to_the_new_incumbent():
+    """The excesses an exploration measured were against the old incumbent ("off"); after 16 replaces
+    it they are against 16, so the budget's next estimates price the right difference."""
+    landscape = {OFF: 1.0, 4: 0.9, 8: 0.8, 16: 0.6, 32: 0.7, 64: 0.95}
+    ctrl = ChunkSizeController(ChunkControl(explore_budget=None, prior="list"))
+    arms = run(ctrl, landscape, 12)
+    assert ctrl.incumbent == 16 and 8 in arms, arms
+    for arm in (8, OFF):
+        assert ctrl.expected_excess(arm) == pytest.approx(landscape[arm] / landscape[16] - 1.0)
 
 
 def test_the_first_streamed_arm_of_an_uninformed_model_is_the_middle_candidate():

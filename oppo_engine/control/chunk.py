@@ -63,7 +63,10 @@ class ChunkControl:
     incumbent -- the arm's own last measured excess, else the cost model's prediction under a prior or
     once a streamed step measured a slowdown, else ``hopeless_margin`` of a step (an assumption: the most
     an arm worth exploring may cost) -- and runs it only if the excess time its exploration steps cost
-    so far plus that estimate stays within ``explore_budget`` of the time of all steps so far. Otherwise
+    so far plus that estimate stays within ``explore_budget`` of the time of all steps so far (0.03: a
+    policy choice, not a measurement -- it keeps an 8-step drain on a CPU where streaming costs "off" and
+    still lets a long run explore; its price: on a GPU where streaming pays and nothing predicts it, the
+    first streamed step is the 10th instead of the 2nd). Otherwise
     the incumbent ("off" before there is one) runs and the exploration waits. So whatever the run's
     length, exploration costs at most that fraction of it plus one step's misestimate: a short run on a
     machine where streaming costs (a CPU) explores little or not at all, a long one still explores, and an
@@ -92,8 +95,8 @@ class ChunkControl:
     hopeless_margin: float = 0.25
     hopeless_every: int = 4
     warmup_steps: int = 1
-    explore_budget: float | None = 0.03
     prior: str = "model"
+    explore_budget: float | None = 0.03  # a policy choice: see the docstring's explore_budget
 
     def __post_init__(self) -> None:
         candidates = tuple(self.candidates)
@@ -546,17 +549,30 @@ class ChunkSizeController:
                     self._plan.remove(OFF)
                 self._plan.appendleft(OFF)
                 return
+            if OFF in self._trial and self._unpriced:  # NOTE: "off" measured: the earlier steps are priced
+                self._charge({}, statistics.fmean(self._trial[OFF]))
         for i, arm in enumerate(self._plan):
             if self._affordable(arm):
                 if i:
                     del self._plan[i]
                     self._plan.appendleft(arm)
                 return
-        if self._incumbent is None:  # "off" was measured and nothing else is affordable: it runs meanwhile
-            self._incumbent = OFF
-            self._recent.extend(self._trial.pop(OFF))
-            self._charge({}, statistics.fmean(self._recent))
-        self._deferred = True
+        if self._incumbent is None:
+            # "Off" was measured and the rest of the first exploration is unaffordable: decide on what was
+            # measured. An arm measured to beat "off" gets its confirming steps at once and the rest waits
+            # for the next exploration; if none did, "off" runs and the rest is deferred.
+            rest = [a for a in self._plan if a != OFF]
+            self._plan.clear()
+            self._decide()
+            if not self._plan:
+                self._plan.extend(rest)
+            for i, arm in enumerate(self._plan):
+                if self._affordable(arm):
+                    if i:
+                        del self._plan[i]
+                        self._plan.appendleft(arm)
+                    return
+        self._deferred = bool(self._plan)
 
     def expected_excess(self, arm: Arm) -> float:
         """What one step of ``arm`` is expected to cost beyond the incumbent ("off" before there is one), as
@@ -682,6 +698,13 @@ class ChunkSizeController:
             if len(self._trial[target]) < self.control.min_samples:
                 self._plan.append(target)  # NOTE: a confirming step; at most min_samples per challenger
                 return
+            # The measured excesses were relative to the old incumbent: made relative to the new one.
+            scale = 1.0 + self._excess.get(target, 0.0)
+            if scale > 0:
+                self._excess = {a: (1.0 + x) / scale - 1.0 for a, x in self._excess.items()}
+                self._excess[self._incumbent] = 1.0 / scale - 1.0
+            else:
+                self._excess.clear()
             self._incumbent = target
             self._recent.clear()
 
