@@ -204,6 +204,16 @@ def test_exploration_costs_at_most_the_budget_plus_one_step(slower, budget, prof
         assert excess == 0.0  # nothing is free to explore: nothing streams
 
 
+def test_prior_is_still_the_twelfth_positional_field_and_the_budget_comes_after_it():
+    """``explore_budget`` was added after ``prior``: a positional ``prior`` still lands in ``prior``."""
+    control = ChunkControl((4, 8, 16), 10, 3, 3, 2.0, 0.02, 20, True, 0.25, 4, 1, "list")
+    assert control.prior == "list" and control.explore_budget == 0.03
+    assert (
+        ChunkControl((4, 8, 16), 10, 3, 3, 2.0, 0.02, 20, True, 0.25, 4, 1, "list", None).explore_budget
+        is None
+    )
+
+
 @pytest.mark.parametrize("budget", [-0.01, 1.5, math.nan, True, "0.03"])
 def test_bad_budget_raises_value_error(budget):
     with pytest.raises(ValueError, match="explore_budget"):

@@ -409,7 +409,7 @@ PROFILE_REACH = 16
 def _check_profile_range(profile: Profile, shapes: dict[str, ModelShape]) -> None:
     """``ValueError`` naming the model whose projections are over ``PROFILE_REACH`` times larger than any
     the profile timed (its FLOP/s there would be a guess), or that has more of a feature than the
-    calibration's models had where their forwards could not fit its constant (``Profile.check_shape``)."""
+    calibration's models had where no timed forward had that feature (``Profile.check_shape``)."""
     for role, shape in shapes.items():
         profile.check_shape(shape, role)
     for threads, costs in profile.threads.items():

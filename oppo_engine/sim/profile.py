@@ -126,8 +126,8 @@ class Profile:
 
     def check_shape(self, shape: ModelShape, role: str) -> None:
         """``ValueError`` naming the feature if ``shape`` (the ``role`` model's) has more of a feature than
-        the models this profile was calibrated on had when their forwards could not fit its constant
-        (``ThreadCosts.unfitted``): the profile is too small to price it."""
+        the models this profile was calibrated on had when none of their timed forwards had that feature (its
+        constant was never measured, ``ThreadCosts.unfitted``): the profile is too small to price it."""
         for threads, costs in sorted(self.threads.items()):
             for name, reach in costs.unfitted.items():
                 feature, amount = FEATURES[name]
