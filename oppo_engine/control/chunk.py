@@ -304,7 +304,11 @@ class ChunkSizeController:
     times the mean step stay within ``explore_budget`` of the time of all steps so far (:attr:`elapsed`);
     otherwise the incumbent runs ("off" before there is one) and the plan waits (:attr:`exploring` is then
     false). The charges thus exceed the budget by at most one step's misestimate, whatever the run's length.
-    An arm expected to pay has no expected cost, but waits while the account is overdrawn. Where the model
+    An arm expected to pay has no expected cost, but waits while the account is overdrawn. Once "off" is
+    measured the first exploration's earlier steps are charged against it; if the rest of the first
+    exploration is then unaffordable, what was measured decides (an arm measured to beat "off" is confirmed
+    at once, the rest waits for the next exploration). Measured excesses follow the incumbent: a switch
+    rescales them to the new one. Where the model
     ties the arms (nothing measured tells the sizes apart) they rank as without a model.
 
     Only arms it has measured become the incumbent, so :meth:`chunk_size` returns an unmeasured arm only
