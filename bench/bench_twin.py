@@ -9,6 +9,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
     python -m bench.bench_twin --drain      # inter vs oppo with chunk_size="auto" on a long-tail drain
     python -m bench.bench_twin --drain --drain-workloads   # ... and on drains of the workloads below
+    python -m bench.bench_twin --trl-check  # the TRL-like arm's generation and forwards vs HF on this CPU
     python -m bench.bench_twin --device-check --e2e DIR --profile P.json   # on a GPU: vs bench_e2e's steps
 
 CPU accuracy. The machine is calibrated once (``calibrate`` on one model pair: the ``small`` preset's actor
@@ -645,6 +646,96 @@ def published(args) -> int:
     return 0
 
 
+def trl_check(args) -> int:
+    """The TRL-like arm's generation and forward terms (``sim/baselines.py``) on this CPU against the HF
+    pipeline the project benchmarks against (``bench/baselines.py``): 8 prompts of 16-48 tokens in
+    mini-batches of ``TRL_MINI_BATCH``, left-padded through HF ``generate`` (eager, dynamic cache, EOS
+    ignored, ``TRL_CHECK_NEW`` tokens each), then the reward's and the actor's forwards over the padded
+    sequences; the median of ``--rounds`` rounds, the three interleaved, the load beside each. Priced from a
+    profile of this CPU (``--profile``, or calibrated now on the small pair). The twin's HF decode step is
+    its eager forward plus ``HF_STEP_HOST_S``, a GPU host time read from an H100 row: printed apart, with
+    the host time per decode step this CPU's measurement leaves beside the twin's forward."""
+    import os  # noqa: PLC0415
+
+    from bench.baselines import _pad, hf_generate, hf_score  # noqa: PLC0415
+    from oppo_engine.sim.baselines import HF_STEP_HOST_S, TRL_MINI_BATCH, _forward_s, hf_decode_s  # noqa: PLC0415
+    from oppo_engine.sim.cost import CostModel  # noqa: PLC0415
+    from oppo_engine.sim.profile import Calibrated, Profile  # noqa: PLC0415
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    actor, reward = _models("small", 0)
+    if args.profile is not None:
+        profile = Profile.load(args.profile)
+    else:
+        profile = calibrate(actor, reward, path=args.out / "profile_cpu.json", threads=(1,))
+    cost = CostModel(Calibrated(profile))
+    a_shape = model_shape(actor, dtype_bytes=4, name="actor")
+    r_shape = model_shape(reward, head="score", dtype_bytes=4, name="reward")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4, actor.config.vocab_size) for _ in range(rng.randrange(16, 49))]
+               for _ in range(8)]  # fmt: skip
+    new = TRL_CHECK_NEW
+    batches = [prompts[i : i + TRL_MINI_BATCH] for i in range(0, len(prompts), TRL_MINI_BATCH)]
+
+    def generate() -> list[list[int]]:
+        out = []
+        for mb in batches:
+            out += hf_generate(actor, mb, [new] * len(mb), 0.0, 0, PAD_TOKEN_ID)
+        return out
+
+    responses = generate()  # a warm-up round
+    seqs = [p + r for p, r in zip(prompts, responses, strict=True)]
+
+    @torch.inference_mode()
+    def actor_forward() -> None:
+        ids, mask = _pad(seqs, PAD_TOKEN_ID, left=False, device=actor.device)
+        actor(input_ids=ids, attention_mask=mask)
+
+    phases = {"generation": generate, "reward forward": lambda: hf_score(reward, seqs, PAD_TOKEN_ID),
+              "actor forward": actor_forward}  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in phases}
+    for r in range(args.rounds):
+        for name in list(phases)[r % 3 :] + list(phases)[: r % 3]:
+            t0 = time.perf_counter()
+            phases[name]()
+            times[name].append(time.perf_counter() - t0)
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items())
+              + f", load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    measured = {k: statistics.median(v) for k, v in times.items()}
+    decode_steps = sum(new - 1 for _ in batches)
+    forwards = sum(_forward_s(cost, a_shape, [max(map(len, mb))] * len(mb)) for mb in batches)
+    for mb in batches:
+        pad = max(map(len, mb))
+        forwards += sum(
+            hf_decode_s(cost, a_shape, [pad + k] * len(mb)) - HF_STEP_HOST_S for k in range(1, new)
+        )
+    lengths = [len(s) for s in seqs]
+    twin = {
+        "generation": forwards + decode_steps * HF_STEP_HOST_S,
+        "reward forward": _forward_s(cost, r_shape, lengths),
+        "actor forward": _forward_s(cost, a_shape, lengths),
+    }
+    print(
+        f"\nTRL-like arm's terms vs HF on this CPU ({profile.device}; small pair, 8 prompts in mini-batches "
+        f"of {TRL_MINI_BATCH}, {new} tokens each; median of {args.rounds}; twin figures are predictions):"
+    )
+    for k in phases:
+        print(f"  {k:<15} HF {measured[k]:.3f}s   twin {twin[k]:.3f}s   twin/HF {twin[k] / measured[k]:.2f}x")
+    left = (measured["generation"] - forwards) / decode_steps
+    print(
+        f"  generation without HF_STEP_HOST_S ({HF_STEP_HOST_S * 1e3:.1f} ms a step, a GPU figure): twin "
+        f"{forwards:.3f}s, twin/HF {forwards / measured['generation']:.2f}x; this CPU leaves "
+        f"{left * 1e3:.2f} "
+        f"ms a decode step beside the twin's forward ({decode_steps} steps); load "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
+    return 0
+
+
+TRL_CHECK_NEW = 32  # response tokens of the TRL-like check
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bench_twin", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
@@ -656,11 +747,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matrix", action="store_true", help="calibrate on each shape, predict the others")
     p.add_argument("--drain", action="store_true", help="inter vs oppo, chunk 'auto', long-tail drain")
     p.add_argument("--drain-workloads", action="store_true", help="--drain: bench_twin's workloads too")
+    p.add_argument("--trl-check", action="store_true", help="the TRL-like arm's terms vs HF on this CPU")
     p.add_argument("--matrix-shapes", default=",".join(MATRIX_SHAPES), help="the matrix's shapes (--matrix)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--matrix, --drain)")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
-    p.add_argument("--profile", type=Path, default=None, help="this GPU's profile (--device-check)")
+    p.add_argument(
+        "--profile", type=Path, default=None, help="a profile (--device-check: this GPU's; --trl-check)"
+    )
     p.add_argument("--calibrate", action="store_true", help="calibrate this GPU into --profile first")
     p.add_argument("--preset", default="0.5b", help="bench_e2e's --preset (--device-check)")
     p.add_argument("--batch-size", type=int, default=8, help="bench_e2e's --batch-size (--device-check)")
@@ -682,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
         return matrix(args)
     if args.drain:
         return drain(args)
+    if args.trl_check:
+        return trl_check(args)
     if args.device_check:
         if args.profile is None:
             p.error("--device-check needs --profile (written by --calibrate or oppo-engine calibrate)")

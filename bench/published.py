@@ -43,6 +43,10 @@ NEMO_FW = (
     "docs.nvidia.com/nemo-framework/user-guide/latest/performance/llama.html, 'Llama-2 Results', "
     "'Inference Performance', Configuration 1 (Chatbot Conversation: input 128, output 20)"
 )
+VERL_ONE_STEP = (
+    "github.com/volcengine/verl recipe/one_step_off_policy/README.md @606ed93 (last updated 07/17/2025), "
+    "'Experimental Results'"
+)
 OPPO_SEED = "/work/shared/seeds/000_0e21a575d220e76b.txt (the OPPO paper, arXiv:2509.25762, as summarised)"
 
 
@@ -368,6 +372,22 @@ ROWS: tuple[Published, ...] = (
         NEMO_RL,
         "| GRPO |LLAMA3.1_8B|On policy |4,096 |1,066 |8 |2,048|512 |[1,1] |[1,1,1,1,1,1,n/a] |3,359 | 91.0|",
         refused="GB200: not in the device table",
+    ),
+    Published(
+        "verl-dapo-qwen-math-7b-2x16xh20",
+        "rl_step",
+        "check",
+        749,
+        "s/step",
+        "32x H20 (page: '2 nodes with 16 H20 GPUs each'; memory and power cap not stated)",
+        None,
+        "verl, colocated and synchronous (hybrid engine), vLLM rollout, FSDP2 training, DAPO",
+        dict(model=QWEN25_7B, gpus=32, max_response=20480),  # Qwen2.5-Math-7B: Qwen2.5-7B's layout
+        VERL_ONE_STEP,
+        "| colocate sync | VLLM+FSDP2 | 749 | 321 | - | 247 | 88 | 286 | 19h18m | 0.5948 | 0.417 |",
+        refused="H20: not in the device table; 2 nodes: the twin has no inter-node term (the page gives "
+        "phases -- gen 321 s, old_log_prob 88 s, update_actor 286 s -- but not the batch size)",
+        extra=dict(phases={"gen": 321, "old_log_prob": 88, "update_actor": 286}),
     ),
     Published(
         "oppo-paper-2node",

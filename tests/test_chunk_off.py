@@ -106,9 +106,9 @@ def test_off_steps_run_no_scorer_work_beside_the_actor_and_change_no_number(mode
 
 
 def test_chunk_size_metric_is_off_for_a_step_the_controller_did_not_stream(models):
-    # nothing hopeless or futile: the first exploration measures "off" and both sizes, whatever the profile
-    # says
-    control = ChunkControl(candidates=(4, 8), hopeless_margin=1e9, prior="list")
+    # nothing hopeless or futile, no budget: the first exploration measures "off" and both sizes, whatever
+    # the profile says
+    control = ChunkControl(candidates=(4, 8), hopeless_margin=1e9, prior="list", explore_budget=None)
     engine = make_engine(models, "intra", chunk=control)
     engine.add_prompts(random_prompts(30, seed=1))
     metrics = [engine.step().metrics for _ in range(5)]
@@ -141,7 +141,9 @@ def test_a_fresh_engine_decides_whether_to_stream_from_its_first_steps_profile(
     when ``T <= noise_floor * (N*d + T)``: never at a floor of 0 (the scorers did work), and at 0.9 unless
     the scoring took over 9 times the decode (14 decode iterations against one forward per scorer)."""
     monkeypatch.setenv("OPPO_ENGINE_PROFILES", str(tmp_path))  # where no profile was ever written
-    engine = make_engine(models, "oppo", batch_size=4, chunk=ChunkControl(noise_floor=noise_floor))
+    # explore_budget=None: what the bound decides, the budget aside (test_a_fresh_engine_streams_no_step...)
+    chunk = ChunkControl(noise_floor=noise_floor, explore_budget=None)
+    engine = make_engine(models, "oppo", batch_size=4, chunk=chunk)
     ctrl = engine._chunk_control
     assert ctrl.prior is None and ctrl.model() is None
     engine.add_prompts(random_prompts(40, seed=5))
@@ -160,4 +162,19 @@ def test_a_fresh_engine_decides_whether_to_stream_from_its_first_steps_profile(
         assert ctrl.futile() == []
         hopeful = [a for a in ctrl.ranking() if a not in ctrl.hopeless()]
         assert ctrl.chunk_size() in hopeful[: ChunkControl().explore_top] and ctrl.chunk_size() != OFF
+    engine.close()
+
+
+def test_a_fresh_engine_streams_no_step_before_the_budget_covers_one(models, monkeypatch, tmp_path):
+    """A fresh machine (no prior) and nothing streamed yet: a streamed step's cost is taken at
+    ``hopeless_margin`` of the mean step, and the budget covers it once ``explore_budget`` of the run's
+    time does: ``0.25 * E / n <= 0.03 * E`` first at ``n = 9`` steps, whatever the steps took. The 9 steps
+    before run "off" -- ``inter`` exactly; the 10th may stream."""
+    monkeypatch.setenv("OPPO_ENGINE_PROFILES", str(tmp_path))  # where no profile was ever written
+    engine = make_engine(models, "oppo", batch_size=4, chunk=ChunkControl(noise_floor=0.0))
+    engine.add_prompts(random_prompts(48, seed=6))
+    arms = [engine.step().metrics.chunk_size for _ in range(9)]
+    ctrl = engine._chunk_control
+    assert arms == [OFF] * 9 and ctrl.spent == 0.0, arms
+    assert ctrl.futile() == [] and all(ctrl.expected_excess(c) == 0.25 for c in ChunkControl().candidates)
     engine.close()

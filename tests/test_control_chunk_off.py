@@ -101,7 +101,8 @@ def test_settles_on_a_chunk_size_when_streaming_pays(with_profile):
 def test_a_lucky_first_step_does_not_make_streaming_the_incumbent():
     """The first exploration gives each arm one step; "off" is the first incumbent and a faster-looking
     streaming arm must confirm over min_samples steps (the heavy tail makes single steps incomparable)."""
-    ctrl = ChunkSizeController(ChunkControl(candidates=(8, 16), warmup_steps=0))
+    # explore_budget=None: every arm of the first exploration runs at once (the budget would defer them)
+    ctrl = ChunkSizeController(ChunkControl(candidates=(8, 16), warmup_steps=0, explore_budget=None))
     times = iter([1.0, 1.5, 0.3, 1.8])  # off, 8, 16 (a batch of short answers), 16 again: slow
     arms = []
     for _ in range(4):
@@ -156,8 +157,14 @@ def test_hopeless_arms_are_explored_rarely():
         assert ctrl.incumbent == OFF
         return streamed_steps(arms[20:])
 
-    rare = [streamed(ChunkControl(explore_period=10, hopeless_every=4), s) for s in range(3)]
-    every = [streamed(ChunkControl(explore_period=10, hopeless_margin=1e9), s) for s in range(3)]
+    # explore_budget=None: the cadence of explorations alone (the budget would thin them further)
+    rare = [
+        streamed(ChunkControl(explore_period=10, hopeless_every=4, explore_budget=None), s) for s in range(3)
+    ]
+    every = [
+        streamed(ChunkControl(explore_period=10, hopeless_margin=1e9, explore_budget=None), s)
+        for s in range(3)
+    ]
     # 180 steps: ~16 explorations; hopeless arms enter ~4 of them, once each (the band ends a challenge)
     assert max(rare) <= 8, rare
     assert min(every) >= 25, every  # nothing hopeless: two chunk sizes every exploration
@@ -211,7 +218,7 @@ def test_without_the_off_arm_every_step_streams():
 def test_a_step_that_ran_another_arm_than_planned_measures_neither():
     """A step is measured for the arm it ran, and only if that is the arm planned: a step that streamed
     when "off" was planned (or the reverse) changes neither arm's measurements nor the plan."""
-    ctrl = ChunkSizeController(ChunkControl())
+    ctrl = ChunkSizeController(ChunkControl(explore_budget=None))  # the first exploration runs at once
     planned = ctrl.chunk_size()
     assert planned == OFF  # without a profile, the first exploration measures "off" first
     ctrl.observe(16, 1e9, TOKENS)  # streamed instead, absurdly slow
@@ -262,7 +269,7 @@ def test_a_streamed_step_that_shows_streaming_hopeless_ends_the_exploration():
     instead, which becomes the incumbent; until the 4th exploration (``hopeless_every``) nothing else
     streams."""
     no_slowdown = dataclasses.replace(COSTLY, slowdown={})
-    ctrl = ChunkSizeController(ChunkControl(warmup_steps=0))
+    ctrl = ChunkSizeController(ChunkControl(warmup_steps=0, explore_budget=None))  # no budget to defer it
     ctrl.set_profile(no_slowdown)
     assert OFF not in ctrl.ranking()[:3] and OFF not in ctrl.hopeless()  # streaming looks free
     rng = random.Random(0)

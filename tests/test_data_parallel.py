@@ -137,10 +137,10 @@ def _slow_down(module, args):
 def _agreement_engine(models):
     return _engine(
         models, "oppo", batch_size=4, chunk_size="auto", overcommit="auto",
-        # prior="list": the search explores whatever the first step's timing bounds (the subject is the
-        # agreement across ranks, not the futility rule)
+        # prior="list", no budget: the search explores whatever the first step's timing bounds (the subject
+        # is the agreement across ranks, not the futility rule or the exploration budget)
         chunk=ChunkControl(candidates=(2, 4, 8), explore_period=2, explore_top=2, min_samples=2,
-                           noise_window=4, warmup_steps=0, prior="list"),
+                           noise_window=4, warmup_steps=0, prior="list", explore_budget=None),
         delta=DeltaControl(init=1, max=3, inc=1, dec=1, window=3, significance=0.0),
     )  # fmt: skip
 

@@ -182,14 +182,15 @@ def test_a_one_shot_failure_in_any_lane_is_absorbed_leaks_nothing_and_equals_a_f
 def test_auto_chunk_size_explores_measured_candidates_and_profiles_the_lanes(models):
     from oppo_engine.control import ChunkControl
 
-    control = ChunkControl(  # nothing hopeless or futile: every exploration tries sizes, whatever the
-        candidates=(2, 4, 8),  # profile says
+    control = ChunkControl(  # nothing hopeless or futile, no budget: every exploration tries sizes,
+        candidates=(2, 4, 8),  # whatever the profile says
         explore_period=2,
         explore_top=2,
         min_samples=2,
         noise_window=4,
         hopeless_margin=1e9,
         prior="list",
+        explore_budget=None,
     )
     engine = make_engine(models, "intra", batch_size=3, chunk=control)
     engine.add_prompts(random_prompts(3 * 8, seed=8))

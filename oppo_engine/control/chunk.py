@@ -58,6 +58,20 @@ class ChunkControl:
     ``warmup_steps``: the first steps of a run carry one-time costs (first forwards, allocations); they are
     recorded but measure no arm (the planned arm runs again).
 
+    ``explore_budget``: the most an exploration may cost, as a fraction of the run's time so far (``None``:
+    no limit). Before an exploration step the controller estimates what it will cost against the
+    incumbent -- the arm's own last measured excess, else the cost model's prediction under a prior or
+    once a streamed step measured a slowdown, else ``hopeless_margin`` of a step (an assumption: the most
+    an arm worth exploring may cost) -- and runs it only if the excess time its exploration steps cost
+    so far plus that estimate stays within ``explore_budget`` of the time of all steps so far (0.03: a
+    policy choice, not a measurement -- it keeps an 8-step drain on a CPU where streaming costs "off" and
+    still lets a long run explore; its price: on a GPU where streaming pays and nothing predicts it, the
+    first streamed step is the 10th instead of the 2nd). Otherwise
+    the incumbent ("off" before there is one) runs and the exploration waits. So whatever the run's
+    length, exploration costs at most that fraction of it plus one step's misestimate: a short run on a
+    machine where streaming costs (a CPU) explores little or not at all, a long one still explores, and an
+    arm predicted to pay is explored at once (see ``ChunkSizeController``).
+
     ``prior``: ``"model"`` -- the engine predicts the switch costs of every arm from a cost model before the
     first step (``sched/online.py``: the twin's cost model of the engine's device, where one exists:
     a GPU of the roofline table, or a profile calibrated on this machine by ``oppo-engine calibrate``) and
@@ -82,6 +96,7 @@ class ChunkControl:
     hopeless_every: int = 4
     warmup_steps: int = 1
     prior: str = "model"
+    explore_budget: float | None = 0.03  # a policy choice: see the docstring's explore_budget
 
     def __post_init__(self) -> None:
         candidates = tuple(self.candidates)
@@ -123,6 +138,9 @@ class ChunkControl:
             raise ValueError(f"ChunkControl.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         if not _is_int(self.hopeless_every) or self.hopeless_every < 1:
             raise ValueError(f"ChunkControl.hopeless_every must be an int >= 1, got {self.hopeless_every!r}")
+        budget = self.explore_budget
+        if budget is not None and (not _is_real(budget) or not 0 <= budget <= 1):
+            raise ValueError(f"ChunkControl.explore_budget must be None or in [0, 1], got {budget!r}")
         if self.prior not in PRIORS:
             raise ValueError(f"ChunkControl.prior must be one of {PRIORS}, got {self.prior!r}")
 
@@ -280,6 +298,19 @@ class ChunkSizeController:
     incumbent's steps are then dropped (those that revealed the drift were selected for being extreme),
     and an exploration starts as soon as ``min_samples`` fresh steps measure the new level.
 
+    Budget (``ChunkControl.explore_budget``, ``None``: none): each exploration step is charged what it took
+    beyond the incumbent's mean time per token (:attr:`spent`; before the first decision, beyond "off" or
+    the arm adopted). A step of an arm runs only if the charges so far plus its :meth:`expected_excess`
+    times the mean step stay within ``explore_budget`` of the time of all steps so far (:attr:`elapsed`);
+    otherwise the incumbent runs ("off" before there is one) and the plan waits (:attr:`exploring` is then
+    false). The charges thus exceed the budget by at most one step's misestimate, whatever the run's length.
+    An arm expected to pay has no expected cost, but waits while the account is overdrawn. Once "off" is
+    measured the first exploration's earlier steps are charged against it; if the rest of the first
+    exploration is then unaffordable, what was measured decides (an arm measured to beat "off" is confirmed
+    at once, the rest waits for the next exploration). Measured excesses follow the incumbent: a switch
+    rescales them to the new one. Where the model
+    ties the arms (nothing measured tells the sizes apart) they rank as without a model.
+
     Only arms it has measured become the incumbent, so :meth:`chunk_size` returns an unmeasured arm only
     in an exploration step. ``fixed=int`` always returns that size; :meth:`observe` still records.
     """
@@ -302,8 +333,17 @@ class ChunkSizeController:
         self._since_exploration = 0
         self._exploration_due = False
         self._explorations = 0
+        # The exploration budget (ChunkControl.explore_budget): the run's time so far, its steps, the excess
+        # time exploration steps cost against the incumbent, each arm's last measured relative excess.
+        self._elapsed = 0.0
+        self._steps = 0
+        self._spent = 0.0
+        self._excess: dict[Arm, float] = {}
+        self._unpriced: list[tuple[float, int]] = []  # first-exploration steps run before any reference
+        self._deferred = False  # the plan waits for the budget: the incumbent runs
         if fixed is None:
             self._start_exploration()
+            self._settle()
 
     @property
     def arms(self) -> tuple[Arm, ...]:
@@ -318,7 +358,18 @@ class ChunkSizeController:
     @property
     def exploring(self) -> bool:
         """Whether the next step is an exploration (or confirming) step."""
-        return bool(self._plan)
+        return bool(self._plan) and not self._deferred
+
+    @property
+    def spent(self) -> float:
+        """Seconds the exploration steps so far cost beyond the incumbent's time per token (the budget's
+        account, ``ChunkControl.explore_budget``)."""
+        return self._spent
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of all the steps observed so far (warm-up included)."""
+        return self._elapsed
 
     def set_profile(self, profile: SwitchProfile | None) -> None:
         """Rank arms with the cost model on ``profile`` from the next exploration on (from the first, if no
@@ -331,6 +382,7 @@ class ChunkSizeController:
             self._start_exploration()
         elif self._plan and not any(a in self._trial for a in self._plan):
             self._replan()
+        self._settle()
 
     def set_prior(self, prior: SwitchProfile | None) -> None:
         """Rank arms with ``prior`` (predicted, not measured) until a measured profile arrives, and fill in
@@ -340,6 +392,7 @@ class ChunkSizeController:
         if self.fixed is None and self._incumbent is None and not self._trial:
             self._explorations -= 1  # NOTE: the first exploration is planned again, not a new one
             self._start_exploration()
+            self._settle()
 
     @property
     def prior(self) -> SwitchProfile | None:
@@ -367,9 +420,18 @@ class ChunkSizeController:
 
     def ranking(self) -> list[Arm]:
         """The arms, most promising first (see the class docstring)."""
+        listed = self._listed()
         profile = self.model()
-        if profile is not None:
-            return sorted(self.arms, key=lambda a: (predicted_seconds_per_token(profile, a), _order(a)))
+        if profile is None:
+            return listed
+        # NOTE: ties -- a model that cannot tell the sizes apart (no hand-off, tail or slowdown known yet:
+        # every size costs the decode alone) -- rank as without a model, not smallest first.
+        order = {a: i for i, a in enumerate(listed)}
+        return sorted(self.arms, key=lambda a: (predicted_seconds_per_token(profile, a), order[a]))
+
+    def _listed(self) -> list[Arm]:
+        """The ranking without a cost model: "off", then closeness in the candidate list to the incumbent
+        (to the middle candidate before there is one)."""
         candidates = self.control.candidates
         middle = candidates[(len(candidates) - 1) // 2]
         anchor = candidates.index(self._incumbent if _is_int(self._incumbent) else middle)
@@ -377,14 +439,16 @@ class ChunkSizeController:
         return [OFF, *sizes] if self.control.off else sizes
 
     def hopeless(self) -> list[Arm]:
-        """The arms the cost model predicts slower than the best arm by more than ``hopeless_margin``, and
-        the futile ones (:meth:`futile`), most promising first (none without a profile)."""
+        """The arms the cost model predicts slower than the best arm that is not futile by more than
+        ``hopeless_margin``, and the futile ones (:meth:`futile`), most promising first (none without a
+        profile). A futile arm is never the best: where the bound calls every chunk size futile, "off" is
+        not hopeless however much faster the model (which does not know the bound) prices them."""
         profile = self.model()
         if profile is None:
             return []
         costs = {a: predicted_seconds_per_token(profile, a) for a in self.arms}
-        limit = min(costs.values()) * (1.0 + self.control.hopeless_margin)
         futile = self.futile()
+        limit = min(c for a, c in costs.items() if a not in futile) * (1.0 + self.control.hopeless_margin)
         return [a for a in self.ranking() if costs[a] > limit or a in futile]
 
     def futile(self) -> list[Arm]:
@@ -413,9 +477,9 @@ class ChunkSizeController:
         """The arm for the next step: a chunk size, or :data:`OFF` (do not stream)."""
         if self.fixed is not None:
             return self.fixed
-        if self._plan:
+        if self._plan and not self._deferred:
             return self._plan[0]
-        assert self._incumbent is not None  # NOTE: the plan is non-empty until the first decision
+        assert self._incumbent is not None  # NOTE: the plan runs, undeferred, until the first decision
         return self._incumbent
 
     def observe(self, chunk_size: Arm, step_seconds: float, tokens_generated: int) -> None:
@@ -436,29 +500,122 @@ class ChunkSizeController:
             return
         per_token = step_seconds / tokens_generated
         self.history.append(ChunkRecord(len(self.history), chunk_size, per_token))
+        self._elapsed += step_seconds
+        self._steps += 1
         if (
             self.fixed is not None
             or chunk_size != self.chunk_size()
             or len(self.history) <= self.control.warmup_steps
         ):
+            self._settle()
             return
-        if self._plan:
+        if self.exploring:
             self._plan.popleft()
+            reference = self._reference()
             self._trial.setdefault(chunk_size, []).append(per_token)
+            if reference is not None:
+                self._spent += max(0.0, per_token - reference) * tokens_generated
+            elif chunk_size != OFF:  # NOTE: "off" is the reference before there is an incumbent
+                self._unpriced.append((per_token, tokens_generated))
             if not self._plan:
                 self._decide()
+            self._settle()
             return
         self._recent.append(per_token)
-        self._since_exploration += 1
+        if not self._plan:  # NOTE: a deferred exploration is still this period's
+            self._since_exploration += 1
         if self._drifted():
             self._recent.clear()
             self._exploration_due = True
+            self._plan.clear()  # NOTE: a deferred plan and the excesses measured the old landscape
+            self._trial = {}
+            self._excess.clear()
         else:
             self._update_relative_noise()
             if self._since_exploration >= self.control.explore_period:
                 self._exploration_due = True
-        if self._exploration_due and len(self._recent) >= self.control.min_samples:
+        if self._exploration_due and not self._plan and len(self._recent) >= self.control.min_samples:
             self._start_exploration()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Apply the exploration budget (``ChunkControl.explore_budget``) to the plan: bring forward the
+        first arm it affords, or defer the plan and run the incumbent. Before there is an incumbent "off"
+        runs first unless the budget affords a planned arm without it (one the cost model predicts to pay)."""
+        self._deferred = False
+        if self.fixed is not None or not self._plan or self.control.explore_budget is None:
+            return
+        if self._incumbent is None:
+            if not self.control.off:
+                return  # NOTE: nothing to fall back on: the first exploration runs as planned
+            if OFF not in self._trial and not any(self._affordable(a) for a in self._plan if a != OFF):
+                if OFF in self._plan:
+                    self._plan.remove(OFF)
+                self._plan.appendleft(OFF)
+                return
+            if OFF in self._trial and self._unpriced:  # NOTE: "off" measured: the earlier steps are priced
+                self._charge({}, statistics.fmean(self._trial[OFF]))
+        for i, arm in enumerate(self._plan):
+            if self._affordable(arm):
+                if i:
+                    del self._plan[i]
+                    self._plan.appendleft(arm)
+                return
+        if self._incumbent is None:
+            # "Off" was measured and the rest of the first exploration is unaffordable: decide on what was
+            # measured. An arm measured to beat "off" gets its confirming steps at once and the rest waits
+            # for the next exploration; if none did, "off" runs and the rest is deferred.
+            rest = [a for a in self._plan if a != OFF]
+            self._plan.clear()
+            self._decide()
+            if not self._plan:
+                self._plan.extend(rest)
+            for i, arm in enumerate(self._plan):
+                if self._affordable(arm):
+                    if i:
+                        del self._plan[i]
+                        self._plan.appendleft(arm)
+                    return
+        self._deferred = bool(self._plan)
+
+    def expected_excess(self, arm: Arm) -> float:
+        """What one step of ``arm`` is expected to cost beyond the incumbent ("off" before there is one), as
+        a fraction of a step: its last measured excess; else the cost model's, under a prior or once a
+        streamed step measured a slowdown; else ``hopeless_margin`` (an assumption: an arm whose cost
+        nothing predicts is taken at the most an arm worth exploring may cost)."""
+        if arm in self._excess:
+            return self._excess[arm]
+        model = self.model()
+        reference = self._incumbent if self._incumbent is not None else OFF
+        informed = model is not None and (self._prior is not None or bool(model.slowdown))
+        if informed and reference in self.arms:
+            base = predicted_seconds_per_token(model, reference)
+            if base > 0:
+                return predicted_seconds_per_token(model, arm) / base - 1.0
+        return self.control.hopeless_margin
+
+    def _reference(self) -> float | None:
+        """The time per token exploration steps are charged against: the incumbent's recent mean, or before
+        there is an incumbent the first exploration's "off" step (None before either is measured)."""
+        if self._incumbent is not None and self._recent:
+            return statistics.fmean(self._recent)
+        if self._incumbent is None and OFF in self._trial:
+            return statistics.fmean(self._trial[OFF])
+        return None
+
+    def _affordable(self, arm: Arm) -> bool:
+        """Whether the budget affords a step of ``arm`` now (``ChunkControl.explore_budget``): the charges so
+        far plus its expected excess (none if it is expected to pay) within the budget of the time so far.
+        An arm expected to pay still waits while the account is overdrawn: an expectation is no payment."""
+        if self._unpriced and self.expected_excess(arm) > 0:
+            return False  # NOTE: steps not charged yet (no reference before the first decision)
+        if self._recent and len(self._recent) < self.control.min_samples and arm not in self._trial:
+            return False  # NOTE: the incumbent's level is not measured yet (a new incumbent, or a drift)
+        excess = max(0.0, self.expected_excess(arm))
+        if excess > 0 and not self._steps:
+            return False
+        step = self._elapsed / self._steps if self._steps else 0.0
+        return self._spent + excess * step <= self.control.explore_budget * self._elapsed
 
     def _band(self, samples: list[float]) -> float:
         c = self.control
@@ -524,10 +681,13 @@ class ChunkSizeController:
     def _decide(self) -> None:
         # NOTE: a winner's trial steps were selected for being fast, so they are biased low; an incumbent's
         # noise and drift are estimated from its own later steps only.
+        if self._incumbent is not None and not self._trial:
+            return  # NOTE: nothing was measured (a replan left no arm): the incumbent stays
         if self._incumbent is None:
             if OFF not in self._trial:
                 means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
                 self._incumbent = self._preferred(means, 0.0)
+                self._charge(means, means[self._incumbent])
                 return
             # "Off" is the first incumbent: a streaming arm must beat it over min_samples steps, as any
             # challenger (one step each is no comparison: the steps' workloads differ).
@@ -535,14 +695,31 @@ class ChunkSizeController:
             self._recent.extend(self._trial.pop(OFF))
         means = {a: statistics.fmean(xs) for a, xs in self._trial.items()}
         samples = list(self._recent)
+        self._charge(means, statistics.fmean(samples))
         band = self._band(samples)
         target = self._preferred({**means, self._incumbent: statistics.fmean(samples)}, band)
         if target != self._incumbent:
             if len(self._trial[target]) < self.control.min_samples:
                 self._plan.append(target)  # NOTE: a confirming step; at most min_samples per challenger
                 return
+            # The measured excesses were relative to the old incumbent: made relative to the new one.
+            scale = 1.0 + self._excess.get(target, 0.0)
+            if scale > 0:
+                self._excess = {a: (1.0 + x) / scale - 1.0 for a, x in self._excess.items()}
+                self._excess[self._incumbent] = 1.0 / scale - 1.0
+            else:
+                self._excess.clear()
             self._incumbent = target
             self._recent.clear()
+
+    def _charge(self, means: dict[Arm, float], reference: float) -> None:
+        """An exploration's measurements against the incumbent's time per token ``reference``: each arm's
+        relative excess (for the budget's next estimates), and the charge of steps run before there was a
+        reference."""
+        if reference > 0:
+            self._excess.update({a: m / reference - 1.0 for a, m in means.items()})
+        self._spent += sum(max(0.0, x - reference) * n for x, n in self._unpriced)
+        self._unpriced = []
 
     def _preferred(self, means: dict[Arm, float], band: float) -> Arm:
         """The arm to run given mean per-token times: a streaming arm replaces a streaming incumbent only
@@ -555,8 +732,3 @@ class ChunkSizeController:
         if OFF in means and (best is None or streamed[best] >= means[OFF] - band):
             return OFF
         return best
-
-
-def _order(arm: Arm) -> int:
-    """Tie-break among arms of equal predicted cost: "off" first, then the smaller chunk."""
-    return 0 if arm == OFF else arm

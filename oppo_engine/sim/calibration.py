@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from oppo_engine.sim.cost import Batch, CostModel, HostCosts
-from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts, local_device_id
+from oppo_engine.sim.profile import FEATURES, Calibrated, Profile, ThreadCosts, local_device_id
 from oppo_engine.sim.shapes import ModelShape, attention_pairs
 
 
@@ -394,9 +394,19 @@ def _fit_with(points, ts: ThreadCosts, *, free_scale: bool) -> ThreadCosts:
     scale, forward_s, layer_s, pair_s, kv_s, tok_s, logit_s = coef
     scale = scale if free_scale else 1.0
     errors = [abs(f + sum(a * b for a, b in zip(cols, coef, strict=True)) - s) / s for cols, f, s in totals]
+    # A constant whose feature no timed forward had (its column zero in every one) was not measured: the
+    # profile records it with the largest amount of its feature the calibration's models had
+    # (Profile.check_shape refuses beyond). Decided from the columns alone: a coefficient the fit put at
+    # zero (NNLS does so under timing noise) is a measurement, not a refusal.
+    shapes = {shape for shape, *_ in points}
+    unfitted = {
+        name: max(FEATURES[name][1](s) for s in shapes)
+        for j, name in enumerate(("layer_s", "pair_s", "kv_byte_s", "token_hidden_s", "logit_s"), start=2)
+        if all(cols[j] == 0 for cols, _, _ in totals)
+    }
     return dataclasses.replace(
         ts, gemm_scale=scale, forward_s=forward_s, layer_s=layer_s, pair_s=pair_s, kv_byte_s=kv_s,
-        token_hidden_s=tok_s, logit_s=logit_s, fit_error=statistics.median(errors),
+        token_hidden_s=tok_s, logit_s=logit_s, fit_error=statistics.median(errors), unfitted=unfitted,
     )  # fmt: skip
 
 

@@ -408,7 +408,10 @@ PROFILE_REACH = 16
 
 def _check_profile_range(profile: Profile, shapes: dict[str, ModelShape]) -> None:
     """``ValueError`` naming the model whose projections are over ``PROFILE_REACH`` times larger than any
-    the profile timed: its FLOP/s there would be a guess."""
+    the profile timed (its FLOP/s there would be a guess), or that has more of a feature than the
+    calibration's models had where no timed forward had that feature (``Profile.check_shape``)."""
+    for role, shape in shapes.items():
+        profile.check_shape(shape, role)
     for threads, costs in profile.threads.items():
         timed = max(costs.gemm)
         for role, shape in shapes.items():

@@ -1,7 +1,8 @@
 """A calibrated profile of a device: what ``calibrate`` (``sim/calibration.py``) found, and ``Calibrated``,
 which prices work from it (``sim/cost.py``).
 
-A profile records its device and format version; ``Profile.load`` refuses another version, and a profile
+A profile records its device and format version; ``Profile.load`` refuses a version it cannot read (it
+reads ``READS``: a version-1 profile loads as version 2 with nothing unfitted), and a profile
 is refused where another device's is expected (``device=``). ``default_profile_path`` is where
 ``oppo-engine calibrate`` writes a device's profile and where the engine looks for it (the chunk
 controller's prior): ``$OPPO_ENGINE_PROFILES`` or ``~/.cache/oppo_engine/profiles``.
@@ -13,14 +14,34 @@ import dataclasses
 import json
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from oppo_engine.sim.cost import Batch, HostCosts
 from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 
-VERSION = 1
+VERSION = 2  # 2: ThreadCosts.unfitted (version 1 profiles still load, with nothing unfitted)
+READS = (1, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
+
+# The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
+# of the model's shape: the feature a refusal names, and how much of it a shape has (per token or per
+# forward). A constant whose feature none of the calibration's timed forwards had (its column zero in every
+# one, so no coefficient could show in them) is recorded with the largest amount among the calibration's
+# models (``ThreadCosts.unfitted``): a shape with more of that feature is refused (``Profile.check_shape``).
+# A constant the fit put at zero is not marked: NNLS zeroes small terms under timing noise, and a refusal
+# that depends on the machine's load would misfire.
+FEATURES: dict[str, tuple[str, Callable[[ModelShape], float]]] = {
+    "layer_s": ("the fixed cost per layer (layers)", lambda s: s.layers),
+    "pair_s": ("attention per query-key pair (layers x query width)", lambda s: s.layers * s.q_width),
+    "kv_byte_s": (
+        "the KV cache read per context token (layers x KV bytes)",
+        lambda s: s.layers * s.kv_width * 2 * s.dtype_bytes,
+    ),
+    "token_hidden_s": ("elementwise work per token (layers x hidden)", lambda s: s.layers * s.hidden),
+    "logit_s": ("logit post-processing per row (vocabulary)", lambda s: s.vocab if s.head == "lm" else 0),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +52,9 @@ class ThreadCosts:
     than stays in cache); ``bandwidth``: bytes/s of a
     large copy; per-unit costs in seconds (see ``sim/calibration.py``); ``gemm_scale``: how much longer the
     projections take inside a forward than the bare GEMMs predict (fitted); ``fit_error``: the median
-    relative error of the fit over the timed forwards."""
+    relative error of the fit over the timed forwards; ``unfitted``: the constants the calibration could
+    not fit (``FEATURES``: no timed forward had their feature, so the value was never measured), each
+    with the largest amount of its feature among the calibration's models."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -44,6 +67,7 @@ class ThreadCosts:
     fit_error: float
     streaming: list[tuple[float, int, float]] = field(default_factory=list)
     gemm_scale: float = 1.0
+    unfitted: dict[str, float] = field(default_factory=dict)
 
     def streaming_bandwidth(self, working_set: float, rows: int = 1) -> float:
         """Bytes/s at which projections of ``rows`` rows read weights out of a working set of
@@ -100,6 +124,23 @@ class Profile:
     models: dict[str, dict] = field(default_factory=dict)
     version: int = VERSION
 
+    def check_shape(self, shape: ModelShape, role: str) -> None:
+        """``ValueError`` naming the feature if ``shape`` (the ``role`` model's) has more of a feature than
+        the models this profile was calibrated on had when none of their timed forwards had that feature (its
+        constant was never measured, ``ThreadCosts.unfitted``): the profile is too small to price it."""
+        for threads, costs in sorted(self.threads.items()):
+            for name, reach in costs.unfitted.items():
+                feature, amount = FEATURES[name]
+                need = amount(shape)
+                if need > reach:
+                    raise ValueError(
+                        f"device: the profile of {self.device!r} could not fit {feature}, constant {name} "
+                        f"({threads} thread(s)): no forward it timed had that feature (at most "
+                        f"{reach:,.0f} of it among its models); the {role} model "
+                        f"({shape.name}) has {need:,.0f}: the profile is too small to price it; calibrate "
+                        "on a model at least that large (oppo-engine calibrate)"
+                    )
+
     def costs_at(self, threads: int) -> ThreadCosts:
         """The constants of the nearest calibrated thread count."""
         best = min(self.threads, key=lambda t: (abs(t - threads), -t))
@@ -115,7 +156,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict, where: str = "profile") -> Profile:
-        if not isinstance(data, dict) or data.get("version") != VERSION:
+        if not isinstance(data, dict) or data.get("version") not in READS:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise ValueError(
                 f"{where}: profile format version {found!r}, this oppo_engine reads version {VERSION}; "
@@ -136,7 +177,7 @@ class Profile:
                 device=data["device"], kind=data["kind"], threads=threads, host=HostCosts(**data["host"]),
                 training_flops=data["training_flops"], cores=data.get("cores", 1),
                 torch_version=data.get("torch_version", ""),
-                created=data.get("created", ""), models=data.get("models", {}), version=data["version"],
+                created=data.get("created", ""), models=data.get("models", {}), version=VERSION,
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None

@@ -36,6 +36,7 @@ def test_no_constant_comes_from_a_check_rows_page():
     ("oppo-paper-2node", "two nodes (2x4 A100)"),
     ("trtllm-h100-7b-fp8", "FP8"),
     ("nemo-rl-grpo-llama8b-8xgb200", "GB200"),
+    ("verl-dapo-qwen-math-7b-2x16xh20", "H20: not in the device table"),
 ])  # fmt: skip
 def test_a_setting_the_twin_cannot_express_is_refused_by_name(key, named):
     row = next(r for r in ROWS if r.key == key)

@@ -460,6 +460,9 @@ def test_calibrate_writes_a_profile_of_this_device_that_prices_other_models(tmp_
     assert min(host.per_forward_s, host.per_row_s) >= 0 and host.per_forward_s + 4 * host.per_row_s > 0
     assert host.interpreter_penalty >= 1.0
     costs = profile.threads[1]
+    # Every feature was in the timed forwards (a vocabulary head among them): nothing is unfitted, whatever
+    # the fit made of the small terms under this machine's load (it zeroed pair_s at load 14).
+    assert costs.unfitted == {}
     rows = (1, 3, 15, 63, 300)
     assert all(costs.gemm_s(m + 1, kn) >= costs.gemm_s(m, kn) for kn in costs.gemm for m in rows)
     # A model it never timed (another width and depth) gets a price that grows with its size.
