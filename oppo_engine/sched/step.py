@@ -357,6 +357,7 @@ class StepLoop:
                     continue
                 if seq.status is SeqStatus.ENV and self.envs.untouchable(seq):
                     self._set_aside(seq)  # a probe stops at an environment that cannot be rewound
+                    continue  # it left the scorers: no hand-off may follow the lane's drop
                 elif seq.status is SeqStatus.ENV:
                     self.envs.turn_ended(seq)  # its environment answers while the others decode
                 if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and seq.side is None:
