@@ -537,6 +537,44 @@ def test_state_dict_saves_a_carried_finished_agent_episode_whole():
         refuse_agents(engine, state)
 
 
+def test_state_dict_saves_once_every_agent_s_episode_is_back_while_their_clients_close(
+    actor, tokenizer, monkeypatch
+):
+    """An agent whose episode came back from ``step()`` is no longer in flight, though its task still closes
+    its client: before, ``agents_in_flight()`` counted the task until it ended, and ``state_dict()`` right
+    after the step raised. The client's close is made slow to hold the task open."""
+    import openai
+
+    close = openai.AsyncOpenAI.close
+    closing = threading.Event()
+
+    async def slow_close(self):
+        closing.set()
+        await asyncio.sleep(3.0)
+        await close(self)
+
+    monkeypatch.setattr(openai.AsyncOpenAI, "close", slow_close)
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+    try:
+        engine.add_agents(make_agent({}, turns=1), [0, 1])
+        assert handle.agents_in_flight() == 2
+        rollouts, failed = drain(engine, 2)
+        assert len(rollouts) == 2 and not failed
+        deadline = time.monotonic() + 1.0  # (the agents' tasks reach their end on the serving loop)
+        while handle.agents_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closing.wait(1.0) and handle.agents_in_flight() == 0
+        state = engine.state_dict()  # every episode is back: saved (before: a ValueError)
+    finally:
+        engine.close()
+    loaded = make_engine(actor, tokenizer, "oppo")
+    try:
+        loaded.load_state_dict(state)
+    finally:
+        loaded.close()
+
+
 def _ask_once(base_url: str) -> None:
     import openai
 
