@@ -363,7 +363,7 @@ class StepLoop:
                 if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and seq.side is None:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
             if self.envs.listening:  # environments that follow their turns token by token
-                for seq, error in self.envs.decoded():
+                for seq, error in self.envs.decoded(self._live):
                     if seq.status is not SeqStatus.FAILED:  # (a sample of its group failed just now)
                         self._fail(seq, error, cut, out)
             for source in self.side_work if side else ():
