@@ -77,7 +77,8 @@ class EpisodeHandle:
 
 class ServeHandle:
     """The running endpoint that ``RolloutEngine.serve()`` returns: ``url`` (``http://127.0.0.1:PORT``),
-    ``open_episode()``, ``add_agents()``, ``client()``, ``close()``; every method is safe from any thread.
+    ``open_episode()``, ``add_agents()``, ``agents_in_flight()``, ``client()``, ``close()``; every method is
+    safe from any thread.
 
     Options of ``serve()``: ``tokenizer`` (default: the engine's; one with a chat template is required),
     ``tool_parser`` (a turn's text -> ``(content, [(name, arguments)])``, or ``None`` when a call does not
