@@ -57,10 +57,11 @@ def save_state(engine: RolloutEngine) -> dict:
 
 
 def refuse_agents(engine: RolloutEngine, state: dict) -> None:
-    """``ValueError`` if ``state`` would drop agent episodes: sequences whose environment factory says they
-    cannot be made afresh (``rewindable = False``: a served episode's, whose agent has had, or waits for, an
-    answer), or agents of ``add_agents`` queued or running on the engine's server. Their agents cannot be
-    saved, and a restarted agent episode fails: a checkpoint that kept them would lose them silently."""
+    """``ValueError`` if ``state`` would drop agent episodes: sequences not yet finished whose environment
+    factory says they cannot be made afresh (``rewindable = False``: a served episode's, whose agent has had,
+    or waits for, an answer), or agents of ``add_agents`` queued or running on the engine's server. Their
+    agents cannot be saved, and a restarted agent episode fails: a checkpoint that kept them would lose them
+    silently."""
     factories = [e["factory"] for e in _episodes(state)] + list(state["prompts"]["pending_envs"])
     episodes = sum(f is not None and getattr(f, "rewindable", True) is False for f in factories)
     server = engine._server
@@ -75,8 +76,10 @@ def refuse_agents(engine: RolloutEngine, state: dict) -> None:
 
 
 def _episodes(state: dict) -> list[dict]:
+    """The saved episodes of sequences still under way: a finished one is saved whole (its tokens and
+    reward, ``save_sequence``), so its agent needs nothing more and loses nothing."""
     saved = [*state["carried"], *state["prompts"]["requeued"]]
-    return [d["episode"] for d in saved if d.get("episode") is not None]
+    return [d["episode"] for d in saved if d.get("episode") is not None and not d.get("finished")]
 
 
 def check_state(engine: RolloutEngine, state: dict) -> None:

@@ -275,3 +275,30 @@ def test_a_starved_run_gives_up_the_kv_of_a_sequence_a_probe_set_aside():
     sched.add(long)
     assert [c.seq for c in sched.schedule()] == [long]
     assert aside.seq_id not in cache and aside.num_computed == 0
+
+
+def test_only_the_run_s_listening_environments_hear_a_forward():
+    """``EnvDriver.decoded(live)``: an environment that follows its turn token by token hears only of a
+    sequence of this run; a decoding one outside it (a quarantined group left out of the final attempt)
+    hears nothing, as ``collect(live)`` takes only the run's answers. Before, every RUNNING one heard."""
+    from types import SimpleNamespace
+
+    from oppo_engine.sched.envs import EnvDriver
+
+    heard: list[int] = []
+
+    class Listening:
+        def __init__(self, seq_id: int) -> None:
+            self.seq_id = seq_id
+
+        def decoded(self, response_ids, logprobs, turn_start) -> None:
+            heard.append(self.seq_id)
+
+    driver = EnvDriver(None, vocab_size=64, max_model_len=64)
+    params = SamplingParams(max_new_tokens=8)
+    seqs = [Sequence(i, i, [5, 6], params, seed=i) for i in range(3)]
+    for seq in seqs:
+        seq.status = SeqStatus.RUNNING
+        seq.episode = SimpleNamespace(env=Listening(seq.seq_id), turn_start=0)
+        driver.listening[seq.seq_id] = seq
+    assert driver.decoded({0, 2}) == [] and heard == [0, 2]

@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from hf_check import assert_logprobs_equal_hf
@@ -18,6 +19,8 @@ from serve_models import add
 from transformers.utils import get_json_schema
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine.checkpoint import refuse_agents
+from oppo_engine.sched.sequence import SeqStatus
 
 MODES = ["sequential", "intra", "inter", "oppo"]
 DEADLINE_S = 120.0
@@ -482,9 +485,11 @@ def test_state_dict_refuses_while_agent_episodes_are_in_flight_and_saves_once_th
             result = engine.step()
             rollouts, failed = result.rollouts, result.failed
         got = len(rollouts) + len(failed)
-        if got < 2:
-            with pytest.raises(ValueError, match="agent episodes are in flight"):
-                engine.state_dict()
+        if got < 2:  # the other runs (refused), or is carried finished (saved whole: nothing lost)
+            other_finished = any(s.status is SeqStatus.FINISHED for s in engine._buffer.carried)
+            if not other_finished:
+                with pytest.raises(ValueError, match="agent episodes are in flight"):
+                    engine.state_dict()
             more, more_failed = drain(engine, 2 - got)
             rollouts, failed = rollouts + more, failed + more_failed
         assert len(rollouts) == 2 and not failed
@@ -502,6 +507,65 @@ def test_state_dict_refuses_while_agent_episodes_are_in_flight_and_saves_once_th
         assert len(drain(engine, 1)[0]) == 1
         asked.join(DEADLINE_S)
         state = engine.state_dict()  # nothing in flight: saved
+    finally:
+        engine.close()
+    loaded = make_engine(actor, tokenizer, "oppo")
+    try:
+        loaded.load_state_dict(state)
+    finally:
+        loaded.close()
+
+
+def test_state_dict_saves_a_carried_finished_agent_episode_whole():
+    """A finished sequence is saved whole (``save_sequence``: tokens, reward), so a served episode's carried
+    beyond the batch (oppo mode) loses nothing: ``refuse_agents`` counts only episodes still under way.
+    Before, a carried finished episode (its factory ``rewindable = False``) refused the checkpoint."""
+
+    def factory():
+        raise AssertionError("never made")
+
+    factory.rewindable = False
+    engine = SimpleNamespace(_server=None)
+
+    def entry(finished: bool) -> dict:
+        return {"episode": {"factory": factory}, "finished": finished}
+
+    state = {"carried": [entry(True)], "prompts": {"requeued": [entry(True)], "pending_envs": []}}
+    refuse_agents(engine, state)  # finished: nothing to refuse
+    state["carried"].append(entry(False))
+    with pytest.raises(ValueError, match=r"\(1 with a sequence in the engine, 0 agents"):
+        refuse_agents(engine, state)
+
+
+def test_state_dict_saves_once_every_agent_s_episode_is_back_while_their_clients_close(
+    actor, tokenizer, monkeypatch
+):
+    """An agent whose episode came back from ``step()`` is no longer in flight, though its task still closes
+    its client: before, ``agents_in_flight()`` counted the task until it ended, and ``state_dict()`` right
+    after the step raised. The client's close is made slow to hold the task open."""
+    import openai
+
+    close = openai.AsyncOpenAI.close
+    closing = threading.Event()
+
+    async def slow_close(self):
+        closing.set()
+        await asyncio.sleep(3.0)
+        await close(self)
+
+    monkeypatch.setattr(openai.AsyncOpenAI, "close", slow_close)
+    engine = make_engine(actor, tokenizer, "oppo")
+    handle = engine.serve()
+    try:
+        engine.add_agents(make_agent({}, turns=1), [0, 1])
+        assert handle.agents_in_flight() == 2
+        rollouts, failed = drain(engine, 2)
+        assert len(rollouts) == 2 and not failed
+        deadline = time.monotonic() + 1.0  # (the agents' tasks reach their end on the serving loop)
+        while handle.agents_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closing.wait(1.0) and handle.agents_in_flight() == 0
+        state = engine.state_dict()  # every episode is back: saved (before: a ValueError)
     finally:
         engine.close()
     loaded = make_engine(actor, tokenizer, "oppo")

@@ -30,10 +30,12 @@ QUESTION = [{"role": "user", "content": "what is 12 + 30 ?"}]
 COMMON = {"model": "m", "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 11}
 
 
-def make_engine(actor, tokenizer) -> RolloutEngine:
+def make_engine(actor, tokenizer, chunk_size: int | str = "auto") -> RolloutEngine:
+    config = EngineConfig(
+        batch_size=2, mode="oppo", overcommit=2, max_model_len=256, page_size=16, chunk_size=chunk_size
+    )
     return RolloutEngine(
-        actor, reward=lambda p, r: 0.0, tokenizer=tokenizer,
-        config=EngineConfig(batch_size=2, mode="oppo", overcommit=2, max_model_len=256, page_size=16),
+        actor, reward=lambda p, r: 0.0, tokenizer=tokenizer, config=config,
         sampling=SamplingParams(max_new_tokens=64, seed=3),
     )  # fmt: skip
 
@@ -142,13 +144,26 @@ def test_a_plain_request_whose_step_is_retried_mid_stream_gets_a_clean_error(act
         engine.close()
 
 
+@pytest.mark.parametrize("chunk_size", ["auto", 1])
 def test_quarantine_probes_never_stream_to_nor_answer_an_agent_and_its_episode_survives(
-    actor, tokenizer, monkeypatch
+    actor, tokenizer, monkeypatch, chunk_size
 ):
     """A poison prompt beside an agent's streamed turn fails every time it decodes: the step is retried,
     then probes isolate it. Before ``rewindable = False``, the probe of the agent's half streamed its turn
-    and answered it, and the rollback after the probe then failed the innocent episode."""
-    engine = make_engine(actor, tokenizer)
+    and answered it, and the rollback after the probe then failed the innocent episode. ``chunk_size=1``:
+    the probe that sets the agent's sequence aside drops it from the scorer lane, and no hand-off of it may
+    follow (before the fix one did, at the same token: a worker taking its inbox between the two re-added
+    the sequence, and the lane then waited for it until it stalled)."""
+    engine = make_engine(actor, tokenizer, chunk_size)
+    posts: list[tuple[int, int, bool]] = []  # (seq id, upto, drop) of each scorer-lane post, in order
+    lane = engine._loop.scorer_lane
+    post = lane._post
+
+    def recorded_post(item):
+        posts.append((item.seq.seq_id, item.upto, item.drop))
+        return post(item)
+
+    lane._post = recorded_post
     handle = engine.serve()
     episode = handle.open_episode()
     injected = FailingForward(engine, lambda seq: list(seq.prompt_ids) == POISON, times=None)
@@ -196,6 +211,12 @@ def test_quarantine_probes_never_stream_to_nor_answer_an_agent_and_its_episode_s
         client.close()
     try:
         assert False in runs, "no quarantine probe ran"
+        for i, (seq_id, _, drop) in enumerate(posts):
+            later = [upto for s, upto, _ in posts[i + 1 :] if s == seq_id]
+            if drop and later:
+                assert later[0] == 0, "a hand-off of a sequence followed its drop (not its re-add)"
+        if chunk_size == 1:
+            assert any(drop for _, _, drop in posts), "no probe set the agent's sequence aside"
         assert False not in heard, "a probe's tokens were streamed to the agent"
         assert "error" not in got, got.get("error")
         ids, text, finish = got["turn"]

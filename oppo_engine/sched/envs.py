@@ -84,8 +84,9 @@ class EnvDriver:
         episode = seq.episode
         return self.probing and episode is not None and not getattr(episode.env, "rewindable", True)
 
-    def decoded(self) -> list[tuple[Sequence, str]]:
-        """After a forward: every listening environment whose sequence is decoding hears of its turn so far
+    def decoded(self, live: set[int]) -> list[tuple[Sequence, str]]:
+        """After a forward: every listening environment whose sequence is decoding in this run (``live``: seq
+        ids, as ``collect``'s; a group left out of the run stays as it was) hears of its turn so far
         (``env.decoded(response_ids, logprobs, turn_start)``; the lists are read-only to it). Never in a
         probe (``probing``): what a probe decodes is always rolled back, and a turn streamed from it could
         reach a client. Returns the sequences whose ``decoded`` raised, with the error: they fail now,
@@ -94,7 +95,7 @@ class EnvDriver:
             return []
         failed = []
         for seq in self.listening.values():
-            if seq.status is SeqStatus.RUNNING:
+            if seq.status is SeqStatus.RUNNING and seq.seq_id in live:
                 episode = seq.episode
                 try:
                     episode.env.decoded(seq.response_ids, seq.logprobs, episode.turn_start)

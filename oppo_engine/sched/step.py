@@ -357,12 +357,13 @@ class StepLoop:
                     continue
                 if seq.status is SeqStatus.ENV and self.envs.untouchable(seq):
                     self._set_aside(seq)  # a probe stops at an environment that cannot be rewound
+                    continue  # it left the scorers: no hand-off may follow the lane's drop
                 elif seq.status is SeqStatus.ENV:
                     self.envs.turn_ended(seq)  # its environment answers while the others decode
                 if stream and seq.num_tokens - seq.num_handed_off >= chunk_size and seq.side is None:
                     self._hand_off(seq, final=False, out=out)  # hand the chunk to the scorers
             if self.envs.listening:  # environments that follow their turns token by token
-                for seq, error in self.envs.decoded():
+                for seq, error in self.envs.decoded(self._live):
                     if seq.status is not SeqStatus.FAILED:  # (a sample of its group failed just now)
                         self._fail(seq, error, cut, out)
             for source in self.side_work if side else ():

@@ -77,7 +77,8 @@ class EpisodeHandle:
 
 class ServeHandle:
     """The running endpoint that ``RolloutEngine.serve()`` returns: ``url`` (``http://127.0.0.1:PORT``),
-    ``open_episode()``, ``add_agents()``, ``client()``, ``close()``; every method is safe from any thread.
+    ``open_episode()``, ``add_agents()``, ``agents_in_flight()``, ``client()``, ``close()``; every method is
+    safe from any thread.
 
     Options of ``serve()``: ``tokenizer`` (default: the engine's; one with a chat template is required),
     ``tool_parser`` (a turn's text -> ``(content, [(name, arguments)])``, or ``None`` when a call does not
@@ -154,6 +155,9 @@ class ServeHandle:
         self._saved_timeout = self._pool.timeout_s
         self._agents: deque = deque()
         self._agents_running = 0
+        # Agents queued or whose episode their return has not ended yet (changed on the loop only): counted
+        # from queueing to that end, so a read never misses one between the queue and its task.
+        self._agents_live = 0
         self._agent_tasks: set[asyncio.Task] = set()
         self._next_task_index = 0
         self._index_lock = threading.Lock()
@@ -400,8 +404,10 @@ class ServeHandle:
     # -- agents ----------------------------------------------------------------------------------------------
 
     def agents_in_flight(self) -> int:
-        """Agents of ``add_agents`` queued or running (a read, safe from any thread)."""
-        return len(self._agents) + len(self._agent_tasks)
+        """Agents of ``add_agents`` queued, or running with their episode not yet ended by their return (a
+        read, safe from any thread): an agent whose episode is finished or failed, closing its client, is
+        not counted."""
+        return self._agents_live
 
     def add_agents(self, agent_fn: Callable, tasks: Iterable, *, n: int = 1, in_process: bool = True) -> None:
         """Queue ``tasks`` and return: each runs ``async def agent_fn(task, client) -> float | None`` as a
@@ -437,6 +443,7 @@ class ServeHandle:
             if items:
                 self.claim_group_size(n)
             self._agents.extend(items)
+            self._agents_live += n * len(items)
             self._pump()
 
         try:
@@ -501,6 +508,7 @@ class ServeHandle:
                 except ApiError:  # its reward window closed (past the timeout): the reward model scored it
                     pass
         finally:
+            self._agents_live -= 1  # its episode has its end: only its client's close is left
             try:
                 await client.close()
             finally:
@@ -522,6 +530,7 @@ class ServeHandle:
                 async def shut() -> None:
                     for task in list(self._agent_tasks):
                         task.cancel()
+                    self._agents_live -= sum(item[-1] for item in self._agents)
                     self._agents.clear()
                     for episode in list(self.episodes.values()):
                         episode.fail("the server closed")
