@@ -555,12 +555,8 @@ class ChunkSizeController:
                 return
             if OFF in self._trial and self._unpriced:  # NOTE: "off" measured: the earlier steps are priced
                 self._charge({}, statistics.fmean(self._trial[OFF]))
-        for i, arm in enumerate(self._plan):
-            if self._affordable(arm):
-                if i:
-                    del self._plan[i]
-                    self._plan.appendleft(arm)
-                return
+        if self._affordable_first():
+            return
         if self._incumbent is None:
             # "Off" was measured and the rest of the first exploration is unaffordable: decide on what was
             # measured. An arm measured to beat "off" gets its confirming steps at once and the rest waits
@@ -570,13 +566,19 @@ class ChunkSizeController:
             self._decide()
             if not self._plan:
                 self._plan.extend(rest)
-            for i, arm in enumerate(self._plan):
-                if self._affordable(arm):
-                    if i:
-                        del self._plan[i]
-                        self._plan.appendleft(arm)
-                    return
+            if self._affordable_first():
+                return
         self._deferred = bool(self._plan)
+
+    def _affordable_first(self) -> bool:
+        """Move the plan's first affordable arm to its front; False if no arm of the plan is affordable."""
+        for i, arm in enumerate(self._plan):
+            if self._affordable(arm):
+                if i:
+                    del self._plan[i]
+                    self._plan.appendleft(arm)
+                return True
+        return False
 
     def expected_excess(self, arm: Arm) -> float:
         """What one step of ``arm`` is expected to cost beyond the incumbent ("off" before there is one), as
