@@ -62,10 +62,10 @@ class DecodeStride:
         loop = self.loop
         run, record = loop.run, loop.timeline.record
 
-        def strided_run(seqs, policy_version, cut, chunk_size=None, commit=True):
+        def strided_run(seqs, policy_version, cut, chunk_size=None, commit=True, left_out=()):
             self.step, self.extra_tokens, self.peak_pages = (policy_version, cut, chunk_size, commit), 0, 0
             try:
-                out = run(seqs, policy_version, cut, chunk_size=chunk_size, commit=commit)
+                out = run(seqs, policy_version, cut, chunk_size=chunk_size, commit=commit, left_out=left_out)
             finally:
                 self.step = None
             out.tokens_generated += self.extra_tokens
