@@ -509,11 +509,7 @@ def test_state_dict_refuses_while_agent_episodes_are_in_flight_and_saves_once_th
         state = engine.state_dict()  # nothing in flight: saved
     finally:
         engine.close()
-    loaded = make_engine(actor, tokenizer, "oppo")
-    try:
-        loaded.load_state_dict(state)
-    finally:
-        loaded.close()
+    _load_into_a_fresh_engine(actor, tokenizer, state)
 
 
 def test_state_dict_saves_a_carried_finished_agent_episode_whole():
@@ -568,11 +564,7 @@ def test_state_dict_saves_once_every_agent_s_episode_is_back_while_their_clients
         state = engine.state_dict()  # every episode is back: saved (before: a ValueError)
     finally:
         engine.close()
-    loaded = make_engine(actor, tokenizer, "oppo")
-    try:
-        loaded.load_state_dict(state)
-    finally:
-        loaded.close()
+    _load_into_a_fresh_engine(actor, tokenizer, state)
 
 
 def _ask_once(base_url: str) -> None:
@@ -582,3 +574,12 @@ def _ask_once(base_url: str) -> None:
         client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0
         )
+
+
+def _load_into_a_fresh_engine(actor, tokenizer, state: dict) -> None:
+    """A saved state loads into a new engine of the same settings."""
+    loaded = make_engine(actor, tokenizer, "oppo")
+    try:
+        loaded.load_state_dict(state)
+    finally:
+        loaded.close()

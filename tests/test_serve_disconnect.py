@@ -28,6 +28,21 @@ MAX_TOKENS = 200
 PROMPTS = [[11, 12, 13, 14], [21, 22, 23]]
 
 
+async def _post_and_leave_when_held(
+    http: httpx2.AsyncClient, path: str, body: dict, held: threading.Event, outcome: dict
+) -> None:
+    """POST ``body``; once the server's decode is ``held``, the client goes away (its connection closed:
+    ``outcome["gone"]``). An answer that came first is ``outcome["answer"]``."""
+    post = asyncio.ensure_future(http.post(path, json=body))
+    while not held.is_set():
+        if post.done():
+            outcome["answer"] = post.result()
+            return
+        await asyncio.sleep(0.01)
+    post.cancel()
+    outcome["gone"] = True
+
+
 def make_engine(actor, tokenizer) -> RolloutEngine:
     return RolloutEngine(
         actor, reward=lambda p, r: float(len(r)), tokenizer=tokenizer,
@@ -69,14 +84,7 @@ def test_a_client_that_disconnects_mid_evaluation_has_its_sequence_dropped_and_p
     async def ask() -> None:
         body = {"prompt": [7, 8, 9], "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0}
         async with httpx2.AsyncClient(base_url=handle.url, timeout=DEADLINE_S) as http:
-            post = asyncio.ensure_future(http.post("/v1/completions", json=body))
-            while not held.is_set():
-                if post.done():
-                    outcome["answer"] = post.result()
-                    return
-                await asyncio.sleep(0.01)
-            post.cancel()  # the client goes away while its decode is held: its connection is closed
-            outcome["gone"] = True
+            await _post_and_leave_when_held(http, "/v1/completions", body, held, outcome)
 
     asker = threading.Thread(target=lambda: asyncio.run(ask()), daemon=True)
     hook = actor.register_forward_pre_hook(gate)
@@ -167,14 +175,7 @@ def test_an_episode_whose_client_disconnects_mid_turn_fails_at_the_next_forward(
                     reader.cancel()
                     outcome["gone"] = True  # the stream is closed while the decode is held
                 return
-            post = asyncio.ensure_future(http.post("/chat/completions", json=body))
-            while not held.is_set():
-                if post.done():
-                    outcome["answer"] = post.result()
-                    return
-                await asyncio.sleep(0.01)
-            post.cancel()  # the client goes away while its decode is held: its connection is closed
-            outcome["gone"] = True
+            await _post_and_leave_when_held(http, "/chat/completions", body, held, outcome)
 
     asker = threading.Thread(target=lambda: asyncio.run(ask()), daemon=True)
     hook = actor.register_forward_pre_hook(gate)
