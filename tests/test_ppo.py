@@ -194,10 +194,14 @@ def test_demo_writes_table_plots_and_traces(task_dir, tmp_path, capsys):
     for row in rows:
         assert row in table
     assert "building the demo task" not in capsys.readouterr().out  # the cache was used
-    for png in ("reward.png", "control.png"):
+    for png in ("reward.png", "control.png", "agreement.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     records = json.loads((out / "records.json").read_text())
     assert set(records) == {"sequential", "intra", "oppo"}
+    for rec in records["oppo"]["records"]:  # every token class of the step's gap, by name
+        assert set(rec["agreement"]) == {"fresh", "carried_current", "stale"}
+        assert rec["agreement"]["fresh"]["mean_abs"] == rec["agreement_mean_abs"]
+        assert rec["truncated_sampling"] is False
     keys = {"time_to_reward_s", "threshold", "s_per_step", "rollout_s_per_step", "final_reward", "records"}
     for mode, rec in records.items():
         assert set(rec) == keys

@@ -196,6 +196,7 @@ def test_demo_on_two_ranks_trains_and_only_rank_0_prints_and_writes(tmp_path):
     assert "in all on 2 ranks" in stdout
     records = json.loads((out / "records.json").read_text())
     assert [len(records[m]["records"]) for m in ("sequential", "oppo")] == [2, 2]
+    files = ["table.txt", "records.json", "reward.png", "control.png", "agreement.png"]
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["table.txt", "records.json", "reward.png", "control.png", "trace_sequential.json", "trace_oppo.json"]
+        files + ["trace_sequential.json", "trace_oppo.json"]
     )

@@ -393,7 +393,7 @@ def _one_step(trainer: PPOTrainer, run: ModeRun, out: Path, trace_step: int):
             cpu_s=cpu_s,
             load=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             **_rule_scores(trainer, stats.rollout.rollouts),
-            **agreement_fields(stats.agreement),
+            **agreement_fields(stats.agreement, stats.truncated_sampling),
         )
     )
     if stats.step == trace_step:
@@ -481,8 +481,8 @@ def batch_examples(
 
 
 def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
-    """Every mode of ``opts``, side by side; writes table.txt, records.json, reward.png, control.png and one
-    trace per mode into ``opts.out``."""
+    """Every mode of ``opts``, side by side; writes table.txt, records.json, reward.png, control.png (and
+    accuracy.png, agreement.png: ``report.plot``) and one trace per mode into ``opts.out``."""
     if opts.task not in TASKS:
         raise ValueError(f"--task {opts.task!r}: choose {', '.join(TASKS)}")
     if opts.task == "math" and (opts.reward is not None or opts.fsdp):

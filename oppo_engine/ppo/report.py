@@ -52,6 +52,12 @@ class StepRecord:
     agreement_max_abs: float | None = None
     agreement_k3: float | None = None
     agreement_stale_mean_abs: float | None = None
+    # Every class's statistics of that gap, ``{class: {tokens, sequences, mean_abs, max_abs, mean_k3,
+    # frac_large, seq_sum_std, seq_sum_max_abs}}`` (agreement.CLASSES; an empty class has 0 tokens and None
+    # elsewhere), and whether the step sampled with top-k/top-p (PPOStepStats.truncated_sampling: the
+    # behaviour log-probs are then of a truncated law). None: not measured.
+    agreement: dict[str, dict[str, float | int | None]] | None = None
+    truncated_sampling: bool | None = None
     # The process's CPU seconds over the whole PPO step (time.process_time; every thread): beside step_s and
     # the torch threads, whether a slow step waited for cores or spun (StepMetrics.cpu_s is the engine's part)
     cpu_s: float | None = None
@@ -60,19 +66,24 @@ class StepRecord:
     load: float | None = None
 
 
-def agreement_fields(agreement: dict | None) -> dict[str, float | None]:
-    """``StepRecord``'s agreement fields from ``PPOStepStats.agreement`` (``None`` where it was not measured
-    or the class is empty: records.json stays valid JSON)."""
+def agreement_fields(agreement: dict | None, truncated_sampling: bool | None = None) -> dict:
+    """``StepRecord``'s agreement fields from ``PPOStepStats.agreement`` and ``.truncated_sampling``
+    (``None`` where it was not measured or the class is empty: records.json stays valid JSON)."""
 
     def value(cls: str, name: str) -> float | None:
         x = getattr(agreement[cls], name) if agreement else math.nan
         return None if math.isnan(x) else x
+
+    def stats(gap) -> dict[str, float | int | None]:
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(gap).items()}
 
     return {
         "agreement_mean_abs": value("fresh", "mean_abs"),
         "agreement_max_abs": value("fresh", "max_abs"),
         "agreement_k3": value("fresh", "mean_k3"),
         "agreement_stale_mean_abs": value("stale", "mean_abs"),
+        "agreement": {cls: stats(gap) for cls, gap in agreement.items()} if agreement else None,
+        "truncated_sampling": truncated_sampling,
     }
 
 
@@ -273,7 +284,23 @@ def _load(recs: list[StepRecord]) -> str:
     return f"{median(loads):.1f}, {max(loads):.1f}" if loads else "-"
 
 
-def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
+def _class_stat(rec: StepRecord, cls: str, name: str) -> float | None:
+    """One statistic of one token class of the step's engine-trainer gap (None: not measured, or empty)."""
+    return rec.agreement[cls][name] if rec.agreement else None
+
+
+def _class_mean(recs: list[StepRecord], cls: str) -> str:
+    """The mean over the steps of one token class's mean |Δ|, steps where it was empty left out."""
+    return _mean_or_dash([_class_stat(r, cls, "mean_abs") for r in recs])
+
+
+def _carries(runs: list[ModeRun]) -> bool:
+    """Some step of some mode measured tokens of the ``carried_current`` class."""
+    return any(_class_stat(r, "carried_current", "tokens") for run in runs for r in run.records)
+
+
+def _rows(run: ModeRun, base: ModeRun, threshold: float, carried: bool = False) -> dict[str, str]:
+    """The table's column of ``run``; ``carried`` adds the ``carried_current`` class's gap row."""
     recs = run.records
     bias = [r.length_bias for r in recs if r.length_bias is not None]
     rollout_s = sum(r.rollout_s for r in recs)
@@ -305,6 +332,7 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
         "length bias": f"{mean(bias):.3f}" if bias else "-",
         "mean response length": f"{mean(r.response_len for r in recs):.1f}",
         "engine-trainer gap, mean |Δ|": _mean_or_dash([r.agreement_mean_abs for r in recs]),
+        **({"  carried_current class, mean |Δ|": _class_mean(recs, "carried_current")} if carried else {}),
         "rollouts/s": f"{sum(r.rollouts for r in recs) / rollout_s:.1f}",
         "reward: first -> final": f"{recs[0].reward:+.3f} -> {run.final_reward():+.3f}",
         **(
@@ -324,13 +352,15 @@ def _rows(run: ModeRun, base: ModeRun, threshold: float) -> dict[str, str]:
 
 def format_table(runs: list[ModeRun]) -> str:
     """The ablation table: metrics as rows, modes as columns; a mode that could not run says so. On a rule
-    task (``--task math``) time to accuracy takes time to reward's place."""
+    task (``--task math``) time to accuracy takes time to reward's place. The engine-trainer gap row is the
+    ``fresh`` tokens'; a row for the ``carried_current`` class follows it when some mode measured one."""
     base = base_run(runs)
     if base is None:
         return "\n".join(f"{r.mode}: unavailable ({r.unavailable})" for r in runs)
     threshold = reward_threshold(base)
-    columns = {run.mode: _rows(run, base, threshold) if run.records else None for run in runs}
-    names = list(_rows(base, base, threshold))
+    carried = _carries(runs)
+    columns = {run.mode: _rows(run, base, threshold, carried) if run.records else None for run in runs}
+    names = list(_rows(base, base, threshold, carried))
     width = max(map(len, names))
     col_w = max(14, *(len(m) for m in columns), *(len(v) for c in columns.values() if c for v in c.values()))
     accuracy = accuracy_threshold(base)
@@ -352,8 +382,9 @@ def format_table(runs: list[ModeRun]) -> str:
 
 def plot(out: Path, runs: list[ModeRun]) -> list[Path]:
     """reward.png (reward vs step and vs wall time, every mode overlaid, the time-to-reward threshold
-    dashed), control.png (chunk size, 0 for "off", and Δ per step) and, on a rule task, accuracy.png
-    (``_plot_accuracy``)."""
+    dashed), control.png (chunk size, 0 for "off", and Δ per step), on a rule task accuracy.png
+    (``_plot_accuracy``) and, where the engine-trainer gap was measured, agreement.png
+    (``_plot_agreement``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -394,7 +425,41 @@ def plot(out: Path, runs: list[ModeRun]) -> list[Path]:
     plt.close(fig)
     if all(r.trailing_accuracy() is not None for r in runs):
         paths.append(_plot_accuracy(plt, out / "accuracy.png", runs, base))
+    if any(r.agreement for run in runs for r in run.records):
+        paths.append(_plot_agreement(plt, out / "agreement.png", runs))
     return paths
+
+
+def _plot_agreement(plt, path: Path, runs: list[ModeRun]) -> Path:
+    """agreement.png: one panel per mode, the engine-trainer gap per PPO step of each token class that
+    held tokens at some step (``StepRecord.agreement``), mean |Δ| solid and max |Δ| dashed in the class's
+    colour; a step where the class is empty leaves a gap. The y axis is logarithmic when every plotted value
+    is positive (fp32 rounding and a policy update differ by orders of magnitude)."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), sharey=True, squeeze=False)
+    # The classes in agreement.measure's order, one colour each across the panels.
+    classes = list(dict.fromkeys(cls for run in runs for r in run.records for cls in r.agreement or ()))
+    values = []
+    for ax, run in zip(axes[0], runs, strict=True):
+        steps = [r.step for r in run.records]
+        for i, cls in enumerate(classes):
+            if not any(_class_stat(r, cls, "tokens") for r in run.records):
+                continue
+            for stat, style, what in (("mean_abs", "-", "mean"), ("max_abs", "--", "max")):
+                ys = [_class_stat(r, cls, stat) for r in run.records]
+                ys = [math.nan if y is None else y for y in ys]
+                ax.plot(steps, ys, style, color=f"C{i}", marker=".", label=f"{cls}, {what} |Δ|")
+                values += [y for y in ys if not math.isnan(y)]
+        ax.set(xlabel="PPO step", title=run.mode)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("|log π_trainer − log π_behaviour| (nats)")
+    if values and min(values) > 0:
+        axes[0][0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _plot_accuracy(plt, path: Path, runs: list[ModeRun], base: ModeRun) -> Path:
