@@ -79,6 +79,24 @@ def _check_one_label(model: nn.Module, role: str) -> None:
         )
 
 
+def adamw(params, lr: float) -> torch.optim.AdamW:
+    """AdamW over ``params``, on torch's fused kernel (``fused=True``) where every parameter's device and
+    dtype have one (CPU or CUDA, a real floating dtype), else torch's default implementation.
+
+    The same update to fp32 rounding (4.5e-8 at most over 135M parameters after three steps, against the
+    default's per-parameter loop), and on a CPU about 6x faster: 0.17 s against 1.04 s a step for SmolLM2's
+    135M fp32 parameters with 2 threads (docs/benchmarks.md, "The optimizer step"). The update steps AdamW
+    once per minibatch for actor and critic each, so on the math demo that loop was ~8 s of a PPO step."""
+    params = list(params)
+    fused = all(p.device.type in _FUSED_DEVICES and p.dtype in _FUSED_DTYPES for p in params)
+    return torch.optim.AdamW(params, lr=lr, fused=fused)
+
+
+# Where torch's fused AdamW kernel runs (torch checks only at the first step, so the trainer decides here).
+_FUSED_DEVICES = ("cpu", "cuda")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class PPOTrainer:
     """PPO on ``actor`` (causal LM) and ``critic`` (one-label value model), against a frozen ``reference``
     (causal LM) and a frozen ``reward`` model (one label), all HF models sharing ``tokenizer``'s vocabulary;
@@ -195,8 +213,8 @@ class PPOTrainer:
         self._queue_target = cfg.batch_size + _overcommit_bound(engine_config)
         self._feed_engine()
         self.device = next(actor.parameters()).device
-        self.actor_optim = torch.optim.AdamW(actor.parameters(), lr=cfg.lr)
-        self.critic_optim = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
+        self.actor_optim = adamw(actor.parameters(), lr=cfg.lr)
+        self.critic_optim = adamw(critic.parameters(), lr=cfg.critic_lr)
         self.steps = 0
 
     # ------------------------------------------------------------------ one PPO step
