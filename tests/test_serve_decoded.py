@@ -9,7 +9,8 @@ against what went out after every forward -- sends, call by call; a retry that d
 nothing twice, and the tokens (and log-probs) streamed concatenate to the turn; a retry that decodes a
 token that went out differently fails the episode (``ROLLED_BACK``) as it decodes it, however early in the
 turn, and nothing goes out after it. And a call costs its new tokens: over a turn the hook reads each token
-a bounded number of times (before, the whole turn after every forward: quadratic)."""
+a bounded number of times (before, the whole turn after every forward: quadratic). ``Posts``, which carries
+what the hook hands the serving loop, runs the calls in order, each once, on one wake-up of the loop."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class _Served:
         self.state = "generating"
         self.server = self
 
-    def call_soon(self, fn, *args) -> None:
+    def post(self, fn, *args) -> None:
         self.calls.append((fn.__name__, *args))
 
     def on_tokens(self, ids, logprobs) -> None: ...
@@ -54,11 +55,11 @@ class _WholeTurnCheck:
         start, sent = self.sent if self.sent[0] == turn_start else (turn_start, [])
         turn = response_ids[start:]
         if turn[: len(sent)] != sent[: len(turn)]:
-            self.served.call_soon(self.served.fail, ROLLED_BACK)
+            self.served.post(self.served.fail, ROLLED_BACK)
             return
         if len(turn) > len(sent):
             self.sent = (start, turn)
-            self.served.call_soon(self.served.on_tokens, turn[len(sent) :], logprobs[start + len(sent) :])
+            self.served.post(self.served.on_tokens, turn[len(sent) :], logprobs[start + len(sent) :])
 
 
 class _Reads(list):
@@ -193,3 +194,52 @@ def test_each_forward_s_call_reads_only_its_new_tokens():
     assert sum(len(c[1]) for c in served.calls) == len(seq.response_ids) - 3
     decoded_tokens = 2500
     assert seq.response_ids.read + seq.logprobs.read <= 3 * decoded_tokens
+
+
+def test_posts_run_in_order_each_once_on_one_wake_up_and_one_that_raises_leaves_the_others():
+    """``Posts``: calls posted while the loop is busy run in the order posted, each once, on one wake-up of
+    the loop (a ``call_soon_threadsafe`` per forward, not per streaming agent); one that raises is reported
+    to the loop's exception handler and the others still run; a post after they ran wakes the loop again."""
+    import asyncio
+    import threading
+
+    from oppo_engine.serve.server import Posts
+
+    loop = asyncio.new_event_loop()
+    reported, ran, busy = [], [], threading.Event()
+    loop.set_exception_handler(lambda _, context: reported.append(context["exception"]))
+    wake_ups = 0
+    call_soon_threadsafe = loop.call_soon_threadsafe
+
+    def counted(*args):
+        nonlocal wake_ups
+        wake_ups += 1
+        return call_soon_threadsafe(*args)
+
+    loop.call_soon_threadsafe = counted
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        posts = Posts(loop)
+        call_soon_threadsafe(busy.wait, 10.0)  # the loop is busy while everything is posted
+
+        def boom() -> None:
+            raise ValueError("boom")
+
+        for i in range(1000):
+            posts.post(ran.append, i)
+            if i == 500:
+                posts.post(boom)
+        done = threading.Event()
+        posts.post(done.set)
+        busy.set()
+        assert done.wait(10.0)
+        assert ran == list(range(1000)) and wake_ups == 1
+        assert [str(e) for e in reported] == ["boom"]
+        again = threading.Event()
+        posts.post(again.set)
+        assert again.wait(10.0) and wake_ups == 2
+    finally:
+        call_soon_threadsafe(loop.stop)
+        thread.join(10.0)
+        loop.close()

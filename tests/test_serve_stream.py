@@ -289,7 +289,7 @@ class _Served:
         self.state = "generating"
         self.server = self
 
-    def call_soon(self, fn, *args) -> None:
+    def post(self, fn, *args) -> None:
         self.calls.append((fn.__name__, *args))
 
     def on_tokens(self, ids, logprobs) -> None: ...

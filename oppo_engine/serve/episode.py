@@ -514,7 +514,7 @@ class AgentEnv:
         if checked < len(sent):  # a retry decodes again what went out: it must be the same
             upto = min(len(sent), end - turn_start)
             if response_ids[turn_start + checked : turn_start + upto] != sent[checked:upto]:
-                episode.server.call_soon(episode.fail, ROLLED_BACK)
+                episode.server.post(episode.fail, ROLLED_BACK)
                 return
             self._checked = checked = upto
         if end - turn_start > len(sent):
@@ -522,7 +522,7 @@ class AgentEnv:
             new = response_ids[first:end]
             sent += new
             self._checked = len(sent)
-            episode.server.call_soon(episode.on_tokens, new, logprobs[first:end])
+            episode.server.post(episode.on_tokens, new, logprobs[first:end])
 
     def rewound(self, num_response: int) -> None:
         """A rolled-back step cut the response back to ``num_response`` tokens (on the actor thread, before
