@@ -199,7 +199,8 @@ def test_each_forward_s_call_reads_only_its_new_tokens():
 def test_posts_run_in_order_each_once_on_one_wake_up_and_one_that_raises_leaves_the_others():
     """``Posts``: calls posted while the loop is busy run in the order posted, each once, on one wake-up of
     the loop (a ``call_soon_threadsafe`` per forward, not per streaming agent); one that raises is reported
-    to the loop's exception handler and the others still run; a post after they ran wakes the loop again."""
+    to the loop's exception handler and the others still run; a post after they ran wakes the loop again;
+    once the loop is closed a post is dropped, and nothing is held."""
     import asyncio
     import threading
 
@@ -242,4 +243,7 @@ def test_posts_run_in_order_each_once_on_one_wake_up_and_one_that_raises_leaves_
     finally:
         call_soon_threadsafe(loop.stop)
         thread.join(10.0)
-        loop.close()
+    posts.post(ran.append, "late")  # the loop stopped: its wake-up never runs, and the loop closes
+    loop.close()
+    posts.post(ran.append, "closed")
+    assert ran[1000:] == [] and posts._calls == []

@@ -62,10 +62,11 @@ class Posts:
     posts a call per streaming agent after every forward (``AgentEnv.decoded``), a wake-up each would cost
     the actor more than the hook's own work.
 
-    NOTE: a post runs before the ``call_soon``s made after the first post of its batch, possibly before one
-    made between that post and itself. The actor posts only an episode's new tokens, or its failure, while
-    its turn decodes: what the actor sends the loop otherwise for that episode (its turn's end, its end) comes
-    after the turn's last post, and a post of its next turn after the loop took the turn's answer."""
+    NOTE: a batch runs where the wake-up of its first post falls in the loop's queue, so a post may run before
+    a ``call_soon`` made between that first post and itself. Harmless here: the actor posts an episode's new
+    tokens, or its failure, only while its turn decodes; what else it sends the loop for that episode (its
+    turn's end, its end) comes after the turn's last post, and its next turn's posts come after the loop has
+    taken the turn's answer."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -75,6 +76,9 @@ class Posts:
     def post(self, fn: Callable, *args) -> None:
         """``fn(*args)`` on the loop, after the calls posted before it; dropped once the loop is closed."""
         with self._lock:
+            if self.loop.is_closed():  # (a wake-up may have come too late to run: what it left goes too)
+                self._calls.clear()
+                return
             self._calls.append((fn, args))
             if len(self._calls) > 1:
                 return  # the loop is woken already: it runs this one with the others
