@@ -154,12 +154,14 @@ class DecodedCost:
         self.calls, self.seconds, self.visited = 0, 0.0, 0
         envs.decoded = self  # the step loop calls envs.decoded() after every forward while any listens
 
-    def __call__(self):
+    def __call__(self, live: set[int]):
         t = time.perf_counter()
-        failed = self.inner()
+        failed = self.inner(live)
         self.seconds += time.perf_counter() - t
         self.calls += 1
-        self.visited += sum(s.status is SeqStatus.RUNNING for s in self.envs.listening.values())
+        self.visited += sum(
+            s.status is SeqStatus.RUNNING and s.seq_id in live for s in self.envs.listening.values()
+        )
         return failed
 
     def reset(self) -> None:

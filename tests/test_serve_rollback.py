@@ -144,6 +144,83 @@ def test_a_plain_request_whose_step_is_retried_mid_stream_gets_a_clean_error(act
         engine.close()
 
 
+class DivergingRetry(FailingForward):
+    """``FailingForward`` once, then the retry samples differently from the episode's turn token ``AT`` on
+    (each token from there on is replaced by ``other``, an ordinary token other than the first attempt's at
+    ``AT``: as a device whose kernels are not deterministic may decode a retry): a rolled-back step whose
+    retry diverges at a token that went out long before. ``first``: the turn as the failed attempt had it."""
+
+    AT = 2
+
+    def __init__(self, engine, tokenizer) -> None:
+        super().__init__(engine, lambda seq: seq.episode is not None, times=1)
+        self.candidates = [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b")]
+        self.first: list[int] | None = None
+        self.other: int | None = None
+
+    def __call__(self, chunks, batch):
+        running = {s.seq_id: s for s in self.engine._loop.actor_sched.running}
+        if self.raised == 0:
+            for seq in running.values():
+                if seq.episode is not None:
+                    self.first = seq.response_ids[seq.episode.turn_start :]
+        tokens, logprobs = super().__call__(chunks, batch)
+        if self.raised:
+            tokens = list(tokens)
+            for i, row in enumerate(batch.rows):
+                seq = running.get(chunks[row].seq_id)
+                if seq is not None and seq.episode is not None:
+                    if len(seq.response_ids) - seq.episode.turn_start >= self.AT:
+                        if self.other is None:
+                            self.other = next(t for t in self.candidates if t != self.first[self.AT])
+                        tokens[i] = self.other
+        return tokens, logprobs
+
+
+def test_a_retry_that_decodes_differently_a_token_sent_long_before_fails_the_episode_and_sends_no_more(
+    actor, tokenizer
+):
+    """A step fails after the turn's first ``FAIL_AT`` tokens went out; its retry decodes token ``AT`` (sent
+    many forwards before) differently. The stream cannot be taken back: the episode fails with
+    ``ROLLED_BACK`` as the retry decodes that token (``AgentEnv.decoded``, told of the rollback by
+    ``EnvDriver.rewound``), and nothing of the diverged retry goes out. Without the rollback's notice the
+    retry's tokens beyond those sent went out, and the turn failed only at its end."""
+    from oppo_engine.serve.stream import ROLLED_BACK
+
+    engine = make_engine(actor, tokenizer)
+    handle = engine.serve()
+    episode = handle.open_episode()
+    injected = DivergingRetry(engine, tokenizer)
+    stepper = Stepper(engine)
+    client = _client(episode.base_url)
+    ids: list[int] = []
+    try:
+        with pytest.raises(openai.APIError, match="rolled back and decoded differently") as raised:
+            stream = client.chat.completions.create(
+                stream=True, messages=QUESTION, extra_body={"return_token_ids": True}, **COMMON
+            )
+            for chunk in stream:
+                if chunk.choices:
+                    ids += chunk.choices[0].model_extra.get("token_ids") or []
+                    if chunk.choices[0].delta.content:
+                        injected.seen.set()
+        assert ROLLED_BACK in str(raised.value)
+        stepper.wait_for(1)
+    finally:
+        client.close()
+        stepper.stop()
+    try:
+        assert injected.raised == 1 and injected.in_time, "the step did not fail mid-stream"
+        first = injected.first
+        assert len(first) >= FAIL_AT > DivergingRetry.AT and injected.other != first[DivergingRetry.AT]
+        assert ids == first[: len(ids)] and len(ids) >= FAIL_AT - 1, "the stream is not the first attempt's"
+        [failed] = stepper.failed
+        assert ROLLED_BACK in failed.error and not stepper.rollouts
+        _assert_pages_back(engine)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("chunk_size", ["auto", 1])
 def test_quarantine_probes_never_stream_to_nor_answer_an_agent_and_its_episode_survives(
     actor, tokenizer, monkeypatch, chunk_size

@@ -289,7 +289,7 @@ class _Served:
         self.state = "generating"
         self.server = self
 
-    def call_soon(self, fn, *args) -> None:
+    def post(self, fn, *args) -> None:
         self.calls.append((fn.__name__, *args))
 
     def on_tokens(self, ids, logprobs) -> None: ...
@@ -308,10 +308,12 @@ def test_a_retried_turn_streams_only_tokens_beyond_those_sent_and_fails_if_they_
     env = AgentEnv(served)
     lps = [-0.5] * 10
     env.decoded([9, 9, 1, 2, 3], lps, turn_start=2)  # an earlier turn, then this one's first 3 tokens
-    env.decoded([9, 9, 1, 2], lps, turn_start=2)  # rolled back, retried: the same tokens so far
+    env.rewound(3)  # rolled back to the turn's first token, retried: the same tokens so far
+    env.decoded([9, 9, 1, 2], lps, turn_start=2)
     env.decoded([9, 9, 1, 2, 3, 4], lps, turn_start=2)
     assert served.calls == [("on_tokens", [1, 2, 3], lps[2:5]), ("on_tokens", [4], lps[5:6])]
     served.calls.clear()
+    env.rewound(3)
     env.decoded([9, 9, 1, 7, 3, 4, 5], lps, turn_start=2)  # retried differently at a token that went out
     assert served.calls == [("fail", ROLLED_BACK)]
     env.decoded([9, 9, 1, 2, 3, 4, 5, 6, 7], lps, turn_start=7)  # the next turn streams from its start

@@ -104,6 +104,15 @@ class EnvDriver:
                     failed.append((seq, episode.error))
         return failed
 
+    def rewound(self, seq: Sequence) -> None:
+        """A rolled-back step cut ``seq``'s response back (``Sequence.restore``): a listening environment with
+        ``rewound(num_response)`` hears how many response tokens are left, before the retry decodes the rest
+        again (so ``decoded`` need not compare the whole turn after every forward to notice a rollback)."""
+        if seq.seq_id in self.listening:
+            rewound = getattr(seq.episode.env, "rewound", None)
+            if rewound is not None:
+                rewound(len(seq.response_ids))
+
     def turn_ended(self, seq: Sequence) -> None:
         """``seq``'s turn ended (it is parked): send the turn to its environment, once ``reset`` returned."""
         episode = seq.episode

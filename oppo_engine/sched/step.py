@@ -239,6 +239,7 @@ class StepLoop:
                 continue
             cache.truncate(seq.seq_id, min(snap.num_computed, unwritten.get(seq.seq_id, snap.num_computed)))
             seq.restore(snap, cache.num_tokens(seq.seq_id))
+            self.envs.rewound(seq)
         if admitted:
             self.admission.give_back(admitted)
 

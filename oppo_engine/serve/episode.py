@@ -487,29 +487,47 @@ class AgentEnv:
 
     def __init__(self, episode: ServedEpisode) -> None:
         self.episode = episode
-        self._sent: tuple[int, list[int]] = (0, [])  # (turn start, the turn's tokens handed to the episode)
+        self._start = 0  # where the turn that streams began in the response
+        self._sent: list[int] = []  # the turn's tokens handed to the episode
+        # NOTE: _sent[:_checked] are the turn's tokens now. The response only grows between forwards, but for
+        # a rolled-back step (``rewound``): the tokens sent beyond what it kept are checked again as the retry
+        # decodes them, each once, so a call costs its new tokens, not the turn so far.
+        self._checked = 0
 
     def decoded(self, response_ids: list[int], logprobs: list[float], turn_start: int) -> None:
         """The turn so far (``response_ids[turn_start:]``; on the actor thread, after every forward): its new
         tokens go to the episode's stream, if its pending request streams. A rolled-back step is retried from
-        its snapshot: the tokens already sent come again, and only those beyond go out; if the retry decoded
-        any of them differently the stream cannot be taken back, and the episode fails (``ROLLED_BACK``). An
-        episode failed meanwhile (its client went away mid-turn) raises ``AgentError``: the engine fails its
-        sequence at this forward and frees its pages, rather than decoding the rest of the turn."""
+        its snapshot (``rewound``): the tokens already sent come again, and only those beyond go out; if the
+        retry decoded any of them differently the stream cannot be taken back, and the episode fails
+        (``ROLLED_BACK``; nothing more goes out). An episode failed meanwhile (its client went away mid-turn)
+        raises ``AgentError``: the engine fails its sequence at this forward and frees its pages, rather than
+        decoding the rest of the turn. A call costs the tokens decoded since the last (amortized: those
+        checked again after a rollback too), not the turn so far."""
         episode = self.episode
         if episode.state == FAILED:  # (its client went away mid-turn): the sequence leaves now, pages freed
             raise AgentError(f"agent episode {episode.id} failed: {episode.error}")
         if episode.stream_queue is None:
             return
-        start, sent = self._sent if self._sent[0] == turn_start else (turn_start, [])
-        turn = response_ids[start:]
-        if turn[: len(sent)] != sent[: len(turn)]:
-            episode.server.call_soon(episode.fail, ROLLED_BACK)
-            return
-        if len(turn) > len(sent):
-            self._sent = (start, turn)
-            new_lps = logprobs[start + len(sent) : len(response_ids)]
-            episode.server.call_soon(episode.on_tokens, turn[len(sent) :], new_lps)
+        if turn_start != self._start:  # a new turn: nothing of it sent yet
+            self._start, self._sent, self._checked = turn_start, [], 0
+        sent, checked, end = self._sent, self._checked, len(response_ids)
+        if checked < len(sent):  # a retry decodes again what went out: it must be the same
+            upto = min(len(sent), end - turn_start)
+            if response_ids[turn_start + checked : turn_start + upto] != sent[checked:upto]:
+                episode.server.post(episode.fail, ROLLED_BACK)
+                return
+            self._checked = checked = upto
+        if end - turn_start > len(sent):
+            first = turn_start + len(sent)
+            new = response_ids[first:end]
+            sent += new
+            self._checked = len(sent)
+            episode.server.post(episode.on_tokens, new, logprobs[first:end])
+
+    def rewound(self, num_response: int) -> None:
+        """A rolled-back step cut the response back to ``num_response`` tokens (on the actor thread, before
+        the retry): the tokens sent beyond them are checked again as the retry decodes them (``decoded``)."""
+        self._checked = min(self._checked, max(0, num_response - self._start))
 
     def reset(self, prompt_ids: list[int]) -> None:
         """The prompt is the first request's: nothing to set up."""

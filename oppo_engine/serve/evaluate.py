@@ -49,8 +49,9 @@ class EvalCall:
             )
 
     def progress(self, ids: list[int], logprobs: list[float]) -> None:
-        """Tokens decoded (on the actor thread; copies): handed to the serving loop."""
-        self.server.call_soon(self.events.put_nowait, ("tokens", ids, logprobs))
+        """Tokens decoded (on the actor thread; copies): handed to the serving loop (posted: the requests
+        streaming share one wake-up of the loop per forward)."""
+        self.server.post(self.events.put_nowait, ("tokens", ids, logprobs))
 
     def cancel(self, message: str) -> None:
         """The client went away or the server closes: the engine drops the sequence, its pages freed."""

@@ -56,6 +56,48 @@ def turn_end_token(tokenizer) -> int:
     return ends[-1]
 
 
+class Posts:
+    """Calls handed to an event loop from another thread, in order, with one ``call_soon_threadsafe`` (a lock
+    and a write to the loop's self-pipe) for all those posted before the loop runs them: the actor thread
+    posts a call per streaming agent after every forward (``AgentEnv.decoded``), a wake-up each would cost
+    the actor more than the hook's own work.
+
+    NOTE: a batch runs where the wake-up of its first post falls in the loop's queue, so a post may run before
+    a ``call_soon`` made between that first post and itself. Harmless here: the actor posts an episode's new
+    tokens, or its failure, only while its turn decodes; what else it sends the loop for that episode (its
+    turn's end, its end) comes after the turn's last post, and its next turn's posts come after the loop has
+    taken the turn's answer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._calls: list[tuple[Callable, tuple]] = []
+        self._lock = threading.Lock()
+
+    def post(self, fn: Callable, *args) -> None:
+        """``fn(*args)`` on the loop, after the calls posted before it; dropped once the loop is closed."""
+        with self._lock:
+            if self.loop.is_closed():  # (a wake-up may have come too late to run: what it left goes too)
+                self._calls.clear()
+                return
+            self._calls.append((fn, args))
+            if len(self._calls) > 1:
+                return  # the loop is woken already: it runs this one with the others
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop is closed: nothing posted will run
+            with self._lock:
+                self._calls.clear()
+
+    def _run(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, args in calls:
+            try:
+                fn(*args)
+            except Exception as e:  # reported as the loop reports a callback's, and the others still run
+                self.loop.call_exception_handler({"message": f"posted call {fn!r} failed", "exception": e})
+
+
 class EpisodeHandle:
     """An agent episode opened with ``ServeHandle.open_episode``: send its requests to ``base_url``
     (``{url}/episodes/{id}/v1``), end it with ``finish(reward)``. Safe from any thread."""
@@ -177,6 +219,7 @@ class ServeHandle:
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         self.url = f"http://{shown}:{bound[1]}"
         self.loop = asyncio.new_event_loop()
+        self._posts = Posts(self.loop)
         self.thread = threading.Thread(target=self._run, name="oppo-serve", daemon=True)
         self._uvicorn = None
         self._started = threading.Event()
@@ -267,6 +310,12 @@ class ServeHandle:
             self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:
             pass
+
+    def post(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the serving loop (from the actor thread's hooks), after what was posted before
+        it; dropped once the loop is closed. Posts that come before the loop runs them share one wake-up of
+        it (``Posts``): a streamed token costs no ``call_soon`` of its own."""
+        self._posts.post(fn, *args)
 
     def run(self, fn: Callable):
         """``fn()`` on the serving loop, its result (or exception) here; from the loop itself, directly."""
