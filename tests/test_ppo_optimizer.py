@@ -35,4 +35,31 @@ def test_cpu_fp32_weights_get_the_fused_kernel_and_the_default_update_to_roundin
 def test_weights_without_a_fused_kernel_get_the_default_adamw():
     for param in (torch.zeros(4, device="meta"), torch.zeros(4, dtype=torch.complex64)):
         opt = adamw([torch.nn.Parameter(param), torch.nn.Parameter(torch.zeros(4))], lr=1e-3)
-        assert not opt.defaults["fused"]
+        assert not opt.defaults["fused"]  # None: torch's own choice (foreach on CUDA), not fused=False
+
+
+def test_a_parameter_that_is_a_view_of_a_wider_buffer_gets_the_default_adamw_and_its_update():
+    """torch's fused CPU kernel steps a parameter whose strides differ from its gradient's wrongly, without an
+    error: such a parameter gets the default AdamW, and the update is the default's."""
+
+    def trained(opt_for) -> torch.Tensor:
+        buffer = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+        weight = torch.nn.Parameter(buffer[:, ::2])  # a view: not contiguous
+        assert not weight.is_contiguous()
+        opt = opt_for([weight])
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            (x @ weight).square().sum().backward()
+            opt.step()
+        return weight.detach().clone()
+
+    assert not adamw([torch.nn.Parameter(torch.zeros(8, 12)[:, ::2])], lr=1e-2).defaults["fused"]
+    want = trained(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    torch.testing.assert_close(trained(lambda ps: adamw(ps, lr=1e-2)), want, rtol=0, atol=0)
+
+
+def test_frozen_parameters_do_not_decide_the_kernel():
+    """Only trained parameters need the fused kernel: a frozen one of another dtype does not turn it off."""
+    frozen = torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64), requires_grad=False)
+    assert adamw([torch.nn.Parameter(torch.zeros(4)), frozen], lr=1e-3).defaults["fused"] is True

@@ -198,8 +198,9 @@ def test_each_forward_s_call_reads_only_its_new_tokens():
 
 def test_posts_run_in_order_each_once_on_one_wake_up_and_one_that_raises_leaves_the_others():
     """``Posts``: calls posted while the loop is busy run in the order posted, each once, on one wake-up of
-    the loop (a ``call_soon_threadsafe`` per forward, not per streaming agent); one that raises is reported
-    to the loop's exception handler and the others still run; a post after they ran wakes the loop again;
+    the loop (a ``call_soon_threadsafe`` per forward, not per streaming agent); one that raises (an
+    ``Exception`` or another ``BaseException``, as ``CancelledError``) is reported to the loop's exception
+    handler and the others still run; a post after they ran wakes the loop again;
     once the loop is closed a post is dropped, and nothing is held."""
     import asyncio
     import threading
@@ -227,16 +228,21 @@ def test_posts_run_in_order_each_once_on_one_wake_up_and_one_that_raises_leaves_
         def boom() -> None:
             raise ValueError("boom")
 
+        def cancelled() -> None:  # a BaseException, not an Exception: the calls after it still run
+            raise asyncio.CancelledError("cancelled")
+
         for i in range(1000):
             posts.post(ran.append, i)
             if i == 500:
                 posts.post(boom)
+            if i == 700:
+                posts.post(cancelled)
         done = threading.Event()
         posts.post(done.set)
         busy.set()
         assert done.wait(10.0)
         assert ran == list(range(1000)) and wake_ups == 1
-        assert [str(e) for e in reported] == ["boom"]
+        assert [str(e) for e in reported] == ["boom", "cancelled"]
         again = threading.Event()
         posts.post(again.set)
         assert again.wait(10.0) and wake_ups == 2

@@ -51,8 +51,10 @@ class Env(Protocol):
     must not block): a served episode streams its turn with it; an exception from it ends the sequence at
     that forward, as one from ``step`` does; it is never called in a quarantine probe (a run of the step that
     is always rolled back). Such an environment may have ``rewound(num_response)``, called on the actor
-    thread (it must not block) when a rolled-back step cuts the response back to ``num_response`` tokens:
-    between two calls of ``decoded`` the response only grows otherwise. ``rewindable = False`` says the
+    thread (it must not block) for every listening sequence of a rolled-back attempt, with the
+    ``num_response`` tokens left (cut back or not): between two calls of ``decoded`` the response only grows
+    otherwise; one that raises restarts its sequence from its prompt with a fresh environment (a
+    ``RuntimeWarning`` names it). ``rewindable = False`` says the
     environment cannot be made afresh (its answers reach someone outside the engine, as an agent's do): a
     probe never calls it (no ``step``, no ``end``, no answer taken): its sequence stops there in the probe
     (``serve.AgentEnv``)."""

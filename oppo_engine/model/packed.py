@@ -18,9 +18,11 @@ actor's only) and are swapped in for the duration of the runner's forward: each 
 set on the instance, then removed, so the trainer's forwards and backwards never see them (a module that
 already has an instance ``forward``, such as accelerate's hooks, keeps it and is not packed). They follow the
 weights: before every forward a module whose weight tensor was replaced or written in place (its
-``_version``, which every in-place op bumps: optimizer steps, ``copy_``, ``load_state_dict``) is packed
-again, and ``update_policy()`` drops every pack of the actor and critic (``drop``), which covers writes that
-bypass the version counter (``param.data.copy_``). ``release_memory`` drops them too.
+``_version``, which most in-place ops bump: torch's default optimizer steps, ``copy_``, ``load_state_dict``)
+is packed again, and ``update_policy()`` drops every pack of the actor and critic (``drop``), which covers
+writes that bypass the version counter (``param.data.copy_``, and torch's fused optimizer kernels, which
+``PPOTrainer`` uses: they leave ``_version`` as it was). ``update_policy()`` is the guarantee; the version
+check catches the in-place writes of a user's own code between two of them. ``release_memory`` drops them too.
 """
 
 from __future__ import annotations

@@ -80,16 +80,26 @@ def _check_one_label(model: nn.Module, role: str) -> None:
 
 
 def adamw(params, lr: float) -> torch.optim.AdamW:
-    """AdamW over ``params``, on torch's fused kernel (``fused=True``) where every parameter's device and
-    dtype have one (CPU or CUDA, a real floating dtype), else torch's default implementation.
+    """AdamW over ``params``, on torch's fused kernel (``fused=True``) where every trained parameter's device
+    and dtype have one (CPU or CUDA, a real floating dtype) and it is contiguous, else torch's default
+    implementation.
 
-    The same update to fp32 rounding (4.5e-8 at most over 135M parameters after three steps, against the
-    default's per-parameter loop), and on a CPU about 6x faster: 0.17 s against 1.04 s a step for SmolLM2's
-    135M fp32 parameters with 2 threads (docs/benchmarks.md, "The optimizer step"). The update steps AdamW
-    once per minibatch for actor and critic each, so on the math demo that loop was ~8 s of a PPO step."""
+    For fp32 weights the same update to rounding (4.5e-8 at most over the first 4M of 135M parameters after
+    three steps, against the default's per-parameter loop), and on a CPU 3.7-6.1x faster: 0.17 s against
+    1.04 s a step for SmolLM2's 135M fp32 parameters with 2 threads (docs/benchmarks.md, "The optimizer
+    step"). The update steps AdamW once per minibatch for actor and critic each: on the math demo eight
+    steps a PPO step, some 7-11 s of the default's loop (a prediction from those figures). The fused kernel
+    does not bump a parameter's ``_version``; packed weights are dropped by ``update_policy()`` instead
+    (``model/packed.py``)."""
     params = list(params)
-    fused = all(p.device.type in _FUSED_DEVICES and p.dtype in _FUSED_DTYPES for p in params)
-    return torch.optim.AdamW(params, lr=lr, fused=fused)
+    trained = [p for p in params if p.requires_grad]
+    # Contiguous only: torch's fused CPU kernel steps a parameter whose strides differ from its gradient's
+    # (a view into a wider buffer) wrongly, without an error (6e-2 off the default after 3 steps at lr 1e-2).
+    fused = all(
+        p.device.type in _FUSED_DEVICES and p.dtype in _FUSED_DTYPES and p.is_contiguous() for p in trained
+    )
+    # Not fused: torch's own choice (None: foreach on CUDA), not fused=False (the per-tensor loop there too).
+    return torch.optim.AdamW(params, lr=lr, fused=True if fused and trained else None)
 
 
 # Where torch's fused AdamW kernel runs (torch checks only at the first step, so the trainer decides here).
@@ -433,9 +443,11 @@ class PPOTrainer:
                 if self._refuse_nonfinite(shares, norm, critic_norm):
                     skipped += 1
                     continue
+                self._stepped = (
+                    True  # before the steps: one that raises half-way still has the engine updated
+                )
                 self.actor_optim.step()
                 self.critic_optim.step()
-                self._stepped = True
                 sums += shares
                 grad_norm += norm
                 n_minibatches += 1

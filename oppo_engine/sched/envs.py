@@ -10,6 +10,7 @@ Calls outlive a step: an episode waiting on a slow call is carried to the next s
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,14 +105,31 @@ class EnvDriver:
                     failed.append((seq, episode.error))
         return failed
 
-    def rewound(self, seq: Sequence) -> None:
+    def rewound(self, seq: Sequence) -> bool:
         """A rolled-back step cut ``seq``'s response back (``Sequence.restore``): a listening environment with
         ``rewound(num_response)`` hears how many response tokens are left, before the retry decodes the rest
-        again (so ``decoded`` need not compare the whole turn after every forward to notice a rollback)."""
-        if seq.seq_id in self.listening:
-            rewound = getattr(seq.episode.env, "rewound", None)
-            if rewound is not None:
-                rewound(len(seq.response_ids))
+        again (so ``decoded`` need not compare the whole turn after every forward to notice a rollback). Every
+        listening sequence of an aborted attempt hears it, cut or not. False if it raised: no state of that
+        environment can be trusted, and the caller restarts the sequence from its prompt with a fresh one
+        (the rollback of the other sequences goes on); a ``RuntimeWarning`` names the environment and the
+        error."""
+        if seq.seq_id not in self.listening:
+            return True
+        episode = seq.episode
+        rewound = getattr(episode.env, "rewound", None)
+        if rewound is None:
+            return True
+        try:
+            rewound(len(seq.response_ids))
+        except Exception as e:
+            warnings.warn(
+                f"environment {env_name(episode.env)}: rewound(): {type(e).__name__}: {e}: its sequence "
+                "restarts from its prompt with a fresh environment",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+        return True
 
     def turn_ended(self, seq: Sequence) -> None:
         """``seq``'s turn ended (it is parked): send the turn to its environment, once ``reset`` returned."""

@@ -239,7 +239,10 @@ class StepLoop:
                 continue
             cache.truncate(seq.seq_id, min(snap.num_computed, unwritten.get(seq.seq_id, snap.num_computed)))
             seq.restore(snap, cache.num_tokens(seq.seq_id))
-            self.envs.rewound(seq)
+            if not self.envs.rewound(seq):  # its environment's rewound() raised: started over, as above
+                self.envs.cancel(seq)
+                cache.free(seq.seq_id)
+                seq.restart_from_prompt()
         if admitted:
             self.admission.give_back(admitted)
 

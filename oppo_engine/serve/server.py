@@ -94,7 +94,9 @@ class Posts:
         for fn, args in calls:
             try:
                 fn(*args)
-            except Exception as e:  # reported as the loop reports a callback's, and the others still run
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:  # reported as the loop reports a callback's, and the others still run
                 self.loop.call_exception_handler({"message": f"posted call {fn!r} failed", "exception": e})
 
 
