@@ -88,9 +88,6 @@ MATH_MODEL = "smollm2-135m-instruct"  # --task math without --actor
 # the worked example at most 1 of 32. Two modes, one after the other: the ablation's base and the engine's.
 MATH_DEFAULTS = dict(batch_size=32, max_new_tokens=128, threads=2, steps=12, modes=("sequential", "oppo"))
 MATH_TEMPERATURE = 0.7
-# Tokens per packed micro-batch of the math task's update: a minibatch of 8 rows (~140 tokens each; at most
-# ~250 with a response cut off at 128) in one pack, as `bench/bench_update --budget 2048` measured fastest.
-MATH_PACK_TOKENS = 2048
 MATH_TRAIN_PROBLEMS = 1024
 
 
@@ -100,15 +97,16 @@ def ppo_config(opts: DemoOptions) -> PPOConfig:
         # nats in 4 steps; 2e-6 barely moved). GAE's λ = 1: the advantage is the return minus the value, not
         # a chain of a young critic's differences. The engine's bf16-replica and the trainer's log-probs
         # differ (docs/agreement.md): the loss is reweighted by their ratio, truncated (TIS).
-        # The update runs on padding-free packs (``max_tokens_per_microbatch``; ppo/packing.py): the LM head
-        # and its log-softmax over the 49,152-token vocabulary run on the sampled tokens alone (about 30 of
-        # a row's 140), not on the prompt's. The same losses to rounding, a fraction of the logits' memory:
-        # padded, a 30-step run's peak reached 16 GB (docs/benchmarks.md, "The math demo").
+        # The update runs on padded minibatches of rows of like length (``group_by_length``), not on packs:
+        # on this task's own batch (a 110-token prompt, ~33 sampled tokens a row) one update took 41 s
+        # grouped against 66 s packed at 2,048 tokens (bf16 autocast, 2 threads, load 2; docs/benchmarks.md,
+        # "The math demo"). Either way the LM head and its log-softmax over the 49,152-token vocabulary run
+        # on the sampled tokens alone, not on the prompt's.
         return PPOConfig(
             batch_size=opts.batch_size, minibatch_size=max(1, opts.batch_size // 4), epochs=1,
             group_by_length=True, lr=5e-6, critic_lr=2e-5, kl_coef=0.02, lam=1.0,
             rollout_correction="tis", temperature=MATH_TEMPERATURE, max_new_tokens=opts.max_new_tokens,
-            seed=opts.seed, max_tokens_per_microbatch=MATH_PACK_TOKENS,
+            seed=opts.seed,
         )  # fmt: skip
     return PPOConfig(
         batch_size=opts.batch_size,
