@@ -443,9 +443,9 @@ class PPOTrainer:
                 if self._refuse_nonfinite(shares, norm, critic_norm):
                     skipped += 1
                     continue
-                self._stepped = (
-                    True  # before the steps: one that raises half-way still has the engine updated
-                )
+                # Set before the steps: if one raises half-way, the weights may have moved, and the engine
+                # is still updated (step()'s error path).
+                self._stepped = True
                 self.actor_optim.step()
                 self.critic_optim.step()
                 sums += shares
