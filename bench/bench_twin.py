@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import random
 import statistics
 import time
@@ -349,6 +350,7 @@ def drain_once(mode: str, d: Drain) -> tuple[float, list]:
         d.prompts, sampling=[SamplingParams(max_new_tokens=n, ignore_eos=True) for n in d.lengths]
     )
     try:
+        gc.collect()  # the previous arm's engine (threads, reference cycles) is collected outside the timing
         t0, c0 = time.perf_counter(), time.process_time()
         returned = 0
         while rollouts := engine.step().rollouts:
