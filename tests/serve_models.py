@@ -65,3 +65,21 @@ def tokenizer() -> PreTrainedTokenizerFast:
 def actor(tokenizer) -> torch.nn.Module:
     """The serve tests' actor over ``tokenizer``'s vocabulary."""
     return chat_actor(tokenizer)
+
+
+class RecordedServing:
+    """The serving side an ``AgentEnv`` talks to, for tests that drive its hooks directly: a request that
+    streams, and every call posted to it recorded as ``(name, *args)`` (the engine is not stood in for)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.stream_queue = object()  # a request streams
+        self.state = "generating"
+        self.server = self
+
+    def post(self, fn, *args) -> None:
+        self.calls.append((fn.__name__, *args))
+
+    def on_tokens(self, ids, logprobs) -> None: ...
+
+    def fail(self, message) -> None: ...

@@ -18,6 +18,7 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from serve_models import RecordedServing
 
 from oppo_engine import SamplingParams
 from oppo_engine.sched.envs import EnvDriver
@@ -27,28 +28,11 @@ from oppo_engine.serve.episode import AgentEnv
 from oppo_engine.serve.stream import ROLLED_BACK
 
 
-class _Served:
-    """The serving side an ``AgentEnv`` talks to (a request streams): what it is posted, recorded."""
-
-    def __init__(self) -> None:
-        self.calls: list = []
-        self.stream_queue = object()
-        self.state = "generating"
-        self.server = self
-
-    def post(self, fn, *args) -> None:
-        self.calls.append((fn.__name__, *args))
-
-    def on_tokens(self, ids, logprobs) -> None: ...
-
-    def fail(self, message) -> None: ...
-
-
 class _WholeTurnCheck:
     """The reference: the hook as it was, comparing the whole turn so far with what went out after every
     forward (so it needs no notice of a rollback)."""
 
-    def __init__(self, served: _Served) -> None:
+    def __init__(self, served: RecordedServing) -> None:
         self.served, self.sent = served, (0, [])
 
     def decoded(self, response_ids, logprobs, turn_start) -> None:
@@ -73,7 +57,7 @@ class _Reads(list):
         return super().__getitem__(i)
 
 
-def _turn(earlier: int, response_ids: list[int] | None = None) -> tuple[EnvDriver, Sequence, _Served]:
+def _turn(earlier: int, response_ids: list[int] | None = None) -> tuple[EnvDriver, Sequence, RecordedServing]:
     """A sequence decoding a turn after ``earlier`` tokens of earlier turns, its ``AgentEnv`` listening."""
     driver = EnvDriver(None, vocab_size=64, max_model_len=4096)
     seq = Sequence(0, 0, [5, 6], SamplingParams(max_new_tokens=4000), seed=0, status=SeqStatus.RUNNING)
@@ -82,7 +66,7 @@ def _turn(earlier: int, response_ids: list[int] | None = None) -> tuple[EnvDrive
     seq.response_ids += [9] * earlier
     seq.logprobs += [0.0] * earlier
     seq.episode = Episode(factory=lambda: None, turn_start=earlier)
-    served = _Served()
+    served = RecordedServing()
     seq.episode.env = AgentEnv(served)
     driver.listening[seq.seq_id] = seq
     return driver, seq, served
@@ -107,7 +91,7 @@ def test_a_streamed_turn_sends_what_the_whole_turn_check_sends_through_rollbacks
     rng = random.Random(seed)
     model = [rng.randrange(4) for _ in range(400)]  # token i of the turn, as the model decodes it now
     driver, seq, served = _turn(earlier)
-    expected = _Served()
+    expected = RecordedServing()
     reference = _WholeTurnCheck(expected)
 
     def run(runs: list) -> bool:

@@ -16,6 +16,7 @@ import time
 import openai
 import pytest
 from hf_check import assert_logprobs_equal_hf
+from serve_models import RecordedServing
 from serve_stepper import Stepper
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
@@ -280,23 +281,6 @@ def test_a_closed_server_leaves_the_step_loop_and_frees_its_requests_pages(actor
     _close_without_leak(engine)
 
 
-class _Served:
-    """The serving side an ``AgentEnv`` talks to: its calls recorded (the engine is not stood in for)."""
-
-    def __init__(self) -> None:
-        self.calls: list = []
-        self.stream_queue = object()  # a request streams
-        self.state = "generating"
-        self.server = self
-
-    def post(self, fn, *args) -> None:
-        self.calls.append((fn.__name__, *args))
-
-    def on_tokens(self, ids, logprobs) -> None: ...
-
-    def fail(self, message) -> None: ...
-
-
 def test_a_retried_turn_streams_only_tokens_beyond_those_sent_and_fails_if_they_differ():
     """``AgentEnv.decoded`` after a rolled-back step: the retry's tokens at the positions already sent come
     again and are not sent twice; a retry that decoded one of them differently fails the episode (a chunk
@@ -304,7 +288,7 @@ def test_a_retried_turn_streams_only_tokens_beyond_those_sent_and_fails_if_they_
     from oppo_engine.serve.episode import AgentEnv
     from oppo_engine.serve.stream import ROLLED_BACK
 
-    served = _Served()
+    served = RecordedServing()
     env = AgentEnv(served)
     lps = [-0.5] * 10
     env.decoded([9, 9, 1, 2, 3], lps, turn_start=2)  # an earlier turn, then this one's first 3 tokens
