@@ -112,10 +112,15 @@ class EnvDriver:
         listening sequence of an aborted attempt hears it, cut or not. False if it raised: no state of that
         environment can be trusted, and the caller restarts the sequence from its prompt with a fresh one
         (the rollback of the other sequences goes on); a ``RuntimeWarning`` names the environment and the
-        error."""
-        if seq.seq_id not in self.listening:
-            return True
+        error. A sequence the aborted attempt ended (``ended`` stopped its environment listening) and the
+        rollback brought back listens again: its retry decodes that turn again."""
         episode = seq.episode
+        if seq.seq_id not in self.listening:
+            if episode is None or episode.env is None or not hasattr(episode.env, "decoded"):
+                return True
+            if seq.status not in (SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.ENV):
+                return True
+            self.listening[seq.seq_id] = seq
         rewound = getattr(episode.env, "rewound", None)
         if rewound is None:
             return True
