@@ -66,6 +66,7 @@ def demo(args: argparse.Namespace) -> int:
         max_policy_lag=args.max_policy_lag,
         task=args.task,
         heldout=args.heldout if args.heldout is not None else DemoOptions().heldout,
+        rollout_dtype=args.rollout_dtype or DemoOptions().rollout_dtype,
     )
     if args.fsdp:
         return demo_on_ranks(opts, t0)
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("bench", "trace"):
         rest = argv[1:] + (["--trace"] if argv[0] == "trace" and "--trace" not in argv else [])
         return bench(rest, prog=f"oppo-engine {argv[0]}")
-    from oppo_engine.ppo.demo import DEMO_MODES, MATH_DEFAULTS, DemoOptions
+    from oppo_engine.ppo.demo import DEMO_MODES, MATH_DEFAULTS, ROLLOUT_DTYPES, DemoOptions
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="oppo-engine", description=__doc__, formatter_class=defaults)
@@ -258,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--heldout", type=int, default=None, help="--task math: held-out problems evaluated before and after "
         f"(default {DemoOptions().heldout}; 0: none)",
+    )  # fmt: skip
+    d.add_argument(
+        "--rollout-dtype", choices=ROLLOUT_DTYPES, default=None,
+        help=f"--task math: the engine's dtype (default {DemoOptions().rollout_dtype}; bf16: bf16 replicas "
+        "of the fp32 actor and critic, refreshed every update, and a bf16 reference; the update unchanged)",
     )  # fmt: skip
     d.add_argument("--seed", type=int, default=0, help="seed of the task, the models and the sampling")
     d.add_argument("--overcommit", type=int, default=None, help="Δ of inter, oppo (None: B / 2)")

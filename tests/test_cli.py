@@ -22,6 +22,8 @@ from oppo_engine.cli import main
         (["--overcommit", "64"], "overcommit"),  # Δ > B under a lag bound: refused by the engine's config
         (["--task", "math", "--reward", "/nonexistent"], "--task math is scored by a rule: no --reward"),
         (["--task", "math", "--batch-size", "0"], "batch_size"),
+        (["--task", "polite", "--rollout-dtype", "bf16"], "applies to --task math only"),
+        (["--rollout-dtype", "fp16"], "invalid choice"),
     ],
 )
 def test_demo_bad_option_exits_2_with_a_message(tmp_path, capsys, args, match):

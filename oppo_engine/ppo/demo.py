@@ -78,9 +78,14 @@ class DemoOptions:
     # (the trainer's forward and backward) runs under bf16 autocast, its weights and AdamW staying fp32
     math_operations: tuple[int, int] = (1, 1)
     bf16_update: bool = True
+    # --task math: the dtype the engine rolls out in. "bf16": bf16 replicas of the fp32 actor and critic
+    # (``EngineConfig.rollout_dtype``, refreshed by ``update_policy()``) and the frozen reference cast to
+    # bf16; "fp32": the trainer's own weights. Held-out evaluation stays fp32 either way.
+    rollout_dtype: str = "fp32"
 
 
 TASKS = ("polite", "tools", "math")
+ROLLOUT_DTYPES = ("fp32", "bf16")  # --rollout-dtype (--task math)
 MATH_MODEL = "smollm2-135m-instruct"  # --task math without --actor
 # --task math's defaults where the command line gives none (the CLI's default task). Measured on 2 CPU cores
 # (bench/math_curve.py, run D in docs/benchmarks.md): at B=32 greedy held-out accuracy rose 41% -> 64% in 12
@@ -222,6 +227,8 @@ def _math_trainer(mode: str, opts: DemoOptions, source) -> PPOTrainer:
     critic = _critic(str(source), opts.seed).to(opts.device).train()
     zero_value_head(critic)
     reference = copy.deepcopy(actor).eval().requires_grad_(False)
+    if opts.rollout_dtype == "bf16":
+        reference = reference.to(torch.bfloat16)  # frozen, and only the engine runs it
     prompts, reward = math_task.task_prompts(
         tokenizer, math_task.train_problems(MATH_TRAIN_PROBLEMS, opts.seed, operations=opts.math_operations)
     )
@@ -230,6 +237,8 @@ def _math_trainer(mode: str, opts: DemoOptions, source) -> PPOTrainer:
     # sequences of that length in each of actor, reference and critic: about 0.7 GB per 100 tokens in fp32).
     overrides = engine_overrides(mode, opts)
     overrides["max_model_len"] = min(opts.max_model_len, max(map(len, prompts)) + opts.max_new_tokens)
+    if opts.rollout_dtype == "bf16":
+        overrides["rollout_dtype"] = torch.bfloat16
     trainer = PPOTrainer(
         actor, critic, reference, reward, tokenizer, prompts, cfg, engine_config_for(cfg, **overrides)
     )  # fmt: skip
@@ -489,6 +498,10 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
         )
     if opts.task != "math" and (opts.actor is None) != (opts.reward is None):
         raise ValueError("--actor and --reward go together (or neither: the embedded task)")
+    if opts.rollout_dtype not in ROLLOUT_DTYPES:
+        raise ValueError(f"--rollout-dtype {opts.rollout_dtype!r}: choose {', '.join(ROLLOUT_DTYPES)}")
+    if opts.rollout_dtype != DemoOptions.rollout_dtype and opts.task != "math":
+        raise ValueError(f"--rollout-dtype {opts.rollout_dtype} applies to --task math only")
     if opts.task == "tools" and (opts.actor is not None or opts.fsdp):
         raise ValueError("--task tools runs the embedded tools task: no --actor / --reward / --fsdp")
     if opts.steps < 1:
