@@ -500,7 +500,7 @@ def run_demo(opts: DemoOptions, log=print) -> list[ModeRun]:
         raise ValueError("--actor and --reward go together (or neither: the embedded task)")
     if opts.rollout_dtype not in ROLLOUT_DTYPES:
         raise ValueError(f"--rollout-dtype {opts.rollout_dtype!r}: choose {', '.join(ROLLOUT_DTYPES)}")
-    if opts.rollout_dtype != DemoOptions.rollout_dtype and opts.task != "math":
+    if opts.rollout_dtype != DemoOptions().rollout_dtype and opts.task != "math":
         raise ValueError(f"--rollout-dtype {opts.rollout_dtype} applies to --task math only")
     if opts.task == "tools" and (opts.actor is not None or opts.fsdp):
         raise ValueError("--task tools runs the embedded tools task: no --actor / --reward / --fsdp")
