@@ -33,6 +33,12 @@ class PPOConfig:
     padding-free packs of at most this many tokens whose gradients accumulate into the minibatch's one
     optimizer step (``ppo/packing.py``); it must hold the longest sequence a step can return.
 
+    ``share_prefix`` computes a minibatch's longest common prompt prefix once and runs each row's rest over
+    its KV cache (``ppo/prefix.py``; the padded forward's results to rounding, and the prefix's share of the
+    arithmetic saved): ``"auto"`` (default) where a probe at build shows the models give the same over a
+    cache as over whole rows, one process, padded minibatches; ``True`` the same, or ``ValueError`` at build
+    naming the reason; ``False`` never.
+
     ``measure_agreement`` runs one no-grad forward of the actor before the first optimizer step and
     reports the gap between its log-probs and the engine's (``PPOStepStats.agreement``).
     ``rollout_correction`` corrects that gap: ``"tis"`` (truncated importance sampling, Yao et al. 2025,
@@ -68,6 +74,7 @@ class PPOConfig:
     seed: int = 0
     group_by_length: bool = False
     max_tokens_per_microbatch: int | None = None
+    share_prefix: bool | str = "auto"
     measure_agreement: bool = True
     rollout_correction: str | None = None
     rollout_correction_cap: float = 2.0
@@ -102,6 +109,15 @@ class PPOConfig:
         if budget is not None and not (isinstance(budget, int) and budget >= 2):
             raise ValueError(
                 f"PPOConfig.max_tokens_per_microbatch must be None or an int >= 2, got {budget!r}"
+            )
+        if self.share_prefix not in (True, False, "auto"):
+            raise ValueError(
+                f"PPOConfig.share_prefix must be True, False or 'auto', got {self.share_prefix!r}"
+            )
+        if self.share_prefix is True and budget is not None:
+            raise ValueError(
+                "PPOConfig.share_prefix=True shares a prefix across padded rows; with "
+                "max_tokens_per_microbatch the update runs on packs: choose one"
             )
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:
             raise ValueError(

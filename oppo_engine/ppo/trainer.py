@@ -34,7 +34,7 @@ from torch import nn
 from oppo_engine.config import EngineConfig, SamplingParams
 from oppo_engine.engine import RolloutEngine
 from oppo_engine.model.support import text_config
-from oppo_engine.ppo import agreement, core, ranks
+from oppo_engine.ppo import agreement, core, prefix, ranks
 from oppo_engine.ppo.agreement import Agreement
 from oppo_engine.ppo.batch import RolloutBatch, canonical_order, collate
 from oppo_engine.ppo.config import PPOConfig
@@ -216,6 +216,18 @@ class PPOTrainer:
             except ValueError:
                 self.engine.close()
                 raise
+        self._share_prefix = False  # the update computes each minibatch's common prompt prefix once
+        if cfg.share_prefix is not False and cfg.max_tokens_per_microbatch is None:
+            reason = (
+                f"{self.world_size} data-parallel ranks (each would make its own number of forward calls)"
+                if self.world_size > 1
+                else prefix.check_prefix(actor, "actor", prompts[0], _probe_logprobs)
+                or prefix.check_prefix(critic, "critic", prompts[0], _probe_values)
+            )
+            if reason is not None and cfg.share_prefix is True:
+                self.engine.close()
+                raise ValueError(f"PPOConfig.share_prefix=True: {reason}")
+            self._share_prefix = reason is None
         self._prompts = ranks.rank_prompts(
             prompts, rank=self.rank, world_size=self.world_size, block=cfg.batch_size
         )
@@ -324,8 +336,9 @@ class PPOTrainer:
             logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
             return logprobs, pack_values(self.critic, pack) if values else None, width
         ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
-        logprobs = core.token_logprobs(self.actor, ids, attention_mask, cfg.temperature, keep=keep)
-        return logprobs, core.token_values(self.critic, ids, attention_mask) if values else None, width
+        shared = prefix.shared_prefix(ids, keep) if self._share_prefix else 0
+        logprobs = prefix.logprobs(self.actor, ids, attention_mask, cfg.temperature, keep, shared)
+        return logprobs, prefix.values(self.critic, ids, attention_mask, shared) if values else None, width
 
     def trainer_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, L-1]`` the current actor's log-probs (pi_trainer) of ``rows`` (default: every row; 0
@@ -543,6 +556,14 @@ def _check_sharding(actor, critic, reference, reward, world_size: int) -> None:
 def _full(norm: torch.Tensor) -> float:
     """A gradient norm as a float (an FSDP2 norm is a DTensor: its full value)."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _probe_logprobs(model, ids, mask, keep, p):
+    return prefix.logprobs(model, ids, mask, 1.0, keep, p)
+
+
+def _probe_values(model, ids, mask, keep, p):
+    return prefix.values(model, ids, mask, p)
 
 
 def _check_packing_budget(cfg: PPOConfig, longest_prompt: int, max_model_len: int, episodes: bool) -> None:

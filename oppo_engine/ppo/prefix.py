@@ -1,0 +1,179 @@
+"""A minibatch's shared prompt prefix, computed once in the PPO update.
+
+Rows of a PPO batch often begin with the same tokens: a system prompt, a worked example, a group of
+samples of one prompt. In the padded layout (``batch.py``: prompt, response, right padding) those tokens
+sit in the first columns of every row, so a minibatch's longest common prefix of ``p`` tokens is the same
+in each of its ``n`` rows, at the same positions. A causal model's states over them do not depend on
+anything after them, so they are computed once, for one row, with the model's KV cache (``use_cache``),
+and that cache is repeated for the ``n`` rows before the rest of each row runs over it. Gradients flow back
+through the repeat into the one prefix pass, summed over the rows, as in the padded forward. The rows'
+own columns are what the losses read (``p`` is capped below the first sampled token), so the result is the
+padded forward's to rounding (the products have other row counts), and the projections and MLP run on
+``p + n * (w - p)`` positions instead of ``n * w``.
+
+:func:`check_prefix` probes a model once, when the trainer is built: a model whose forward takes no cache,
+or whose output over a cache differs from its output over the whole row, is not used this way.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from oppo_engine.model.runner import unwrap_model
+from oppo_engine.model.support import text_config
+from oppo_engine.ppo import core
+
+MIN_PREFIX = 16  # shorter shared prefixes are not worth a second forward call
+
+
+def shared_prefix(input_ids: torch.Tensor, keep: torch.Tensor, min_prefix: int = MIN_PREFIX) -> int:
+    """How many leading columns every row of ``input_ids`` (``[n, w]``, right-padded) has in common and no
+    row needs a log-prob before (``keep``, ``[n, w-1]``: column ``t`` predicts token ``t + 1``; the prefix
+    stops at the first kept column of any row). 0 if that is under ``min_prefix`` or there is one row."""
+    n, w = input_ids.shape
+    if n < 2 or w < 3:
+        return 0
+    differs = (input_ids != input_ids[:1]).any(0)  # [w]
+    common = int(differs.int().argmax()) if bool(differs.any()) else w
+    kept = keep.any(0)
+    first_kept = int(kept.int().argmax()) if bool(kept.any()) else w - 1
+    p = min(common, first_kept, w - 2)
+    return p if p >= min_prefix else 0
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The name transformers gives the KV cache argument of ``model``'s forward (``cache`` from 5.2x,
+    ``past_key_values`` before)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    return getattr(model, model.base_model_prefix)
+
+
+def _prefix_cache(backbone: nn.Module, prefix: torch.Tensor, rows: int):
+    """The KV cache of ``prefix`` (``[1, p]``) computed once, repeated for ``rows`` rows."""
+    out = backbone(input_ids=prefix, use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    cache.batch_repeat_interleave(rows)
+    return cache
+
+
+def prefix_logprobs(
+    actor: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    keep: torch.Tensor,
+    p: int,
+) -> torch.Tensor:
+    """:func:`core.token_logprobs` of right-padded rows whose first ``p`` columns are shared (``p`` from
+    :func:`shared_prefix`): ``[n, w-1]``, 0 outside ``keep``."""
+    model = unwrap_model(actor)
+    n, w = input_ids.shape
+    cache = _prefix_cache(_backbone(model), input_ids[:1, :p], n)
+    suffix = input_ids[:, p:]
+    positions = torch.arange(p, w, device=input_ids.device).expand(n, -1)
+    inputs = dict(input_ids=suffix, attention_mask=attention_mask, position_ids=positions)
+    inputs[_cache_kwarg(model)] = cache
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        logits = model(**inputs, logits_to_keep=torch.nn.functional.pad(keep[:, p:], (0, 1))).logits
+    else:
+        logits = model(**inputs).logits[:, :-1][keep[:, p:]]
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = logits.log_softmax(-1).gather(-1, suffix[:, 1:][keep[:, p:]][:, None])[:, 0]
+    return torch.zeros(keep.shape, dtype=logprobs.dtype, device=logprobs.device).index_put((keep,), logprobs)
+
+
+def prefix_values(
+    critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, p: int
+) -> torch.Tensor:
+    """:func:`core.token_values` of right-padded rows whose first ``p`` columns are shared: ``[n, w-1]``,
+    0 in the first ``p`` columns (states inside the prefix, which no loss reads)."""
+    model = unwrap_model(critic)
+    backbone = _backbone(model)
+    n, w = input_ids.shape
+    cache = _prefix_cache(backbone, input_ids[:1, :p], n)
+    positions = torch.arange(p, w, device=input_ids.device).expand(n, -1)
+    hidden = backbone(
+        input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=positions,
+        **{_cache_kwarg(backbone): cache},
+    ).last_hidden_state  # fmt: skip
+    values = model.score(hidden[:, :-1]).float()[..., 0]
+    return torch.nn.functional.pad(values, (p, 0))
+
+
+def logprobs(
+    actor, input_ids, attention_mask, temperature: float, keep: torch.Tensor, p: int
+) -> torch.Tensor:
+    """The actor's log-probs of the ``keep`` columns (``[n, w-1]``): over the shared prefix if ``p``, else
+    one padded forward (:func:`core.token_logprobs`)."""
+    if p:
+        return prefix_logprobs(actor, input_ids, attention_mask, temperature, keep, p)
+    return core.token_logprobs(actor, input_ids, attention_mask, temperature, keep=keep)
+
+
+def values(critic, input_ids, attention_mask, p: int) -> torch.Tensor:
+    """The critic's values (``[n, w-1]``): over the shared prefix if ``p`` (0 in its columns), else one
+    padded forward (:func:`core.token_values`)."""
+    if p:
+        return prefix_values(critic, input_ids, attention_mask, p)
+    return core.token_values(critic, input_ids, attention_mask)
+
+
+def can_share(model: nn.Module) -> bool:
+    """Whether ``model`` is one this path can run at all: an unsharded transformers model (a PEFT wrapper
+    is unwrapped) whose backbone takes a KV cache. An FSDP2 model is not: its ranks would make different
+    numbers of forward calls, and its collectives would hang."""
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return False
+    inner = unwrap_model(model)
+    prefix = getattr(inner, "base_model_prefix", None)
+    if not prefix or not isinstance(getattr(inner, prefix, None), nn.Module):
+        return False
+    params = inspect.signature(_backbone(inner).forward).parameters
+    return ("cache" in params or "past_key_values" in params) and "use_cache" in params
+
+
+def check_prefix(model: nn.Module, role: str, probe, forward) -> str | None:
+    """Whether ``model`` (``role``: for the message) gives over a shared prefix what it gives over whole
+    rows: two rows built from ``probe`` (token ids) with a common prefix of ``MIN_PREFIX`` tokens, run
+    both ways (``forward(model, ids, mask, keep, p)`` for the prefix path; ``p = 0`` for the padded one),
+    in eval mode, without gradients. ``None`` if they agree to the dtype's rounding, else the reason."""
+    if not can_share(model):
+        return f"the {role} ({type(model).__name__}) takes no KV cache or is sharded"
+    vocab = int(text_config(model).vocab_size)
+    base = [int(t) % vocab for t in probe] or [1]
+    prefix = (base * MIN_PREFIX)[:MIN_PREFIX]
+    rows = [prefix + [(t + 3) % vocab for t in prefix[:5]], prefix + [(t + 7) % vocab for t in prefix[:3]]]
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    w = max(map(len, rows))
+    ids = torch.zeros(2, w, dtype=torch.long, device=device)
+    mask = torch.zeros(2, w, dtype=torch.long, device=device)
+    for k, r in enumerate(rows):
+        ids[k, : len(r)] = torch.tensor(r, device=device)
+        mask[k, : len(r)] = 1
+    keep = torch.zeros(2, w - 1, dtype=torch.bool, device=device)
+    for k, r in enumerate(rows):
+        keep[k, MIN_PREFIX : len(r) - 1] = True
+    p = shared_prefix(ids, keep)
+    if p != MIN_PREFIX:
+        return f"the probe found a shared prefix of {p} tokens, not {MIN_PREFIX}"
+    try:
+        with torch.no_grad(), core.eval_semantics(model):
+            shared, whole = forward(model, ids, mask, keep, p), forward(model, ids, mask, keep, 0)
+    except Exception as e:  # a model whose forward refuses the cache arguments
+        return f"the {role} ({type(model).__name__}) failed over a cache: {type(e).__name__}: {e}"
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    if not torch.allclose(shared[keep], whole[keep], rtol=tol, atol=tol):
+        gap = float((shared[keep] - whole[keep]).abs().max())
+        return f"the {role} ({type(model).__name__}) differs over a cache from its whole rows by {gap:.3g}"
+    return None
