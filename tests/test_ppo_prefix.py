@@ -12,6 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from oppo_engine.ppo import PPOConfig, prefix
+from oppo_engine.ppo.task import model_config
 
 PREAMBLE = "the cat sat on a mat the dog ran far away home now please list three red things thank you".split()
 
@@ -32,6 +33,8 @@ def test_shared_prefix_is_the_common_columns_capped_below_the_first_sampled_toke
     assert prefix.shared_prefix(ids[:2], keep[:2]) == 17
     assert prefix.shared_prefix(ids[:2], keep[:2], min_prefix=18) == 0  # too short to be worth it
     assert prefix.shared_prefix(ids[:1], keep[:1]) == 0  # one row: nothing to share
+    assert prefix.shared_prefix(ids[:2], keep[:2], lengths=torch.tensor([23, 19])) == 17  # within each row
+    assert prefix.shared_prefix(ids[:2], keep[:2], lengths=torch.tensor([23, 17])) == 16
     assert prefix.shared_prefix(torch.tensor([[5] * 20, [6] + [5] * 19]), torch.zeros(2, 19, dtype=bool)) == 0
 
 
@@ -102,7 +105,8 @@ def test_a_model_with_no_backbone_to_hand_a_cache_to_is_not_shared():
     _, actor, *_ = ppo_models()
     assert prefix.can_share(actor)
     assert not prefix.can_share(Opaque(actor))
-    assert "takes no KV cache" in prefix.check_prefix(Opaque(actor), "actor", [1, 2, 3], None)
+    reason = prefix.check_prefix(Opaque(actor), "actor", [1, 2, 3], None)
+    assert "takes no KV cache, is sharded or has a sliding window" in reason
 
 
 def test_bad_share_prefix_settings_are_refused():
@@ -110,3 +114,39 @@ def test_bad_share_prefix_settings_are_refused():
         PPOConfig(share_prefix="yes")
     with pytest.raises(ValueError, match="with max_tokens_per_microbatch the update runs on packs"):
         PPOConfig(share_prefix=True, max_tokens_per_microbatch=256)
+
+
+def test_sliding_window_models_are_not_shared():
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, actor, *_ = ppo_models()
+    config = model_config(tokenizer).to_dict()
+    del config["layer_types"]  # derived from the window settings when the config is made
+    config.update(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    windowed = AutoModelForCausalLM.from_config(type(actor.config)(**config))
+    assert any("sliding" in t for t in windowed.config.layer_types)
+    assert prefix.can_share(actor) and not prefix.can_share(windowed)
+
+
+def test_one_lora_ppo_step_over_a_shared_prefix_equals_the_padded_one():
+    """PEFT-wrapped actor and critic (LoRA): the prefix path unwraps them as the padded one does."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    runs = {}
+    for share in (False, True):
+        tokenizer, actor, critic, reference, reward, prompts = prefixed_models()
+        actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", **lora))
+        critic = get_peft_model(critic, LoraConfig(task_type="SEQ_CLS", **lora))
+        trainer = make_trainer((tokenizer, actor, critic, reference, reward, prompts), share_prefix=share)
+        assert trainer._share_prefix is share
+        grads = _record_steps(trainer)
+        runs[share] = (trainer.step(), grads)
+        trainer.close()
+    (padded, padded_grads), (shared, shared_grads) = runs[False], runs[True]
+    for name in ("policy_loss", "value_loss", "grad_norm"):
+        torch.testing.assert_close(getattr(shared, name), getattr(padded, name), rtol=1e-5, atol=1e-6)
+    for a, b in zip(shared_grads, padded_grads, strict=True):
+        assert a.keys() == b.keys() and any("lora_" in n for n in a)
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -30,10 +30,17 @@ from oppo_engine.ppo import core
 MIN_PREFIX = 16  # shorter shared prefixes are not worth a second forward call
 
 
-def shared_prefix(input_ids: torch.Tensor, keep: torch.Tensor, min_prefix: int = MIN_PREFIX) -> int:
+def shared_prefix(
+    input_ids: torch.Tensor,
+    keep: torch.Tensor,
+    min_prefix: int = MIN_PREFIX,
+    lengths: torch.Tensor | None = None,
+) -> int:
     """How many leading columns every row of ``input_ids`` (``[n, w]``, right-padded) has in common and no
     row needs a log-prob before (``keep``, ``[n, w-1]``: column ``t`` predicts token ``t + 1``; the prefix
-    stops at the first kept column of any row). 0 if that is under ``min_prefix`` or there is one row."""
+    stops at the first kept column of any row), within every row's own tokens (``lengths``, ``[n]``: the
+    prefix ends before the shortest row's last token, never in its padding). 0 if that is under
+    ``min_prefix`` or there is one row."""
     n, w = input_ids.shape
     if n < 2 or w < 3:
         return 0
@@ -42,6 +49,8 @@ def shared_prefix(input_ids: torch.Tensor, keep: torch.Tensor, min_prefix: int =
     kept = keep.any(0)
     first_kept = int(kept.int().argmax()) if bool(kept.any()) else w - 1
     p = min(common, first_kept, w - 2)
+    if lengths is not None:
+        p = min(p, int(lengths.min()) - 1)
     return p if p >= min_prefix else 0
 
 
@@ -130,13 +139,21 @@ def values(critic, input_ids, attention_mask, p: int) -> torch.Tensor:
 
 def can_share(model: nn.Module) -> bool:
     """Whether ``model`` is one this path can run at all: an unsharded transformers model (a PEFT wrapper
-    is unwrapped) whose backbone takes a KV cache. An FSDP2 model is not: its ranks would make different
-    numbers of forward calls, and its collectives would hang."""
+    is unwrapped) whose backbone takes a KV cache, without a sliding attention window. An FSDP2 model is
+    not: its ranks would make different numbers of forward calls, and its collectives would hang."""
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return False
     inner = unwrap_model(model)
     prefix = getattr(inner, "base_model_prefix", None)
     if not prefix or not isinstance(getattr(inner, prefix, None), nn.Module):
+        return False
+    config = text_config(inner)
+    # A windowed layer's cache keeps only its window, and the probe's rows are shorter than windows are.
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if any("sliding" in str(t) for t in layer_types):
+            return False
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return False
     params = inspect.signature(_backbone(inner).forward).parameters
     return ("cache" in params or "past_key_values" in params) and "use_cache" in params
@@ -148,7 +165,7 @@ def check_prefix(model: nn.Module, role: str, probe, forward) -> str | None:
     both ways (``forward(model, ids, mask, keep, p)`` for the prefix path; ``p = 0`` for the padded one),
     in eval mode, without gradients. ``None`` if they agree to the dtype's rounding, else the reason."""
     if not can_share(model):
-        return f"the {role} ({type(model).__name__}) takes no KV cache or is sharded"
+        return f"the {role} ({type(model).__name__}) takes no KV cache, is sharded or has a sliding window"
     vocab = int(text_config(model).vocab_size)
     base = [int(t) % vocab for t in probe] or [1]
     prefix = (base * MIN_PREFIX)[:MIN_PREFIX]

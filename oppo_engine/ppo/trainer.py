@@ -336,7 +336,7 @@ class PPOTrainer:
             logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
             return logprobs, pack_values(self.critic, pack) if values else None, width
         ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
-        shared = prefix.shared_prefix(ids, keep) if self._share_prefix else 0
+        shared = prefix.shared_prefix(ids, keep, lengths=lengths[rows]) if self._share_prefix else 0
         logprobs = prefix.logprobs(self.actor, ids, attention_mask, cfg.temperature, keep, shared)
         return logprobs, prefix.values(self.critic, ids, attention_mask, shared) if values else None, width
 
