@@ -7,6 +7,8 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
 - the engine's own forwards of each given model (its runner and, for the actor, its sampler; the scorers'
   reward, reference and critic paths) over a grid of rows x new tokens x context;
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
+- pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
+  ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``);
 - one training step (forward, backward, AdamW) of the actor.
 
 The forwards are fitted, after the GEMMs' share is taken out, with non-negative least squares on relative
