@@ -7,6 +7,8 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
 - the engine's own forwards of each given model (its runner and, for the actor, its sampler; the scorers'
   reward, reference and critic paths) over a grid of rows x new tokens x context;
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
+- pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
+  ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``);
 - one training step (forward, backward, AdamW) of the actor.
 
 The forwards are fitted, after the GEMMs' share is taken out, with non-negative least squares on relative
@@ -114,37 +116,73 @@ CONTENTION_PAIRS = (
     ((16, 1, 256), (16, 8, 256)),
     ((8, 1, 64), (8, 32, 64)),
 )
+# Per pair: repeats of (each alone, both at once), the median slowdown kept (a burst of other load moves one
+# repeat); at once, until each side has run this many calls wholly beside the other and at least this long.
+CONTENTION_REPEATS = 3
+CONTENTION_CALLS = 6
+CONTENTION_S = 0.3
 
 
-def _run_concurrently(fns, seconds: float, device) -> list[float]:
-    """Each of ``fns`` looped on a thread of its own (and, on a GPU, a stream of its own), all at once,
-    for about ``seconds``: the mean time of one call of each."""
+def _run_concurrently(fns, seconds: float, device, calls: int = 1) -> list[float]:
+    """Each of ``fns`` looped on a thread of its own (and, on a GPU, a stream of its own), all at once, until
+    each has run ``calls`` calls and ``seconds`` have passed: the median time of each one's calls that ran
+    wholly while every other was still looping (:func:`_overlapped`)."""
     import threading  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
 
-    start = threading.Barrier(len(fns))
-    out = [0.0] * len(fns)
+    began = [0.0]
+    start = threading.Barrier(len(fns), action=lambda: began.__setitem__(0, time.perf_counter()))
+    stop = threading.Event()
+    spans: list[list[tuple[float, float]]] = [[] for _ in fns]
 
     def loop(i: int, fn) -> None:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             fn()
-            start.wait()
-            calls, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                fn()
-                calls += 1
             if stream is not None:
                 stream.synchronize()
-            out[i] = (time.perf_counter() - t0) / calls
+            start.wait()
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                fn()
+                if stream is not None:
+                    stream.synchronize()
+                spans[i].append((t0, time.perf_counter()))
+                if min(map(len, spans)) >= calls and time.perf_counter() - began[0] >= seconds:
+                    stop.set()
 
     threads = [threading.Thread(target=loop, args=(i, fn)) for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return [statistics.median(x) for x in _overlapped(spans)]
+
+
+def _overlapped(spans: list[list[tuple[float, float]]]) -> list[list[float]]:
+    """Per loop of ``spans`` (its calls' ``(start, end)``), the durations of its calls that ran wholly while
+    every loop was running: started after the last loop's first call did, ended before the first loop
+    to stop ended its last. A call that ran on alone after the other loop stopped is not a contended one."""
+    opened = max(s[0][0] for s in spans)
+    closed = min(s[-1][1] for s in spans)
+    out = []
+    for s in spans:
+        inside = [b - a for a, b in s if a >= opened and b <= closed]
+        out.append(inside or [b - a for a, b in s])
     return out
+
+
+def _pair_slowdowns(fa, fb, timed, device) -> tuple[float, float]:
+    """How much longer each of ``fa`` and ``fb`` takes beside the other than alone: per repeat, each timed
+    alone, then both at once; the median over ``CONTENTION_REPEATS`` repeats."""
+    ratios: tuple[list[float], list[float]] = ([], [])
+    for _ in range(CONTENTION_REPEATS):
+        alone = (timed(fa, 3), timed(fb, 3))
+        both = _run_concurrently([fa, fb], CONTENTION_S, device, CONTENTION_CALLS)
+        for side in (0, 1):
+            ratios[side].append(both[side] / alone[side])
+    return statistics.median(ratios[0]), statistics.median(ratios[1])
 
 
 class _nothing:
@@ -155,28 +193,35 @@ class _nothing:
         return False
 
 
+# The grid of the contention fit: cores in quarters from one to the machine's; the interpreter penalty over
+# the range ``_fit_interpreter`` chooses from (capped lower, a Python-bound pair's slowdown past the cap was
+# put on the cores instead).
+CORES_STEP = 0.25
+PENALTY_GRID = tuple(1.0 + 0.25 * k for k in range(45))
+
+
 def _fit_contention(pairs, profile: Profile, device) -> tuple[float, float]:
     """``(cores, penalty)`` under which the contention rule (``sim/world.py``) best predicts the measured
     slowdowns of the ``pairs`` run at once: ``(work_a, work_b, slowdown_a, slowdown_b)``. A grid search on
-    log error: two constants, a handful of pairs."""
+    log error. The cores are what the pairs' kernels show (a Python-bound pair's slowdown is mostly the
+    penalty's); the penalty is fitted with them so that it does not bias them, and fitted again from a
+    streamed step (``_fit_interpreter``). On a tie (a penalty no pair's Python shows) the lowest wins."""
     import math  # noqa: PLC0415
 
     from oppo_engine.sim.cost import contended_s  # noqa: PLC0415
 
     best, best_err = (1.0, 1.0), math.inf
-    cap = 1.0 if device.type == "cuda" else float(profile.cores)
+    cpu = device.type != "cuda"
     # At least one core: a lane alone runs at its timed speed; slower than serial is the interpreter's doing.
-    cores_grid = [1.0] if device.type == "cuda" else [round(0.25 * k, 2) for k in range(4, int(4 * cap) + 1)]
-    for cores in cores_grid:
-        for k in range(0, 31):
-            penalty = 1.0 + 0.1 * k
+    steps = int(round((float(profile.cores) - 1.0) / CORES_STEP)) if cpu else 0
+    for cores in [1.0 + CORES_STEP * k for k in range(steps + 1)]:
+        for penalty in PENALTY_GRID:
             err = 0.0
             for a, b, s_a, s_b in pairs:
-                cpu = device.type != "cuda"
                 p_a = contended_s(a, [(b, True)], cores, penalty, cpu) / a.alone_s
                 p_b = contended_s(b, [(a, True)], cores, penalty, cpu) / b.alone_s
                 err += math.log(p_a / s_a) ** 2 + math.log(p_b / s_b) ** 2
-            if err < best_err:
+            if err < best_err - 1e-12:
                 best, best_err = (cores, penalty), err
     return best
 
@@ -483,12 +528,10 @@ def calibrate(
         cost = CostModel(Calibrated(probe))
         pairs = []
         for a, b in CONTENTION_PAIRS:
-            fa, fb = benches["actor"].call(*a), benches["reward"].call(*b)
-            alone = (timed(fa, 3), timed(fb, 3))
-            both = _run_concurrently([fa, fb], 0.3, device)
+            s_a, s_b = _pair_slowdowns(benches["actor"].call(*a), benches["reward"].call(*b), timed, device)
             wa = cost.forward(shapes["actor"], _batch("actor", *a))
             wb = cost.forward(shapes["reward"], _batch("reward", *b))
-            pairs.append((wa, wb, both[0] / alone[0], both[1] / alone[1]))
+            pairs.append((wa, wb, s_a, s_b))
         cores, penalty = _fit_contention(pairs, probe, device)
         host = dataclasses.replace(host, interpreter_penalty=penalty)
         training = _time_training(actor, device, timed)

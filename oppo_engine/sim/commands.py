@@ -72,6 +72,8 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
                    help="packed micro-batches of the update (default: each rank's share padded)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's max_model_len (default: prompt cap + response cap)")  # fmt: skip
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="--placement cpu: the torch thread count of the engine's process")  # fmt: skip
     p.add_argument("--no-extrapolate", action="store_true", help="simulate every step of every mode (slow)")
     p.add_argument("--out", default="plan_out", help="folder for plan.json and the PNGs")
     args = p.parse_args(argv)
@@ -96,7 +98,7 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
             reward_curve=curve, epochs=args.epochs, minibatch_size=args.minibatch_size,
             sweep=args.sweep, extrapolate=not args.no_extrapolate, progress=bar, group_size=args.group_size,
             group_by_length=args.group_by_length, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-            activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing=args.activation_checkpointing, cpu_threads=args.cpu_threads,
         )  # fmt: skip
         bar.close()
     except (ValueError, OSError, json.JSONDecodeError) as e:

@@ -112,15 +112,18 @@ def demands(work: Work, cores: float = 1.0, cpu: bool = False) -> tuple[float, f
     """What ``work`` demands over its duration alone, of its device's arithmetic (of ``cores``), of its
     memory bandwidth and of its process's interpreter: ``(a_f, a_m, a_h)`` (the contention rule of
     ``sim/world.py``). On a ``cpu`` every part runs on the cores: its kernels on ``threads`` of them, its
-    Python on one."""
+    Python on one; and its memory terms were priced at the bandwidth its ``threads`` draw (the streaming
+    sweep's), of which the ``cores`` together draw ``cores / threads`` times as much."""
     alone = work.alone_s
     if alone <= 0:
         return 0.0, 0.0, 0.0
     python = work.host_s + work.launch_s
     if cpu:
         busy = work.threads * work.kernels_s() + python
-    else:
-        busy = work.threads * work.compute_s
+        # NOTE: a core's bandwidth is bound by its own outstanding misses, not the memory's: two one-thread
+        # decodes on two cores each stream at their timed speed (calibrate's contention pairs, measured).
+        return busy / (cores * alone), work.threads * work.memory_s / (cores * alone), python / alone
+    busy = work.threads * work.compute_s
     return busy / (cores * alone), work.memory_s / alone, python / alone
 
 

@@ -202,6 +202,7 @@ def plan(
     measure: int = 2,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    cpu_threads: int = 1,
 ) -> Plan:
     """Predict a PPO run (module docstring). ``actor``, ``reward``, ``critic``, ``reference``: a preset
     name, a ``config.json`` path or an HF config (``reward=None``: the actor's shape; ``reward="rule"``: a
@@ -221,7 +222,10 @@ def plan(
     ``group_by_length`` and ``max_tokens_per_microbatch`` (packed micro-batches) as the trainer's options.
     ``config.max_model_len``, when set, bounds prompt + response: a larger prompt cap plus response cap is
     refused with ``ValueError``. A plan that does not fit returns ``fits=False`` with the numbers; it does
-    not raise. ``progress(done, total)`` is called after each simulated world.
+    not raise. ``progress(done, total)`` is called after each simulated world. ``cpu_threads`` (placement
+    ``"cpu"``): the torch thread count of the process the engine would run in, priced whatever this
+    process's is; a count the profile was not calibrated at (or 1, which a step of two lanes runs at) is
+    refused with ``ValueError``.
     """
     t0 = time.perf_counter()
     from oppo_engine.ppo.config import PPOConfig  # noqa: PLC0415
@@ -234,6 +238,7 @@ def plan(
         minibatch_size=minibatch_size or ppo.minibatch_size, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes, checkpointing=activation_checkpointing, fsdp=fsdp, seed=seed,
         group_size=group_size, group_by_length=group_by_length, max_tokens=max_tokens_per_microbatch,
+        cpu_threads=cpu_threads,
     )  # fmt: skip
     modes = tuple(modes)
     bad = [m for m in modes if m not in ARMS]
@@ -262,6 +267,7 @@ def plan(
         "cost_model": _describe(setting.cost),
         "gpus": gpus,
         "placement": placement,
+        "cpu_threads": setting.cpu_threads if placement == "cpu" else None,
         "batch_size": batch_size,
         "lengths": setting.lengths.describe(),
         "prompt_lengths": setting.prompt_lengths.describe(),
@@ -315,10 +321,25 @@ def _describe(cost: CostModel) -> str:
     return f"calibrated profile of {src.profile.device}"
 
 
+def _check_cpu_threads(profile: Profile, cpu_threads) -> None:
+    """``ValueError`` unless ``profile`` was calibrated at ``cpu_threads`` and at 1 (a step of two lanes
+    runs each on one): the costs of a thread count never timed are not priced from another's."""
+    if not isinstance(cpu_threads, int) or isinstance(cpu_threads, bool) or cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be an int >= 1, got {cpu_threads!r}")
+    missing = sorted({cpu_threads, 1} - set(profile.threads))
+    if missing:
+        raise ValueError(
+            f"cpu_threads={cpu_threads}: the profile of {profile.device!r} was calibrated at "
+            f"{sorted(profile.threads)} thread(s), not at {missing}; calibrate at those too "
+            f"(oppo-engine calibrate --threads {','.join(map(str, sorted({cpu_threads, 1})))}) or plan "
+            "with a calibrated count"
+        )
+
+
 def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch_size, lengths,
              prompt_lengths, config, reward_curve, epochs, minibatch_size, weight_bytes, grad_bytes,
              optimizer_bytes, checkpointing, fsdp, seed, group_size=1, group_by_length=False,
-             max_tokens=None) -> tuple[Setting, MemoryPlan]:  # fmt: skip
+             max_tokens=None, cpu_threads=1) -> tuple[Setting, MemoryPlan]:  # fmt: skip
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if isinstance(device, Profile):
@@ -361,6 +382,8 @@ def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch
         shapes = {r: s.with_head(s.head, 4) for r, s in shapes.items()}
     if isinstance(device, Profile):
         _check_profile_range(device, shapes)
+    if placement == "cpu":
+        _check_cpu_threads(device, cpu_threads)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1 (prompts a step), got {batch_size!r}")
     response_lengths = parse_lengths(lengths, what="lengths", seed=seed)
@@ -377,6 +400,7 @@ def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch
         reward_curve=list(reward_curve) if reward_curve is not None else None,
         cores=device.cores if isinstance(device, Profile) else 1, seed=seed, group_size=group_size,
         group_by_length=group_by_length, max_tokens_per_microbatch=max_tokens, max_len=config.max_model_len,
+        cpu_threads=cpu_threads,
     )  # fmt: skip
     if batch_size < setting.ranks or batch_size % setting.ranks:
         raise ValueError(

@@ -109,9 +109,10 @@ class Profile:
     """A device's calibrated constants (``calibrate``). ``device``: what ``local_device_id`` called it;
     ``kind``: ``"cpu"`` or ``"gpu"``; ``threads``: :class:`ThreadCosts` per thread count (``{1: ...}`` on a
     GPU); ``host``: the engine's host time per forward; ``training_flops``: achieved FLOP/s of a training
-    step; ``cores``: the cores two busy lanes of the engine got when it was timed (two single-threaded GEMM
-    loops at once against one; at most the CPU's, 1 on a GPU); ``models``: the shapes it was timed on (a
-    record, not used to price)."""
+    step; ``cores``: the cores two busy lanes of the engine got when it was timed (fitted to pairs of its
+    forwards run at once: ``calibration.py::_fit_contention``; on a CPU their bandwidth too, a core's being
+    its own; at most the CPU's, 1 on a GPU); ``models``: the shapes it was timed on (a record, not used to
+    price)."""
 
     device: str
     kind: str

@@ -79,7 +79,11 @@ class Setting:
     ``minibatch_size`` rows per rank, ``checkpointing``, ``group_by_length``, packed micro-batches of at
     most ``max_tokens_per_microbatch`` tokens or padded shares when None), an optional reward curve, the
     arena's pages per actor rank (``arena_pages``: the engine's own rule, ``sim/memory.py``; None: room for
-    every sequence) and ``max_len`` (the engine's ``max_model_len``; None: prompt cap + response cap)."""
+    every sequence) and ``max_len`` (the engine's ``max_model_len``; None: prompt cap + response cap).
+    ``cpu_threads`` (placement ``"cpu"``): the torch thread count of the process the engine runs in, which
+    the world sets while it runs whatever the predicting process's is (a step that runs one lane runs its
+    forwards on that many; a step of two lanes on one each, as the engine's own step sets it:
+    ``sched/step.py::_lane_threads``)."""
 
     shapes: dict[str, ModelShape]
     cost: CostModel
@@ -100,6 +104,7 @@ class Setting:
     max_tokens_per_microbatch: int | None = None
     arena_pages: int | None = None
     max_len: int | None = None
+    cpu_threads: int = 1
 
     @property
     def ranks(self) -> int:
@@ -339,10 +344,16 @@ class World:
                     step = len(self.records) - 1
                     engine.report_reward(float(curve[min(step, len(curve) - 1)]))
 
-        threads = [ex.start(lambda r=r: rank_main(r), f"rank{r}") for r in range(ranks)]
-        ex.homes[ex.current] = ("main", "main")
-        for t in threads:
-            t.join()
+        saved = torch.get_num_threads()
+        if s.placement == "cpu":
+            torch.set_num_threads(s.cpu_threads)
+        try:
+            threads = [ex.start(lambda r=r: rank_main(r), f"rank{r}") for r in range(ranks)]
+            ex.homes[ex.current] = ("main", "main")
+            for t in threads:
+                t.join()
+        finally:
+            torch.set_num_threads(saved)
         return self.records[-steps:]
 
     def _busy(self) -> float:

@@ -12,7 +12,9 @@ A piece of work alone takes ``T = host + max(launch, sum over its kernel classes
 ``f_k`` its compute term and ``m_k`` its memory term (FLOPs over achieved FLOP/s, bytes over achieved
 bandwidth), ``host`` the Python before its kernels and ``launch`` the Python and driver calls that launch
 them while they run. Over ``T`` it demands ``a_f = threads * sum(f_k) / (cores * T)`` of the device's
-arithmetic (``cores`` is 1 on a GPU), ``a_m = sum(m_k) / T`` of its memory bandwidth and
+arithmetic (``cores`` is 1 on a GPU), ``a_m = sum(m_k) / T`` of its memory bandwidth (on a CPU
+``threads * sum(m_k) / (cores * T)``: a core's bandwidth is bound by its own misses, ``m_k`` was timed at
+the bandwidth of ``threads`` cores, and the ``cores`` together draw that many times one's) and
 ``a_h = (host + launch) / T`` of its process's interpreter (Python holds the GIL; a process's lanes share
 one). While a set of works runs at once, each resource is oversubscribed by ``S = max(1, sum of the
 demands on it)``, and each work progresses at the rate of taking
@@ -29,8 +31,8 @@ decode beside a prefill on one core is slowed by the core's sharing, not only by
 
 A memory-bound decode (``a_m`` near 1, ``a_f`` small) beside a compute-bound prefill (``a_f`` near 1,
 ``a_m`` small) slows each only by the other's small demand on its own bottleneck; two decodes, or two
-prefills, share one resource and take twice as long. Rates are recomputed whenever a work starts or ends
-(processor sharing).
+prefills, share one resource and take twice as long (on a GPU, or a CPU whose lanes get one core).
+Rates are recomputed whenever a work starts or ends (processor sharing).
 
 Lanes on different devices do not contend (the paper's 7+1 placement: actor ranks on seven GPUs, the
 frozen scorers on the eighth). The shared scorer GPU is a :class:`ScorerService`: one queue for every rank;
