@@ -102,6 +102,26 @@ def test_the_math_trainer_updates_under_bf16_autocast_over_fp32_weights(chat_fol
         trainer.close()
 
 
+@pytest.mark.parametrize(("rollout_dtype", "expected"), [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_the_math_demo_rolls_out_from_bf16_copies_by_default(chat_folder, tmp_path, rollout_dtype, expected):
+    """``DemoOptions.rollout_dtype`` (default "bf16"): the engine's actor, critic and reference run in that
+    dtype, and the trainer's actor and critic stay fp32 (the master weights)."""
+    assert demo.DemoOptions().rollout_dtype == "bf16"
+    opts = demo.DemoOptions(task="math", modes=("sequential",), batch_size=2, max_new_tokens=6, heldout=0,
+                            out=tmp_path, threads=1, rollout_dtype=rollout_dtype)  # fmt: skip
+    trainer = demo.make_trainer("sequential", opts, chat_folder, chat_folder)
+    try:
+        engine = trainer.engine
+        assert engine.config.rollout_dtype == (torch.bfloat16 if rollout_dtype == "bf16" else None)
+        assert next(engine.actor.parameters()).dtype == expected
+        assert next(trainer.reference.parameters()).dtype == expected
+        for model in (trainer.actor, trainer.critic):
+            assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert trainer.step().rollout.rollouts  # it runs
+    finally:
+        trainer.close()
+
+
 def test_the_math_demos_problems_have_one_operation(chat_folder):
     # The demo trains and evaluates on one-operation problems (DemoOptions.math_operations): the 135M model
     # gets 10% of one to three operations right greedily, and made up steps (docs/benchmarks.md).
