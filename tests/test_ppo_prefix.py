@@ -106,12 +106,13 @@ def test_a_model_with_no_backbone_to_hand_a_cache_to_is_not_shared():
     assert prefix.can_share(actor)
     assert not prefix.can_share(Opaque(actor))
     reason = prefix.check_prefix(Opaque(actor), "actor", [1, 2, 3], None)
-    assert "takes no KV cache, is sharded or has a sliding window" in reason
+    assert "takes no KV cache, is sharded, or has a sliding window" in reason
 
 
 def test_bad_share_prefix_settings_are_refused():
-    with pytest.raises(ValueError, match="share_prefix must be True, False or 'auto'"):
-        PPOConfig(share_prefix="yes")
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="share_prefix must be True, False or 'auto'"):
+            PPOConfig(share_prefix=bad)
     with pytest.raises(ValueError, match="with max_tokens_per_microbatch the update runs on packs"):
         PPOConfig(share_prefix=True, max_tokens_per_microbatch=256)
 
@@ -150,3 +151,29 @@ def test_one_lora_ppo_step_over_a_shared_prefix_equals_the_padded_one():
         assert a.keys() == b.keys() and any("lora_" in n for n in a)
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dropout_or_activation_checkpointing_turn_sharing_off():
+    """Dropout would draw one mask over the prefix for every row (the padded forward draws one per row), and
+    activation checkpointing drops the KV cache in training: neither model is shared, at build or (turned on
+    after the build) at the forward, where the padded path runs instead."""
+    models = prefixed_models()
+    models[1].config.attention_dropout = 0.1
+    assert not prefix.can_share(models[1])
+    trainer = make_trainer(models)
+    assert not trainer._share_prefix
+    trainer.close()
+    with pytest.raises(ValueError, match="dropout or activation checkpointing"):
+        make_trainer(models, share_prefix=True)
+
+    models = prefixed_models()
+    models[2].gradient_checkpointing_enable()
+    assert not prefix.can_share(models[2])
+    make_trainer(models).close()
+
+    trainer = make_trainer(prefixed_models())
+    assert trainer._share_prefix
+    trainer.actor.gradient_checkpointing_enable()  # after the build
+    stats = trainer.step()  # the padded path: no crash, no prefix pass without a cache
+    trainer.close()
+    assert stats.response_len > 0

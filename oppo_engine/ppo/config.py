@@ -110,7 +110,7 @@ class PPOConfig:
             raise ValueError(
                 f"PPOConfig.max_tokens_per_microbatch must be None or an int >= 2, got {budget!r}"
             )
-        if self.share_prefix not in (True, False, "auto"):
+        if not (isinstance(self.share_prefix, bool) or self.share_prefix == "auto"):
             raise ValueError(
                 f"PPOConfig.share_prefix must be True, False or 'auto', got {self.share_prefix!r}"
             )

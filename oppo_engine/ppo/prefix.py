@@ -68,7 +68,14 @@ def _backbone(model: nn.Module) -> nn.Module:
 def _prefix_cache(backbone: nn.Module, prefix: torch.Tensor, rows: int):
     """The KV cache of ``prefix`` (``[1, p]``) computed once, repeated for ``rows`` rows."""
     out = backbone(input_ids=prefix, use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    if cache is None:  # e.g. activation checkpointing turned on after the trainer was built: never guess
+        raise RuntimeError(
+            f"share_prefix: {type(backbone).__name__} returned no KV cache for the shared prefix (activation "
+            "checkpointing drops it in training); build the trainer with share_prefix=False"
+        )
     cache.batch_repeat_interleave(rows)
     return cache
 
@@ -137,11 +144,36 @@ def values(critic, input_ids, attention_mask, p: int) -> torch.Tensor:
     return core.token_values(critic, input_ids, attention_mask)
 
 
+def _dropout(model: nn.Module) -> bool:
+    """Some dropout is active in training: a ``Dropout`` module with p > 0, or a config's dropout rate (HF
+    attention passes ``attention_dropout`` to the kernel as a number)."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    if getattr(model, "config", None) is None:
+        return False
+    configs = {id(c): c for c in (model.config, text_config(model))}
+    for config in configs.values():
+        for name, value in vars(config).items():
+            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
+def checkpointing(model: nn.Module) -> bool:
+    """Activation checkpointing is on somewhere in ``model`` (transformers then drops the KV cache in
+    training, so the prefix path cannot run)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 def can_share(model: nn.Module) -> bool:
     """Whether ``model`` is one this path can run at all: an unsharded transformers model (a PEFT wrapper
-    is unwrapped) whose backbone takes a KV cache, without a sliding attention window. An FSDP2 model is
-    not: its ranks would make different numbers of forward calls, and its collectives would hang."""
+    is unwrapped) whose backbone takes a KV cache, without a sliding attention window, dropout (one mask over
+    the prefix would serve every row, where the padded forward draws one per row) or activation
+    checkpointing (which drops the cache in training). An FSDP2 model is not: its ranks would make different
+    numbers of forward calls, and its collectives would hang."""
     if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return False
+    if checkpointing(model) or _dropout(unwrap_model(model)):
         return False
     inner = unwrap_model(model)
     prefix = getattr(inner, "base_model_prefix", None)
@@ -165,7 +197,10 @@ def check_prefix(model: nn.Module, role: str, probe, forward) -> str | None:
     both ways (``forward(model, ids, mask, keep, p)`` for the prefix path; ``p = 0`` for the padded one),
     in eval mode, without gradients. ``None`` if they agree to the dtype's rounding, else the reason."""
     if not can_share(model):
-        return f"the {role} ({type(model).__name__}) takes no KV cache, is sharded or has a sliding window"
+        return (
+            f"the {role} ({type(model).__name__}) takes no KV cache, is sharded, or has a sliding window, "
+            "dropout or activation checkpointing"
+        )
     vocab = int(text_config(model).vocab_size)
     base = [int(t) % vocab for t in probe] or [1]
     prefix = (base * MIN_PREFIX)[:MIN_PREFIX]

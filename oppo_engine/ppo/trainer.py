@@ -227,6 +227,8 @@ class PPOTrainer:
             if reason is not None and cfg.share_prefix is True:
                 self.engine.close()
                 raise ValueError(f"PPOConfig.share_prefix=True: {reason}")
+            if reason is not None:
+                logger.info("PPOConfig.share_prefix='auto': off (padded minibatches): %s", reason)
             self._share_prefix = reason is None
         self._prompts = ranks.rank_prompts(
             prompts, rank=self.rank, world_size=self.world_size, block=cfg.batch_size
@@ -336,7 +338,8 @@ class PPOTrainer:
             logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
             return logprobs, pack_values(self.critic, pack) if values else None, width
         ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
-        shared = prefix.shared_prefix(ids, keep, lengths=lengths[rows]) if self._share_prefix else 0
+        share = self._share_prefix and not any(map(prefix.checkpointing, (self.actor, self.critic)))
+        shared = prefix.shared_prefix(ids, keep, lengths=lengths[rows]) if share else 0
         logprobs = prefix.logprobs(self.actor, ids, attention_mask, cfg.temperature, keep, shared)
         return logprobs, prefix.values(self.critic, ids, attention_mask, shared) if values else None, width
 

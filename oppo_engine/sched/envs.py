@@ -74,6 +74,7 @@ class EnvDriver:
         episode.env = env
         if hasattr(env, "decoded"):
             self.listening[seq.seq_id] = seq
+            episode.listening = True
         prompt = list(seq.prompt_ids)
         episode.call = self._submit(seq, lambda: _reset(env, prompt), "reset")
         return None
@@ -116,9 +117,8 @@ class EnvDriver:
         rollback brought back listens again: its retry decodes that turn again."""
         episode = seq.episode
         if seq.seq_id not in self.listening:
-            if episode is None or episode.env is None or not hasattr(episode.env, "decoded"):
-                return True
-            if seq.status not in (SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.ENV):
+            # Listening when the step began (the snapshot's flag, restored), stopped by the aborted attempt.
+            if episode is None or not episode.listening or episode.env is None:
                 return True
             self.listening[seq.seq_id] = seq
         rewound = getattr(episode.env, "rewound", None)
@@ -188,6 +188,7 @@ class EnvDriver:
         if episode is None:
             return
         self.listening.pop(seq.seq_id, None)
+        episode.listening = False
         for call in [c for c, s in self._calls.items() if s is seq]:
             del self._calls[call]
             self.pool.abandon(call)
@@ -205,6 +206,8 @@ class EnvDriver:
             return  # a probe ends it: the rollback puts it back as the step found it
         episode = seq.episode
         self.listening.pop(seq.seq_id, None)
+        if episode is not None:
+            episode.listening = False
         end = getattr(episode.env, "end", None) if episode is not None else None
         if end is None or episode.done_by_env:
             return

@@ -25,6 +25,8 @@ class EpisodeSnapshot:
     num_turns: int
     truncated: int
     pending_turn: list[int] | None
+    listening: bool = False
+    started: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -61,6 +63,9 @@ class Episode:
     # The environment's limit on the next turn (Observation.next_turn_tokens; None: the sampling's
     # max_turn_tokens). Kept here, not in the sequence's SamplingParams: a restart replays turn 1 as sampled.
     turn_tokens: int | None = None
+    # Its environment hears the turn as it is decoded (``EnvDriver.listening``): kept with the snapshot, so a
+    # rollback brings back the listening of a sequence its aborted attempt ended, and only that.
+    listening: bool = False
 
     @property
     def started(self) -> bool:
@@ -75,7 +80,7 @@ class Episode:
     def snapshot(self) -> EpisodeSnapshot:
         return EpisodeSnapshot(
             self.steps, self.answers, self.error is not None, self.generation, self.turn_start,
-            len(self.turns), self.truncated, self.pending_turn,
+            len(self.turns), self.truncated, self.pending_turn, self.listening, self.started,
         )  # fmt: skip
 
     def changed_since(self, snap: EpisodeSnapshot) -> bool:
@@ -91,11 +96,13 @@ class Episode:
         del self.turns[snap.num_turns :]
         self.truncated = snap.truncated
         self.pending_turn = snap.pending_turn
+        # Listening as the step found it; an environment made in the step listens from its start, as made.
+        self.listening = snap.listening if snap.started else hasattr(self.env, "decoded")
 
     def fresh(self) -> None:
         """Start over: no environment (the factory makes a new one), no turns."""
         self.env = self.call = self.pending_turn = self.reward = self.error = self.turn_tokens = None
-        self.ready = self.done_by_env = False
+        self.ready = self.done_by_env = self.listening = False
         self.generation += 1
         self.turn_start = self.truncated = self.steps = self.answers = self.num_observed = 0
         self.turns = []

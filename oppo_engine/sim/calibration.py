@@ -23,6 +23,7 @@ import dataclasses
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,27 +137,37 @@ def _run_concurrently(fns, seconds: float, device, calls: int = 1) -> list[float
     stop = threading.Event()
     spans: list[list[tuple[float, float]]] = [[] for _ in fns]
 
+    errors: list[BaseException] = []
+
     def loop(i: int, fn) -> None:
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
-            fn()
-            if stream is not None:
-                stream.synchronize()
-            start.wait()
-            while not stop.is_set():
-                t0 = time.perf_counter()
+        try:
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else _nothing():
                 fn()
                 if stream is not None:
                     stream.synchronize()
-                spans[i].append((t0, time.perf_counter()))
-                if min(map(len, spans)) >= calls and time.perf_counter() - began[0] >= seconds:
-                    stop.set()
+                start.wait()
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    fn()
+                    if stream is not None:
+                        stream.synchronize()
+                    spans[i].append((t0, time.perf_counter()))
+                    if min(map(len, spans)) >= calls and time.perf_counter() - began[0] >= seconds:
+                        stop.set()
+        except BaseException as e:  # noqa: BLE001 -- the others must stop too, or they loop for ever
+            if not isinstance(e, threading.BrokenBarrierError):
+                errors.append(e)
+            stop.set()
+            start.abort()
 
     threads = [threading.Thread(target=loop, args=(i, fn)) for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return [statistics.median(x) for x in _overlapped(spans)]
 
 
@@ -169,6 +180,13 @@ def _overlapped(spans: list[list[tuple[float, float]]]) -> list[list[float]]:
     out = []
     for s in spans:
         inside = [b - a for a, b in s if a >= opened and b <= closed]
+        if not inside:  # every call of this loop straddled the other's start or stop: an understatement
+            warnings.warn(
+                "calibrate: a contention pair's loop ran no call wholly beside the other; its calls' "
+                "durations are used as they are (the slowdown may be understated)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         out.append(inside or [b - a for a, b in s])
     return out
 

@@ -119,10 +119,13 @@ def demands(work: Work, cores: float = 1.0, cpu: bool = False) -> tuple[float, f
         return 0.0, 0.0, 0.0
     python = work.host_s + work.launch_s
     if cpu:
-        busy = work.threads * work.kernels_s() + python
+        # A work of more threads than the fitted cores ran its timed ``alone_s`` on what it had: it demands
+        # at most all of them (alone it is never stretched).
+        threads = min(work.threads, cores)
+        busy = threads * work.kernels_s() + python
         # NOTE: a core's bandwidth is bound by its own outstanding misses, not the memory's: two one-thread
         # decodes on two cores each stream at their timed speed (calibrate's contention pairs, measured).
-        return busy / (cores * alone), work.threads * work.memory_s / (cores * alone), python / alone
+        return busy / (cores * alone), threads * work.memory_s / (cores * alone), python / alone
     busy = work.threads * work.compute_s
     return busy / (cores * alone), work.memory_s / alone, python / alone
 

@@ -109,3 +109,28 @@ def test_concurrent_loops_each_run_their_calls_and_stop():
     out = _run_concurrently([sleeper(0), sleeper(1)], 0.01, CPU, calls=4)
     assert len(out) == 2 and all(x > 0 for x in out)
     assert min(calls) >= 5  # a warm-up call each, then at least four at once
+
+
+def test_a_loop_that_raises_stops_the_others_and_the_error_comes_back():
+    """A forward that fails mid-run (an out-of-memory, say) ends every loop and is raised, rather than leaving
+    the other loop running for ever (its stop rule counts both loops' calls)."""
+    calls = [0]
+
+    def fails_on_the_third_call() -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise MemoryError("out of memory in the second forward")
+
+    def forever() -> None:
+        time.sleep(0.001)
+
+    with pytest.raises(MemoryError, match="out of memory"):
+        _run_concurrently([fails_on_the_third_call, forever], 0.01, CPU, calls=1000)
+
+
+@pytest.mark.parametrize("cores", [1.0, 1.25, 1.5, 2.0])
+def test_a_work_alone_takes_its_own_time_whatever_its_threads_and_the_cores(cores):
+    """A work of more threads than the fitted cores ran its measured time alone on what it had: alone, the
+    rule never stretches it (a 2-thread prefill at 1.25 cores was priced 1.49x its own time)."""
+    work = Work(0.0003, 0.0, ((0.050, 0.004),), 2)
+    assert contended_s(work, [], cores, 6.0, True) == pytest.approx(work.alone_s)
