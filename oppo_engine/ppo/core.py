@@ -51,10 +51,12 @@ def token_logprobs(
     temperature: float,
     position_ids: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
+    model_kwargs: dict | None = None,
 ) -> torch.Tensor:
     """``[N, L-1]`` log-prob of each next token under ``actor``'s logits over ``temperature`` (the
     distribution the engine samples from without top-k/top-p). A pack (``packing.py``) passes
-    ``attention_mask=None`` and ``position_ids`` that restart at every sequence.
+    ``attention_mask=None`` and ``position_ids`` that restart at every sequence; a shared prefix
+    (``prefix.py``) its KV cache in ``model_kwargs`` (more arguments of the forward).
 
     ``keep`` (bool ``[N, L-1]``) computes only the columns it marks (0 elsewhere): the LM head and the
     log-softmax over the vocabulary run on those positions alone (transformers' boolean ``logits_to_keep``),
@@ -65,6 +67,7 @@ def token_logprobs(
     inputs = dict(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
+    inputs.update(model_kwargs or {})
     if keep is None:
         logits = actor(**inputs).logits[:, :-1]
         targets = input_ids[:, 1:]
@@ -89,9 +92,11 @@ def token_values(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
+    model_kwargs: dict | None = None,
 ) -> torch.Tensor:
     """``[N, L-1]`` the critic's score head on every position's hidden state: column ``p`` is the value of
-    the state before token ``p + 1`` (the convention of the engine's streamed ``values``).
+    the state before token ``p + 1`` (the convention of the engine's streamed ``values``). ``model_kwargs``:
+    more arguments of the forward (a shared prefix's KV cache).
 
     A PEFT-wrapped critic is unwrapped to the HF model its adapters are injected into (as the engine does):
     its adapters and its trainable score head (``modules_to_save``) take part. An FSDP2 root gathers its own
@@ -101,6 +106,7 @@ def token_values(
     inputs = dict(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
+    inputs.update(model_kwargs or {})
     if isinstance(critic, FSDPModule):
         scores: list[torch.Tensor] = []
         handle = critic.score.register_forward_hook(lambda _m, _i, out: scores.append(out))

@@ -80,6 +80,16 @@ def _prefix_cache(backbone: nn.Module, prefix: torch.Tensor, rows: int):
     return cache
 
 
+def _over_prefix(model: nn.Module, forward: nn.Module, input_ids: torch.Tensor, p: int):
+    """The rows' positions after the prefix, and the arguments of ``forward`` (``model`` or its backbone)
+    that hand them its KV cache: computed once by ``model``'s backbone for ``input_ids[0, :p]``, repeated
+    for every row."""
+    n, w = input_ids.shape
+    cache = _prefix_cache(_backbone(model), input_ids[:1, :p], n)
+    positions = torch.arange(p, w, device=input_ids.device).expand(n, -1)
+    return positions, {_cache_kwarg(forward): cache, "use_cache": True}
+
+
 def prefix_logprobs(
     actor: nn.Module,
     input_ids: torch.Tensor,
@@ -91,21 +101,11 @@ def prefix_logprobs(
     """:func:`core.token_logprobs` of right-padded rows whose first ``p`` columns are shared (``p`` from
     :func:`shared_prefix`): ``[n, w-1]``, 0 outside ``keep``."""
     model = unwrap_model(actor)
-    n, w = input_ids.shape
-    cache = _prefix_cache(_backbone(model), input_ids[:1, :p], n)
-    suffix = input_ids[:, p:]
-    positions = torch.arange(p, w, device=input_ids.device).expand(n, -1)
-    inputs = dict(input_ids=suffix, attention_mask=attention_mask, position_ids=positions)
-    inputs[_cache_kwarg(model)] = cache
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        logits = model(**inputs, logits_to_keep=torch.nn.functional.pad(keep[:, p:], (0, 1))).logits
-    else:
-        logits = model(**inputs).logits[:, :-1][keep[:, p:]]
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = logits.log_softmax(-1).gather(-1, suffix[:, 1:][keep[:, p:]][:, None])[:, 0]
-    return torch.zeros(keep.shape, dtype=logprobs.dtype, device=logprobs.device).index_put((keep,), logprobs)
+    positions, over = _over_prefix(model, model, input_ids, p)
+    rest = core.token_logprobs(
+        model, input_ids[:, p:], attention_mask, temperature, positions, keep[:, p:], model_kwargs=over
+    )
+    return torch.nn.functional.pad(rest, (p, 0))
 
 
 def prefix_values(
@@ -114,16 +114,9 @@ def prefix_values(
     """:func:`core.token_values` of right-padded rows whose first ``p`` columns are shared: ``[n, w-1]``,
     0 in the first ``p`` columns (states inside the prefix, which no loss reads)."""
     model = unwrap_model(critic)
-    backbone = _backbone(model)
-    n, w = input_ids.shape
-    cache = _prefix_cache(backbone, input_ids[:1, :p], n)
-    positions = torch.arange(p, w, device=input_ids.device).expand(n, -1)
-    hidden = backbone(
-        input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=positions,
-        **{_cache_kwarg(backbone): cache},
-    ).last_hidden_state  # fmt: skip
-    values = model.score(hidden[:, :-1]).float()[..., 0]
-    return torch.nn.functional.pad(values, (p, 0))
+    positions, over = _over_prefix(model, _backbone(model), input_ids, p)
+    rest = core.token_values(model, input_ids[:, p:], attention_mask, positions, model_kwargs=over)
+    return torch.nn.functional.pad(rest, (p, 0))
 
 
 def logprobs(
