@@ -10,6 +10,7 @@ from statistics import mean
 
 import pytest
 import torch
+import torch.nn.functional as F
 from serve_models import chat_actor, chat_tokenizer
 
 from oppo_engine.ppo import demo, math_task, report
@@ -180,3 +181,39 @@ def test_the_math_demos_printed_batch_counts_right_answers_by_the_rule_not_the_p
     assert lines[1] == f"best  (reward +1.10): {problems[0].question}  ->  {answers[0]}"
     assert lines[2] == f"worst (reward +0.10): {problems[2].question}  ->  {answers[2]}"  # the question alone
     assert not any("reward hacking" in line for line in lines)
+
+
+def test_every_forward_of_an_autocast_update_reads_the_weights_as_they_are_then(chat_folder, tmp_path):
+    """The demo's update runs under one bf16 autocast over several minibatches. Autocast caches each fp32
+    weight's bf16 cast until the outermost context exits, and the cache does not see the optimizer's
+    in-place steps: without ``torch.clear_autocast_cache()`` after them, every minibatch after the first ran
+    on the weights of the update's start. Each forward's LM-head output must be the bf16 product with the
+    weight as it is at that forward."""
+    opts = demo.DemoOptions(task="math", modes=("sequential",), batch_size=8, max_new_tokens=6, heldout=0,
+                            out=tmp_path, threads=1)  # fmt: skip
+    trainer = demo.make_trainer("sequential", opts, chat_folder, chat_folder)
+    try:
+        for group in trainer.actor_optim.param_groups:
+            group["lr"] = 1e-2  # steps large enough that a stale bf16 cast cannot round to the fresh one
+        head = trainer.actor.lm_head
+        checks = []  # max |output - bf16 product| with the weight now, and with the start's
+        start = head.weight.detach().clone()
+
+        def hook(_module, inputs, output):
+            if not torch.is_grad_enabled():
+                return
+            with torch.autocast("cpu", enabled=False), torch.no_grad():
+                x = inputs[0].detach().to(torch.bfloat16)
+                now = F.linear(x, head.weight.detach().to(torch.bfloat16))
+                then = F.linear(x, start.to(torch.bfloat16))
+            out = output.detach()
+            checks.append((float((out - now).abs().max()), float((out - then).abs().max())))
+
+        handle = head.register_forward_hook(hook)
+        trainer.step()
+        handle.remove()
+        assert len(checks) >= 4  # one graph-building forward per minibatch at least
+        assert all(now == 0.0 for now, _ in checks), checks
+        assert any(then > 0.0 for _, then in checks[1:]), checks  # the weights did move between minibatches
+    finally:
+        trainer.close()

@@ -464,6 +464,10 @@ class PPOTrainer:
                 self._stepped = True
                 self.actor_optim.step()
                 self.critic_optim.step()
+                # Under an enclosing torch.autocast (the demo's bf16 update, a user's) the casts of the fp32
+                # weights are cached until the outermost autocast exits, and the cache does not see an
+                # in-place optimizer step: every later minibatch would run on the pre-step weights.
+                torch.clear_autocast_cache()
                 sums += shares
                 grad_norm += norm
                 n_minibatches += 1
