@@ -4,8 +4,12 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
 
 - bare GEMMs over a grid of sizes (rows x weight shape): achieved FLOP/s against GEMM size;
 - one large copy: the memory bandwidth;
-- the engine's own forwards of each given model (its runner and, for the actor, its sampler; the scorers'
-  reward, reference and critic paths) over a grid of rows x new tokens x context;
+- where the engine's actor multiplies by packed weights (the CPU: ``EngineConfig.packed_weights``), the
+  same GEMMs and weight streaming with the weights packed (``ThreadCosts.gemm_packed``,
+  ``streaming_packed``);
+- the engine's own forwards of each given model (its runner and, for the actor, its sampler and its packed
+  weights where the engine packs them; the scorers' reward, reference and critic paths) over a grid of
+  rows x new tokens x context;
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
   ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``);
