@@ -4,8 +4,12 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
 
 - bare GEMMs over a grid of sizes (rows x weight shape): achieved FLOP/s against GEMM size;
 - one large copy: the memory bandwidth;
-- the engine's own forwards of each given model (its runner and, for the actor, its sampler; the scorers'
-  reward, reference and critic paths) over a grid of rows x new tokens x context;
+- where the engine's actor multiplies by packed weights (the CPU: ``EngineConfig.packed_weights``), the
+  same GEMMs and weight streaming with the weights packed (``ThreadCosts.gemm_packed``,
+  ``streaming_packed``);
+- the engine's own forwards of each given model (its runner and, for the actor, its sampler and its packed
+  weights where the engine packs them; the scorers' reward, reference and critic paths) over a grid of
+  rows x new tokens x context;
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
   ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``);
@@ -85,21 +89,52 @@ FORWARD_GRID = (
 )  # fmt: skip
 
 
-def _time_gemms(device, dtype, timed, gpu: bool) -> dict[int, list[tuple[int, float]]]:
+# The rows oneDNN is told to expect when the calibration packs weights (``ops.pack_linear_weight``'s
+# ``batch_hint``; the engine gives its decode batch, ``B + Δ``): the calibration's middle decode batch.
+PACK_HINT = 16
+
+
+def packing(device, dtype) -> bool:
+    """Whether the engine's actor multiplies by packed weights on ``device`` in ``dtype`` by default
+    (``EngineConfig.packed_weights="auto"``: on for the CPU, where oneDNN can pack that dtype here), so the
+    calibration times its forwards and the packed GEMMs that way."""
+    import torch  # noqa: PLC0415
+
+    from oppo_engine import ops  # noqa: PLC0415
+    from oppo_engine.model.packed import packed_enabled  # noqa: PLC0415
+
+    if not packed_enabled("auto", device):
+        return False
+    return ops.packed_linear_supported(torch.empty(2, 2, device=device, dtype=dtype))
+
+
+def _linear(w, packed: bool):
+    """``x -> F.linear(x, w)``, or the same product with ``w`` packed once (as the engine's actor runs it)."""
+    import torch.nn.functional as F  # noqa: N812, PLC0415
+
+    from oppo_engine import ops  # noqa: PLC0415
+
+    if not packed:
+        return lambda x: F.linear(x, w)
+    p = ops.pack_linear_weight(w, PACK_HINT)
+    return lambda x: ops.packed_linear(x, p, None)
+
+
+def _time_gemms(device, dtype, timed, gpu: bool, packed: bool = False) -> dict[int, list[tuple[int, float]]]:
     """Achieved FLOP/s of the projections the models run: ``F.linear`` of ``[1, M, K]`` activations with
     ``[N, K]`` weights (the layout of ``nn.Linear``; a ``[K, N]`` matmul takes another, faster path on the
-    CPU), per weight size ``K * N`` (the shapes of one size, both orientations, averaged)."""
+    CPU), per weight size ``K * N`` (the shapes of one size, both orientations, averaged); ``packed``: the
+    weights packed once into oneDNN's layout (``ops.packed_linear``, the engine's actor on the CPU)."""
     import torch  # noqa: PLC0415
-    import torch.nn.functional as F  # noqa: N812, PLC0415
 
     best: dict[tuple[int, int, int], float] = {}
     shapes = GEMM_SHAPES_GPU if gpu else GEMM_SHAPES_CPU
-    weights = {(k, n): torch.randn(n, k, device=device, dtype=dtype) for k, n in shapes}
+    weights = {(k, n): _linear(torch.randn(n, k, device=device, dtype=dtype), packed) for k, n in shapes}
     for _ in range(ROUNDS):  # rounds, the fastest kept (as for the forwards)
         for (k, n), w in weights.items():
             for m in GEMM_ROWS_GPU if gpu else GEMM_ROWS:
                 x = torch.randn(1, m, k, device=device, dtype=dtype)
-                seconds = timed(lambda x=x, w=w: F.linear(x, w), 3)
+                seconds = timed(lambda x=x, w=w: w(x), 3)
                 best[m, k, n] = min(seconds, best.get((m, k, n), seconds))
     by_size: dict[tuple[int, int], list[float]] = {}
     for (m, k, n), seconds in best.items():
@@ -248,14 +283,14 @@ STREAMING_MB = (4, 16, 48, 128)
 STREAMING_ROWS = (1, 4, 16, 64)
 
 
-def _time_streaming(device, dtype, timed, gpu: bool) -> list[tuple[float, int, float]]:
+def _time_streaming(device, dtype, timed, gpu: bool, packed: bool = False) -> list[tuple[float, int, float]]:
     """``(working set bytes, rows, bytes/s)``: how fast projections of ``rows`` rows read their weights when a
     working set of that many bytes of them is cycled through, as a forward does through its layers (more
     than the cache holds, and they come from memory; with more than one row the CPU's GEMMs also repack
-    them). The weights have one decoder layer's proportions (hidden ``h``: ``h x h`` twice, ``h/3 x h``
-    twice, ``8h/3 x h`` twice, ``h x 8h/3``), in ``nn.Linear``'s layout."""
+    them, unless ``packed``: packed once into oneDNN's layout, as the engine's actor has them on the CPU).
+    The weights have one decoder layer's proportions (hidden ``h``: ``h x h`` twice, ``h/3 x h`` twice,
+    ``8h/3 x h`` twice, ``h x 8h/3``), in ``nn.Linear``'s layout."""
     import torch  # noqa: PLC0415
-    import torch.nn.functional as F  # noqa: N812, PLC0415
 
     h = 1024 if gpu else 384
     layer = [(h, h), (h // 3, h), (h // 3, h), (h, h), (8 * h // 3, h), (8 * h // 3, h), (h, 8 * h // 3)]
@@ -263,13 +298,14 @@ def _time_streaming(device, dtype, timed, gpu: bool) -> list[tuple[float, int, f
     out = []
     for mb in STREAMING_MB if not gpu else (64, 256, 1024):
         layers = max(1, (mb << 20) // per_layer)
-        weights = [torch.randn(n, k, device=device, dtype=dtype) for _ in range(layers) for n, k in layer]
+        weights = [(k, _linear(torch.randn(n, k, device=device, dtype=dtype), packed))
+                   for _ in range(layers) for n, k in layer]  # fmt: skip
         for rows in STREAMING_ROWS:
             xs = {k: torch.randn(1, rows, k, device=device, dtype=dtype) for _, k in layer}
 
             def sweep(weights=weights, xs=xs) -> None:
-                for w in weights:
-                    F.linear(xs[w.shape[1]], w)
+                for k, w in weights:
+                    w(xs[k])
 
             seconds = min(timed(sweep, 2) for _ in range(ROUNDS))
             out.append((float(layers * per_layer), rows, layers * per_layer / seconds))
@@ -341,7 +377,7 @@ def _time_bandwidth(device, timed) -> float:
 class _RoleBench:
     """The engine's forward path of one role over its own small arena, for timing."""
 
-    def __init__(self, role: str, model, device) -> None:
+    def __init__(self, role: str, model, device, packed: bool = False) -> None:
         import torch  # noqa: PLC0415
 
         from oppo_engine.cache import KVArena, KVCacheManager, KVSpec  # noqa: PLC0415
@@ -358,6 +394,13 @@ class _RoleBench:
         self.arena.buffer.zero_()
         self.cache = KVCacheManager(self.arena, role)
         runner = ModelRunner(model, self.cache)
+        if packed:  # the actor's weights packed as the engine packs them on the CPU (sched/build.py)
+            from oppo_engine.model.packed import PackedLinears  # noqa: PLC0415
+
+            # NOTE: its own packs, not ``packed.for_model``'s shared ones: a later engine of this model
+            # packs with its own batch hint, as it would without a calibration before it.
+            runner.packed = PackedLinears(model, PACK_HINT)
+        self.runner = runner
         self.actor = ActorWorker(runner) if role == "actor" else None
         scorers = {"reward": RewardScorer, "reference": ReferenceScorer, "critic": CriticScorer}
         self.scorer = scorers[role](runner) if role != "actor" else None
@@ -429,9 +472,10 @@ def _fit_with(points, ts: ThreadCosts, *, free_scale: bool) -> ThreadCosts:
     for shape, role, (rows, new, ctx), seconds in points:
         batch = Batch(tuple((new, ctx + new) for _ in range(rows)), _head_rows(role, rows, new), rows)
         weights = shape.weight_bytes
+        packed = role == "actor" and ts.packed  # the actor's forwards were timed packed (calibrate)
 
-        def gemm(m, k, n, weights=weights, shape=shape):
-            return max(probe.gemm(m, k, n, shape.dtype_bytes, 1, weights))
+        def gemm(m, k, n, weights=weights, shape=shape, packed=packed):
+            return max(probe.gemm(m, k, n, shape.dtype_bytes, 1, weights, packed))
 
         gemm_s = shape.layers * sum(gemm(batch.tokens, k, n) for k, n in shape.layer_gemms())
         gemm_s += gemm(batch.head_rows, *shape.head_gemm())
@@ -516,6 +560,7 @@ def calibrate(
         for role, m in models.items()
     }
     counts = (1,) if gpu else tuple(sorted(set(threads or (1, torch.get_num_threads()))))
+    packs = packing(device, dtype)
     saved = torch.get_num_threads()
     per_thread: dict[int, ThreadCosts] = {}
     try:
@@ -525,8 +570,14 @@ def calibrate(
             say(f"calibrate: GEMMs and bandwidth at {count} thread(s)")
             ts = ThreadCosts(_time_gemms(device, dtype, timed, gpu), _time_bandwidth(device, timed),
                              0, 0, 0, 0, 0, 0, 0, _time_streaming(device, dtype, timed, gpu))  # fmt: skip
+            if packs:  # the engine's actor multiplies by packed weights here: time those products too
+                say(f"calibrate: packed GEMMs and streaming at {count} thread(s)")
+                gemm_packed = _time_gemms(device, dtype, timed, gpu, packed=True)
+                streaming_packed = _time_streaming(device, dtype, timed, gpu, packed=True)
+                ts = dataclasses.replace(ts, gemm_packed=gemm_packed, streaming_packed=streaming_packed)
             say(f"calibrate: forwards of {', '.join(models)} at {count} thread(s)")
-            benches = {role: _RoleBench(role, model, device) for role, model in models.items()}
+            benches = {role: _RoleBench(role, model, device, packed=packs and role == "actor")
+                       for role, model in models.items()}  # fmt: skip
             best: dict = {}
             # NOTE: rounds over the whole grid, the fastest of each point kept: a burst of other load on
             # the machine then slows one round of a point, not all of them.
@@ -547,7 +598,7 @@ def calibrate(
         pairs = []
         for a, b in CONTENTION_PAIRS:
             s_a, s_b = _pair_slowdowns(benches["actor"].call(*a), benches["reward"].call(*b), timed, device)
-            wa = cost.forward(shapes["actor"], _batch("actor", *a))
+            wa = cost.forward(shapes["actor"], _batch("actor", *a), packed=packs)
             wb = cost.forward(shapes["reward"], _batch("reward", *b))
             pairs.append((wa, wb, s_a, s_b))
         cores, penalty = _fit_contention(pairs, probe, device)

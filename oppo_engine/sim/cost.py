@@ -180,8 +180,16 @@ class Roofline:
         return self.device.key
 
     def gemm(
-        self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1, working_set: float = 0.0
+        self,
+        m: int,
+        k: int,
+        n: int,
+        dtype_bytes: int,
+        threads: int = 1,
+        working_set: float = 0.0,
+        packed: bool = False,
     ) -> tuple[float, float]:
+        # ``packed`` (the CPU's prepacked weights) does not apply to a GPU: the same price.
         flops = 2.0 * m * k * n
         moved = (k * n + m * k + m * n) * dtype_bytes
         return flops / self._flops, moved / self._stream
@@ -229,28 +237,38 @@ class CostModel:
 
     def __init__(self, source) -> None:
         self.source = source
-        self._gemms: dict[tuple, tuple] = {}  # (shape, tokens, head rows, threads) -> GEMM phases
+        self._gemms: dict[tuple, tuple] = {}  # (shape, tokens, head rows, threads, packed) -> GEMM phases
 
     @property
     def kind(self) -> str:
         """``"gpu"`` or ``"cpu"``: what the source prices."""
         return self.source.kind
 
-    def forward(self, shape: ModelShape, batch: Batch, *, captured: bool = False, threads: int = 1) -> Work:
-        """One packed forward of ``shape`` over ``batch`` (its host bookkeeping included)."""
+    def forward(
+        self,
+        shape: ModelShape,
+        batch: Batch,
+        *,
+        captured: bool = False,
+        threads: int = 1,
+        packed: bool = False,
+    ) -> Work:
+        """One packed forward of ``shape`` over ``batch`` (its host bookkeeping included). ``packed``: its
+        ``nn.Linear`` weights are packed once into oneDNN's layout, as the engine's actor has them on the
+        CPU (``EngineConfig.packed_weights``); the scorers' are not."""
         src = self.source
         tokens = batch.tokens
-        key = (shape, tokens, batch.head_rows, threads)
+        key = (shape, tokens, batch.head_rows, threads, packed)
         gemms = self._gemms.get(key)
         if gemms is None:  # the GEMMs depend on the token and head-row counts only (a source is immutable)
             gemms = []
             weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
             for k, n in shape.layer_gemms():
-                f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights)
+                f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights, packed)
                 gemms.append((shape.layers * f, shape.layers * m))
             if batch.head_rows:
                 k, n = shape.head_gemm()
-                gemms.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights))
+                gemms.append(src.gemm(batch.head_rows, k, n, shape.dtype_bytes, threads, weights, packed))
             logit_rows = batch.head_rows if shape.head == "lm" else 0
             gemms.append((0.0, src.elementwise(shape, tokens, logit_rows, threads)))
             gemms = self._gemms[key] = tuple(gemms)

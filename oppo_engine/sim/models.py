@@ -103,14 +103,16 @@ class TwinActor:
         captured: bool,
         threads: Callable[[], int],
         stride=None,
+        packed: bool = False,
     ) -> None:
         self.shape, self.cost, self.cache, self.seqs = shape, cost, cache, seqs
         self.target, self.run, self.captured, self.threads = target, run, captured, threads
-        self.stride = stride
+        self.stride, self.packed = stride, packed
 
     def price(self, batch: Batch, captured: bool, threads: int):
-        """A forward's :class:`~oppo_engine.sim.cost.Work` over ``batch``."""
-        return self.cost.forward(self.shape, batch, captured=captured, threads=threads)
+        """A forward's :class:`~oppo_engine.sim.cost.Work` over ``batch`` (with the actor's weights packed
+        where the engine packs them: ``packed``)."""
+        return self.cost.forward(self.shape, batch, captured=captured, threads=threads, packed=self.packed)
 
     def forward(self, chunks: Sequence[SeqChunk], samples) -> tuple[list[int], list[float]]:
         counts = self.cache.token_counts([c.seq_id for c in chunks])

@@ -507,6 +507,7 @@ class _Planner:
             s.cost, s.shapes, self.candidates, batch_size=s.per_rank, running=s.per_rank + delta,
             prompt_len=s.prompt_lengths.mean(256), response_len=s.lengths.mean(256), local=local,
             captured=s.placement != "cpu" and s.config.graph in ("auto", True), threads=1, cores=s.cores,
+            packed=s.actor_packed,
         )  # fmt: skip
 
     def _arm(self, mode: str, chunk: int | None, delta: int | None) -> _ArmRun:

@@ -40,15 +40,17 @@ def predicted_profile(
     captured: bool = False,
     threads: int = 1,
     cores: float = 1.0,
+    packed: bool = False,
 ) -> SwitchProfile:
     """The profile ``cost`` predicts for ``shapes`` (by role; the actor's under ``"actor"``) with ``running``
     sequences in flight of which ``batch_size`` are returned per step, prompts of ``prompt_len`` and
     responses of ``response_len`` tokens. ``local``: the scorers on the actor's device (the others do not
-    contend with it); ``threads``: the CPU threads each streamed lane runs on."""
+    contend with it); ``threads``: the CPU threads each streamed lane runs on; ``packed``: the actor's
+    weights are packed (the engine's CPU default, ``EngineConfig.packed_weights``)."""
     actor = shapes[ACTOR]
     ctx = int(prompt_len + response_len / 2)
     decode = cost.forward(actor, Batch(tuple((1, ctx) for _ in range(running)), running, running),
-                          captured=captured, threads=threads)  # fmt: skip
+                          captured=captured, threads=threads, packed=packed)  # fmt: skip
     scorers = [role for role in shapes if role != ACTOR]
 
     def prefill(role: str, chunk: int):
@@ -110,6 +112,8 @@ def engine_prior(config, models: dict, *, max_new_tokens: int, remote: bool = Fa
     ``"actor"``), or None where no cost model of its device exists. The workload is a guess: prompts of 128
     tokens (at most an eighth of ``max_model_len``) and responses of half ``max_new_tokens``; the engine's
     measured steps replace it."""
+    from oppo_engine.model.packed import packed_enabled  # noqa: PLC0415
+
     actor = models[ACTOR]
     device = next(actor.parameters()).device
     cost = cost_model_for(device)
@@ -129,5 +133,5 @@ def engine_prior(config, models: dict, *, max_new_tokens: int, remote: bool = Fa
         running=config.batch_size + delta, prompt_len=min(128, max_len / 8),
         response_len=max(1, max_new_tokens / 2), local=set() if remote else set(shapes) - {ACTOR},
         captured=gpu and config.graph in ("auto", True), threads=1,
-        cores=1 if gpu else cost.source.profile.cores,
+        cores=1 if gpu else cost.source.profile.cores, packed=packed_enabled(config.packed_weights, device),
     )  # fmt: skip

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import platform
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +22,11 @@ from pathlib import Path
 from oppo_engine.sim.cost import Batch, HostCosts
 from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 
-VERSION = 2  # 2: ThreadCosts.unfitted (version 1 profiles still load, with nothing unfitted)
-READS = (1, VERSION)
+# 2: ThreadCosts.unfitted (version 1 profiles still load, with nothing unfitted). 3: the packed weights'
+# GEMMs and streaming (``ThreadCosts.gemm_packed``, ``streaming_packed``; a version 1 or 2 profile loads
+# without them, and prices the actor's packed projections as unpacked: ``Profile.from_json`` warns).
+VERSION = 3
+READS = (1, 2, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -54,7 +58,12 @@ class ThreadCosts:
     projections take inside a forward than the bare GEMMs predict (fitted); ``fit_error``: the median
     relative error of the fit over the timed forwards; ``unfitted``: the constants the calibration could
     not fit (``FEATURES``: no timed forward had their feature, so the value was never measured), each
-    with the largest amount of its feature among the calibration's models."""
+    with the largest amount of its feature among the calibration's models. ``gemm_packed`` and
+    ``streaming_packed``: the same two tables timed with the weights packed once into oneDNN's layout, as
+    the engine's actor multiplies by them on the CPU (``EngineConfig.packed_weights``,
+    ``oppo_engine/model/packed.py``; ``F.linear`` repacks the weights at every call); empty where the
+    calibration did not pack (a GPU, a dtype oneDNN cannot pack here, a profile older than version 3):
+    packed projections are then priced by the unpacked tables."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -68,28 +77,40 @@ class ThreadCosts:
     streaming: list[tuple[float, int, float]] = field(default_factory=list)
     gemm_scale: float = 1.0
     unfitted: dict[str, float] = field(default_factory=dict)
+    gemm_packed: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    streaming_packed: list[tuple[float, int, float]] = field(default_factory=list)
 
-    def streaming_bandwidth(self, working_set: float, rows: int = 1) -> float:
+    @property
+    def packed(self) -> bool:
+        """Whether the calibration timed packed weights (and so whether it timed the actor's forwards
+        packed, as the engine runs them)."""
+        return bool(self.gemm_packed)
+
+    def streaming_bandwidth(self, working_set: float, rows: int = 1, packed: bool = False) -> float:
         """Bytes/s at which projections of ``rows`` rows read weights out of a working set of
-        ``working_set`` bytes (interpolated in log size and log rows)."""
-        if not self.streaming:
+        ``working_set`` bytes (interpolated in log size and log rows); ``packed``: weights packed once
+        (the packed table where the calibration timed one)."""
+        table = self.streaming_packed if packed and self.streaming_packed else self.streaming
+        if not table:
             return self.bandwidth
         by_rows: dict[int, list[tuple[float, float]]] = {}
-        for size, r, bps in self.streaming:
+        for size, r, bps in table:
             by_rows.setdefault(r, []).append((size, bps))
         at = [(r, log_interp(sorted(points), max(1.0, working_set))) for r, points in sorted(by_rows.items())]
         return log_interp(at, max(1, rows))
 
-    def gemm_s(self, m: int, kn: int) -> float:
+    def gemm_s(self, m: int, kn: int, packed: bool = False) -> float:
         """Seconds of an ``[m, K] @ [K, N]`` GEMM with ``K * N = kn``: at each timed weight size, the timed
         rows' seconds made non-decreasing and interpolated linearly in ``m`` (past the last, at its
         FLOP/s); across sizes, seconds per weight element interpolated in log size. Never less for more
-        rows."""
-        per_element = [(size, self._at(size, m) / size) for size in sorted(self.gemm)]
+        rows. ``packed``: weights packed once (the packed table where the calibration timed one)."""
+        table = self.gemm_packed if packed and self.gemm_packed else self.gemm
+        per_element = [(size, self._at(table, size, m) / size) for size in sorted(table)]
         return log_interp(per_element, kn) * kn
 
-    def _at(self, size: int, m: int) -> float:
-        points = sorted(self.gemm[size])
+    @staticmethod
+    def _at(table: dict[int, list[tuple[int, float]]], size: int, m: int) -> float:
+        points = sorted(table[size])
         rows = [r for r, _ in points]
         seconds, slowest = [], 0.0
         for r, flops in points:
@@ -150,7 +171,11 @@ class Profile:
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["threads"] = {
-            str(t): {**dataclasses.asdict(c), "gemm": {str(k): v for k, v in c.gemm.items()}}
+            str(t): {
+                **dataclasses.asdict(c),
+                "gemm": {str(k): v for k, v in c.gemm.items()},
+                "gemm_packed": {str(k): v for k, v in c.gemm_packed.items()},
+            }
             for t, c in self.threads.items()
         }
         return out
@@ -170,11 +195,17 @@ class Profile:
                         **c,
                         "gemm": {int(k): [tuple(p) for p in v] for k, v in c["gemm"].items()},
                         "streaming": [(float(w), int(r), float(b)) for w, r, b in c.get("streaming", [])],
+                        "gemm_packed": {
+                            int(k): [tuple(p) for p in v] for k, v in c.get("gemm_packed", {}).items()
+                        },
+                        "streaming_packed": [
+                            (float(w), int(r), float(b)) for w, r, b in c.get("streaming_packed", [])
+                        ],
                     }
                 )
                 for t, c in data["threads"].items()
             }
-            return cls(
+            profile = cls(
                 device=data["device"], kind=data["kind"], threads=threads, host=HostCosts(**data["host"]),
                 training_flops=data["training_flops"], cores=data.get("cores", 1),
                 torch_version=data.get("torch_version", ""),
@@ -182,6 +213,15 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+        if data["version"] < 3 and profile.kind == "cpu":
+            warnings.warn(
+                f"{where}: format version {data['version']} timed no packed weights, so the engine's actor "
+                "(packed on the CPU: EngineConfig.packed_weights) is priced as unpacked, high where its "
+                "weights bind it; calibrate again (oppo-engine calibrate)",
+                UserWarning,
+                stacklevel=2,
+            )
+        return profile
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON; the file appears whole or not at all."""
@@ -229,13 +269,21 @@ class Calibrated:
         return self.profile.device
 
     def gemm(
-        self, m: int, k: int, n: int, dtype_bytes: int, threads: int = 1, working_set: float = 0.0
+        self,
+        m: int,
+        k: int,
+        n: int,
+        dtype_bytes: int,
+        threads: int = 1,
+        working_set: float = 0.0,
+        packed: bool = False,
     ) -> tuple[float, float]:
         c = self.profile.costs_at(threads)
         # The timed GEMMs kept their weights in cache; a forward through ``working_set`` bytes of weights
-        # reads them at the streaming bandwidth of that working set.
-        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set, m)
-        return c.gemm_scale * c.gemm_s(m, k * n), c.gemm_scale * moved
+        # reads them at the streaming bandwidth of that working set. ``packed``: the weights packed once,
+        # as the engine's actor has them on the CPU (the packed tables, where the calibration timed them).
+        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set, m, packed)
+        return c.gemm_scale * c.gemm_s(m, k * n, packed), c.gemm_scale * moved
 
     def attention(self, shape: ModelShape, batch: Batch, threads: int = 1) -> tuple[float, float]:
         c = self.profile.costs_at(threads)

@@ -107,6 +107,12 @@ class Setting:
     cpu_threads: int = 1
 
     @property
+    def actor_packed(self) -> bool:
+        """Whether the engine's actor multiplies by packed weights (``EngineConfig.packed_weights``: on the
+        CPU; ``"auto"`` is on there), so its forwards are priced packed."""
+        return self.placement == "cpu" and self.config.packed_weights in ("auto", True)
+
+    @property
     def ranks(self) -> int:
         """Actor ranks: every GPU but the scorer's under 7+1, every GPU colocated, one on the CPU."""
         return {"7+1": self.gpus - 1, "colocated": self.gpus, "cpu": 1}[self.placement]
@@ -260,6 +266,7 @@ class World:
             s.shapes[ACTOR], s.cost, sched.cache, lambda: {q.seq_id: q for q in sched.running},
             lambda seq: targets[seq.prompt_index][seq.sample_index], self.ex.work,
             captured=gpu and s.config.graph in ("auto", True), threads=threads, stride=stride,
+            packed=s.actor_packed,
         )  # fmt: skip
         if stride is not None:
             stride.price = loop.actor.price

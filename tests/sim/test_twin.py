@@ -440,17 +440,35 @@ def test_a_stale_profile_where_the_engine_looks_is_refused_with_a_warning(tmp_pa
         engine.close()
 
 
-def test_calibrate_writes_a_profile_of_this_device_that_prices_other_models(tmp_path):
+def test_calibrate_writes_a_profile_of_this_device_that_prices_other_models(tmp_path, monkeypatch):
     from oppo_engine.presets import build_models
-    from oppo_engine.sim import calibrate
+    from oppo_engine.sim import calibrate, calibration
 
     actor, reward = build_models("tiny", torch.float32, "cpu", 0)
     path = tmp_path / "profile.json"
     saved = torch.get_num_threads()
+    benches = []
+
+    class Bench(calibration._RoleBench):  # records how each role's forwards were timed
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            benches.append(self)
+
+    monkeypatch.setattr(calibration, "_RoleBench", Bench)
     try:
         profile = calibrate(actor, reward, path=path, threads=(1,))
     finally:
         torch.set_num_threads(saved)
+    # The actor's forwards were timed as the engine runs them on the CPU: its weights packed (and used:
+    # packs exist after the timed forwards); the reward's not. The packed GEMMs and streaming were timed
+    # over the same grids as the unpacked ones.
+    packs = calibration.packing(torch.device("cpu"), torch.float32)
+    assert {b.role: b.runner.packed is not None for b in benches} == {"actor": packs, "reward": False}
+    if packs:
+        assert all(b.runner.packed.nbytes > 0 for b in benches if b.role == "actor")
+        ts = profile.threads[1]
+        assert ts.packed and set(ts.gemm_packed) == set(ts.gemm)
+        assert [(w, r) for w, r, _ in ts.streaming_packed] == [(w, r) for w, r, _ in ts.streaming]
     assert torch.get_num_threads() == saved
     assert Profile.load(path, device=local_device_id("cpu")) == profile
     assert profile.kind == "cpu" and set(profile.threads) == {1} and 1.0 <= profile.cores

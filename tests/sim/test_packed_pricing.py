@@ -1,0 +1,123 @@
+"""The engine's actor multiplies by packed weights on the CPU (``EngineConfig.packed_weights``, default on
+there: ``oppo_engine/model/packed.py``), its scorers by their own ``nn.Linear`` weights, which ``F.linear``
+repacks at every call. The twin priced every projection as the unpacked bare GEMMs and weight streaming
+timed it, and ``calibrate`` timed the actor's forwards unpacked, so the actor's weight-bound decode was
+priced as unpacked: most on a wide model (the matrix's gqa8 column, predicted high from every
+calibration). Now a profile holds packed tables beside the unpacked ones, the actor's forwards are priced
+(and fitted) by them where the engine packs, and the scorers' by the unpacked ones. The profiles hold
+made-up constants (a test input, not a measurement)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from oppo_engine import EngineConfig
+from oppo_engine.sim import plan
+from oppo_engine.sim.calibration import FORWARD_GRID, _batch, _fit_with
+from oppo_engine.sim.cost import Batch, CostModel, HostCosts
+from oppo_engine.sim.prior import predicted_profile
+from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts
+from oppo_engine.sim.shapes import attention_pairs, model_shape
+
+GEMM = {kn: [(1, 2e9), (16, 2e10), (256, 5e10)] for kn in (16384, 1048576)}
+STREAMING = [(4e6, 1, 8e9), (1.28e8, 1, 6e9), (4e6, 16, 5e9), (1.28e8, 16, 4e9)]
+# Packed: twice the GEMMs' FLOP/s and twice the streaming bandwidth (made up).
+GEMM_PACKED = {kn: [(m, 2 * f) for m, f in v] for kn, v in GEMM.items()}
+STREAMING_PACKED = [(w, r, 2 * b) for w, r, b in STREAMING]
+UNPACKED = ThreadCosts(GEMM, 1e10, 1e-4, 2e-5, 1e-10, 1e-11, 1e-9, 1e-9, 0.05, STREAMING)
+PACKED = dataclasses.replace(UNPACKED, gemm_packed=GEMM_PACKED, streaming_packed=STREAMING_PACKED)
+
+
+def _profile(costs: ThreadCosts) -> Profile:
+    return Profile("cpu:test", "cpu", {1: costs}, HostCosts(2e-5, 3e-6, 5e-6), 5e9, cores=2)
+
+
+def _gemm_phases(work) -> list[tuple[float, float]]:
+    return list(work.phases[:-2])  # the projections (the layers' and the head's); then elementwise, attention
+
+
+def test_a_packed_forward_is_priced_by_the_packed_tables_and_an_unpacked_one_as_before():
+    shape = model_shape("small", dtype_bytes=4)
+    batch = Batch(tuple((1, 64) for _ in range(8)), 8, 8)
+    with_tables, without = CostModel(Calibrated(_profile(PACKED))), CostModel(Calibrated(_profile(UNPACKED)))
+    unpacked = _gemm_phases(with_tables.forward(shape, batch))
+    packed = _gemm_phases(with_tables.forward(shape, batch, packed=True))
+    assert unpacked == _gemm_phases(without.forward(shape, batch))  # the scorers' price: unchanged
+    for (f, m), (pf, pm) in zip(unpacked, packed, strict=True):
+        assert pf == pytest.approx(f / 2) and pm == pytest.approx(m / 2)
+    # A profile that timed no packed weights prices a packed forward by its unpacked tables.
+    assert _gemm_phases(without.forward(shape, batch, packed=True)) == unpacked
+
+
+def test_the_fit_takes_the_actors_packed_gemms_out_of_its_forwards_and_the_scorers_unpacked():
+    """Made-up forward times: the actor's are its packed projections plus the fitted terms, the reward's its
+    unpacked ones plus the same terms. The fit recovers the terms exactly (before, it took the actor's
+    unpacked projections out: its residuals went negative and the non-negative fit zeroed the terms)."""
+    true = dict(forward_s=1e-4, layer_s=2e-5, pair_s=1e-9, kv_byte_s=1e-11, token_hidden_s=1e-9, logit_s=1e-9)
+    probe = Calibrated(_profile(dataclasses.replace(PACKED, gemm_scale=1.0)))
+    actor = model_shape("small", dtype_bytes=4, name="actor")
+    reward = model_shape("small", head="score", dtype_bytes=4, name="reward")
+    points = []
+    for shape, role in ((actor, "actor"), (reward, "reward")):
+        for point in FORWARD_GRID:
+            batch = _batch(role, *point)
+            packed = role == "actor"
+
+            def gemm(m, k, n, shape=shape, packed=packed):
+                return max(probe.gemm(m, k, n, 4, 1, shape.weight_bytes, packed))
+
+            seconds = shape.layers * sum(gemm(batch.tokens, k, n) for k, n in shape.layer_gemms())
+            seconds += gemm(batch.head_rows, *shape.head_gemm())
+            logit_rows = batch.head_rows if shape.head == "lm" else 0
+            pairs = sum(attention_pairs(n, c) for n, c in batch.chunks)
+            seconds += (
+                true["forward_s"]
+                + true["layer_s"] * shape.layers
+                + true["pair_s"] * shape.layers * shape.q_width * pairs
+                + true["kv_byte_s"] * shape.layers * shape.kv_width * 8 * sum(c for _, c in batch.chunks)
+                + true["token_hidden_s"] * shape.layers * batch.tokens * shape.hidden
+                + true["logit_s"] * logit_rows * shape.vocab
+            )
+            points.append((shape, role, point, seconds))
+    costs = _fit_with(points, PACKED, free_scale=False)
+    assert costs.fit_error < 1e-9
+    for name in ("pair_s", "kv_byte_s", "token_hidden_s", "logit_s"):
+        assert getattr(costs, name) == pytest.approx(true[name], rel=1e-6), name
+    # Both models have one depth, so the fit sees the per-forward and per-layer costs only as their sum.
+    fixed = costs.forward_s + costs.layer_s * actor.layers
+    assert fixed == pytest.approx(true["forward_s"] + true["layer_s"] * actor.layers, rel=1e-6)
+
+
+def _rollout_s(profile: Profile, packed_weights) -> float:
+    config = EngineConfig(batch_size=4, mode="sequential", packed_weights=packed_weights)
+    p = plan("small", reward="small", device=profile, gpus=1, placement="cpu", batch_size=4, lengths=16,
+             prompt_lengths=8, steps=1, modes=("sequential",), config=config)  # fmt: skip
+    return p.modes["sequential"].rollout_s
+
+
+def test_the_twin_prices_the_engines_actor_packed_on_the_cpu_as_its_config_says():
+    packed_profile, unpacked_profile = _profile(PACKED), _profile(UNPACKED)
+    # The engine's CPU default ("auto") and True pack the actor: its forwards cost less with the packed
+    # tables; False does not: the unpacked price, the same as a profile without packed tables.
+    assert _rollout_s(packed_profile, "auto") == _rollout_s(packed_profile, True)
+    assert _rollout_s(packed_profile, "auto") < _rollout_s(packed_profile, False)
+    assert _rollout_s(packed_profile, False) == _rollout_s(unpacked_profile, "auto")
+
+
+def test_the_chunk_prior_prices_the_actors_decode_packed():
+    cost = CostModel(Calibrated(_profile(PACKED)))
+    shapes = {"actor": model_shape("small", dtype_bytes=4), "reward": model_shape("small", head="score")}
+
+    def decode_s(packed: bool) -> float:
+        return predicted_profile(cost, shapes, (16,), batch_size=4, running=4, prompt_len=16, response_len=16,
+                                 local={"reward"}, packed=packed).decode_iter_s  # fmt: skip
+
+    decode = cost.forward(shapes["actor"], Batch(tuple((1, 24) for _ in range(4)), 4, 4), packed=True)
+    assert decode_s(True) == decode.alone_s < decode_s(False)
+
+
+def test_a_profile_with_packed_tables_survives_its_file(tmp_path):
+    profile = _profile(PACKED)
+    assert Profile.load(profile.save(tmp_path / "p.json")) == profile
