@@ -92,6 +92,7 @@ def _run(models, mode, share, prompts=PROMPTS, **kw):
     rollouts, metrics = drain(engine)
     got = _by_prompt(rollouts)
     assert sorted(got) == list(range(len(prompts)))  # every prompt exactly once
+    engine._arena.synchronize()  # deferred frees behind the lanes' events (CUDA)
     assert_no_reference_left(engine)
     engine.close()
     return got, metrics
@@ -116,6 +117,18 @@ def test_sharing_equals_the_engine_without_it_in_every_mode(models, mode, extra)
         assert sum(m.shared_tokens[name] for m in on) > 0, (name, [m.shared_tokens for m in on])
     if mode in ("inter", "oppo"):
         assert any(m.deferred for m in on)  # sequences were carried across steps
+
+
+@pytest.mark.cuda
+def test_sharing_on_cuda_streams_equals_the_engine_without_it():
+    """Forks and copies on write on the lanes' CUDA streams (the actor's high-priority, the scorers' low)."""
+    makers = dict(actor=make_actor, reward=make_reward, reference=make_reference, critic=make_critic)
+    cuda = {name: make().to("cuda") for name, make in makers.items()}
+    want, _ = _run(cuda, "oppo", False, overcommit=3, chunk_size=3)
+    got, on = _run(cuda, "oppo", True, overcommit=3, chunk_size=3)
+    for i in want:
+        assert_same(got[i], want[i], atol=1e-4)
+    assert all(sum(m.shared_tokens[name] for m in on) > 0 for name in MODELS)
 
 
 def test_one_step_shares_every_class_prefix_once_per_model(models):
