@@ -125,6 +125,12 @@ class EngineConfig:
     (``None``: one per sequence in flight, B + Δ_max); an async ``step`` runs on one event loop instead.
     ``env_timeout_s`` (``None``: no limit) ends a sequence whose environment call runs longer with
     ``finish_reason="error"`` (``StepResult.failed``).
+    ``share_prompt_prefix`` (default ``True``): prompts sampled once (``n == 1``) that begin with the same
+    tokens -- a chat template's system turn, a few-shot example -- share them across prompts: among the
+    prompts a step admits, the first ``shared_prefix_min_tokens`` or more identical leading tokens of a class
+    of prompts are computed once per model (actor, reward, reference, critic) and their KV pages shared, as
+    a group's samples share their prompt. Results are those of the engine without it, to rounding.
+    ``shared_prefix_min_tokens`` (``None``: ``page_size``) is the shortest prefix worth sharing.
     """
 
     batch_size: int = 64
@@ -146,6 +152,8 @@ class EngineConfig:
     rollout_dtype: torch.dtype | None = None
     env_workers: int | None = None
     env_timeout_s: float | None = None
+    share_prompt_prefix: bool = True
+    shared_prefix_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -204,6 +212,20 @@ class EngineConfig:
         if self.packed_weights not in ("auto", True, False):
             raise ValueError(
                 f"EngineConfig.packed_weights must be 'auto', True or False, got {self.packed_weights!r}"
+            )
+        if not isinstance(self.share_prompt_prefix, bool):
+            raise ValueError(
+                f"EngineConfig.share_prompt_prefix must be True or False, got {self.share_prompt_prefix!r}"
+            )
+        least = self.shared_prefix_min_tokens
+        if least is not None and not (_is_token_id(least) and least >= 1):
+            raise ValueError(
+                f"EngineConfig.shared_prefix_min_tokens must be an int >= 1 or None, got {least!r}"
+            )
+        if least is not None and not self.share_prompt_prefix:
+            raise ValueError(
+                f"EngineConfig.shared_prefix_min_tokens={least!r} is ignored with share_prompt_prefix=False; "
+                "leave it at None or turn sharing on"
             )
         if self.chunk != ChunkControl() and self.chunk_size != "auto":
             raise ValueError(

@@ -34,6 +34,10 @@ class Scorer(ABC):
 
     field: str  # "reward", "ref_logprobs" or "values"
     cache: KVCacheManager | None = None
+    # ``fork`` may take over a source that has prefilled past the shared tokens: the scorer's state holds
+    # nothing of the tokens before a prompt's last (per-token scorers read rows from there on), so the
+    # source's state at any later point says nothing about ``dst``'s.
+    fork_any_point: bool = False
 
     @property
     def name(self) -> str:
@@ -153,6 +157,8 @@ _Span = tuple[SeqChunk, int, int]  # a chunk, its first position at or after pro
 class _PerTokenScorer(Scorer):
     """A scorer with one output per response token, read from the rows at positions ``prompt_len - 1`` on
     (the row before each response token)."""
+
+    fork_any_point = True  # a shared prefix ends before prompt_len - 1: it leaves no state (``fork``)
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner

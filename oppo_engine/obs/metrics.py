@@ -41,8 +41,9 @@ class StepMetrics:
         reused_tokens: model -> tokens of retained KV the step's carried-over sequences started with.
         swapped_tokens: model -> tokens whose KV came back from host memory (``resume()``) since the
             last step.
-        shared_tokens: model -> prompt tokens whose KV a sample of a group took from another sample
-            (``SamplingParams.n > 1``: pages shared, not prefilled) in this step.
+        shared_tokens: model -> prompt tokens whose KV a sequence took from another in this step (pages
+            shared, not prefilled): a sample of a group from another sample (``SamplingParams.n > 1``), a
+            prompt from another beginning with the same tokens (``EngineConfig.share_prompt_prefix``).
         retries: runs of the step loop after the first within this step: the retry of a failed forward or
             reward, the halving probes that isolate a culprit group, the runs without a quarantined group.
         graph_forwards: the actor's decode-only forwards of this step that ran through a captured graph

@@ -5,7 +5,10 @@ one step's lane trace per mode.
 The engine settings are explicit (not the engine's defaults, which other work may move): overcommit
 ``Δ = batch_size / 2`` sequences, chunk size chosen online (``"auto"``, the "off" arm included), and a
 sequence deferred at most ``max_deferrals = 2`` times under ``max_policy_lag = 2`` (the engine's default),
-so it spans at most 3 steps; ``max_policy_lag=None`` with more deferrals shows what the bound costs.
+so it spans at most 3 steps; ``max_policy_lag=None`` with more deferrals shows what the bound costs. Every
+mode shares the prompts' common prefix across prompts (``share_prompt_prefix=True``, the engine's default:
+the math prompts' first 102 tokens, a chat template's system turn and a worked example, are computed once
+per model and step).
 
 ``--task tools`` runs the embedded tools task instead (``ppo/tools_task.py``): multi-turn episodes in which
 the policy calls a calculator whose latency is long-tailed, rewarded for the right final answer. Its modes
@@ -138,7 +141,7 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 def engine_overrides(mode: str, opts: DemoOptions) -> dict:
     """The demo's engine settings for ``mode`` (explicit, see the module docstring)."""
-    overrides: dict = {"mode": mode, "max_model_len": opts.max_model_len}
+    overrides: dict = {"mode": mode, "max_model_len": opts.max_model_len, "share_prompt_prefix": True}
     if mode in ("inter", "oppo"):
         delta = opts.overcommit if opts.overcommit is not None else opts.batch_size // 2
         overrides.update(

@@ -124,8 +124,17 @@ def build_step_loop(
             vocab_size=vocab_size,
             max_model_len=max_model_len,
         ),  # fmt: skip
+        share_prefix_min=_share_prefix_min(config),
     )
     if device.type == "cuda":  # compile the Triton variants here, not on two lanes at once
         with torch.cuda.device(device):  # Triton launches on the current device, not the tensors'
             warm_up_models(loop.actor, scorers, max_model_len)
     return BuiltLoop(loop, caches, captured)
+
+
+def _share_prefix_min(config: EngineConfig) -> int:
+    """Fewest leading tokens prompts share across prompts (``EngineConfig.share_prompt_prefix``); 0: off."""
+    if not config.share_prompt_prefix:
+        return 0
+    least = config.shared_prefix_min_tokens
+    return config.page_size if least is None else least

@@ -57,6 +57,12 @@ class ActorScheduler:
     needs the prefix forks it from any sample of its group holding it from an earlier forward (its pages
     shared, ``KVCacheManager.fork``), and waits -- letting younger sequences pass -- while another sample
     of its group is computing it. A preempted sample forks again (or, if none holds it, prefills again).
+
+    Prompts sharing a prefix (``Sequence.share_id``, ``EngineConfig.share_prompt_prefix``) are handled the
+    same way, keyed by ``Sequence.prefix_key``: the first member admitted computes the class's
+    ``prefix_len`` tokens as a chunk of its own, the others fork them. A source must have computed those
+    tokens in this step (it held no KV when the step began: ``kept_tokens``), so a fork never hands out KV
+    of an earlier policy (``retained_kv="reuse"``); a member with no source computes the prefix itself.
     """
 
     def __init__(
@@ -84,7 +90,8 @@ class ActorScheduler:
         self.kept_tokens: dict[int, int] = {}
         self._finished_kept: list[int] = []  # finished sequences that still hold kept pages
         self._left_out: list[Sequence] = []  # the step's sequences outside this run (``leave_out``)
-        self._groups: dict[int, list[Sequence]] = {}  # group id -> its samples in this step (n > 1)
+        # prefix key -> the sequences of this step sharing that prefix (a group's samples, a class of prompts)
+        self._groups: dict[int, list[Sequence]] = {}
         self.num_preemptions = 0
         self.recomputed_tokens = 0  # tokens prefilled again after their KV was dropped
 
@@ -96,7 +103,7 @@ class ActorScheduler:
         if seq.seq_id in self.cache:
             self.kept_tokens[seq.seq_id] = self.cache.num_tokens(seq.seq_id)
         if seq.prefix_len:
-            self._groups.setdefault(seq.group_id, []).append(seq)
+            self._groups.setdefault(seq.prefix_key, []).append(seq)
 
     def park(self, seq: Sequence) -> None:
         """Hold ``seq``, waiting on its environment since an earlier step, until ``resume``; its KV is kept as
@@ -105,7 +112,7 @@ class ActorScheduler:
         if seq.seq_id in self.cache:
             self.kept_tokens[seq.seq_id] = self.cache.num_tokens(seq.seq_id)
         if seq.prefix_len:
-            self._groups.setdefault(seq.group_id, []).append(seq)
+            self._groups.setdefault(seq.prefix_key, []).append(seq)
 
     def resume(self, seq: Sequence) -> None:
         """``seq``'s observation is appended: back into the batch if it kept its pages, else first in line."""
@@ -250,19 +257,23 @@ class ActorScheduler:
         """Tokens of ``seq`` in the next forward; a chunk that writes a group's prefix stops at its end."""
         # NOTE: num_pending and prefix_len spelled out: this runs for every running sequence every forward.
         n = min(len(seq.prompt_ids) + len(seq.response_ids) - seq.num_computed, budget)
-        if seq.sampling.n > 1 and seq.num_computed < seq.prefix_len:
+        prefix = seq.prefix_len
+        if seq.num_computed < prefix:
             prefixing.add(seq.seq_id)
-            n = min(n, seq.prefix_len - seq.num_computed)
+            n = min(n, prefix - seq.num_computed)
         return n
 
     def _prefix_source(self, seq: Sequence, prefixing: set[int]) -> Sequence | None:
-        """A sample of ``seq``'s group holding the group's prefix KV from an earlier forward, if any."""
+        """A sequence sharing ``seq``'s prefix (a sample of its group, a prompt of its class) that holds the
+        prefix's KV from an earlier forward, if any. A class member's source computed it in this step."""
         need = seq.prefix_len
-        for other in self._groups.get(seq.group_id, ()):
+        group = seq.sampling.n > 1
+        for other in self._groups.get(seq.prefix_key, ()):
             if (
                 other is not seq
                 and other.seq_id not in prefixing
                 and self.cache.num_tokens(other.seq_id) >= need
+                and (group or (other.seq_id not in self.kept_tokens and _same_prefix(other, seq, need)))
             ):
                 return other
         return None
@@ -275,14 +286,14 @@ class ActorScheduler:
         seq.computed_high = max(seq.computed_high, need)
 
     def _prefix_in_progress(self, seq: Sequence, prefixing: set[int]) -> bool:
-        """Another sample of ``seq``'s group is computing the prefix (in this forward, or over several)."""
+        """Another sequence sharing ``seq``'s prefix is computing it (in this forward, or over several)."""
         return any(
             other is not seq
             and (
                 other.seq_id in prefixing
                 or (other.status is SeqStatus.RUNNING and other.num_computed < other.prefix_len)
             )
-            for other in self._groups.get(seq.group_id, ())
+            for other in self._groups.get(seq.prefix_key, ())
         )
 
     def _victim(self, after: int) -> Sequence | None:
@@ -414,3 +425,9 @@ class ActorScheduler:
         self._left_out = []
         self._groups.clear()
         return seqs
+
+
+def _same_prefix(a: Sequence, b: Sequence, n: int) -> bool:
+    """``a`` and ``b`` begin with the same ``n`` prompt tokens (a class guarantees it: checked where a fork
+    would otherwise hand out another prompt's KV without an error)."""
+    return a.prompt_ids[:n] == b.prompt_ids[:n]

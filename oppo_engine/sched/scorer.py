@@ -26,8 +26,10 @@ class ScorerScheduler:
 
     Groups: as on the actor, a sample's chunks stop at the group's shared prefix; a sample with nothing
     prefilled forks the prefix (pages and the scorer's state at that point: ``Scorer.fork``) from a sample
-    of its group that has prefilled exactly the prefix, and waits while one is still prefilling it. A
-    sample that finds none prefills the prefix itself.
+    of its group that has prefilled exactly the prefix -- or any part past it, for a scorer whose state
+    holds nothing of the prefix (``Scorer.fork_any_point``) -- and waits while one is still prefilling it. A
+    sample that finds none prefills the prefix itself. Prompts sharing a prefix
+    (``Sequence.share_id``) share it the same way, keyed by ``Sequence.prefix_key``.
 
     Sequences carried over to the next step stay here, with their pages and progress, until scored.
     ``recomputed_tokens`` counts tokens prefilled again below a sequence's high-water mark (after a
@@ -47,7 +49,9 @@ class ScorerScheduler:
         self.recomputed_tokens = 0
         self.swapped_tokens = 0
         self._swapped: dict[int, HostPages] = {}  # seq_id -> its pages on host (preempted)
-        self._groups: dict[int, list[Sequence]] = {}  # group id -> its samples here (n > 1)
+        # prefix key -> the sequences here sharing that prefix (a group's samples, a class of prompts)
+        self._groups: dict[int, list[Sequence]] = {}
+        self._keys: dict[int, int] = {}  # seq_id -> its prefix key when added (it never changes)
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq.seq_id in self._scored
@@ -59,7 +63,8 @@ class ScorerScheduler:
         self._handed[seq.seq_id] = (0, False)
         self.active.append(seq)
         if seq.prefix_len:
-            self._groups.setdefault(seq.group_id, []).append(seq)
+            self._keys[seq.seq_id] = key = seq.prefix_key
+            self._groups.setdefault(key, []).append(seq)
 
     def hand_off(self, seq: Sequence, upto: int, final: bool) -> None:
         """Tokens ``[0, upto)`` of ``seq`` may be prefilled; ``final``: they are all it will ever have."""
@@ -128,15 +133,19 @@ class ScorerScheduler:
         return chunks
 
     def _fork_prefix(self, seq: Sequence) -> bool:
-        """Share the prefix -- pages and scorer state -- with ``seq`` (nothing prefilled) from a sample of its
-        group that has prefilled exactly the prefix (in an earlier forward: called before scheduling)."""
+        """Share the prefix -- pages and scorer state -- with ``seq`` (nothing prefilled) from a sequence
+        sharing it that has prefilled exactly the prefix, or at least the prefix where the scorer's state
+        holds nothing of it (``Scorer.fork_any_point``), in an earlier forward (called before scheduling)."""
         need = seq.prefix_len
-        for other in self._groups.get(seq.group_id, ()):
+        past = self.scorer.fork_any_point
+        for other in self._groups.get(seq.prefix_key, ()):
+            have = self._scored[other.seq_id]
             if (
                 other is not seq
-                and self._scored[other.seq_id] == need
+                and (have == need or (past and have > need))
                 and other.seq_id not in self._swapped
-                and self.cache.num_tokens(other.seq_id) == need
+                and self.cache.num_tokens(other.seq_id) == have
+                and other.prompt_ids[:need] == seq.prompt_ids[:need]
             ):
                 self.cache.fork(other.seq_id, seq.seq_id, need)
                 self.scorer.fork(other.seq_id, seq.seq_id)
@@ -147,11 +156,11 @@ class ScorerScheduler:
         return False
 
     def _prefix_in_progress(self, seq: Sequence, prefixing: set[int]) -> bool:
-        """Another sample of ``seq``'s group is prefilling the prefix (in this forward, or over several)."""
+        """Another sequence sharing ``seq``'s prefix is prefilling it (in this forward, or over several)."""
         scored = self._scored
         return any(
             other is not seq and (other.seq_id in prefixing or 0 < scored[other.seq_id] < other.prefix_len)
-            for other in self._groups.get(seq.group_id, ())
+            for other in self._groups.get(seq.prefix_key, ())
         )
 
     def complete(self, seq: Sequence):
@@ -201,11 +210,12 @@ class ScorerScheduler:
         self.active.remove(seq)
         del self._scored[seq.seq_id]
         del self._handed[seq.seq_id]
-        group = self._groups.get(seq.group_id)
-        if group is not None:
+        key = self._keys.pop(seq.seq_id, None)
+        if key is not None:
+            group = self._groups[key]
             group.remove(seq)
             if not group:
-                del self._groups[seq.group_id]
+                del self._groups[key]
 
     def _youngest_holding_pages(self, after: int) -> Sequence | None:
         for seq in reversed(self.active[after + 1 :]):

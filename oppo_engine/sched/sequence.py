@@ -50,6 +50,13 @@ class Sequence:
     A prompt sampled ``n > 1`` times is a group: its sequences share ``prompt_index`` (the group id) and
     differ in ``sample_index``; the KV of the first ``prefix_len`` prompt tokens is computed once per model
     and shared (each sample computes the last prompt token itself: its logits draw the sample's first token).
+    Prompts sampled once may share a leading run of tokens with other prompts of their step
+    (``EngineConfig.share_prompt_prefix``, ``sched/prefix.py``): ``share_id`` names the class of prompts
+    whose first ``share_len`` tokens are identical, and those tokens are the sequence's ``prefix_len``,
+    shared the same way. ``share_len`` is ``None`` until the step loop has looked (then 0 if nothing is
+    shared); it is set once and never changes, so every scheduler sees the same class while it holds the
+    sequence.
+    ``prefix_key`` names the sequences that share a prefix: the group's id, or (negative) the class's.
 
     ``episode`` is the multi-turn state of a sequence with an environment (``None`` without one): the
     response then holds observation tokens too, each with log-prob 0.0 and policy version -1.
@@ -84,6 +91,8 @@ class Sequence:
     episode: Episode | None = None
     group_size: int = 0  # 0: sampling.n; else a group of one-sample sequences (agents on one task, add_group)
     side: SideWork | None = None
+    share_id: int = -1  # the class of prompts sharing its first share_len tokens (n == 1; -1: none)
+    share_len: int | None = None  # None: not looked at yet (sched/prefix.py)
 
     @property
     def group_n(self) -> int:
@@ -98,9 +107,15 @@ class Sequence:
 
     @property
     def prefix_len(self) -> int:
-        """Leading tokens whose KV the group's samples share: all of the prompt but its last token (0 for a
-        prompt sampled once, or of one token)."""
-        return len(self.prompt_ids) - 1 if self.sampling.n > 1 else 0
+        """Leading tokens whose KV is shared: a group's samples share all of the prompt but its last token; a
+        prompt sampled once shares ``share_len`` tokens with its class (0: none)."""
+        return len(self.prompt_ids) - 1 if self.sampling.n > 1 else self.share_len or 0
+
+    @property
+    def prefix_key(self) -> int:
+        """Who shares the prefix: the group's id (``n > 1``), else ``-1 - share_id`` (meaningful only while
+        ``prefix_len > 0``)."""
+        return self.prompt_index if self.sampling.n > 1 else -1 - self.share_id
 
     @property
     def num_tokens(self) -> int:

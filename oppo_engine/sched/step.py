@@ -21,6 +21,7 @@ from oppo_engine.obs import Timeline
 from oppo_engine.sched.envs import RESUME, EnvDriver
 from oppo_engine.sched.lanes import DeviceLane, ScorerLane, ordered_with_caller
 from oppo_engine.sched.overcommit import BatchCut
+from oppo_engine.sched.prefix import shared_prefixes
 from oppo_engine.sched.quarantine import model_call
 from oppo_engine.sched.runtime import THREADS, Clock, LaneExecutor
 from oppo_engine.sched.scheduler import ActorScheduler, ScheduledChunk
@@ -70,6 +71,11 @@ class StepLoop:
 
     Side work (``add_side_work``, ``sched/side.py``) is decoded beside a committing step's sequences and is
     never part of it; a step with no batch of its own decodes it to the end.
+
+    ``share_prefix_min`` (``EngineConfig.share_prompt_prefix``; 0: off): the prompts of a run that no
+    scheduler holds yet (its new ones, and those admitted in its middle, among themselves) are split into
+    classes sharing their first ``share_prefix_min`` or more tokens (``sched/prefix.py``), once per sequence,
+    before any scheduler sees them; the schedulers share each class's prefix KV.
     """
 
     def __init__(
@@ -82,8 +88,11 @@ class StepLoop:
         timeline: Timeline,
         pages_in_use: Callable[[], int],
         envs: EnvDriver,
+        share_prefix_min: int = 0,
     ) -> None:
         self.envs = envs
+        self.share_prefix_min = share_prefix_min
+        self._share_ids = 0  # classes of shared prefixes made so far (never reused: scorers keep theirs)
         self.actor_sched = actor_sched
         self.actor = actor
         self.scorer_lane = scorer_lane
@@ -152,6 +161,7 @@ class StepLoop:
         t0 = self.clock()
         self._seqs, self._live = list(seqs), {s.seq_id for s in seqs}
         self.admitted, self.admitted_snapshots = [], []
+        self._share_prefixes(seqs)
         capacity = cut.capacity if commit and self.admission is not None else None
         with (
             _probing(self.envs, not commit),
@@ -414,6 +424,7 @@ class StepLoop:
         self._seqs += new
         self._live.update(s.seq_id for s in new)
         cut.admit(new)
+        self._share_prefixes(new)
         for seq in new:
             if seq.status is SeqStatus.FAILED:
                 continue  # a sample of its group failed just now
@@ -425,6 +436,25 @@ class StepLoop:
             if stream:
                 self.scorer_lane.add(seq)
                 self._hand_off(seq, final=False, out=out)
+
+    def _share_prefixes(self, seqs: list[Sequence]) -> None:
+        """Classes of shared prompt prefixes among ``seqs`` not looked at yet (``Sequence.share_len`` None):
+        prompts sampled once, that no scorer holds, not side work. Set once: a sequence keeps its class."""
+        if not self.share_prefix_min:
+            return
+        lane = self.scorer_lane
+        fresh = [
+            s
+            for s in seqs
+            if s.share_len is None and s.sampling.n == 1 and s.side is None and not lane.knows(s)
+        ]
+        classes = shared_prefixes([s.prompt_ids for s in fresh], self.share_prefix_min) if fresh else []
+        base = self._share_ids
+        for seq, (cls, length) in zip(fresh, classes, strict=True):
+            seq.share_len = length
+            if length:
+                seq.share_id = base + cls
+        self._share_ids = base + 1 + max((cls for cls, _ in classes), default=-1)
 
     def _finished(self, seq: Sequence, now: float, cut: BatchCut, out: StepOutcome, stream: bool) -> None:
         seq.finish_time = now

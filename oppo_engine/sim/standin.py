@@ -355,6 +355,7 @@ class StandInScorer(Scorer):
         faults: Faults,
     ) -> None:
         self.field, self.cache, self.io = field, cache, PageIO(cache, tag)
+        self.fork_any_point = field != "reward"  # as the real scorers (model/scorer.py)
         self.oracle, self.seqs, self.clock, self.costs, self.faults = oracle, seqs, clock, costs, faults
         self.note: Callable[[str], None] | None = None
 

@@ -106,6 +106,8 @@ class Workload:
     max_turn_tokens: int | None = None
     max_turns: int | None = None
     env_timeout_s: float | None = None
+    # Set by a caller, never drawn (the draws stay those of the seeds on record): None is the default.
+    shared_prefix_min_tokens: int | None = None
 
     @classmethod
     def draw(cls, seed: int) -> Workload:
@@ -202,6 +204,8 @@ class Workload:
             kwargs.update(chunk_size=self.chunk_size)
         if self.env is not None:
             kwargs.update(env_timeout_s=self.env_timeout_s)
+        if self.shared_prefix_min_tokens is not None:
+            kwargs.update(shared_prefix_min_tokens=self.shared_prefix_min_tokens)
         return EngineConfig(**kwargs)
 
     def sampling(self) -> SamplingParams:
@@ -225,6 +229,7 @@ class Report:
     env_calls: int = 0  # environment step() calls answered (multi-turn workloads)
     env_failed: int = 0  # rollouts failed by their environment (an error, or a hang past the timeout)
     env_timeouts: int = 0
+    shared_tokens: int = 0  # prompt tokens forked rather than prefilled, every model (StepMetrics)
     notes: list[str] = field(default_factory=list)
 
 
@@ -422,6 +427,7 @@ def _run(sim: Sim) -> Report:
         report.steps += 1
         report.max_forward_ratio = max(report.max_forward_ratio, (sim.ex.forwards - forwards0) / bound)
         report.env_calls += result.metrics.env_calls
+        report.shared_tokens += sum(result.metrics.shared_tokens.values())
         env_failed = [r for r in result.failed if "environment" in (r.error or "")]
         report.env_failed += len(env_failed)
         report.env_timeouts += sum("env_timeout_s" in r.error for r in env_failed)
