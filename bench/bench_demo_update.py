@@ -2,6 +2,7 @@
 thirds of the demo's PPO step).
 
     python -m bench.bench_demo_update --rounds 2 --arms sdpa eager
+    python -m bench.bench_demo_update --steps 3 --rounds 1 --arms eager   # whole steps first, then the A/B
 
 One ``sequential`` trainer of the demo's defaults (SmolLM2-135M-Instruct, its bf16 rollout, B=32, the
 update under bf16 autocast over fp32 weights), one engine step of 32 rollouts, then ``PPOTrainer._update``
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from oppo_engine.ppo.batch import canonical_order, collate
-from oppo_engine.ppo.demo import MATH_DEFAULTS, MATH_MODEL, DemoOptions, make_trainer
+from oppo_engine.ppo.demo import MATH_DEFAULTS, MATH_MODEL, DemoOptions, make_trainer, release_heap
 
 
 def _state(trainer):
@@ -74,11 +75,24 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--arms", nargs="+", default=["sdpa", "eager"], choices=["sdpa", "eager", "padded"])
     parser.add_argument("--threads", type=int, default=MATH_DEFAULTS["threads"])
     parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--steps", type=int, default=0, help="whole PPO steps before the A/B, each timed")
+    parser.add_argument("--trim", action="store_true", help="malloc_trim(0) after each of those steps")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     defaults = {k: v for k, v in MATH_DEFAULTS.items() if k != "modes"}
     opts = dataclasses.replace(DemoOptions(), task="math", **defaults)
     trainer = make_trainer("sequential", opts, Path(MATH_MODEL), Path("."))
+    for i in range(args.steps):  # whole PPO steps first, as the demo runs them (each its own batch)
+        c0 = time.process_time()
+        st = trainer.step()
+        if args.trim:
+            release_heap()
+        print(
+            f"PPO step {i + 1}: rollout {st.rollout_s:.1f} s, update {st.update_s:.1f} s (of it the agreement "
+            f"forward {st.agreement_s:.1f} s), cpu {time.process_time() - c0:.1f} s, "
+            f"load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
     trainer._feed_engine()
     t0 = time.perf_counter()
     result = trainer.engine.step()

@@ -10,13 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-# OpenMP threads that finish their share of a parallel region first spin at its barrier rather than sleep
-# (libgomp's default). On a machine busier than its cores the spinning threads take the cores the working
-# ones wait for: measured on 2 shared cores at a load of 6-8, SmolLM2's first PPO step (B=4, 32 new tokens)
-# took 226 s spinning and 35 s sleeping, the second 191 s and 42 s (docs/ppo.md, "The first step"). The
-# OpenMP runtime reads the policy once, when torch loads it: set here, before torch is imported; a value in
-# the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that finish their share of a parallel region first wait at its barrier: libgomp's default
+# spins ~300,000 times, then sleeps. On a machine busier than its cores the spinning threads take the cores
+# the working ones wait for: on 2 shared cores at a load of 6-8, SmolLM2's first PPO step (B=4, 32 new
+# tokens) took 226 s spinning and 35 s sleeping (OMP_WAIT_POLICY=PASSIVE; docs/ppo.md, "The first step").
+# But sleeping at every barrier costs a quiet machine: the math demo's PPO steps took 1.15-1.18x as long
+# with PASSIVE as with the default. A short spin (GOMP_SPINCOUNT=2000) keeps both: within 2-8% of the default
+# quiet, and 46.9 / 48.4 s against PASSIVE's 43.3-46.9 / 36.3-40.3 s (and 88.9 s for a spin of 20,000) under
+# a load of 7 (2026-12-06; docs/ppo.md). The OpenMP runtime reads these once, when torch loads it: set here,
+# before torch is imported; a policy or spin count in the environment wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 import torch  # noqa: E402
 

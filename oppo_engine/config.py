@@ -129,7 +129,9 @@ class EngineConfig:
     tokens -- a chat template's system turn, a few-shot example -- share them across prompts: among the
     prompts a step admits, the first ``shared_prefix_min_tokens`` or more identical leading tokens of a class
     of prompts are computed once per model (actor, reward, reference, critic) and their KV pages shared, as
-    a group's samples share their prompt. Results are those of the engine without it, to rounding.
+    a group's samples share their prompt. Each prompt's rollout is the engine's without it, to rounding;
+    under overcommit the step that returns a prompt may differ (a shared prefix moves the forward a
+    sequence finishes in, and so which B finish first).
     ``shared_prefix_min_tokens`` (``None``: ``page_size``) is the shortest prefix worth sharing.
     """
 

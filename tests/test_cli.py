@@ -82,15 +82,17 @@ def _wait_policy(env: dict[str, str]) -> list[str]:
 
     code = (
         "import os, sys; assert 'torch' not in sys.modules; import oppo_engine.cli; "
-        "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+        "print(os.environ.get('OMP_WAIT_POLICY', '-'), os.environ.get('GOMP_SPINCOUNT', '-'), "
+        "'torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return done.stdout.split()
 
 
-def test_the_cli_makes_openmp_threads_sleep_at_barriers_before_torch_loads_unless_told_otherwise():
+def test_the_cli_bounds_openmp_threads_spinning_at_barriers_before_torch_loads_unless_told_otherwise():
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    assert _wait_policy(env) == ["PASSIVE", "True"]  # set, and torch (its OpenMP runtime) loaded after
-    assert _wait_policy(env | {"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", "True"]  # the user's choice wins
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    assert _wait_policy(env) == ["-", "2000", "True"]  # a short spin, set before torch (its OpenMP) loaded
+    assert _wait_policy(env | {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE", "-", "True"]  # the user's wins
+    assert _wait_policy(env | {"GOMP_SPINCOUNT": "0"}) == ["-", "0", "True"]

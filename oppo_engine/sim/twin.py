@@ -310,7 +310,13 @@ class World:
         targets = self._targets[rank]
         for local in range(len(targets), len(targets) + count):
             g = local * s.ranks + rank
-            prompts.append([4 + (g + j) % 59 for j in range(s.prompt_lengths[g])])
+            # The first three tokens spell g in base 59, so no two prompts of a run begin alike: the real
+            # engine's benches draw random prompts, and the twin prices no shared prompt prefix
+            # (EngineConfig.share_prompt_prefix forks only tokens that are the same).
+            head = [4 + (g // 59**k) % 59 for k in range(3)]
+            prompts.append(
+                [*head, *(4 + (g + j) % 59 for j in range(3, s.prompt_lengths[g]))][: s.prompt_lengths[g]]
+            )
             targets.append([s.lengths[g * group + j] for j in range(group)])
         engine.add_prompts(prompts)
 

@@ -504,3 +504,20 @@ def test_measuring_host_costs_with_no_repeat_is_refused():
 
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         measure_host_costs(repeats=0)
+
+
+def test_the_twins_prompts_share_no_prefix_as_the_benches_random_prompts_do():
+    """The real engine forks a prompt prefix two prompts have alike (``share_prompt_prefix``, on by default);
+    the twin's synthetic prompts must not begin alike, or it prices prefill the measured engine does (random
+    prompts) and a user's workload does not get. 96 prompts of 128 tokens: once the twin's prompts repeated
+    every 59, and the actor forked ~9,400 tokens a step."""
+    setting = _setting(placement="colocated", gpus=1, batch_size=96, lengths=parse_lengths(40),
+                       prompt_lengths=parse_lengths(128))  # fmt: skip
+    assert setting.config.share_prompt_prefix  # the default the twin's engines run with
+    world = World(setting, "sequential", steps=2)
+    try:
+        world.run(2)
+        forked = world.engines[0]._loop.actor_sched.cache.shared_tokens
+    finally:
+        world.close()
+    assert forked == 0
