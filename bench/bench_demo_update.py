@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         if args.trim:
             release_heap()
         print(
-            f"PPO step {i + 1}: rollout {st.rollout_s:.1f} s, update {st.update_s:.1f} s (of it the agreement "
-            f"forward {st.agreement_s:.1f} s), cpu {time.process_time() - c0:.1f} s, "
+            f"PPO step {i + 1}: rollout {st.rollout_s:.1f} s, update {st.update_s:.1f} s (of it the "
+            f"agreement forward {st.agreement_s:.1f} s), cpu {time.process_time() - c0:.1f} s, "
             f"load {os.getloadavg()[0]:.2f}",
             flush=True,
         )

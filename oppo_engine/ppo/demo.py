@@ -234,9 +234,10 @@ def _math_trainer(mode: str, opts: DemoOptions, source) -> PPOTrainer:
     critic = _critic(str(source), opts.seed).to(opts.device).train()
     zero_value_head(critic)
     if torch.device(opts.device).type == "cpu":
-        # The trainer's attention (the engine runs its own paged attention whatever this is): on these rows
-        # (149-156-token prompts, a shared prefix, ~33 sampled tokens) HF's eager attention took the update from
-        # 14.6 to 12.4 s against sdpa (1.18x; bench/bench_demo_update.py, 2 rounds, load 3.2-4.2, 2026-12-06).
+        # The trainer's attention (the engine runs its own paged attention whatever this is): on these
+        # rows (149-156-token prompts, a shared prefix, ~33 sampled tokens) HF's eager attention took the
+        # update from 14.6 to 12.4 s against sdpa (1.18x; bench/bench_demo_update.py, 2 rounds, load
+        # 3.2-4.2, 2026-12-06).
         for model in (actor, critic):
             model.set_attn_implementation("eager")
     reference = copy.deepcopy(actor).eval().requires_grad_(False)
