@@ -45,7 +45,7 @@ def demo(args: argparse.Namespace) -> int:
     if args.rollout_dtype is not None and args.task != "math":
         raise ValueError(f"--rollout-dtype {args.rollout_dtype} applies to --task math only")
     # Options left out take the task's defaults (--task math, the default: a 135M model, B=32, 128 tokens,
-    # 2 threads, 12 steps of sequential and oppo).
+    # 2 threads, 18 steps of sequential and oppo).
     defaults = MATH_DEFAULTS if args.task == "math" else {}
     given = {
         k: v

@@ -50,7 +50,7 @@ def test_bare_command_prints_help_not_an_argparse_error(capsys):
             ["demo", "--help"],
             "usage: oppo-engine demo",
             [
-                "(None: 30; 12 with --task math)",
+                "(None: 30; 18 with --task math)",
                 "(None: 32, also with --task math)",
                 "(default: math)",
                 "torch device",
