@@ -98,10 +98,10 @@ MATH_MODEL = "smollm2-135m-instruct"  # --task math without --actor
 # (bench/math_curve.py, run D in docs/benchmarks.md): at B=32 greedy held-out accuracy rose 41% -> 64% in 12
 # steps (B=16 plateaued near 55%); at T=1.0 a third of SmolLM2's answers run past 128 tokens, at T=0.7 with
 # the worked example at most 1 of 32. Two modes, one after the other: the ablation's base and the engine's.
-# 18 steps, not 12: with the update's autocast fixed (2026-12-06: its later minibatches had run on the update's
-# start weights), 12 steps took held-out accuracy +18.5 / +9.5 (sequential / oppo) in 9 min 36 s, 18 steps
-# +23.5 / +23.0 in 13 min 12 s (docs/benchmarks.md, "The math demo"; the issue's budget: 10 minutes, up to 15
-# when +20 points needs more steps).
+# 18 steps, not 12: with the update's autocast fixed (2026-12-06: its later minibatches had run on the
+# update's start weights), 12 steps took held-out accuracy +18.5 / +9.5 (sequential / oppo) in 9 min 36 s,
+# 18 steps +23.5 / +23.0 in 13 min 12 s (docs/benchmarks.md, "The math demo"; the issue's budget: 10
+# minutes, up to 15 when +20 points needs more steps).
 MATH_DEFAULTS = dict(batch_size=32, max_new_tokens=128, threads=2, steps=18, modes=("sequential", "oppo"))
 MATH_TEMPERATURE = 0.7
 MATH_TRAIN_PROBLEMS = 1024
