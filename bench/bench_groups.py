@@ -4,10 +4,13 @@
 
 Both sides produce the same rollouts: ``shared`` queues each prompt once with ``SamplingParams(n)`` (its
 prefix prefilled once per model, pages shared), ``unshared`` queues it n times, each copy seeded as the
-group's sample would be (what a user without groups would do). Steps alternate between the two in one
-process, so machine drift hits both alike; the responses are checked to be identical in float32 (in bf16
-on CUDA the two sides' prefills run GEMMs at other row counts, which may round differently: a difference
-is reported, not raised). The speed-up line is machine-readable: ``speedup_shared_vs_unshared=X.XX``.
+group's sample would be (what a user without groups would do), with ``share_prompt_prefix=False``: the
+engine's default would find the copies alike and share them as a group does (docs/concepts.md, "Shared
+prompt prefixes"), and this bench measures a group's sharing against none. Steps alternate between the
+two in one process, so machine drift hits both alike; the responses are checked to be identical in
+float32 (in bf16 on CUDA the two sides' prefills run GEMMs at other row counts, which may round
+differently: a difference is reported, not raised). The speed-up line is machine-readable:
+``speedup_shared_vs_unshared=X.XX``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def _engine(actor, reward, args, n: int) -> RolloutEngine:
         mode=args.mode,
         max_model_len=args.prompt_len + args.response_len + 1,
         max_num_batched_tokens=max(4096, args.prompt_len),
+        share_prompt_prefix=n > 1,  # the unshared side: n copies that share nothing (see the docstring)
     )
     sampling = SamplingParams(max_new_tokens=args.response_len, ignore_eos=True, seed=SEED, n=n)
     return RolloutEngine(actor, reward, config=config, sampling=sampling, eos_token_id=EOS_TOKEN_ID)
