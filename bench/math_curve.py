@@ -13,8 +13,8 @@ initial accuracy does not depend on the arm, so ``--initial`` can reuse a measur
 and evaluates on problems of 1 to N operations (default ``math_task.OPERATIONS``, 1 to 3; the demo trains on
 1); ``--eval-every K`` also evaluates after every K steps (outside the timed steps; ``--minutes`` counts the
 steps only); ``--lr``, ``--critic-lr``, ``--lam``, ``--kl-coef``, ``--epochs``, ``--minibatch-size``,
-``--temperature`` and ``--rollout-correction`` override the demo's ``PPOConfig``. The critic's value head
-starts at zero, as in the demo (``demo.zero_value_head``).
+``--temperature`` and ``--rollout-correction`` (``none`` turns it off) override the demo's ``PPOConfig``. The
+critic's value head starts at zero, as in the demo (``demo.zero_value_head``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-# As the CLI does (oppo_engine/cli.py): OpenMP threads sleep at barriers, before torch loads its runtime.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# As the CLI does (oppo_engine/cli.py): a short OpenMP spin at barriers, set before torch loads its runtime;
+# a wait policy or spin count in the environment wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 import torch  # noqa: E402
 
@@ -52,8 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--minibatch-size", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--max-ops", type=int, default=None, help="problems of 1..N operations")
-    parser.add_argument("--rollout-correction", choices=("tis", "mis"), default=None,
-                        help="the PPO ratio against the trainer's own log-probs (PPOConfig)")  # fmt: skip
+    parser.add_argument("--rollout-correction", choices=("none", "tis", "mis"), default=None,
+                        help="the PPO ratio against the trainer's own log-probs (PPOConfig; default: the "
+                             "demo's, 'none': no correction)")  # fmt: skip
     parser.add_argument("--eval-every", type=int, default=0, help="held-out accuracy every N steps too")
     parser.add_argument("--trainer", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--heldout", type=int, default=math_task.HELDOUT)
@@ -82,7 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
     given = dict(lr=args.lr, critic_lr=args.critic_lr, lam=args.lam, kl_coef=args.kl_coef, epochs=args.epochs,
                  minibatch_size=args.minibatch_size,
                  temperature=args.temperature, rollout_correction=args.rollout_correction)  # fmt: skip
+    if given["rollout_correction"] == "none":
+        given["rollout_correction"] = None  # filtered out below, then turned off
     cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    if args.rollout_correction == "none":
+        cfg = replace(cfg, rollout_correction=None)
     original = demo.ppo_config
     demo.ppo_config = lambda _opts: cfg
     t0 = time.perf_counter()
