@@ -610,9 +610,19 @@ def published(args) -> int:
     print("The twin against published GPU measurements (every twin number a prediction)")
     print(f"{'row':<34}{'role':<7}{'published':>12}{'predicted':>12}{'ratio':>7}  unit / setting / source")
     errors = []
+    group = None
     for r in rows:
         row = r["row"]
         pub = f"{row.figure:.4g}"
+        if row.kind == "gemm":  # many rows of one page: its source, GPU and software once, a line a row
+            if (row.url, row.gpu) != group:
+                group = (row.url, row.gpu)
+                print(f"GEMM source rows (gemm_fit): {row.url}; {row.gpu}; {row.software}")
+                print(f"{'':<41}fixes: {row.constant}")
+            s, us = row.settings, f"{row.figure * 1e6:.1f} us"
+            print(f"{row.key:<34}{row.role:<7}{us:>12}{r['prediction'] * 1e6:>12.1f}{r['ratio']:>7.3f}  "
+                  f"{s['m']} x {s['k']} x {s['n']}; quote: {row.quote}")  # fmt: skip
+            continue
         if r["prediction"] is None:
             print(f"{row.key:<34}{row.role:<7}{pub:>12}{'refused':>12}{'':>7}  {row.unit}; {row.gpu}")
             print(f"{'':<41}REFUSED: {r['refused']}")
@@ -634,7 +644,16 @@ def published(args) -> int:
               f"within 15%)")  # fmt: skip
     refused = sum(r["prediction"] is None for r in rows)
     print(f"rows refused by name: {refused} of {len(rows)}")
-    from bench.published import decode_fit  # noqa: PLC0415
+    from bench.published import decode_fit, gemm_fit  # noqa: PLC0415
+    from oppo_engine.sim.devices import device  # noqa: PLC0415
+
+    print("GEMM fit from the gemm source rows (t = max(c, m) + a min(c, m), the twin's terms; ratios twin "
+          "over published, median [min, max]):")  # fmt: skip
+    for key, f in gemm_fit().items():
+        (b, b0, b1), (g, g0, g1) = f["bare"], f["fitted"]
+        print(f"  {key}: a = {f['unhidden']:.3f} ({len(f['rows'])} rows; the table's gemm_unhidden "
+              f"{device(key).fractions.gemm_unhidden}): max alone {b:.2f} [{b0:.2f}, {b1:.2f}], fitted "
+              f"{g:.2f} [{g0:.2f}, {g1:.2f}]")  # fmt: skip
 
     print("decode fit from the fixed-batch latency source rows (published - twin's prefill = steps * overhead"
           " + slope * twin's decode):")  # fmt: skip

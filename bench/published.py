@@ -13,7 +13,8 @@ Nothing here is fitted at import; :func:`predict` prices each row with the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import dataclass, field, replace
 
 from oppo_engine.sim.cost import Batch, CostModel, roofline, training_flops
 from oppo_engine.sim.devices import device
@@ -48,6 +49,7 @@ VERL_ONE_STEP = (
     "'Experimental Results'"
 )
 OPPO_SEED = "/work/shared/seeds/000_0e21a575d220e76b.txt (the OPPO paper, arXiv:2509.25762, as summarised)"
+VIDUR = "github.com/microsoft/vidur data/profiling/compute/{gpu}/meta-llama/{model}/mlp.csv @7d47513"
 
 
 @dataclass(frozen=True)
@@ -407,6 +409,86 @@ ROWS: tuple[Published, ...] = (
 )
 
 
+# -- fixed-shape GEMMs: the projections of a decoder layer, fp16, one GPU (gemm_fit's source rows) ----------
+# Vidur's operator profiles (its README: "A100 80GB DGX", "H100 DGX"; docs/profiling.md: one compute profile
+# per SKU serves both its DGX and its Azure nodes): sarathi-serve's parallel linears at tensor parallelism 1,
+# a 20-layer model traced once after a warm-up forward, each call's kernel time from the profiler, the median
+# over the layers. Quoted: the ``time_stats.<op>.median`` column (ms) at ``num_tokens`` = 16, 32, ..., 1024
+# (the powers of two of the profiled sizes: the ridge, ~130 rows on an A100 and ~290 on an H100 in the
+# twin's terms, lies inside; the profile samples every 8 tokens, whose other sizes are not quoted here).
+GEMM_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+# op: (K, N) of the weight as the profile fuses it: q, k and v in one (attn_pre_proj), gate and up in one.
+VIDUR_OPS = {
+    "Llama-2-7b-hf": dict(attn_pre_proj=(4096, 12288), attn_post_proj=(4096, 4096),
+                          mlp_up_proj=(4096, 22016), mlp_down_proj=(11008, 4096)),
+    "Meta-Llama-3-8B": dict(attn_pre_proj=(4096, 6144), attn_post_proj=(4096, 4096),
+                            mlp_up_proj=(4096, 28672), mlp_down_proj=(14336, 4096)),
+}  # fmt: skip
+VIDUR_MS = {
+    ("a100", "Llama-2-7b-hf"): dict(
+        attn_pre_proj=(0.064, 0.066, 0.067, 0.0745, 0.112, 0.234, 0.475),
+        attn_post_proj=(0.026, 0.027, 0.027, 0.032, 0.052, 0.088, 0.176),
+        mlp_up_proj=(0.111, 0.115, 0.116, 0.157, 0.229, 0.402, 0.877),
+        mlp_down_proj=(0.062, 0.065, 0.068, 0.088, 0.1095, 0.229, 0.431),
+    ),
+    ("a100", "Meta-Llama-3-8B"): dict(
+        attn_pre_proj=(0.034, 0.039, 0.036, 0.043, 0.075, 0.13, 0.246),
+        attn_post_proj=(0.026, 0.027, 0.027, 0.032, 0.053, 0.085, 0.181),
+        mlp_up_proj=(0.1515, 0.163, 0.173, 0.191, 0.291, 0.516, 1.172),
+        mlp_down_proj=(0.079, 0.086, 0.088, 0.111, 0.135, 0.263, 0.576),
+    ),
+    ("h100", "Llama-2-7b-hf"): dict(
+        attn_pre_proj=(0.041, 0.038, 0.04, 0.041, 0.052, 0.09, 0.151),
+        attn_post_proj=(0.016, 0.016, 0.016, 0.02, 0.022, 0.029, 0.049),
+        mlp_up_proj=(0.0665, 0.066, 0.066, 0.071, 0.13, 0.134, 0.256),
+        mlp_down_proj=(0.037, 0.039, 0.04, 0.048, 0.056, 0.0755, 0.109),
+    ),
+}
+VIDUR_GPU = {
+    "a100": (
+        "a100-80gb",
+        "A100 80GB (Vidur's 'a100' compute profile, which serves its A100 DGX of 8 80GB A100s (SXM4) and its "
+        "Azure Standard_NC96ads_A100_v4 of 80GB A100 PCIe GPUs: which of the two ran it is not stated; "
+        "power cap not stated)",
+        "devices.py: AMPERE.gemm_unhidden",
+    ),
+    "h100": (
+        "h100",
+        "H100 80GB (Vidur's 'h100' compute profile; its README lists the model under 'H100 DGX', an H100 "
+        "SXM5 80GB node; power cap not stated)",
+        "devices.py: HOPPER.gemm_unhidden",
+    ),
+}
+VIDUR_SHORT = {"Llama-2-7b-hf": "llama2-7b", "Meta-Llama-3-8B": "llama3-8b", "attn_pre_proj": "qkv",
+               "attn_post_proj": "o", "mlp_up_proj": "gateup", "mlp_down_proj": "down"}  # fmt: skip
+VIDUR_SOFTWARE = (
+    "sarathi-serve's Column/RowParallelLinear at TP 1, fp16 (F.linear: cuBLAS); kernel time per call from "
+    "the profiler's trace (record_function), median over 20 layers"
+)
+
+
+def _gemm_rows() -> tuple[Published, ...]:
+    """The gemm source rows: one per quoted cell of VIDUR_MS."""
+    rows = []
+    for (gpu, model), ops in VIDUR_MS.items():
+        key, name, constant = VIDUR_GPU[gpu]
+        for op, times in ops.items():
+            k, n = VIDUR_OPS[model][op]
+            for m, ms in zip(GEMM_TOKENS, times, strict=True):
+                short = f"{VIDUR_SHORT[model]}-{VIDUR_SHORT[op]}"
+                rows.append(Published(
+                    f"vidur-{gpu}-{short}-m{m}", "gemm", "source", ms * 1e-3, "s", name, key, VIDUR_SOFTWARE,
+                    dict(m=m, k=k, n=n, op=op, model=model),
+                    VIDUR.format(gpu=gpu, model=model),
+                    f"num_tokens {m}, num_tensor_parallel_workers 1: time_stats.{op}.median {ms} (ms)",
+                    constant=constant,
+                ))  # fmt: skip
+    return tuple(rows)
+
+
+ROWS = ROWS + _gemm_rows()
+
+
 class Refused(ValueError):
     """A published setting the twin cannot express, named."""
 
@@ -420,6 +502,8 @@ def predict(row: Published) -> float:
     s = row.settings
     if row.kind == "static_batch":
         return _static_batch(cost, s["model"], s["batch"], s["input"], s["output"])
+    if row.kind == "gemm":  # one GEMM of m rows by a (k, n) fp16 weight, alone
+        return max(cost.source.gemm(s["m"], s["k"], s["n"], 2))
     if row.kind == "first_token":
         return _prefill(cost, s["model"], s["batch"], s["input"])
     if row.kind == "fixed_batch_latency":
@@ -500,6 +584,31 @@ def decode_fit(rows=None) -> dict[str, dict]:
     return out
 
 
+def gemm_fit(rows=None) -> dict[str, dict]:
+    """``gemm_unhidden`` per GPU from the ``gemm`` source rows: the share ``a`` of a GEMM's shorter roof
+    term that, added to the longer, makes the twin's GEMM the published one, ``t = max(c, m) + a min(c, m)``
+    with ``c`` and ``m`` the twin's terms at its cited fractions. Least squares of the relative error, in
+    closed form: ``a = sum(x r) / sum(x x)`` with ``x = min / t`` and ``r = (t - max) / t``. Returns per
+    device key ``unhidden``, the median and the extremes of the rows' ratios (twin over published) with the
+    bare ``max`` and with the fit, and the rows used."""
+    rows = [r for r in (rows or ROWS) if r.kind == "gemm" and r.role == "source" and not r.refused]
+    out = {}
+    for key in sorted({r.device for r in rows}):
+        mine = [r for r in rows if r.device == key]
+        bare = roofline(replace(device(key), fractions=replace(device(key).fractions, gemm_unhidden=0.0)))
+        terms = [(bare.source.gemm(*(r.settings[d] for d in "mkn"), 2), r.figure) for r in mine]
+        xr = [(min(cm) / t, (t - max(cm)) / t) for cm, t in terms]
+        a = sum(x * r for x, r in xr) / sum(x * x for x, _ in xr)
+        before = sorted(max(cm) / t for cm, t in terms)
+        after = sorted((max(cm) + a * min(cm)) / t for cm, t in terms)
+        out[key] = dict(
+            unhidden=a, rows=[r.key for r in mine],
+            bare=(statistics.median(before), before[0], before[-1]),
+            fitted=(statistics.median(after), after[0], after[-1]),
+        )  # fmt: skip
+    return out
+
+
 def _lstsq(a: list[float], b: list[float], y: list[float]) -> tuple[float, float]:
     """Least squares of ``y = p * a + q * b``: ``(p, q)``."""
     a11 = sum(v * v for v in a)
@@ -531,4 +640,4 @@ def table() -> list[dict]:
     return out
 
 
-__all__ = ["ROWS", "Published", "Refused", "decode_fit", "predict", "table"]
+__all__ = ["ROWS", "Published", "Refused", "decode_fit", "gemm_fit", "predict", "table"]

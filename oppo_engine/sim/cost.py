@@ -9,9 +9,10 @@ launch latency, and per class of kernels a compute term and a memory term.
 Two sources price the classes:
 
 - :class:`Roofline` (a device of ``sim/devices.py``): each GEMM, attention and elementwise class takes
-  ``max(FLOPs / (peak * achieved), bytes / (bandwidth * achieved))`` with the cited achieved fractions; an
-  eager forward cannot take less than its kernel launches; the host's per-iteration time (scheduler,
-  sampler, metadata) is the engine's own, measured (:data:`HOST`).
+  ``max(FLOPs / (peak * achieved), bytes / (bandwidth * achieved))`` with the cited achieved fractions, a
+  GEMM plus the share of its shorter term its kernel does not hide (:func:`ridge_gemm`, fitted to published
+  GEMM timings); an eager forward cannot take less than its kernel launches; the host's per-iteration time
+  (scheduler, sampler, metadata) is the engine's own, measured (:data:`HOST`).
 - :class:`Calibrated` (a :class:`~oppo_engine.sim.profile.Profile` from ``oppo-engine calibrate``): GEMM
   FLOP/s interpolated against GEMM size from timed bare GEMMs, attention and elementwise costs per pair,
   per KV byte and per token, fixed costs per forward and per layer, host time per iteration: device-level
@@ -162,6 +163,18 @@ class Batch:
         return sum(n for n, _ in self.chunks)
 
 
+def ridge_gemm(compute_s: float, memory_s: float, unhidden: float) -> tuple[float, float]:
+    """A GEMM's ``(compute, memory)`` terms with ``unhidden`` of the shorter added to the longer, so that
+    its time alone, their ``max``, is ``max(c, m) + unhidden * min(c, m)``: the bare roofline's ``max`` far
+    from the ridge (the shorter term vanishes), ``1 + unhidden`` times either term on it, where a real
+    kernel reaches neither roof. The shorter term is left as it is: what the GEMM demands of that resource
+    under contention (``sim/world.py``) is what it moves or computes."""
+    stretch = unhidden * min(compute_s, memory_s)
+    if compute_s >= memory_s:
+        return compute_s + stretch, memory_s
+    return compute_s, memory_s + stretch
+
+
 class Roofline:
     """Prices a forward's kernels on a table device (module docstring)."""
 
@@ -192,7 +205,7 @@ class Roofline:
         # ``packed`` (the CPU's prepacked weights) does not apply to a GPU: the same price.
         flops = 2.0 * m * k * n
         moved = (k * n + m * k + m * n) * dtype_bytes
-        return flops / self._flops, moved / self._stream
+        return ridge_gemm(flops / self._flops, moved / self._stream, self.device.fractions.gemm_unhidden)
 
     def attention(self, shape: ModelShape, batch: Batch, threads: int = 1) -> tuple[float, float]:
         flops = moved = 0.0

@@ -22,7 +22,9 @@ class Fractions:
     activations (memory-bound GEMMs: decode); ``decode_attention``: bandwidth of paged KV reads;
     ``prefill_attention``: arithmetic of prefill attention; ``training_mfu``: model FLOPs utilisation of an
     FSDP training step; ``collective_busbw``: NCCL bus bandwidth (bytes/s, not a fraction) of a
-    collective over the node's GPUs.
+    collective over the node's GPUs; ``gemm_unhidden``: the share of a GEMM's shorter roof (its arithmetic
+    or its reads, whichever takes less) that its kernel does not hide behind the longer one
+    (:func:`~oppo_engine.sim.cost.ridge_gemm`: 0 is the bare roofline's ``max``, 1 their sum).
     """
 
     gemm: float
@@ -31,6 +33,7 @@ class Fractions:
     prefill_attention: float
     training_mfu: float
     collective_busbw: float
+    gemm_unhidden: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,12 @@ HOPPER = Fractions(
     # nccl-tests all_reduce_perf on 8x H100 SXM5, NVLink-4: bus bandwidth 460-480 GB/s at large sizes
     # (docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests). The low end is taken.
     collective_busbw=460 * GB,
+    # Fitted (bench/published.py::gemm_fit, printed by `bench_twin --published`) to Vidur's profiled fp16
+    # projections of Llama-2-7B on an H100 at 16-1024 tokens (github.com/microsoft/vidur
+    # data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv @7d47513; source rows of published.py).
+    # 0.371 (28 rows; the bare max, 0 here before, puts the twin's GEMMs at 0.90 of the rows at their median,
+    # 0.57 at the worst; 0.37 at 0.99, 0.74-1.27).
+    gemm_unhidden=0.37,
 )
 
 # Ampere (A100).
@@ -98,6 +107,12 @@ AMPERE = Fractions(
     training_mfu=0.582,
     # nccl-tests all_reduce_perf on 8x A100 SXM4, NVLink-3: 230-250 GB/s (the nccl-tests page above).
     collective_busbw=230 * GB,
+    # Fitted (bench/published.py::gemm_fit) to Vidur's profiled fp16 projections of Llama-2-7B and
+    # Llama-3-8B on an A100 80GB at 16-1024 tokens (github.com/microsoft/vidur data/profiling/compute/a100/
+    # meta-llama/{Llama-2-7b-hf,Meta-Llama-3-8B}/mlp.csv @7d47513; source rows of published.py; which A100
+    # 80GB, SXM4 or PCIe, ran the profile is not stated). 0.539 (56 rows; the bare max, 0 here before, puts
+    # the twin's GEMMs at 0.81 of the rows at their median, 0.60 at the worst; 0.54 at 0.95, 0.77-1.25).
+    gemm_unhidden=0.54,
 )
 
 # "Each cudaLaunchKernel costs roughly 5 to 20 microseconds" (factryze.ai/scale-atlas/compute/

@@ -5,6 +5,7 @@ FLOP convention the update charges is the one the cited MFU was measured in."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -92,3 +93,74 @@ def test_the_decode_fit_recovers_the_overhead_and_slope_it_was_given():
     line = decode_fit(_made_rows(lambda p, d, b: p + d + 19 * (2e-3 + 1e-4 * b)))["h100"]
     assert line["overhead_s"] == pytest.approx(2e-3, rel=1e-6)
     assert line["per_row_s"] == pytest.approx(1e-4, rel=1e-6)
+
+
+# -- the GEMM ridge: max(c, m) plus the unhidden share of the shorter term, fitted to the gemm source rows --
+
+
+@pytest.mark.parametrize("a", [0.0, 0.37, 0.54, 1.0])
+def test_ridge_gemm_is_the_bare_max_far_from_the_ridge_and_one_plus_unhidden_on_it(a):
+    from oppo_engine.sim.cost import ridge_gemm
+
+    assert ridge_gemm(2.0, 2.0, a) == (2.0 * (1 + a), 2.0)  # on the ridge: neither roof is reached
+    for c, m in ((1.0, 1e-7), (1e-7, 1.0)):  # far from it (a decode's one row: ~1/134 on an A100)
+        f, s = ridge_gemm(c, m, a)
+        assert max(f, s) == pytest.approx(1.0, rel=1e-6)
+        assert min(f, s) == min(c, m)  # the shorter term, what the GEMM demands of that resource, is kept
+    assert max(ridge_gemm(3.0, 1.0, a)) == 3.0 + a * 1.0
+    assert max(ridge_gemm(3.0, 1.0, 0.0)) == max(3.0, 1.0) and max(ridge_gemm(3.0, 1.0, 1.0)) == 4.0
+
+
+def test_the_roofline_prices_every_gemm_with_its_devices_unhidden_share():
+    """Decode (one row), a 128-token prefill at the A100's ridge and 2,048 rows, through ``forward``."""
+    from bench.published import LLAMA2_7B
+
+    dev = device("a100-80gb")
+    f = dev.fractions
+    src = roofline(dev).source
+    for m in (1, 128, 2048):
+        c = 2.0 * m * 4096 * 11008 / (dev.bf16_flops * f.gemm)
+        b = (4096 * 11008 + m * 4096 + m * 11008) * 2 / (dev.hbm_bandwidth * f.stream)
+        assert max(src.gemm(m, 4096, 11008, 2)) == pytest.approx(max(c, b) + f.gemm_unhidden * min(c, b))
+    one = max(src.gemm(1, 4096, 11008, 2))
+    assert one == pytest.approx(max(src.gemm(2, 4096, 11008, 2)), rel=0.01)  # decode: memory-bound still
+    work = roofline(dev).forward(LLAMA2_7B, Batch(((128, 128),), 1, 1), captured=True)
+    gemms = sum(LLAMA2_7B.layers * max(src.gemm(128, k, n, 2)) for k, n in LLAMA2_7B.layer_gemms())
+    assert sum(max(p) for p in work.phases[: len(LLAMA2_7B.layer_gemms())]) == pytest.approx(gemms)
+
+
+def test_the_gemm_fit_recovers_the_unhidden_share_it_was_given():
+    from bench.published import ROWS, gemm_fit
+
+    dev = device("h100")
+    bare = roofline(replace(dev, fractions=replace(dev.fractions, gemm_unhidden=0.0))).source
+    made = []
+    for r in (r for r in ROWS if r.kind == "gemm" and r.device == "h100"):
+        terms = bare.gemm(r.settings["m"], r.settings["k"], r.settings["n"], 2)
+        made.append(replace(r, figure=max(terms) + 0.3 * min(terms)))  # test inputs, not measurements
+    assert gemm_fit(made)["h100"]["unhidden"] == pytest.approx(0.3, rel=1e-9)
+
+
+def test_the_tables_unhidden_shares_are_the_fit_of_the_gemm_source_rows():
+    from bench.published import ROWS, gemm_fit
+
+    fit = gemm_fit()
+    assert set(fit) == {"a100-80gb", "h100"}
+    for key, field_ in (("a100-80gb", "AMPERE"), ("h100", "HOPPER")):
+        assert device(key).fractions.gemm_unhidden == round(fit[key]["unhidden"], 2)
+        assert fit[key]["fitted"][0] == pytest.approx(1.0, abs=0.06)  # the median row, within 6%
+        rows = [r for r in ROWS if r.key in fit[key]["rows"]]
+        assert len(rows) == 28 * (2 if key == "a100-80gb" else 1)
+        assert all(r.role == "source" and r.constant == f"devices.py: {field_}.gemm_unhidden" for r in rows)
+        assert all("github.com/microsoft/vidur" in r.url and "@7d47513" in r.url for r in rows)
+
+
+def test_published_lists_the_gemm_source_rows_and_their_fit(capsys):
+    from bench import bench_twin
+    from bench.published import ROWS
+
+    assert bench_twin.published(None) == 0
+    out = capsys.readouterr().out
+    for r in ROWS:
+        assert r.key in out
+    assert "a100-80gb: a = 0.539" in out and "h100: a = 0.371" in out
