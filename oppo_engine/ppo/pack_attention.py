@@ -43,7 +43,7 @@ class PackLayout:
     """Where each sequence of a pack lies in its row, for attention over a right-padded batch."""
 
     gather: torch.Tensor  # [n, L] int64: packed position of token min(p, len_k - 1) of sequence k
-    valid: torch.Tensor  # [n, L] bool: p < len_k (row-major, the True entries are the packed order)
+    scatter: torch.Tensor  # [T] int64: where packed position t lies in the flattened [n * L] batch
     tokens: int  # T = sum of the lengths
     longest: int  # L
     calls: int = 0  # attention calls served inside the switch
@@ -55,7 +55,10 @@ class PackLayout:
         cols = torch.arange(max(lengths), device=device)
         offsets = torch.cumsum(lens, 0) - lens
         gather = offsets[:, None] + torch.minimum(cols[None], lens[:, None] - 1)
-        return cls(gather, cols[None] < lens[:, None], int(sum(lengths)), int(max(lengths)))
+        # NOTE: row-major, a sequence's valid entries follow the previous one's: the packed order. Found once
+        # per pack (nonzero waits for the device), then every layer indexes without a sync.
+        scatter = (cols[None] < lens[:, None]).flatten().nonzero()[:, 0]
+        return cls(gather, scatter, int(sum(lengths)), int(max(lengths)))
 
 
 def batched_sdpa(
@@ -68,16 +71,21 @@ def batched_sdpa(
 ) -> torch.Tensor:
     """``query [1, Hq, T, D]``, ``key``/``value [1, Hkv, T, D]`` of a pack -> ``[1, T, Hq, D]``: each
     sequence's causal attention over its own tokens, from one sdpa call over the right-padded batch
-    ``[n, Hq, L, D]`` (grouped K/V heads repeated, as transformers' sdpa does under a mask)."""
+    ``[n, Hq, L, D]``. Grouped K/V heads as transformers' sdpa takes them without a mask: ``enable_gqa`` for
+    head sizes up to 256, else repeated."""
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
     # [1, H, T, D] -> [T, H, D] -> [n, L, H, D] -> [n, H, L, D]
     q, k, v = (x[0].transpose(0, 1)[layout.gather].transpose(1, 2) for x in (query, key, value))
-    if heads != kv_heads:
+    gqa = heads != kv_heads and key.shape[-1] == value.shape[-1] <= 256
+    if heads != kv_heads and not gqa:
         k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
-    return out.transpose(1, 2)[layout.valid][None]  # [n, L, H, D] -> [T, H, D] (packed order) -> [1, ...]
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+    )  # [n, H, L, Dv]
+    # [n, L, H, Dv] -> [n * L, H, Dv] -> [T, H, Dv] (packed order) -> [1, T, H, Dv]
+    return out.transpose(1, 2).flatten(0, 1)[layout.scatter][None]
 
 
 _bound = threading.local()
@@ -114,6 +122,7 @@ def batched_attention_forward(
         (kwargs.get("position_bias") is not None, "a position bias"),
         (softcap is not None, "attention logit softcapping"),
         (kwargs.get("s_aux") is not None, "attention sinks (s_aux)"),
+        (kwargs.get("head_mask") is not None, "a head mask"),
         (causal is False or (causal is None and getattr(module, "is_causal", True) is False), "non-causal "
          "attention"),
         (sliding_window is not None and sliding_window < layout.longest, f"a sliding attention window of "
