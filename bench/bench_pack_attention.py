@@ -7,12 +7,12 @@ A packed update (``max_tokens_per_microbatch``) runs sdpa over the whole pack wi
 computed. The exact alternative on a CPU without a varlen kernel is to split the pack and run one causal
 sdpa per sequence (``torch.split``, so the backward concatenates instead of zero-filling a full-size
 gradient per slice). The third, ``pack_attention="batched"`` (``oppo_engine/ppo/pack_attention.py``),
-gathers the pack's sequences into a right-padded batch ``[n, heads, L, head_dim]``, makes one causal sdpa
-call over it and scatters the outputs back (``batched_sdpa``, what the trainer runs in every layer): it
-costs ``n x L^2``, which a pack of mixed lengths (a whole random minibatch) keeps near ``T^2``. The fourth
-(not in the trainer) splits the pack into buckets of similar length, a new bucket wherever a sequence is
-shorter than half its bucket's longest (at most 4x each sequence's own square, a few calls), one batched
-call each. The sequences lie longest first, as ``plan_sorted_packs`` orders a pack. This times the four,
+buckets the pack's sequences by length (a new bucket wherever a sequence is shorter than half its bucket's
+longest), gathers each bucket into a right-padded batch ``[n, heads, L, head_dim]``, makes one causal sdpa
+call over it and scatters the outputs back (``batched_sdpa``, what the trainer runs in every layer). Beside
+it, the same with one bucket: one call over the whole pack, ``n x L^2``, which a pack of mixed lengths (a
+whole random minibatch) keeps near ``T^2``. The sequences lie longest first, as ``plan_sorted_packs``
+orders a pack. This times the four,
 forward and backward, at SmolLM2-135M's attention shape (9 query
 heads, 3 KV heads, head size 64, bf16) over the sequences of one minibatch of 8 of ``bench_update``'s
 lengths (16-token prompts, lognormal responses of mean ~110, sigma 1): process CPU time per call, the arms
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from oppo_engine.ppo.pack_attention import PackLayout, batched_sdpa
+from oppo_engine.ppo.pack_attention import PackLayout, batched_sdpa, bucket_lengths
 
 
 def lengths(seed: int = 0, n: int = 8) -> list[int]:
@@ -69,29 +69,17 @@ def main(argv: list[str] | None = None) -> dict:
         outs = [F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True) for a, b, c in parts]
         return torch.cat(outs, 2)
 
-    layout = PackLayout.of(lens, "cpu")
+    one, bucketed = PackLayout.of(lens, "cpu", ratio=math.inf), PackLayout.of(lens, "cpu")
+    buckets = [[lens[i] for i in b] for b in bucket_lengths(lens)]
 
-    def batched():
-        return batched_sdpa(q, k, v, layout).transpose(1, 2)  # [1, T, H, D] -> [1, H, T, D]
-
-    buckets: list[list[int]] = []
-    for n in lens:
-        if buckets and 2 * n >= buckets[-1][0]:
-            buckets[-1].append(n)
-        else:
-            buckets.append([n])
-    bucket_layouts = [PackLayout.of(b, "cpu") for b in buckets]
-    sizes = [sum(b) for b in buckets]
-
-    def bucketed():
-        parts = zip(*(x.split(sizes, 2) for x in (q, k, v)), bucket_layouts, strict=True)
-        return torch.cat([batched_sdpa(a, b, c, layout) for a, b, c, layout in parts], 1).transpose(1, 2)
+    def batched(layout):
+        return lambda: batched_sdpa(q, k, v, layout).transpose(1, 2)  # [1, T, H, D] -> [1, H, T, D]
 
     arms = {
         "dense mask": dense,
         "one call per sequence": split,
-        "one batched call": batched,
-        f"{len(buckets)} bucketed calls": bucketed,
+        "one batched call": batched(one),
+        f"{len(buckets)} bucketed calls": batched(bucketed),
     }
     best = {name: math.inf for name in arms}
     inside = sum(n * (n + 1) // 2 for n in lens) / total**2

@@ -63,9 +63,11 @@ def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
     ``batch`` per arm (actor and critic forward and backward, counted 3x a forward, plus the actor's no-grad
     agreement forward), ``padded`` (random minibatches of 8, as ``PPOTrainer`` draws them at step 0 with
     ``seed``; sdpa over each row's padded ``w x w``), ``packed`` at each budget (first-fit decreasing packs,
-    each pack's dense ``T x T`` mask) and ``packed-batched`` (length-sorted packs, each pack's padded batch
-    ``n x L x L``, ``L`` its longest sequence). Squares are counted whole, causal or not. The projections
-    and MLP cost 3,538,944 multiply-adds a position, attention 2 x 576 per (query, key) pair."""
+    each pack's dense ``T x T`` mask) and ``packed-batched`` (length-sorted packs, each bucket of a pack's
+    sequences a padded batch ``n x L x L``, ``L`` its longest; ``pack_attention.bucket_lengths``). Squares
+    are counted whole, causal or not. The projections and MLP cost 3,538,944 multiply-adds a position,
+    attention 2 x 576 per (query, key) pair."""
+    from oppo_engine.ppo.pack_attention import bucket_lengths
     from oppo_engine.ppo.packing import plan_packs, plan_sorted_packs
 
     gemm, pair = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536, 2 * 576
@@ -74,14 +76,19 @@ def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
         torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 1_000_003)).split(8)
     )
 
+    def squares(g) -> int:
+        """(query, key) pairs of the padded batches of the buckets of the pack of rows ``g``."""
+        lens = lengths[g].tolist()
+        return sum(len(b) * max(lens[i] for i in b) ** 2 for b in bucket_lengths(lens))
+
     def cost(groups, packed: bool, batched: bool = False) -> float:
         """Multiply-adds of forwards over ``groups`` of rows: one pack each (its attention over the dense
-        mask, or ``batched`` over its padded batch), or one padded batch each."""
+        mask, or ``batched`` over its buckets' padded batches), or one padded batch each."""
         total = 0
         for g in groups:
             w = int(lengths[g].max())
             n = int(lengths[g].sum()) if packed else len(g) * w
-            pairs = len(g) * w * w if batched or not packed else n * n
+            pairs = (squares(g) if batched else n * n) if packed else len(g) * w * w
             total += n * gemm + pairs * pair
         return total
 
@@ -97,11 +104,9 @@ def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
         plan = plan_sorted_packs
         packs = [mb[torch.tensor(p)] for mb in minibatches for p in plan(lengths[mb].tolist(), b)]
         whole = [torch.tensor(p) for p in plan(lengths.tolist(), b)]
-        squares = sum(len(p) * int(lengths[p].max()) ** 2 * pair for p in packs)
+        attention = sum(squares(p) * pair for p in packs) / cost(packs, True, True)
         gmac = (6 * cost(packs, True, True) + cost(whole, True, True)) / 1e9
-        out[f"packed-batched@{b}"] = dict(
-            forwards=len(packs), gmac=gmac, attention=squares / cost(packs, True, True)
-        )
+        out[f"packed-batched@{b}"] = dict(forwards=len(packs), gmac=gmac, attention=attention)
     return out
 
 

@@ -40,8 +40,9 @@ def test_one_packed_arm_per_budget_and_the_others_once():
 
 def test_the_multiply_add_model_counts_padded_rows_and_dense_pack_masks():
     """Two rows of 3 and 1 tokens: padded, 2 x 3 positions and 2 x 3 x 3 attended pairs; one pack of 4
-    tokens, 4 positions and a dense 4 x 4 mask, or (batched) 4 positions and a padded batch of 2 x 3 x 3
-    pairs; each 6 grad forwards' worth (actor and critic, 3x) plus the agreement forward."""
+    tokens, 4 positions and a dense 4 x 4 mask, or (batched) 4 positions and two buckets (1 is under half
+    of 3) of 3 x 3 and 1 x 1 pairs; each 6 grad forwards' worth (actor and critic, 3x) plus the agreement
+    forward."""
     import pytest
     import torch
 
@@ -50,5 +51,5 @@ def test_the_multiply_add_model_counts_padded_rows_and_dense_pack_masks():
     got = bench_update.layer_macs(batch, [4])
     assert got["padded"]["gmac"] * 1e9 == pytest.approx(7 * (6 * gemm + 18 * pair), rel=1e-12)
     assert got["packed@4"]["gmac"] * 1e9 == pytest.approx(7 * (4 * gemm + 16 * pair), rel=1e-12)
-    assert got["packed-batched@4"]["gmac"] * 1e9 == pytest.approx(7 * (4 * gemm + 18 * pair), rel=1e-12)
+    assert got["packed-batched@4"]["gmac"] * 1e9 == pytest.approx(7 * (4 * gemm + 10 * pair), rel=1e-12)
     assert {got[arm]["forwards"] for arm in ("padded", "packed@4", "packed-batched@4")} == {1}

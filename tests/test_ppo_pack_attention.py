@@ -4,15 +4,26 @@ back whatever happens, and what the call cannot do exactly refused by name."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from families import FAMILIES, ROUTED, build_actor
 from test_ppo_packing import _leaky_attention, _record_steps, make_trainer, ppo_models
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from oppo_engine.ppo import PPOConfig
-from oppo_engine.ppo.pack_attention import ATTN_IMPL, batched_attention, bound, register
+from oppo_engine.ppo.pack_attention import (
+    ATTN_IMPL,
+    PackLayout,
+    batched_attention,
+    batched_sdpa,
+    bound,
+    bucket_lengths,
+    register,
+)
 from oppo_engine.ppo.packing import (
     check_batched_packing,
     check_packing,
@@ -49,6 +60,48 @@ def test_sorted_packs_hold_runs_of_similar_lengths_within_the_budget():
     assert plan_packs(lengths, 20) == [[7], [1, 2], [6, 0, 5], [3, 4]]
     with pytest.raises(ValueError, match="max_tokens_per_microbatch=16"):
         plan_sorted_packs(lengths, 16)
+
+
+def test_buckets_hold_lengths_within_a_factor_of_two_and_every_token_once():
+    lengths = [7, 11, 5, 1, 6]
+    assert bucket_lengths(lengths) == [[1, 0, 4], [2], [3]]  # 11, 7, 6 | 5 (under half of 11) | 1
+    layout = PackLayout.of(lengths, "cpu")
+    assert [tuple(b.gather.shape) for b in layout.buckets] == [(3, 11), (1, 5), (1, 1)]
+    rows = torch.cat([b.gather.flatten()[b.scatter] for b in layout.buckets])
+    assert sorted(rows.tolist()) == list(range(sum(lengths)))  # every packed token once
+    assert torch.equal(rows[layout.order], torch.arange(sum(lengths)))  # and back in packed order
+    # A pack sorted longest first needs no reordering; ratio inf is one call over the whole pack.
+    assert PackLayout.of(sorted(lengths, reverse=True), "cpu").order is None
+    assert len(PackLayout.of(lengths, "cpu", ratio=math.inf).buckets) == 1
+
+
+@pytest.mark.parametrize("ratio", [2.0, math.inf])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_batched_sdpa_is_each_sequences_own_causal_attention(ratio, kv_heads):
+    """Against one causal sdpa per sequence (fp32, grouped K/V heads repeated): outputs and the gradients of
+    queries, keys and values; awkward lengths (one token, a bucket of one)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 13, 12, 2, 7]
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, h, total, 16, generator=g).requires_grad_() for h in (4, kv_heads, kv_heads))
+    grad = torch.randn(1, total, 4, 16, generator=g)
+    got = batched_sdpa(q, k, v, PackLayout.of(lengths, "cpu", ratio), scaling=0.3)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    parts = zip(*(x.split(lengths, 2) for x in (q, k, v)), strict=True)
+    want = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                a, b.repeat_interleave(4 // kv_heads, 1), c.repeat_interleave(4 // kv_heads, 1),
+                is_causal=True, scale=0.3,
+            )
+            for a, b, c in parts
+        ],
+        2,
+    ).transpose(1, 2)  # fmt: skip
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("group_by_length", [False, True])

@@ -33,11 +33,12 @@ class PPOConfig:
     ``max_tokens_per_microbatch`` (``None``: one padded forward per minibatch) splits each minibatch into
     padding-free packs of at most this many tokens whose gradients accumulate into the minibatch's one
     optimizer step (``ppo/packing.py``); it must hold the longest sequence a step can return.
-    ``pack_attention`` says how a pack's attention runs: ``"batched"`` as one causal sdpa call over its
-    sequences gathered into a right-padded batch (``ppo/pack_attention.py``: each sequence's own square, not
-    the pack's; packs then hold sequences of similar length), or ``ValueError`` at build naming why a model
-    cannot; ``"dense"`` over transformers' ``T x T`` block-diagonal mask; ``"auto"`` (default) batched for
-    each model whose build-time probe passes, dense for the other. Only with ``max_tokens_per_microbatch``.
+    ``pack_attention`` says how a pack's attention runs: ``"batched"`` as causal sdpa calls over its
+    sequences, bucketed by length, each bucket gathered into a right-padded batch (``ppo/pack_attention.py``:
+    about each sequence's own square, not the pack's; packs then hold sequences of similar length), or
+    ``ValueError`` at build naming why a model cannot; ``"dense"`` over transformers' ``T x T``
+    block-diagonal mask; ``"auto"`` (default) batched for each model whose build-time probe passes, dense for
+    the other. Only with ``max_tokens_per_microbatch``.
 
     ``share_prefix`` computes a minibatch's longest common prompt prefix once and runs each row's rest over
     its KV cache (``ppo/prefix.py``; the padded forward's results to rounding, and the prefix's share of the

@@ -10,9 +10,10 @@ the pack's length squared, which is why packs are bounded by a token budget.
 A model that ignores ``position_ids`` for masking (or an attention that takes no mask) would let a
 sequence see its neighbour: :func:`check_packing` probes that once, when the trainer is built.
 
-``PPOConfig.pack_attention`` replaces the dense mask by one batched causal call over the pack's sequences
-(``pack_attention.py``: ``sum(len_i^2)`` instead of ``T^2``); :func:`check_batched_packing` probes it, and
-:func:`plan_sorted_packs` makes packs of sequences of similar length, so that call's padded batch is tight.
+``PPOConfig.pack_attention`` replaces the dense mask by batched causal calls over the pack's sequences
+(``pack_attention.py``: about ``sum(len_i^2)`` instead of ``T^2``); :func:`check_batched_packing` probes
+it, and :func:`plan_sorted_packs` makes packs of sequences of similar length, so those calls' padded
+batches are tight and few.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def plan_packs(lengths: Sequence[int], budget: int) -> list[list[int]]:
 def plan_sorted_packs(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Positions into ``lengths`` grouped into packs of at most ``budget`` tokens each, pack-mates of similar
     length: the positions sorted by length (longest first, ties by position), each pack a run of them as
-    long as the budget allows (next fit). Batched attention pads a pack's sequences to its longest, so mixing
-    one long sequence with short ones (first-fit decreasing fills gaps that way) would cost it ``n x L^2``.
-    Every length must be ``<= budget``."""
+    long as the budget allows (next fit). Batched attention pads a pack's sequences to their bucket's longest,
+    one call per bucket of similar lengths, so mixing a long sequence with short ones (first-fit decreasing
+    fills gaps that way) costs it more calls. Every length must be ``<= budget``."""
     packs: list[list[int]] = []
     room = 0
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
@@ -135,7 +136,7 @@ def check_packing(model: nn.Module, role: str, probe: Sequence[int], forward) ->
 
 def check_batched_packing(model: nn.Module, role: str, probe: Sequence[int], forward, longest: int) -> None:
     """``ValueError`` naming ``role`` and the reason unless ``model``'s packs of sequences of up to
-    ``longest`` tokens can run their attention as one batched call (``pack_attention.py``) exactly.
+    ``longest`` tokens can run their attention as batched calls (``pack_attention.py``) exactly.
 
     :func:`check_packing`'s probe with the packed forwards inside ``batched_attention`` and the lone
     sequence's forward on the model's own attention: the second sequence's outputs must not move when the
