@@ -280,3 +280,28 @@ def test_bad_pack_attention_settings_are_refused():
     actor.gradient_checkpointing_enable()
     assert trainer._pack_attention_modes() == {"actor": False, "critic": False}
     trainer.close()
+
+
+def test_a_sliding_window_is_batched_only_where_no_sequence_reaches_past_it():
+    """A window of 16 tokens never binds on sequences of up to 16: batched, and the dense pack's log-probs;
+    with packs of up to 64 tokens it would bind, so the probe refuses (though its own sequences are short)."""
+    actor = build_actor("mistral_window", sliding_window=16)
+    probe = list(range(4, 12))
+    with pytest.raises(ValueError, match="sliding attention window of 16 tokens, .* can be \\(64\\)"):
+        check_batched_packing(actor, "actor", probe, _logprobs, 64)
+    check_batched_packing(actor, "actor", probe, _logprobs, 16)
+    lengths = [16, 9, 14]
+    pack = pack_rows(torch.randint(4, actor.config.vocab_size, (3, 16)), lengths)
+    with torch.no_grad():
+        dense = _logprobs(actor, pack)
+        with batched_attention(actor, lengths):
+            batched = _logprobs(actor, pack)
+    torch.testing.assert_close(batched, dense, rtol=1e-5, atol=1e-6)
+    # And a pack whose sequence reaches past the window is refused in the forward, never approximated.
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match="window of 16 tokens, shorter than the pack's longest"),
+    ):
+        long = pack_rows(torch.randint(4, actor.config.vocab_size, (1, 17)), [17])
+        with batched_attention(actor, [17]):
+            _logprobs(actor, long)
