@@ -5,7 +5,10 @@
     python -m bench.bench_update --workload smollm2 --layers 8 --memory-only --budget 528 2048
 
 Arms: ``padded`` (one padded forward per minibatch of random rows, ``group_by_length=False``),
-``grouped`` (padded, rows of similar length together) and ``packed`` (``max_tokens_per_microbatch``). Every
+``grouped`` (padded, rows of similar length together), ``packed`` (``max_tokens_per_microbatch``, each pack's
+attention over transformers' dense ``T x T`` mask: ``pack_attention="dense"``) and ``packed-batched`` (the
+same budget, each pack's attention one batched causal call over its sequences, packs of similar lengths:
+``pack_attention="batched"``). Every
 arm updates the same batch from the same weights and optimizer state (restored before each timed update,
 outside the timing), so their losses must agree to rounding, and that is printed. The arms are
 interleaved round by round and each figure is the minimum over the rounds, with ``os.getloadavg()``
@@ -15,7 +18,8 @@ Peak memory: ``ru_maxrss`` of a fresh subprocess per arm that builds the same tr
 one update (so it includes the models and the engine, the same for every arm); each subprocess also reports
 its peak after the build, before the update, and the one update's (cold) time. ``--memory-only`` runs just
 these subprocesses, one after another, the parent building nothing (so two processes never hold a model at
-once). Several ``--budget`` values make one ``packed`` arm per budget (``packed@528``, ``packed@2048``).
+once). Several ``--budget`` values make one arm per budget of each packed arm (``packed@528``,
+``packed-batched@528``, ``packed@2048``, ...).
 
 Workloads (B=64 rollouts, minibatches of 8, one epoch):
 
@@ -45,9 +49,11 @@ import torch
 # would keep the previous arm's value (before 2026-12-05, `padded` and `grouped` after a `packed` run kept
 # its budget and ran packed).
 ARMS = {
-    "padded": dict(group_by_length=False, max_tokens_per_microbatch=None),
-    "grouped": dict(group_by_length=True, max_tokens_per_microbatch=None),
-    "packed": dict(group_by_length=False, max_tokens_per_microbatch=None),  # the budget: per workload
+    "padded": dict(group_by_length=False, max_tokens_per_microbatch=None, pack_attention="auto"),
+    "grouped": dict(group_by_length=True, max_tokens_per_microbatch=None, pack_attention="auto"),
+    # The packed arms' budget: per workload.
+    "packed": dict(group_by_length=False, max_tokens_per_microbatch=None, pack_attention="dense"),
+    "packed-batched": dict(group_by_length=False, max_tokens_per_microbatch=None, pack_attention="batched"),
 }
 BATCH, MINIBATCH = 64, 8
 
@@ -56,10 +62,13 @@ def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
     """A model, not a measurement: multiply-adds of one SmolLM2-shape decoder layer over one update of
     ``batch`` per arm (actor and critic forward and backward, counted 3x a forward, plus the actor's no-grad
     agreement forward), ``padded`` (random minibatches of 8, as ``PPOTrainer`` draws them at step 0 with
-    ``seed``; sdpa over each row's padded ``w x w``) and ``packed`` at each budget (each pack's dense
-    ``T x T`` mask). The projections and MLP cost 3,538,944 multiply-adds a position, attention 2 x 576 per
-    (query, key) pair."""
-    from oppo_engine.ppo.packing import plan_packs
+    ``seed``; sdpa over each row's padded ``w x w``), ``packed`` at each budget (first-fit decreasing packs,
+    each pack's dense ``T x T`` mask) and ``packed-batched`` (length-sorted packs, each bucket of a pack's
+    sequences a padded batch ``n x L x L``, ``L`` its longest; ``pack_attention.bucket_lengths``). Squares
+    are counted whole, causal or not. The projections and MLP cost 3,538,944 multiply-adds a position,
+    attention 2 x 576 per (query, key) pair."""
+    from oppo_engine.ppo.pack_attention import bucket_lengths
+    from oppo_engine.ppo.packing import plan_packs, plan_sorted_packs
 
     gemm, pair = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536, 2 * 576
     lengths = batch.attention_mask.sum(1)
@@ -67,12 +76,19 @@ def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
         torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed * 1_000_003)).split(8)
     )
 
-    def cost(groups, packed: bool) -> float:
-        """Multiply-adds of forwards over ``groups`` of rows: one pack each, or one padded batch each."""
+    def squares(g) -> int:
+        """(query, key) pairs of the padded batches of the buckets of the pack of rows ``g``."""
+        lens = lengths[g].tolist()
+        return sum(len(b) * max(lens[i] for i in b) ** 2 for b in bucket_lengths(lens))
+
+    def cost(groups, packed: bool, batched: bool = False) -> float:
+        """Multiply-adds of forwards over ``groups`` of rows: one pack each (its attention over the dense
+        mask, or ``batched`` over its buckets' padded batches), or one padded batch each."""
         total = 0
         for g in groups:
-            n = int(lengths[g].sum()) if packed else len(g) * int(lengths[g].max())
-            pairs = n * n if packed else n * int(lengths[g].max())
+            w = int(lengths[g].max())
+            n = int(lengths[g].sum()) if packed else len(g) * w
+            pairs = (squares(g) if batched else n * n) if packed else len(g) * w * w
             total += n * gemm + pairs * pair
         return total
 
@@ -85,6 +101,12 @@ def layer_macs(batch, budgets: list[int], seed: int = 0) -> dict:
         attention = sum(int(lengths[p].sum()) ** 2 * pair for p in packs) / cost(packs, True)
         gmac = (6 * cost(packs, True) + cost(whole, True)) / 1e9
         out[f"packed@{b}"] = dict(forwards=len(packs), gmac=gmac, attention=attention)
+        plan = plan_sorted_packs
+        packs = [mb[torch.tensor(p)] for mb in minibatches for p in plan(lengths[mb].tolist(), b)]
+        whole = [torch.tensor(p) for p in plan(lengths.tolist(), b)]
+        attention = sum(squares(p) * pair for p in packs) / cost(packs, True, True)
+        gmac = (6 * cost(packs, True, True) + cost(whole, True, True)) / 1e9
+        out[f"packed-batched@{b}"] = dict(forwards=len(packs), gmac=gmac, attention=attention)
     return out
 
 
@@ -174,7 +196,7 @@ def build(workload: str, layers: int, cache: str):
 
 def _configure(trainer, arm: str, budget: int) -> None:
     settings = dict(ARMS[arm])
-    if arm == "packed":
+    if arm.startswith("packed"):
         settings["max_tokens_per_microbatch"] = budget
     for name, value in settings.items():
         setattr(trainer.config, name, value)
@@ -268,16 +290,16 @@ def _parts(run: dict) -> str:
 
 
 def expand_arms(names: list[str], budgets: list[int] | None) -> list[tuple[str, str, int | None]]:
-    """``(label, arm, budget)`` of each arm to run: ``packed`` once per budget (labelled ``packed@B`` when
-    there are several; ``None``: the workload's default), the others once."""
+    """``(label, arm, budget)`` of each arm to run: each packed arm once per budget (labelled ``packed@B``,
+    ``packed-batched@B`` when there are several; ``None``: the workload's default), the others once."""
     budgets = budgets or [None]
     out = []
     for arm in names:
-        if arm != "packed":
+        if not arm.startswith("packed"):
             out.append((arm, arm, None))
             continue
         for b in budgets:
-            out.append((f"packed@{b}" if len(budgets) > 1 else arm, arm, b))
+            out.append((f"{arm}@{b}" if len(budgets) > 1 else arm, arm, b))
     return out
 
 
@@ -331,8 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-arm memory subprocesses")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed update of each arm")
-    parser.add_argument("--budget", type=int, nargs="+", default=None, help="packed: "
-                        "max_tokens_per_microbatch, one packed arm per value (default: the longest "
+    parser.add_argument("--budget", type=int, nargs="+", default=None, help="packed arms: "
+                        "max_tokens_per_microbatch, one arm per value and packed arm (default: the longest "
                         "sequence the workload allows)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
     parser.add_argument("--memory-only", action="store_true", help="only the per-arm memory subprocesses")
@@ -364,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
                               load=os.getloadavg()[0])))  # fmt: skip
         return {}
     arms = {label: (arm, b or default_budget) for label, arm, b in expand_arms(args.arms, args.budget)}
-    budget = ", ".join(str(b) for a, b in arms.values() if a == "packed") or "-"
+    budget = ", ".join(sorted({str(b) for a, b in arms.values() if a.startswith("packed")})) or "-"
     lengths = batch.attention_mask.sum(1)
     print(
         f"{args.workload}: B={len(batch)}, minibatch {MINIBATCH}, {int(lengths.sum())} tokens, lengths "
@@ -385,7 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
             runs[arm].append(timed_update(trainer, batch))
             last = runs[arm][-1]
             print(
-                f"  round {r}: {arm:8s} {last['update_s']:.3f} s, CPU {last['cpu_s']:.3f} s "
+                f"  round {r}: {arm:14s} {last['update_s']:.3f} s, CPU {last['cpu_s']:.3f} s "
                 f"(load {last['load']:.2f}); " + _parts(last),
                 flush=True,
             )
@@ -412,16 +434,18 @@ def main(argv: list[str] | None = None) -> dict:
         )
     print("parts of each arm's fastest update (wall s):")
     for arm, b in best.items():
-        print(f"  {arm:8s} " + _parts(b))
+        print(f"  {arm:14s} " + _parts(b))
     losses = {
         arm: (rs[0]["policy_loss"], rs[0]["value_loss"], rs[0]["grad_norm"]) for arm, rs in runs.items()
     }
-    pair = [
-        losses[a] for a in (next((a for a in losses if a.startswith("packed")), ""), "padded") if a in losses
-    ]
-    diff = max(abs(a - b) for a, b in zip(*pair, strict=True)) if len(pair) == 2 else math.nan
+    diffs = {
+        arm: max(abs(a - b) for a, b in zip(losses[arm], losses["padded"], strict=True))
+        for arm in losses
+        if arm.startswith("packed") and "padded" in losses
+    }
     print(
-        f"policy loss, value loss, grad norm per arm: {losses}; packed vs padded max |difference| {diff:.2e}"
+        f"policy loss, value loss, grad norm per arm: {losses}; max |difference| against padded: "
+        + (", ".join(f"{arm} {d:.2e}" for arm, d in diffs.items()) or "-")
     )
     # With one arm (--arms), this process is a fresh process of that arm: its peak is that arm's.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

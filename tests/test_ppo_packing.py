@@ -138,7 +138,11 @@ def test_packed_losses_and_gradients_equal_padded(group_by_length):
     runs = {}
     for budget in (None, 40):  # 40 tokens: several packs per minibatch of 4 rows of up to 30 tokens
         trainer = make_trainer(
-            ppo_models(), max_tokens_per_microbatch=budget, group_by_length=group_by_length, epochs=2
+            ppo_models(),
+            max_tokens_per_microbatch=budget,
+            pack_attention="dense" if budget else "auto",  # batched: test_ppo_pack_attention.py
+            group_by_length=group_by_length,
+            epochs=2,
         )
         grads = _record_steps(trainer)
         stats = trainer.step()

@@ -8,6 +8,7 @@ OFF_POLICY_CORRECTIONS = ("recompute", "truncated_is")
 ROLLOUT_CORRECTIONS = (None, "tis", "mis")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 ON_NONFINITE = ("raise", "skip")
+PACK_ATTENTION = ("auto", "dense", "batched")
 
 
 @dataclass(slots=True)
@@ -32,6 +33,12 @@ class PPOConfig:
     ``max_tokens_per_microbatch`` (``None``: one padded forward per minibatch) splits each minibatch into
     padding-free packs of at most this many tokens whose gradients accumulate into the minibatch's one
     optimizer step (``ppo/packing.py``); it must hold the longest sequence a step can return.
+    ``pack_attention`` says how a pack's attention runs: ``"batched"`` as causal sdpa calls over its
+    sequences, bucketed by length, each bucket gathered into a right-padded batch (``ppo/pack_attention.py``:
+    about each sequence's own square, not the pack's; packs then hold sequences of similar length), or
+    ``ValueError`` at build naming why a model cannot; ``"dense"`` over transformers' ``T x T``
+    block-diagonal mask; ``"auto"`` (default) batched for each model whose build-time probe passes, dense for
+    the other. Only with ``max_tokens_per_microbatch``.
 
     ``share_prefix`` computes a minibatch's longest common prompt prefix once and runs each row's rest over
     its KV cache (``ppo/prefix.py``; the padded forward's results to rounding, and the prefix's share of the
@@ -74,6 +81,7 @@ class PPOConfig:
     seed: int = 0
     group_by_length: bool = False
     max_tokens_per_microbatch: int | None = None
+    pack_attention: str = "auto"
     share_prefix: bool | str = "auto"
     measure_agreement: bool = True
     rollout_correction: str | None = None
@@ -109,6 +117,15 @@ class PPOConfig:
         if budget is not None and not (isinstance(budget, int) and budget >= 2):
             raise ValueError(
                 f"PPOConfig.max_tokens_per_microbatch must be None or an int >= 2, got {budget!r}"
+            )
+        if self.pack_attention not in PACK_ATTENTION:
+            raise ValueError(
+                f"PPOConfig.pack_attention must be one of {PACK_ATTENTION}, got {self.pack_attention!r}"
+            )
+        if self.pack_attention != "auto" and budget is None:
+            raise ValueError(
+                f"PPOConfig.pack_attention={self.pack_attention!r} is the attention of packs: set "
+                "max_tokens_per_microbatch (or leave pack_attention='auto')"
             )
         if not (isinstance(self.share_prefix, bool) or self.share_prefix == "auto"):
             raise ValueError(

@@ -20,6 +20,7 @@ train exactly as one rank over the same global batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -38,7 +39,17 @@ from oppo_engine.ppo import agreement, core, prefix, ranks
 from oppo_engine.ppo.agreement import Agreement
 from oppo_engine.ppo.batch import RolloutBatch, canonical_order, collate
 from oppo_engine.ppo.config import PPOConfig
-from oppo_engine.ppo.packing import check_packing, pack_logprobs, pack_rows, pack_values, plan_packs
+from oppo_engine.ppo.pack_attention import batched_attention
+from oppo_engine.ppo.packing import (
+    Pack,
+    check_batched_packing,
+    check_packing,
+    pack_logprobs,
+    pack_rows,
+    pack_values,
+    plan_packs,
+    plan_sorted_packs,
+)
 from oppo_engine.sched.results import StepResult
 
 logger = logging.getLogger(__name__)
@@ -208,11 +219,17 @@ class PPOTrainer:
                 f"a prompt of {longest} tokens plus max_new_tokens={cfg.max_new_tokens} exceeds "
                 f"max_model_len={self.engine.max_model_len}"
             )
+        self._probe_prompt = prompts[0]
+        # Why each trained model's packs cannot take the batched attention ("" for none), probed once.
+        self._batched_refusal: dict[str, str] = {}
         if cfg.max_tokens_per_microbatch is not None:
             try:
                 _check_packing_budget(cfg, longest, self.engine.max_model_len, env is not None)
-                check_packing(actor, "actor", prompts[0], lambda m, pack: pack_logprobs(m, pack, 1.0))
-                check_packing(critic, "critic", prompts[0], pack_values)
+                if cfg.pack_attention != "batched":
+                    check_packing(actor, "actor", prompts[0], _pack_logprobs)
+                    check_packing(critic, "critic", prompts[0], pack_values)
+                if cfg.pack_attention != "dense":
+                    self._pack_attention_modes()
             except ValueError:
                 self.engine.close()
                 raise
@@ -317,7 +334,8 @@ class PPOTrainer:
         if budget is None:
             return [self._my_rows(rows)]
         shares = torch.tensor_split(rows, self.world_size)
-        plans = [plan_packs(lengths[share].tolist(), budget) for share in shares]
+        plan = plan_sorted_packs if any(self._pack_attention_modes().values()) else plan_packs
+        plans = [plan(lengths[share].tolist(), budget) for share in shares]
         mine = shares[self.rank]
         packs = [(mine[torch.tensor(p, device=mine.device)], 1.0) for p in plans[self.rank]]
         return packs + [(rows[:1], 0.0)] * (max(map(len, plans)) - len(packs))
@@ -335,20 +353,63 @@ class PPOTrainer:
         keep = batch.mask[rows, : width - 1] > 0
         if cfg.max_tokens_per_microbatch is not None:
             pack = pack_rows(batch.input_ids[rows], lengths[rows].tolist(), keep)
-            logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
-            return logprobs, pack_values(self.critic, pack) if values else None, width
+            batched = self._pack_attention_modes()
+            with self._pack_attention(self.actor, pack, batched["actor"]):
+                logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
+            if not values:
+                return logprobs, None, width
+            with self._pack_attention(self.critic, pack, batched["critic"]):
+                return logprobs, pack_values(self.critic, pack), width
         ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
         share = self._share_prefix and not any(map(prefix.checkpointing, (self.actor, self.critic)))
         shared = prefix.shared_prefix(ids, keep, lengths=lengths[rows]) if share else 0
         logprobs = prefix.logprobs(self.actor, ids, attention_mask, cfg.temperature, keep, shared)
         return logprobs, prefix.values(self.critic, ids, attention_mask, shared) if values else None, width
 
+    def _pack_attention_modes(self) -> dict[str, bool]:
+        """Whether the actor's and the critic's packs run their attention batched, from
+        ``PPOConfig.pack_attention`` and each model's probe (made the first time it is needed, collective;
+        ``ValueError`` under ``"batched"`` for a model refused). A model that turned activation checkpointing
+        on since runs dense under ``"auto"`` (``"batched"``: refused by the switch)."""
+        cfg = self.config
+        models = {"actor": (self.actor, _pack_logprobs), "critic": (self.critic, pack_values)}
+        if cfg.pack_attention == "dense" or cfg.max_tokens_per_microbatch is None:
+            return dict.fromkeys(models, False)
+        if not self._batched_refusal:
+            for role, (model, forward) in models.items():
+                try:
+                    check_batched_packing(
+                        model, role, self._probe_prompt, forward, cfg.max_tokens_per_microbatch
+                    )
+                    self._batched_refusal[role] = ""
+                except ValueError as e:
+                    self._batched_refusal[role] = str(e)
+            # Every rank must plan its packs alike (and run as many forwards): the same verdicts everywhere.
+            verdicts = {role: not reason for role, reason in self._batched_refusal.items()}
+            ranks.check_same_on_ranks(verdicts, self.group)
+            for role, reason in self._batched_refusal.items():
+                if reason and cfg.pack_attention == "auto":
+                    logger.info("PPOConfig.pack_attention='auto': %s's packs stay dense: %s", role, reason)
+        modes = {}
+        for role, (model, _) in models.items():
+            if cfg.pack_attention == "batched" and self._batched_refusal[role]:
+                raise ValueError(self._batched_refusal[role])
+            modes[role] = not self._batched_refusal[role] and (
+                cfg.pack_attention == "batched" or not prefix.checkpointing(model)
+            )
+        return modes
+
+    @staticmethod
+    def _pack_attention(model: nn.Module, pack: Pack, batched: bool):
+        return batched_attention(model, pack.lengths) if batched else contextlib.nullcontext()
+
     def trainer_logprobs(self, batch: RolloutBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, L-1]`` the current actor's log-probs (pi_trainer) of ``rows`` (default: every row; 0
-        elsewhere) from no-grad forwards in eval semantics (no dropout, as the engine samples): packs, or
-        chunks of rows of similar length each trimmed to its longest (under long-tailed lengths a padded
-        batch is mostly padding). Data-parallel ranks split the rows and sum what they computed, so every
-        rank holds the whole tensor. Collective."""
+        elsewhere) from no-grad forwards in eval semantics (no dropout, as the engine samples): packs (of
+        sequences of similar length where a pack's attention is batched), or chunks of rows of similar
+        length each trimmed to its longest (under long-tailed lengths a padded batch is mostly padding).
+        Data-parallel ranks split the rows and sum what they computed, so every rank holds the whole tensor.
+        Collective."""
         out = torch.zeros_like(batch.logprobs)
         lengths = batch.attention_mask.sum(1)
         rows = torch.arange(len(batch), device=lengths.device) if rows is None else rows
@@ -563,6 +624,10 @@ def _check_sharding(actor, critic, reference, reward, world_size: int) -> None:
 def _full(norm: torch.Tensor) -> float:
     """A gradient norm as a float (an FSDP2 norm is a DTensor: its full value)."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def _pack_logprobs(model: nn.Module, pack: Pack) -> torch.Tensor:
+    return pack_logprobs(model, pack, 1.0)
 
 
 def _probe_logprobs(model, ids, mask, keep, p):
