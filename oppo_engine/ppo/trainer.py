@@ -341,10 +341,18 @@ class PPOTrainer:
         return packs + [(rows[:1], 0.0)] * (max(map(len, plans)) - len(packs))
 
     def _forward(
-        self, batch: RolloutBatch, rows: torch.Tensor, lengths: torch.Tensor, values: bool
+        self,
+        batch: RolloutBatch,
+        rows: torch.Tensor,
+        lengths: torch.Tensor,
+        values: bool,
+        keep_open: contextlib.ExitStack | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """``(log-probs, values or None, w)``, each ``[n, w-1]``, of ``rows`` (``w``: their longest): one
-        forward per model, padded to ``w`` (exact: right padding, causal models) or packed."""
+        forward per model, padded to ``w`` (exact: right padding, causal models) or packed. ``keep_open``: a
+        pack's batched-attention switches are entered into it and stay on until the caller closes it, after
+        the backward (activation checkpointing recomputes the forward inside the backward: with the switch
+        off by then, the recompute would attend across the pack's sequences)."""
         cfg = self.config
         width = int(lengths[rows].max())
         # Only the sampled tokens' log-probs are ever read (the losses, the agreement and the stale
@@ -354,12 +362,15 @@ class PPOTrainer:
         if cfg.max_tokens_per_microbatch is not None:
             pack = pack_rows(batch.input_ids[rows], lengths[rows].tolist(), keep)
             batched = self._pack_attention_modes()
-            with self._pack_attention(self.actor, pack, batched["actor"]):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self._pack_attention(self.actor, pack, batched["actor"]))
                 logprobs = pack_logprobs(self.actor, pack, cfg.temperature)
-            if not values:
-                return logprobs, None, width
-            with self._pack_attention(self.critic, pack, batched["critic"]):
-                return logprobs, pack_values(self.critic, pack), width
+                if values:
+                    stack.enter_context(self._pack_attention(self.critic, pack, batched["critic"]))
+                    critic_values = pack_values(self.critic, pack)
+                if keep_open is not None:
+                    keep_open.enter_context(stack.pop_all())
+            return logprobs, critic_values if values else None, width
         ids, attention_mask = batch.input_ids[rows, :width], batch.attention_mask[rows, :width]
         share = self._share_prefix and not any(map(prefix.checkpointing, (self.actor, self.critic)))
         shared = prefix.shared_prefix(ids, keep, lengths=lengths[rows]) if share else 0
@@ -500,21 +511,25 @@ class PPOTrainer:
                 # One forward and backward per micro-batch, the gradients accumulated: each one's losses are
                 # its tokens' sums over the minibatch's count, so together they are the minibatch's means.
                 for idx, weight in self._micro_batches(minibatch, lengths):
-                    new_logprobs, new_values, width = self._forward(batch, idx, lengths, values=True)
-                    old, adv, ret, m, values = (
-                        t[idx, : width - 1] for t in (old_logprobs, advantages, returns, mask, batch.values)
-                    )
-                    w = weights[idx, : width - 1] if weights is not None else None
-                    pg_loss, clipfrac, approx_kl = core.policy_loss(
-                        new_logprobs, old, adv, m, cfg.clip_range, truncation, count, w
-                    )
-                    vf_loss = core.value_loss(new_values, values, ret, m, cfg.clip_range_value, count)
-                    # FSDP averages the ranks' gradients: scaled by W, the average is the minibatch loss's.
-                    ((pg_loss + cfg.value_coef * vf_loss) * (weight * self.world_size)).backward()
-                    if weight:
-                        shares += (
-                            weight * torch.stack([pg_loss, vf_loss, clipfrac, approx_kl]).detach().double()
+                    switches = contextlib.ExitStack()  # a pack's batched attention, on through its backward
+                    with switches:
+                        new_logprobs, new_values, width = self._forward(batch, idx, lengths, True, switches)
+                        old, adv, ret, m, values = (
+                            t[idx, : width - 1]
+                            for t in (old_logprobs, advantages, returns, mask, batch.values)
                         )
+                        w = weights[idx, : width - 1] if weights is not None else None
+                        pg_loss, clipfrac, approx_kl = core.policy_loss(
+                            new_logprobs, old, adv, m, cfg.clip_range, truncation, count, w
+                        )
+                        vf_loss = core.value_loss(new_values, values, ret, m, cfg.clip_range_value, count)
+                        # FSDP averages the ranks' gradients: scaled by W, their average is the loss.
+                        ((pg_loss + cfg.value_coef * vf_loss) * (weight * self.world_size)).backward()
+                        if weight:
+                            shares += (
+                                weight
+                                * torch.stack([pg_loss, vf_loss, clipfrac, approx_kl]).detach().double()
+                            )
                 norm = _full(nn.utils.clip_grad_norm_(self.actor.parameters(), cfg.max_grad_norm))
                 critic_norm = _full(nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm))
                 if self._refuse_nonfinite(shares, norm, critic_norm):

@@ -2,8 +2,10 @@
 
 Datasheet numbers are the vendor's dense (no sparsity) peaks. Achieved fractions go per class of work and
 each cites a public measurement; where none was found for a device, the comment says so and which
-measurement stands in. None of them is fitted to anything, least of all to the OPPO paper's results, which
-the twin is compared against (``bench/bench_twin.py``).
+measurement stands in. One is fitted, and only to published measurements of its own class of work (the
+GEMMs' unhidden share, ``gemm_unhidden``, to profiled projection timings: ``bench/published.py``'s source
+rows); none to an end-to-end figure, least of all to the OPPO paper's results, which the twin is compared
+against (``bench/bench_twin.py``).
 """
 
 from __future__ import annotations
