@@ -123,4 +123,8 @@ def test_a_sequence_the_aborted_attempt_ended_listens_again_in_the_retry():
             continue
         before = [k for phase, prompt, k in _Heard.heard if phase == 0 and prompt == tuple(r.prompt_ids)]
         after = [k for phase, prompt, k in _Heard.heard if phase == 1 and prompt == tuple(r.prompt_ids)]
-        assert after == before, (len(r.prompt_ids), before, after)  # the retry's turn, heard as the first
+        # The retry's turn is heard again, to the same end as the aborted attempt's (the old code heard
+        # nothing after the rollback). Not always the same list: a fresh-clone CI run under load heard
+        # [1..7] in the retry against [3..7] in the attempt (timing: the environments answer on threads).
+        assert after and after == sorted(set(after)), (len(r.prompt_ids), before, after)
+        assert after[-1] == before[-1], (len(r.prompt_ids), before, after)
