@@ -256,20 +256,59 @@ def decode_table(
     return table
 
 
-# This machine's roofline, measured with 2 threads (issue 35): read bandwidth, and the GEMM rate per dtype.
-BANDWIDTH = 44e9  # bytes/s
-GEMM_RATE = {torch.float32: 221e9, torch.bfloat16: 920e9}  # FLOP/s
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def roofline(actor, batch: int) -> dict[str, float]:
+def cpu_identity() -> str:
+    """The CPU this run is on (model name, family/model, the AVX-512 and AMX flags): sessions of this
+    project have run on more than one kind of machine, and a CPU figure means nothing without it."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown CPU"
+    flags = [f for f in info.get("flags", "").split() if f.startswith(("avx512f", "avx512_bf16", "amx"))]
+    family, model = info.get("cpu family", "?"), info.get("model", "?")
+    return (
+        f"{info.get('model name', '?')} (family {family}, model {model}; "
+        f"{' '.join(flags) or 'no AVX-512'}; {os.cpu_count()} CPUs)"
+    )
+
+
+def measure_roofline(dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
+    """This machine's roofline, measured in the run at the process's thread count: the read bandwidth (the
+    fastest ``sum`` over 512 MB of ``dtype``) and the GEMM rate (the fastest 2048^3 ``matmul`` in ``dtype``).
+    Both are the best the machine does on a large, simple case: a decode step's floor, not its expectation."""
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    big = torch.ones(512 * 2**20 // torch.finfo(dtype).bits * 8, dtype=dtype)
+    bandwidth = big.numel() * big.element_size() / best(big.sum)
+    del big
+    n = 2048
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    rate = 2 * n**3 / best(lambda: a @ b)
+    return {"bandwidth": bandwidth, "gemm_rate": rate}
+
+
+def roofline(actor, batch: int, measured: dict[str, float]) -> dict[str, float]:
     """One decode step's floor in seconds: every linear layer's weights (the LM head's included) read once
-    (``bytes_s``), and their ``2 * B * params`` FLOPs at the measured GEMM rate (``gemm_s``)."""
+    at the measured bandwidth (``bytes_s``), and their ``2 * B * params`` FLOPs at the measured GEMM rate
+    (``gemm_s``); ``measured`` is :func:`measure_roofline`'s."""
     linears = [m for m in actor.modules() if isinstance(m, torch.nn.Linear)]
     params = sum(m.weight.numel() for m in linears)
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    dtype = actor.dtype
-    return {"bytes_s": nbytes / BANDWIDTH, "gemm_s": 2 * batch * params / GEMM_RATE[dtype]}
+    return {"bytes_s": nbytes / measured["bandwidth"], "gemm_s": 2 * batch * params / measured["gemm_rate"]}
 
 
 # Where a step's CPU time goes, by op name (self time): the first category whose pattern is in the name.
@@ -324,6 +363,7 @@ def bench_smollm2(
     from oppo_engine.pretrained import load_pretrained
 
     actor, _ = load_pretrained("smollm2-135m-instruct", dtype=dtype)
+    print(f"CPU: {cpu_identity()}")
     g = torch.Generator().manual_seed(0)
     vocab = actor.config.vocab_size
     results: dict[int, dict[str, float]] = {}
@@ -356,7 +396,8 @@ def bench_smollm2(
             loads.append(os.getloadavg()[0])
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
-        roof = roofline(actor, batch)
+        measured = measure_roofline(dtype)
+        roof = roofline(actor, batch, measured)
         step_ms = 1e3 * best["engine"] / new_tokens  # prefill included, spread over the tokens
         r = {f"{name}_tok_s": batch * new_tokens / t for name, t in best.items()}
         r |= {f"{name}_cpu_ms": 1e3 * t / new_tokens for name, t in best_cpu.items()}
@@ -364,6 +405,8 @@ def bench_smollm2(
             "step_ms": step_ms,
             "bytes_ms": 1e3 * roof["bytes_s"],
             "gemm_ms": 1e3 * roof["gemm_s"],
+            "bandwidth_gb_s": measured["bandwidth"] / 1e9,
+            "gemm_gflop_s": measured["gemm_rate"] / 1e9,
             "load": max(loads),
             "ratio": r["engine_tok_s"] / r["hf_tok_s"],
             "cpu_ratio": best_cpu["hf"] / best_cpu["engine"],
@@ -385,7 +428,8 @@ def bench_smollm2(
         )
         print(
             f"  engine/HF {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x CPU time; {others}"
-            f"roofline: weights {r['bytes_ms']:.1f} ms, GEMM {r['gemm_ms']:.1f} ms a step; engine step "
+            f"roofline (measured: {r['bandwidth_gb_s']:.0f} GB/s, {r['gemm_gflop_s']:.0f} GFLOP/s): weights "
+            f"{r['bytes_ms']:.1f} ms, GEMM {r['gemm_ms']:.1f} ms a step; engine step "
             f"{step_ms:.1f} ms = {step_ms / r['gemm_ms']:.2f}x GEMM"
         )
         if profile:
