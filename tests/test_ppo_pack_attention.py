@@ -4,6 +4,7 @@ back whatever happens, and what the call cannot do exactly refused by name."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from families import FAMILIES, ROUTED, build_actor
 from test_ppo_packing import _leaky_attention, _record_steps, make_trainer, ppo_models
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from oppo_engine.ppo import PPOConfig
@@ -347,3 +348,48 @@ def test_a_sliding_window_is_batched_only_where_no_sequence_reaches_past_it():
         long = pack_rows(torch.randint(4, actor.config.vocab_size, (1, 17)), [17])
         with batched_attention(actor, [17]):
             _logprobs(actor, long)
+
+
+def test_auto_batches_a_model_whose_dense_pack_leaks_and_refuses_its_dense_fallback():
+    """OPT's dense pack leaks across sequences (the dense probe refuses it), but its batched pack is exact.
+    "auto" used to refuse it at build, the dense probe first; now it batches it: losses and gradients equal
+    the padded update's. A later switch to the dense mask (activation checkpointing turned on) is refused by
+    name, never run."""
+    tokenizer, actor, critic, reference, reward, prompts = ppo_models()
+    cfg = FAMILIES["opt"].make_config(
+        vocab_size=actor.config.vocab_size,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dropout=0.0,  # the update runs in train mode: masks drawn over other shapes would differ
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        layerdrop=0.0,
+    )
+    runs = {}
+    for budget in (None, 40):
+        torch.manual_seed(0)
+        opt = AutoModelForCausalLM.from_config(cfg)
+        models = (tokenizer, opt, critic, copy.deepcopy(opt).eval().requires_grad_(False), reward, prompts)
+        if budget:
+            with pytest.raises(ValueError, match="crosses the boundary between packed sequences"):
+                make_trainer(models, max_tokens_per_microbatch=budget, pack_attention="dense")
+        trainer = make_trainer(models, max_tokens_per_microbatch=budget, epochs=2)
+        grads = _record_steps(trainer)
+        stats = trainer.step()
+        assert trainer._pack_attention_modes() == {"actor": bool(budget), "critic": bool(budget)}
+        if budget:
+            assert "crosses the boundary" in trainer._dense_refusal["actor"]
+            opt.gradient_checkpointing_enable()
+            with pytest.raises(ValueError, match="the actor turned activation checkpointing on, so .*dense"):
+                trainer._pack_attention_modes()
+        trainer.close()
+        runs[budget] = (stats, grads)
+    (padded, padded_grads), (packed, packed_grads) = runs[None], runs[40]
+    assert padded.response_len > 5
+    for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "grad_norm", "kl", "reward"):
+        torch.testing.assert_close(getattr(packed, name), getattr(padded, name), rtol=1e-5, atol=1e-6)
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        assert a.keys() == b.keys() and any(k.startswith("actor.") for k in a)
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)

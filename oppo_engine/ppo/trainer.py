@@ -222,14 +222,26 @@ class PPOTrainer:
         self._probe_prompt = prompts[0]
         # Why each trained model's packs cannot take the batched attention ("" for none), probed once.
         self._batched_refusal: dict[str, str] = {}
+        # Why each trained model's packs cannot run the dense mask, where "auto" batches them instead.
+        self._dense_refusal: dict[str, str] = {}
         if cfg.max_tokens_per_microbatch is not None:
             try:
                 _check_packing_budget(cfg, longest, self.engine.max_model_len, env is not None)
-                if cfg.pack_attention != "batched":
-                    check_packing(actor, "actor", prompts[0], _pack_logprobs)
-                    check_packing(critic, "critic", prompts[0], pack_values)
                 if cfg.pack_attention != "dense":
-                    self._pack_attention_modes()
+                    self._pack_attention_modes()  # the batched probes ("batched": a refusal raises here)
+                if cfg.pack_attention != "batched":
+                    for role, model, forward in (
+                        ("actor", actor, _pack_logprobs),
+                        ("critic", critic, pack_values),
+                    ):
+                        try:
+                            check_packing(model, role, prompts[0], forward)
+                        except ValueError as e:
+                            # "auto" with the batched attention verified needs the dense mask only if the
+                            # model turns activation checkpointing on later: refused then, not now.
+                            if cfg.pack_attention != "auto" or self._batched_refusal[role]:
+                                raise
+                            self._dense_refusal[role] = str(e)
             except ValueError:
                 self.engine.close()
                 raise
@@ -408,6 +420,11 @@ class PPOTrainer:
             modes[role] = not self._batched_refusal[role] and (
                 cfg.pack_attention == "batched" or not prefix.checkpointing(model)
             )
+            if not modes[role] and self._dense_refusal.get(role):
+                raise ValueError(
+                    f"PPOConfig.pack_attention='auto': the {role} turned activation checkpointing on, so its "
+                    f"packs would run the dense mask, which it cannot: {self._dense_refusal[role]}"
+                )
         return modes
 
     @staticmethod
