@@ -305,6 +305,7 @@ class CostModel:
         epochs: int,
         checkpointing: bool = False,
         packed: bool = False,
+        budget: int | None = None,
         recompute: list[list[list[int]]] = (),
     ) -> float:
         """Seconds of the PPO update on each training GPU.
@@ -312,14 +313,16 @@ class CostModel:
         ``minibatches``: per minibatch, per rank, the lengths of the rows of that rank's share (the trainer
         cuts a global minibatch into one slice per rank: ``ppo/ranks.py``). A rank's share is padded to its
         own longest row (``packed=False``: ``PPOTrainer`` today) or packed without padding into micro-batches
-        (``packed=True``: ``max_tokens_per_microbatch``); FSDP's collectives make every rank wait for the
-        slowest share of each minibatch. ``epochs`` passes over them of forward and backward of the
-        ``trained`` models (actor, critic), FLOPs counted in the convention of the run the training MFU comes
-        from (:func:`training_flops`); ``checkpointing`` recomputes a forward. Per minibatch an all-gather of
-        the weights for the forward and one for the backward and a reduce-scatter of the gradients, hidden
-        behind compute where shorter; the optimizer once per minibatch; then the all-gather that refreshes
-        the rollout replicas. ``recompute``: the chunks (per rank, row lengths) of stale rows whose log-probs
-        one actor forward recomputes first (``off_policy="recompute"``).
+        (``packed=True``: ``max_tokens_per_microbatch``, ``budget`` tokens a pack, the attention priced as
+        the batched pack attention runs it: :func:`pack_attention_pairs`); FSDP's collectives make every
+        rank wait for the slowest share of each minibatch. ``epochs`` passes over them of forward and
+        backward of the ``trained`` models (actor, critic), FLOPs counted in the convention of the run the
+        training MFU comes from (:func:`training_flops`); ``checkpointing`` recomputes a forward. Per
+        minibatch an all-gather of the weights for the forward and one for the backward and a
+        reduce-scatter of the gradients, hidden behind compute where shorter; the optimizer once per
+        minibatch; then the all-gather that refreshes the rollout replicas. ``recompute``: the chunks (per
+        rank, row lengths) of stale rows whose log-probs one actor forward recomputes first
+        (``off_policy="recompute"``).
         """
         src = self.source
         passes = 4.0 if checkpointing else 3.0  # forward + backward (2 forwards' worth) [+ the recompute]
@@ -327,7 +330,10 @@ class CostModel:
         def slowest(chunks, shapes, n) -> float:
             """FLOPs of the slowest rank of each chunk, summed over the chunks."""
             return sum(
-                max((sum(training_flops(s, rank, n, packed) for s in shapes) for rank in chunk), default=0.0)
+                max(
+                    (sum(training_flops(s, rank, n, packed, budget) for s in shapes) for rank in chunk),
+                    default=0.0,
+                )
                 for chunk in chunks
             )
 
@@ -343,25 +349,56 @@ class CostModel:
         return max(compute, comm) + optimizer + gather
 
 
-def training_flops(shape: ModelShape, lengths, passes: float, packed: bool = False) -> float:
+def training_flops(
+    shape: ModelShape, lengths, passes: float, packed: bool = False, budget: int | None = None
+) -> float:
     """FLOPs of ``passes`` forwards' worth (1: a forward; 3: forward and backward; 4: with a recomputed
     forward) over rows of ``lengths``, counted as torchtitan counts them for its MFU
     (``torchtitan/utils.py::get_num_flop_per_token`` @0413364: ``6 N + 12 L H q T`` per token for forward
     and backward, attention over the whole row, causal sparsity not subtracted, recomputation not counted):
-    per forward ``2 N`` per token plus ``4 L q w`` per token of a row of width ``w``. Padded rows
-    (``packed=False``) all take the longest row's width."""
+    per forward ``2 N`` per token plus ``4 L q`` per attention pair. Padded rows (``packed=False``) all take
+    the longest row's width: ``w^2`` pairs each. Packed rows in packs of ``budget`` tokens take the pairs
+    the batched pack attention computes (:func:`pack_attention_pairs`); with no ``budget``, each its own
+    ``w^2``."""
     lengths = list(lengths)
     if not lengths:
         return 0.0
     if packed:
         tokens = sum(lengths)
-        attention = sum(w * w for w in lengths)
+        attention = pack_attention_pairs(lengths, budget) if budget else sum(w * w for w in lengths)
     else:
         width = max(lengths)
         tokens = len(lengths) * width
         attention = len(lengths) * width * width
     per_forward = 2.0 * shape.params * tokens + 4.0 * shape.layers * shape.q_width * attention
     return passes * per_forward
+
+
+# ``ppo/pack_attention.py``'s bucket ratio (tests/sim/test_plan_terms.py checks the two agree).
+PACK_BUCKET_RATIO = 2.0
+
+
+def pack_attention_pairs(lengths, budget: int) -> int:
+    """The attention pairs (query, key) the trainer's batched pack attention computes over rows of
+    ``lengths`` packed ``budget`` tokens a pack (``PPOConfig.pack_attention``, batched: its default where a
+    model's probe passes). The packs are ``ppo/packing.py::plan_sorted_packs``'s: the rows sorted longest
+    first, each pack a run of them as long as the budget allows; each pack's rows are cut into buckets
+    (``ppo/pack_attention.py::bucket_lengths``: a new bucket where a row is shorter than its bucket's
+    longest over :data:`PACK_BUCKET_RATIO`), and each bucket is one call over a batch right-padded to its
+    longest: ``rows x longest^2`` pairs, at most 4x the rows' own squares. Torch-free mirrors of those two
+    functions (``tests/sim/test_plan_terms.py`` checks them against the trainer's)."""
+    total, room, head, count = 0, 0, 0, 0
+    for n in sorted(lengths, reverse=True):
+        if n > budget:
+            raise ValueError(f"a sequence of {n} tokens exceeds max_tokens_per_microbatch={budget}")
+        if n > room or n * PACK_BUCKET_RATIO < head:  # a new pack, or a new bucket within the pack
+            total += count * head * head
+            head, count = n, 0
+            if n > room:
+                room = budget
+        count += 1
+        room -= n
+    return total + count * head * head
 
 
 def roofline(device: Device) -> CostModel:

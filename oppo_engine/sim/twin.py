@@ -423,7 +423,7 @@ class World:
         trained = [s.shapes[ACTOR]] + ([s.shapes[CRITIC]] if CRITIC in s.shapes else [])
         return s.cost.update(
             trained, minibatches, gpus=s.training_gpus, epochs=s.epochs, checkpointing=s.checkpointing,
-            packed=s.max_tokens_per_microbatch is not None,
+            packed=s.max_tokens_per_microbatch is not None, budget=s.max_tokens_per_microbatch,
             recompute=recompute if self.mode in ("inter", "oppo") else [],
         )  # fmt: skip
 

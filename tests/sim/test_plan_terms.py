@@ -4,11 +4,13 @@ longest row (``group_by_length`` and packed micro-batches cutting it), the engin
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from oppo_engine import EngineConfig
 from oppo_engine.sim import plan
-from oppo_engine.sim.cost import roofline, training_flops
+from oppo_engine.sim.cost import PACK_BUCKET_RATIO, pack_attention_pairs, roofline, training_flops
 from oppo_engine.sim.devices import device
 from oppo_engine.sim.planner import _setting
 from oppo_engine.sim.shapes import model_shape
@@ -40,6 +42,39 @@ def test_each_rank_pads_its_own_share_and_the_minibatch_waits_for_the_slowest():
     assert packed < got
     assert training_flops(SEVEN_B, shares[0], 3.0, packed=True) == pytest.approx(
         3 * (2 * SEVEN_B.params * 4300 + 4 * SEVEN_B.layers * SEVEN_B.q_width * (4000**2 + 3 * 100**2))
+    )
+
+
+def test_packed_attention_is_priced_as_the_trainers_batched_packs_compute_it():
+    """The pairs the twin charges a packed share equal those of the trainer's own packs and buckets
+    (``plan_sorted_packs``, ``bucket_lengths``): per bucket, its rows times its longest squared."""
+    from oppo_engine.ppo.pack_attention import BUCKET_RATIO, bucket_lengths
+    from oppo_engine.ppo.packing import plan_sorted_packs
+
+    assert PACK_BUCKET_RATIO == BUCKET_RATIO
+    rng = random.Random(0)
+    for _ in range(300):
+        budget = rng.choice([64, 100, 512, 2048])
+        lengths = [rng.randint(1, budget) for _ in range(rng.randint(1, 24))]
+        want = 0
+        for pack in plan_sorted_packs(lengths, budget):
+            rows = [lengths[i] for i in pack]
+            want += sum(len(b) * rows[b[0]] ** 2 for b in bucket_lengths(rows))
+        assert pack_attention_pairs(lengths, budget) == want, (lengths, budget)
+    # by hand: packs of 100 tokens [60, 25] [20, 20, 9, 5]; buckets [60] [25] | [20, 20] [9, 5]
+    assert pack_attention_pairs([5, 60, 20, 9, 25, 20], 100) == 60**2 + 25**2 + 2 * 20**2 + 2 * 9**2
+    with pytest.raises(ValueError, match="exceeds max_tokens_per_microbatch=100"):
+        pack_attention_pairs([101], 100)
+    # each row pays at most 4x its own square, and the update charges these pairs for a budgeted pack
+    shares = [[4000, 1900, 1000, 30, 30]]
+    pairs = pack_attention_pairs(shares[0], 4096)
+    assert sum(w * w for w in shares[0]) < pairs <= 4 * sum(w * w for w in shares[0])
+    attention = 4 * SEVEN_B.layers * SEVEN_B.q_width
+    assert training_flops(SEVEN_B, shares[0], 3.0, packed=True, budget=4096) - training_flops(
+        SEVEN_B, shares[0], 3.0, packed=True
+    ) == pytest.approx(3 * attention * (pairs - sum(w * w for w in shares[0])))
+    assert H200.update([SEVEN_B], [shares], gpus=1, epochs=1, packed=True, budget=4096) > H200.update(
+        [SEVEN_B], [shares], gpus=1, epochs=1, packed=True
     )
 
 
