@@ -164,6 +164,7 @@ def test_published_lists_the_gemm_source_rows_and_their_fit(capsys):
     for r in ROWS:
         assert r.key in out
     assert "a100-80gb: a = 0.539" in out and "h100: a = 0.371" in out
+    assert "a100-80gb: floor 3.94 us, fraction 0.602" in out and "h100: floor 3.13 us, fraction 0.765" in out
 
 
 # -- the elementwise kernels: a floor each plus their bytes, fitted to the elementwise source rows -----------
@@ -229,7 +230,10 @@ def test_the_calibrated_cpu_profile_prices_its_elementwise_as_before():
         want = 3e-9 * shape.layers * tokens * shape.hidden + 7e-9 * rows * shape.vocab
         assert src.elementwise(shape, tokens, rows) == pytest.approx(want, rel=1e-12)
     work = CostModel(src).forward(shape, Batch(((5, 20), (1, 40)), 2, 2))
-    assert work.phases[-2] == (0.0, pytest.approx(3e-9 * shape.layers * 6 * shape.hidden + 7e-9 * 2 * shape.vocab))
+    assert work.phases[-2] == (
+        0.0,
+        pytest.approx(3e-9 * shape.layers * 6 * shape.hidden + 7e-9 * 2 * shape.vocab),
+    )
     assert src.fixed(shape, True) == src.fixed(shape, False) == (1e-4 + 2e-5 * shape.layers, 0.0)
 
 
