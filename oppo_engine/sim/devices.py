@@ -99,7 +99,7 @@ HOPPER = Fractions(
     # @7d47513; source rows of published.py): a layer's 6 kernels take 6 floors plus its bytes at this
     # fraction of the HBM. 3.13 us and 0.765 (13 layers of 65 rows; the bytes at `stream` alone, no floor, as
     # before, put the twin's layers at 0.19 of the profile's at their median, 0.003-0.73; the fit at 0.92,
-    # 0.74-1.33).
+    # 0.74-1.32).
     elementwise=0.77,
     elementwise_floor_s=3.1e-6,
 )
