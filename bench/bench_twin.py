@@ -615,13 +615,22 @@ def published(args) -> int:
         row = r["row"]
         pub = f"{row.figure:.4g}"
         if row.kind == "gemm":  # many rows of one page: its source, GPU and software once, a line a row
-            if (row.url, row.gpu) != group:
-                group = (row.url, row.gpu)
+            if (row.url, row.gpu, row.kind) != group:
+                group = (row.url, row.gpu, row.kind)
                 print(f"GEMM source rows (gemm_fit): {row.url}; {row.gpu}; {row.software}")
                 print(f"{'':<41}fixes: {row.constant}")
             s, us = row.settings, f"{row.figure * 1e6:.1f} us"
             print(f"{row.key:<34}{row.role:<7}{us:>12}{r['prediction'] * 1e6:>12.1f}{r['ratio']:>7.3f}  "
                   f"{s['m']} x {s['k']} x {s['n']}; quote: {row.quote}")  # fmt: skip
+            continue
+        if row.kind == "elementwise":  # as the gemm rows: one kernel of ``tokens`` tokens a line
+            if (row.url, row.gpu, row.kind) != group:
+                group = (row.url, row.gpu, row.kind)
+                print(f"Elementwise source rows (elementwise_fit): {row.url}; {row.gpu}; {row.software}")
+                print(f"{'':<41}fixes: {row.constant}")
+            s, us = row.settings, f"{row.figure * 1e6:.1f} us"
+            print(f"{row.key:<34}{row.role:<7}{us:>12}{r['prediction'] * 1e6:>12.1f}{r['ratio']:>7.3f}  "
+                  f"{s['op']} x {s['tokens']} tokens; quote: {row.quote}")  # fmt: skip
             continue
         if r["prediction"] is None:
             print(f"{row.key:<34}{row.role:<7}{pub:>12}{'refused':>12}{'':>7}  {row.unit}; {row.gpu}")
@@ -644,7 +653,7 @@ def published(args) -> int:
               f"within 15%)")  # fmt: skip
     refused = sum(r["prediction"] is None for r in rows)
     print(f"rows refused by name: {refused} of {len(rows)}")
-    from bench.published import decode_fit, gemm_fit  # noqa: PLC0415
+    from bench.published import decode_fit, elementwise_fit, gemm_fit  # noqa: PLC0415
     from oppo_engine.sim.devices import device  # noqa: PLC0415
 
     print("GEMM fit from the gemm source rows (t = max(c, m) + a min(c, m), the twin's terms; ratios twin "
@@ -654,6 +663,18 @@ def published(args) -> int:
         print(f"  {key}: a = {f['unhidden']:.3f} ({len(f['rows'])} rows; the table's gemm_unhidden "
               f"{device(key).fractions.gemm_unhidden}): max alone {b:.2f} [{b0:.2f}, {b1:.2f}], fitted "
               f"{g:.2f} [{g0:.2f}, {g1:.2f}]")  # fmt: skip
+
+    print("elementwise fit from the elementwise source rows (a layer: 6 floor + bytes / (hbm x fraction), "
+          "against the sum of its profiled kernels, the add twice; ratios twin over profile, median [min, "
+          "max]):")  # fmt: skip
+    for key, f in elementwise_fit().items():
+        fr = device(key).fractions
+        (b, b0, b1), (g, g0, g1), (c, c0, c1) = f["bare"], f["fitted"], f["cells"]
+        print(f"  {key}: floor {f['floor_s'] * 1e6:.2f} us, fraction {f['fraction']:.3f} ({f['layers']} "
+              f"layers of {len(f['rows'])} rows; the table's {fr.elementwise_floor_s * 1e6:.1f} us, "
+              f"{fr.elementwise}): "
+              f"layers with bytes at stream alone {b:.2f} [{b0:.2f}, {b1:.2f}], fitted {g:.2f} [{g0:.2f}, "
+              f"{g1:.2f}]; each kernel fitted {c:.2f} [{c0:.2f}, {c1:.2f}]")  # fmt: skip
 
     print("decode fit from the fixed-batch latency source rows (published - twin's prefill = steps * overhead"
           " + slope * twin's decode):")  # fmt: skip

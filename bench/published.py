@@ -16,7 +16,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, replace
 
-from oppo_engine.sim.cost import Batch, CostModel, roofline, training_flops
+from oppo_engine.sim.cost import (
+    ELEMENTWISE_KERNELS,
+    Batch,
+    CostModel,
+    elementwise_bytes,
+    roofline,
+    training_flops,
+)
 from oppo_engine.sim.devices import device
 from oppo_engine.sim.shapes import ModelShape
 
@@ -489,6 +496,97 @@ def _gemm_rows() -> tuple[Published, ...]:
 ROWS = ROWS + _gemm_rows()
 
 
+# -- elementwise kernels: a decoder layer's norms, rotary embedding, activation and add (elementwise_fit) ----
+# The same Vidur profiles (the same mlp.csv files): sarathi's RMSNorm (vLLM's fused ``rms_norm``, one kernel),
+# its rotary embedding (one kernel, q and k in place), SiluAndMul (one kernel) and a torch add, fp16, each
+# call's kernel durations summed from the profiler's trace (record_function_tracer.py): device time, no
+# launch. ``add`` is one add: the Llama block (vidur/profiling/mlp/mlp_impl.py::GPTBlock.
+# _forward_with_post_attn_norm) times only the residual add after the MLP. Quoted: ``time_stats.<op>.median``
+# (ms) at ``num_tokens`` = 1, 2, 4, ..., 4096 (log-spaced over the Llama-2 profiles' whole range: the small
+# sizes fix the floor, the large ones the bandwidth); where a file has two rows of one size (2048 and 4096),
+# the first.
+ELEMENTWISE_TOKENS = tuple(2**i for i in range(13))
+ELEMENTWISE_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
+VIDUR_ELEMENTWISE_MS = {
+    ("a100", "Llama-2-7b-hf"): dict(
+        input_layernorm=(0.005, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.005, 0.008, 0.012, 0.022, 0.053,
+                         0.105),
+        attn_rope=(0.005, 0.005, 0.005, 0.005, 0.006, 0.006, 0.006, 0.007, 0.011, 0.022, 0.038, 0.076, 0.149),
+        post_attention_layernorm=(0.005, 0.004, 0.004, 0.004, 0.004, 0.005, 0.005, 0.005, 0.009, 0.012, 0.022,
+                                  0.055, 0.104),
+        mlp_act=(0.007, 0.007, 0.008, 0.008, 0.008, 0.008, 0.008, 0.011, 0.022, 0.0365, 0.07, 0.135, 0.266),
+        add=(0.002, 0.002, 0.002, 0.002, 0.002, 0.002, 0.002, 0.003, 0.004, 0.007, 0.012, 0.028, 0.055),
+    ),
+    ("a100", "Meta-Llama-3-8B"): dict(
+        input_layernorm=(0.005, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.005, 0.008, 0.012, 0.023, 0.0545,
+                         0.107),
+        attn_rope=(0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.005, 0.007, 0.012, 0.023, 0.048, 0.099),
+        post_attention_layernorm=(0.005, 0.004, 0.004, 0.004, 0.004, 0.005, 0.005, 0.005, 0.009, 0.012, 0.023,
+                                  0.056, 0.107),
+        mlp_act=(0.011, 0.012, 0.012, 0.012, 0.012, 0.011, 0.011, 0.017, 0.027, 0.046, 0.091, 0.174, 0.343),
+        add=(0.002, 0.002, 0.002, 0.002, 0.002, 0.002, 0.003, 0.003, 0.004, 0.0065, 0.013, 0.026, 0.056),
+    ),
+    ("h100", "Llama-2-7b-hf"): dict(
+        input_layernorm=(0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.007, 0.013, 0.026,
+                         0.0665),
+        attn_rope=(0.004, 0.004, 0.004, 0.004, 0.004, 0.005, 0.004, 0.004, 0.007, 0.011, 0.021, 0.041,
+                   0.0835),
+        post_attention_layernorm=(0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.004, 0.007, 0.014,
+                                  0.028, 0.067),
+        mlp_act=(0.006, 0.007, 0.007, 0.007, 0.007, 0.007, 0.007, 0.005, 0.008, 0.017, 0.037, 0.07, 0.139),
+        add=(0.001, 0.001, 0.001, 0.001, 0.0015, 0.002, 0.002, 0.002, 0.003, 0.004, 0.007, 0.0145, 0.031),
+    ),
+}  # fmt: skip
+VIDUR_SHAPES = {"Llama-2-7b-hf": LLAMA2_7B, "Meta-Llama-3-8B": LLAMA3_8B}
+ELEMENTWISE_SHORT = {"input_layernorm": "norm1", "attn_rope": "rope", "post_attention_layernorm": "norm2",
+                     "mlp_act": "act", "add": "add"}  # fmt: skip
+ELEMENTWISE_SOFTWARE = (
+    "sarathi-serve's RMSNorm (vLLM's fused rms_norm), rotary embedding (in place on q and k), SiluAndMul "
+    "and a torch add at TP 1, fp16; kernel time per call from the profiler's trace (record_function), median "
+    "over 20 layers"
+)
+
+
+def elementwise_op_bytes(shape: ModelShape, op: str) -> int:
+    """Bytes one of Vidur's elementwise kernels reads and writes per token, in the twin's count
+    (:func:`~oppo_engine.sim.cost.elementwise_bytes`: a layer's two norms, rotary embedding, activation and
+    two adds)."""
+    h, q, kv, i = shape.hidden, shape.q_width, shape.kv_width, shape.intermediate
+    elements = {"input_layernorm": 2 * h, "post_attention_layernorm": 2 * h, "attn_rope": 2 * (q + kv),
+                "mlp_act": 3 * i, "add": 3 * h}  # fmt: skip
+    try:
+        return elements[op] * shape.dtype_bytes
+    except KeyError:
+        raise ValueError(f"no byte count for elementwise op {op!r}: one of {', '.join(elements)}") from None
+
+
+def _cell_bytes(row: Published) -> int:
+    """Bytes the kernel of an ``elementwise`` row moves over its tokens."""
+    s = row.settings
+    return s["tokens"] * elementwise_op_bytes(VIDUR_SHAPES[s["model"]], s["op"])
+
+
+def _elementwise_rows() -> tuple[Published, ...]:
+    """The elementwise source rows: one per quoted cell of VIDUR_ELEMENTWISE_MS."""
+    rows = []
+    for (gpu, model), ops in VIDUR_ELEMENTWISE_MS.items():
+        key, name, _ = VIDUR_GPU[gpu]
+        field_ = "HOPPER" if key == "h100" else "AMPERE"
+        for op in ELEMENTWISE_OPS:
+            for t, ms in zip(ELEMENTWISE_TOKENS, ops[op], strict=True):
+                rows.append(Published(
+                    f"vidur-{gpu}-{VIDUR_SHORT[model]}-{ELEMENTWISE_SHORT[op]}-t{t}", "elementwise", "source",
+                    ms * 1e-3, "s", name, key, ELEMENTWISE_SOFTWARE, dict(tokens=t, op=op, model=model),
+                    VIDUR.format(gpu=gpu, model=model),
+                    f"num_tokens {t}, num_tensor_parallel_workers 1: time_stats.{op}.median {ms} (ms)",
+                    constant=f"devices.py: {field_}.elementwise, {field_}.elementwise_floor_s",
+                ))  # fmt: skip
+    return tuple(rows)
+
+
+ROWS = ROWS + _elementwise_rows()
+
+
 class Refused(ValueError):
     """A published setting the twin cannot express, named."""
 
@@ -504,6 +602,8 @@ def predict(row: Published) -> float:
         return _static_batch(cost, s["model"], s["batch"], s["input"], s["output"])
     if row.kind == "gemm":  # one GEMM of m rows by a (k, n) fp16 weight, alone
         return max(cost.source.gemm(s["m"], s["k"], s["n"], 2))
+    if row.kind == "elementwise":  # one elementwise kernel of ``tokens`` tokens alone: a floor, its bytes
+        return cost.source.elementwise_kernels_s(1, _cell_bytes(row))
     if row.kind == "first_token":
         return _prefill(cost, s["model"], s["batch"], s["input"])
     if row.kind == "fixed_batch_latency":
@@ -609,6 +709,52 @@ def gemm_fit(rows=None) -> dict[str, dict]:
     return out
 
 
+def elementwise_fit(rows=None) -> dict[str, dict]:
+    """``elementwise_floor_s`` and ``elementwise`` per GPU from the ``elementwise`` source rows, fitted
+    together to each profile's layer at each size: the sum of its five cells with the add counted twice (the
+    profile times one of a layer's two adds), against the twin's ``k f + b / B`` of a layer's ``k`` =
+    ``ELEMENTWISE_KERNELS`` kernels moving ``b`` bytes (``oppo_engine/sim/cost.py::elementwise_bytes``), ``f``
+    the floor and ``B`` the bandwidth. Least squares of the relative error, in closed form (the error
+    ``(k f + b s) / t - 1`` is linear in ``f`` and ``s = 1 / B``). A layer missing one of its cells is a
+    ``ValueError``. Returns per device key ``floor_s``, ``fraction`` (``B`` over the device's HBM bandwidth),
+    the median and the extremes of the layers' ratios (twin over profile) with the bytes at ``stream`` alone
+    (the rule before) and with the fit, the cells' ratios with the fit, and the rows used."""
+    rows = [r for r in (rows or ROWS) if r.kind == "elementwise" and r.role == "source" and not r.refused]
+    out = {}
+    for key in sorted({r.device for r in rows}):
+        mine = [r for r in rows if r.device == key]
+        dev = device(key)
+        layers: dict[tuple, dict[str, float]] = {}
+        for r in mine:
+            cells = layers.setdefault((r.settings["model"], r.settings["tokens"]), {})
+            if r.settings["op"] in cells:
+                raise ValueError(f"{r.key}: two rows of one cell ({r.settings})")
+            cells[r.settings["op"]] = r.figure
+        terms = []  # (kernels, bytes, published seconds) per layer
+        for (model, tokens), cells in sorted(layers.items()):
+            missing = [op for op in ELEMENTWISE_OPS if op not in cells]
+            if missing:
+                lacks = ", ".join(missing)
+                raise ValueError(f"elementwise_fit: {key} {model} at {tokens} tokens lacks {lacks}")
+            t = sum(cells.values()) + cells["add"]  # two residual adds a layer; the profile times one
+            terms.append((ELEMENTWISE_KERNELS, tokens * elementwise_bytes(VIDUR_SHAPES[model]), t))
+        floor, s = _lstsq([k / t for k, _, t in terms], [b / t for _, b, t in terms], [1.0] * len(terms))
+        if floor < 0 or s <= 0:
+            raise ValueError(f"elementwise_fit: {key}: no positive floor and bandwidth fit its rows")
+        stream = dev.hbm_bandwidth * dev.fractions.stream
+        before = sorted(b / stream / t for _, b, t in terms)
+        after = sorted((k * floor + b * s) / t for k, b, t in terms)
+        cells_after = sorted((floor + _cell_bytes(r) * s) / r.figure for r in mine)
+        out[key] = dict(
+            floor_s=floor, fraction=1.0 / (s * dev.hbm_bandwidth), layers=len(terms),
+            rows=[r.key for r in mine],
+            bare=(statistics.median(before), before[0], before[-1]),
+            fitted=(statistics.median(after), after[0], after[-1]),
+            cells=(statistics.median(cells_after), cells_after[0], cells_after[-1]),
+        )  # fmt: skip
+    return out
+
+
 def _lstsq(a: list[float], b: list[float], y: list[float]) -> tuple[float, float]:
     """Least squares of ``y = p * a + q * b``: ``(p, q)``."""
     a11 = sum(v * v for v in a)
@@ -640,4 +786,4 @@ def table() -> list[dict]:
     return out
 
 
-__all__ = ["ROWS", "Published", "Refused", "decode_fit", "gemm_fit", "predict", "table"]
+__all__ = ["ROWS", "Published", "Refused", "decode_fit", "elementwise_fit", "gemm_fit", "predict", "table"]

@@ -25,9 +25,10 @@ from oppo_engine.sim.shapes import ModelShape
 # beyond the twin's own eager forward. From the one fixed-batch HF-eager measurement found
 # (bench/published.py, row "hf-eager-h100-qwen7b-b1", a source row): Qwen2.5-7B, bf16 SDPA, batch 1,
 # context 2048 on an H100 SXM5 decodes at 27% of its memory floor (weights + KV over peak bandwidth),
-# 16.97 ms a step; the twin's eager forward of that step is 5.49 ms (roofline h100): 11.5 ms of host time.
+# 16.97 ms a step; the twin's eager forward of that step is 6.02 ms (roofline h100; 5.49 ms before its
+# elementwise kernels paid a floor each, when this was 11.5 ms): 10.95 ms of host time.
 # arxiv.org/html/2605.30571. ``tests/sim/test_baselines.py`` re-derives it from the row.
-HF_STEP_HOST_S = 11.5e-3
+HF_STEP_HOST_S = 10.95e-3
 
 TRL_MINI_BATCH = 4  # ``_generate_batched``'s default batch_size: prompts per generate call
 TRL_EPOCHS = 4  # TRL PPOConfig.ppo_epochs

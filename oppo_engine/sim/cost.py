@@ -11,7 +11,9 @@ Two sources price the classes:
 - :class:`Roofline` (a device of ``sim/devices.py``): each GEMM, attention and elementwise class takes
   ``max(FLOPs / (peak * achieved), bytes / (bandwidth * achieved))`` with the cited achieved fractions, a
   GEMM plus the share of its shorter term its kernel does not hide (:func:`ridge_gemm`, fitted to published
-  GEMM timings); an eager forward cannot take less than its kernel launches; the host's per-iteration time
+  GEMM timings), the elementwise kernels a floor each besides their bytes (:meth:`Roofline.elementwise`,
+  fitted to published kernel timings); an eager forward cannot take less than its kernel launches; the
+  host's per-iteration time
   (scheduler, sampler, metadata) is the engine's own, measured (:data:`HOST`).
 - :class:`Calibrated` (a :class:`~oppo_engine.sim.profile.Profile` from ``oppo-engine calibrate``): GEMM
   FLOP/s interpolated against GEMM size from timed bare GEMMs, attention and elementwise costs per pair,
@@ -34,6 +36,19 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs
 # Kernels one eager Qwen2 decoder layer launches: the aten ops its forward dispatches, views aside
 # (``tests/sim/test_twin.py::test_kernels_per_layer_is_what_a_qwen2_layer_launches`` counts them).
 KERNELS_PER_LAYER = 38
+
+# The elementwise kernels of a decoder layer as vLLM, sarathi and TensorRT-LLM run them, fused: two RMSNorms,
+# the rotary embedding (q and k in place), the gated activation (SiLU and multiply) and two residual adds.
+ELEMENTWISE_KERNELS = 6
+
+
+def elementwise_bytes(shape: ModelShape) -> int:
+    """Bytes a decoder layer's elementwise kernels read and write per token: each norm reads and writes
+    the hidden state (2 h elements), the rotary embedding q and k (2 (q + kv)), the gated activation reads
+    gate and up and writes their product (3 I), each residual add reads two hidden states and writes one
+    (3 h)."""
+    per_token = 10 * shape.hidden + 2 * shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate
+    return per_token * shape.dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +202,7 @@ class Roofline:
         self._stream = device.hbm_bandwidth * f.stream
         self._kv = device.hbm_bandwidth * f.decode_attention
         self._attn_flops = device.bf16_flops * f.prefill_attention
+        self._elementwise = device.hbm_bandwidth * f.elementwise
 
     @property
     def name(self) -> str:
@@ -216,12 +232,27 @@ class Roofline:
             moved += kv * ctx * math.ceil(new / 128)
         return flops / self._attn_flops, moved / self._kv
 
+    def elementwise_kernels_s(self, kernels: int, nbytes: float) -> float:
+        """Device time of ``kernels`` elementwise kernels moving ``nbytes`` together: a floor each (however
+        few its tokens, a kernel takes a few microseconds on the device) plus the bytes at the elementwise
+        bandwidth (``Fractions.elementwise_floor_s`` and ``elementwise``, fitted to Vidur's profiled kernels:
+        ``bench/published.py::elementwise_fit``)."""
+        return kernels * self.device.fractions.elementwise_floor_s + nbytes / self._elementwise
+
     def elementwise(self, shape: ModelShape, tokens: int, logit_rows: int, threads: int = 1) -> float:
-        # Norms, rotary, residuals and the gated activation read and write the activations of each layer;
-        # the sampler or log-softmax reads the logits a few times.
-        per_token = 10 * shape.hidden + 2 * shape.q_width + 2 * shape.kv_width + 3 * shape.intermediate
-        moved = shape.layers * tokens * per_token * shape.dtype_bytes + 3 * logit_rows * shape.vocab * 4
-        return moved / self._stream
+        # Each layer's norms, rotary embedding, gated activation and residual adds: ELEMENTWISE_KERNELS
+        # kernels, a floor each plus the bytes they move; the sampler or log-softmax reads the logits a few
+        # times, at the streaming bandwidth. The floors are the kernels' device time, what a profiler's trace
+        # times: a captured forward pays them (a graph removes launches, not kernels' durations). An eager
+        # forward's launches are host time, priced in ``fixed()``; ``Work`` takes the larger of the launches
+        # and the kernels' device time, never their sum, so neither is counted twice. The floors are booked
+        # in this memory term: under contention they stretch as the bandwidth does (an upper bound: a floor
+        # is a latency, not a share of the bandwidth).
+        layers = 0.0
+        if tokens:
+            nbytes = tokens * elementwise_bytes(shape)
+            layers = shape.layers * self.elementwise_kernels_s(ELEMENTWISE_KERNELS, nbytes)
+        return layers + 3 * logit_rows * shape.vocab * 4 / self._stream
 
     def fixed(self, shape: ModelShape, captured: bool, threads: int = 1) -> tuple[float, float]:
         """(host seconds, launch seconds) of one forward."""

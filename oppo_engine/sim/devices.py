@@ -2,9 +2,11 @@
 
 Datasheet numbers are the vendor's dense (no sparsity) peaks. Achieved fractions go per class of work and
 each cites a public measurement; where none was found for a device, the comment says so and which
-measurement stands in. One is fitted, and only to published measurements of its own class of work (the
-GEMMs' unhidden share, ``gemm_unhidden``, to profiled projection timings: ``bench/published.py``'s source
-rows); none to an end-to-end figure, least of all to the OPPO paper's results, which the twin is compared
+measurement stands in. Three are fitted, each only to published measurements of its own class of work (the
+GEMMs' unhidden share, ``gemm_unhidden``, to profiled projection timings; the elementwise kernels' floor
+and bandwidth, ``elementwise_floor_s`` and ``elementwise``, to profiled norm, rotary, activation and add
+timings: ``bench/published.py``'s source rows); none to an end-to-end figure, least of all to the OPPO
+paper's results, which the twin is compared
 against (``bench/bench_twin.py``).
 """
 
@@ -26,7 +28,10 @@ class Fractions:
     FSDP training step; ``collective_busbw``: NCCL bus bandwidth (bytes/s, not a fraction) of a
     collective over the node's GPUs; ``gemm_unhidden``: the share of a GEMM's shorter roof (its arithmetic
     or its reads, whichever takes less) that its kernel does not hide behind the longer one
-    (:func:`~oppo_engine.sim.cost.ridge_gemm`: 0 is the bare roofline's ``max``, 1 their sum).
+    (:func:`~oppo_engine.sim.cost.ridge_gemm`: 0 is the bare roofline's ``max``, 1 their sum);
+    ``elementwise``: bandwidth of a layer's elementwise kernels (norms, rotary embedding, gated activation,
+    residual adds) beyond their ``elementwise_floor_s``, the device time (seconds, not a fraction) each such
+    kernel takes however few its tokens (:meth:`~oppo_engine.sim.cost.Roofline.elementwise`).
     """
 
     gemm: float
@@ -36,6 +41,8 @@ class Fractions:
     training_mfu: float
     collective_busbw: float
     gemm_unhidden: float
+    elementwise: float
+    elementwise_floor_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,15 @@ HOPPER = Fractions(
     # 0.371 (28 rows; the bare max, 0 here before, puts the twin's GEMMs at 0.90 of the rows at their median,
     # 0.57 at the worst; 0.37 at 0.99, 0.74-1.27).
     gemm_unhidden=0.37,
+    # Fitted together (bench/published.py::elementwise_fit, printed by `bench_twin --published`) to Vidur's
+    # profiled fp16 RMSNorm, rotary embedding, SiluAndMul and residual add of Llama-2-7B on an H100 at 1-4096
+    # tokens (github.com/microsoft/vidur data/profiling/compute/h100/meta-llama/Llama-2-7b-hf/mlp.csv
+    # @7d47513; source rows of published.py): a layer's 6 kernels take 6 floors plus its bytes at this
+    # fraction of the HBM. 3.13 us and 0.765 (13 layers of 65 rows; the bytes at `stream` alone, no floor, as
+    # before, put the twin's layers at 0.19 of the profile's at their median, 0.003-0.73; the fit at 0.92,
+    # 0.74-1.32).
+    elementwise=0.77,
+    elementwise_floor_s=3.1e-6,
 )
 
 # Ampere (A100).
@@ -115,6 +131,15 @@ AMPERE = Fractions(
     # 80GB, SXM4 or PCIe, ran the profile is not stated). 0.539 (56 rows; the bare max, 0 here before, puts
     # the twin's GEMMs at 0.81 of the rows at their median, 0.60 at the worst; 0.54 at 0.95, 0.77-1.25).
     gemm_unhidden=0.54,
+    # Fitted together (bench/published.py::elementwise_fit) to Vidur's profiled fp16 RMSNorm, rotary
+    # embedding, SiluAndMul and residual add of Llama-2-7B and Llama-3-8B on an A100 80GB at 1-4096 tokens
+    # (github.com/microsoft/vidur data/profiling/compute/a100/meta-llama/{Llama-2-7b-hf,Meta-Llama-3-8B}/
+    # mlp.csv @7d47513; source rows of published.py; SXM4 or PCIe not stated, as above): a layer's 6 kernels
+    # take 6 floors plus its bytes at this fraction of the HBM. 3.94 us and 0.602 (26 layers of 130 rows; the
+    # bytes at `stream` alone, no floor, as before, put the twin's layers at 0.23 of the profile's at their
+    # median, 0.004-0.59; the fit at 0.99, 0.82-1.25).
+    elementwise=0.60,
+    elementwise_floor_s=3.9e-6,
 )
 
 # "Each cudaLaunchKernel costs roughly 5 to 20 microseconds" (factryze.ai/scale-atlas/compute/

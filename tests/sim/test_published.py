@@ -164,3 +164,125 @@ def test_published_lists_the_gemm_source_rows_and_their_fit(capsys):
     for r in ROWS:
         assert r.key in out
     assert "a100-80gb: a = 0.539" in out and "h100: a = 0.371" in out
+    assert "a100-80gb: floor 3.94 us, fraction 0.602" in out and "h100: floor 3.13 us, fraction 0.765" in out
+
+
+# -- the elementwise kernels: a floor each plus their bytes, fitted to the elementwise source rows -----------
+
+
+def test_a_layers_elementwise_is_six_floors_plus_its_bytes_at_the_elementwise_bandwidth():
+    """Llama-2-7B on the A100 at 128 tokens, by hand: (10 h + 2 q + 2 kv + 3 I) = 90,368 two-byte elements
+    a token; a layer's 6 kernels a floor each; the logits' 3 reads of 4 bytes at ``stream``, as before."""
+    from bench.published import LLAMA2_7B
+    from oppo_engine.sim.cost import ELEMENTWISE_KERNELS, elementwise_bytes
+
+    dev = device("a100-80gb")
+    f = dev.fractions
+    assert ELEMENTWISE_KERNELS == 6
+    assert elementwise_bytes(LLAMA2_7B) == 180_736
+    layer = 6 * f.elementwise_floor_s + 128 * 180_736 / (2.039e12 * f.elementwise)
+    logits = 3 * 32_000 * 4 / (2.039e12 * f.stream)
+    src = roofline(dev).source
+    assert src.elementwise(LLAMA2_7B, 128, 1) == pytest.approx(32 * layer + logits, rel=1e-12)
+    assert src.elementwise(LLAMA2_7B, 0, 1) == pytest.approx(logits, rel=1e-12)  # no tokens: no kernel
+    # one token still pays the floors: 6 x 32 of them, whatever its bytes
+    assert src.elementwise(LLAMA2_7B, 1, 0) > 6 * 32 * f.elementwise_floor_s
+
+
+def test_the_vidur_kernels_bytes_are_the_twins_layer_with_the_add_twice():
+    from bench.published import ELEMENTWISE_OPS, LLAMA2_7B, LLAMA3_8B, elementwise_op_bytes
+    from oppo_engine.sim.cost import elementwise_bytes
+
+    for shape in (LLAMA2_7B, LLAMA3_8B):
+        ops = sum(elementwise_op_bytes(shape, op) for op in ELEMENTWISE_OPS)
+        assert ops + elementwise_op_bytes(shape, "add") == elementwise_bytes(shape)
+    with pytest.raises(ValueError, match="emb"):
+        elementwise_op_bytes(LLAMA2_7B, "emb")
+
+
+def test_a_captured_forward_pays_the_floors_and_an_eager_one_the_larger_of_launches_and_kernels():
+    """The floor is device time, a launch host time: ``Work`` takes their max, never the sum."""
+    from bench.published import LLAMA2_7B
+
+    dev = device("h100")
+    cost = roofline(dev)
+    batch = Batch(((1, 128),), 1, 1)
+    captured = cost.forward(LLAMA2_7B, batch, captured=True)
+    eager = cost.forward(LLAMA2_7B, batch, captured=False)
+    floors = 32 * 6 * dev.fractions.elementwise_floor_s
+    assert captured.phases == eager.phases and captured.phases[-2][1] > floors
+    assert captured.launch_s == dev.launch_s
+    assert eager.alone_s == pytest.approx(eager.host_s + max(eager.launch_s, eager.kernels_s()))
+    assert eager.alone_s < eager.host_s + eager.launch_s + eager.kernels_s()
+
+
+def test_the_calibrated_cpu_profile_prices_its_elementwise_as_before():
+    """A CPU profile's elementwise is its own timed cost per token and hidden unit and per logit: no floor,
+    no device fraction (made-up constants, a test input)."""
+    from oppo_engine.sim.cost import CostModel, HostCosts
+    from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts
+    from oppo_engine.sim.shapes import model_shape
+
+    costs = ThreadCosts({16384: [(1, 2e9), (256, 5e10)]}, 1e10, 1e-4, 2e-5, 1e-10, 1e-11, 3e-9, 7e-9, 0.05)
+    src = Calibrated(Profile("cpu:test", "cpu", {1: costs}, HostCosts(2e-5, 3e-6, 5e-6), 5e9, cores=2))
+    shape = model_shape("small", dtype_bytes=4)
+    for tokens, rows in ((1, 1), (8, 8), (300, 2), (0, 1)):
+        want = 3e-9 * shape.layers * tokens * shape.hidden + 7e-9 * rows * shape.vocab
+        assert src.elementwise(shape, tokens, rows) == pytest.approx(want, rel=1e-12)
+    work = CostModel(src).forward(shape, Batch(((5, 20), (1, 40)), 2, 2))
+    assert work.phases[-2] == (
+        0.0,
+        pytest.approx(3e-9 * shape.layers * 6 * shape.hidden + 7e-9 * 2 * shape.vocab),
+    )
+    assert src.fixed(shape, True) == src.fixed(shape, False) == (1e-4 + 2e-5 * shape.layers, 0.0)
+
+
+def _made_elementwise(key: str, floor: float, fraction: float) -> list:
+    """The ``elementwise`` source rows of ``key`` with figures made from a known floor and fraction (test
+    inputs, not measurements)."""
+    from bench.published import ROWS, _cell_bytes
+
+    bw = device(key).hbm_bandwidth * fraction
+    mine = [r for r in ROWS if r.kind == "elementwise" and r.device == key]
+    return [replace(r, figure=floor + _cell_bytes(r) / bw) for r in mine]
+
+
+@pytest.mark.parametrize("key", ["a100-80gb", "h100"])
+def test_the_elementwise_fit_recovers_the_floor_and_fraction_it_was_given(key):
+    from bench.published import elementwise_fit
+
+    fit = elementwise_fit(_made_elementwise(key, 2.5e-6, 0.55))[key]
+    assert fit["floor_s"] == pytest.approx(2.5e-6, rel=1e-9)
+    assert fit["fraction"] == pytest.approx(0.55, rel=1e-9)
+    assert fit["fitted"] == pytest.approx((1.0, 1.0, 1.0), rel=1e-9)
+
+
+def test_the_elementwise_fit_refuses_a_layer_missing_a_cell():
+    from bench.published import elementwise_fit
+
+    rows = _made_elementwise("h100", 2.5e-6, 0.55)
+    with pytest.raises(ValueError, match="lacks mlp_act"):
+        elementwise_fit([r for r in rows if r.key != "vidur-h100-llama2-7b-act-t64"])
+
+
+def test_the_tables_elementwise_constants_are_the_fit_of_the_elementwise_source_rows():
+    from bench.published import ELEMENTWISE_TOKENS, ROWS, elementwise_fit
+
+    fit = elementwise_fit()
+    assert set(fit) == {"a100-80gb", "h100"}
+    assert ELEMENTWISE_TOKENS == tuple(2**i for i in range(13))
+    for key, field_, profiles in (("a100-80gb", "AMPERE", 2), ("h100", "HOPPER", 1)):
+        f = device(key).fractions
+        assert f.elementwise == round(fit[key]["fraction"], 2)
+        assert f.elementwise_floor_s == pytest.approx(round(fit[key]["floor_s"] * 1e6, 1) * 1e-6, rel=1e-12)
+        assert fit[key]["layers"] == 13 * profiles
+        rows = [r for r in ROWS if r.key in fit[key]["rows"]]
+        assert len(rows) == 5 * 13 * profiles
+        for r in rows:
+            assert r.role == "source" and r.unit == "s" and r.url and r.gpu and r.software
+            assert r.constant == f"devices.py: {field_}.elementwise, {field_}.elementwise_floor_s"
+            assert "github.com/microsoft/vidur" in r.url and "@7d47513" in r.url
+            assert f"num_tokens {r.settings['tokens']}," in r.quote
+            assert f"time_stats.{r.settings['op']}.median" in r.quote
+    for h in (device("h200"), device("gh200")):  # Hopper's for every Hopper device
+        assert h.fractions.elementwise_floor_s == device("h100").fractions.elementwise_floor_s
