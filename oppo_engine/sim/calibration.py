@@ -9,7 +9,8 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
   ``streaming_packed``);
 - the engine's own forwards of each given model (its runner and, for the actor, its sampler and its packed
   weights where the engine packs them; the scorers' reward, reference and critic paths) over a grid of
-  rows x new tokens x context;
+  rows x new tokens x context; on the CPU also those of each model's shrunk copies (``shrunk_config``) at
+  two depths (``shrunk_depths``), over a few small points (``SHRUNK_GRID``);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
   ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``);
@@ -18,7 +19,10 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
 The forwards are fitted, after the GEMMs' share is taken out, with non-negative least squares on relative
 error, to device-level constants: a fixed cost per forward and per layer, attention per query-key pair and
 per KV byte read, elementwise work per token and hidden unit, and logit post-processing per element. None of
-them belongs to a model, so the profile prices models it was not calibrated on.
+them belongs to a model, so the profile prices models it was not calibrated on. On the CPU the two fixed
+costs are fitted from the forwards of shrunk copies of each model (its class, random weights, every width
+cut down) at two depths, where they are almost the whole forward and do not move in proportion, and the rest
+from the models' own forwards with those two held (``_fit``, ``_fixed_costs``).
 """
 
 from __future__ import annotations
@@ -78,8 +82,11 @@ def _timer(device) -> Callable[[Callable[[], object], int], float]:
 
 # Grids: (rows M) x (weight K, N) of the bare GEMMs; (rows, new tokens, context before) of the forwards.
 GEMM_ROWS = (1, 4, 16, 64, 256)
-GEMM_SHAPES_CPU = ((128, 128), (256, 256), (256, 704), (704, 256), (384, 1024), (1024, 384), (1024, 1024),
-                   (1024, 4096), (4096, 1024))  # fmt: skip
+# The CPU's smallest sizes (2K and 4K weights) are the projections of the shrunk copies (``shrunk_config``)
+# and of ``tiny``: a call of that size costs its dispatch, which the per-element price of the 16K size held
+# flat below it puts at a quarter or an eighth; unpriced, it would land in the fixed cost per layer.
+GEMM_SHAPES_CPU = ((32, 64), (64, 32), (64, 64), (128, 128), (256, 256), (256, 704), (704, 256), (384, 1024),
+                   (1024, 384), (1024, 1024), (1024, 4096), (4096, 1024))  # fmt: skip
 GEMM_ROWS_GPU = (1, 16, 64, 256, 1024, 4096)
 GEMM_SHAPES_GPU = ((896, 896), (896, 4864), (4864, 896), (3584, 3584), (3584, 18944), (18944, 3584))
 ROUNDS = 3
@@ -375,9 +382,10 @@ def _time_bandwidth(device, timed) -> float:
 
 
 class _RoleBench:
-    """The engine's forward path of one role over its own small arena, for timing."""
+    """The engine's forward path of one role over its own small arena (room for the forwards of ``grid``),
+    for timing."""
 
-    def __init__(self, role: str, model, device, packed: bool = False) -> None:
+    def __init__(self, role: str, model, device, packed: bool = False, grid=FORWARD_GRID) -> None:
         import torch  # noqa: PLC0415
 
         from oppo_engine.cache import KVArena, KVCacheManager, KVSpec  # noqa: PLC0415
@@ -387,7 +395,7 @@ class _RoleBench:
 
         self.role, self.model = role, model
         spec = KVSpec.from_hf_config(model.config, model.dtype)
-        need = max(r * (n + c) for r, n, c in FORWARD_GRID)
+        need = max(r * (n + c) for r, n, c in grid)
         self.arena = KVArena({role: spec}, page_size=16, num_pages=need // 16 + 64, device=device)
         # NOTE: the timed forwards attend over ``ctx`` slots that nothing wrote: zeroed, they read finite
         # keys and values (uninitialised bytes may be NaN, which the engine's finiteness checks refuse).
@@ -441,6 +449,101 @@ class _RoleBench:
         return run
 
 
+# The shrunk copies (CPU only: ``calibrate``): each timed model's architecture class at two depths, with
+# random weights and every width cut down. Their forwards are almost all fixed cost (Python, dispatch), so
+# the fixed costs per forward and per layer are fitted from them (``_fixed_costs``). head_dim 16: even (RoPE
+# rotates pairs), a whole AVX-512 vector of fp32, Triton's smallest dot block; the vocabulary: 64 tokens
+# (``_RoleBench`` feeds ids from 5). The grid: forwards of one row and one or two tokens (a token alone, a
+# decode after one, a prefill of two), where a copy's other terms (neglected by the fit: ``_fixed_costs``)
+# are a token's worth, which every forward has anyway; at (4, 16, 128) they were 75% of the forward with
+# eight query heads, at (1, 1, 16) 2% of it and 11% of the cost per layer (computed with made-up constants:
+# tests/sim/test_fixed_costs.py). One row: a cost per row adds one row's worth to the cost per forward.
+SHRUNK_HEAD_DIM = 16
+SHRUNK_VOCAB = 64
+SHRUNK_GRID = ((1, 1, 0), (1, 1, 1), (1, 2, 0))
+# Per-layer lists of a config (a layer's kind: sliding or full attention, RoPE or none), tiled to the
+# copy's depth so that its layers run the model's code paths in the model's order.
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
+
+
+def shrunk_depths(layers: int) -> tuple[int, int]:
+    """The two depths of a model's shrunk copies: 1, where a forward is the fixed cost per forward and one
+    layer's, and twice the model's own, so that the fitted line spans its depth (interpolated, not
+    extrapolated) and reaches past it, where a profile is asked to price deeper models."""
+    return (1, 2 * max(1, layers))
+
+
+def shrunk_config(config, layers: int):
+    """A copy of the HF decoder ``config`` with ``layers`` layers and every width cut down: its query and
+    KV head counts kept (the GQA layout), head_dim ``SHRUNK_HEAD_DIM`` (the model's own where smaller),
+    hidden size heads x head_dim, every intermediate size the hidden size, a vocabulary of
+    ``SHRUNK_VOCAB`` tokens (special token ids past it moved to its last), per-layer lists
+    (``PER_LAYER_KEYS``) tiled to the new depth. ``ValueError`` naming what it cannot shrink (a multimodal
+    config: its decoder's config nested in another; a config without the usual names of its widths)."""
+    name = type(config).__name__
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        raise ValueError(f"calibrate: cannot shrink {name}: its decoder's config is nested (multimodal)")
+    cfg = config.to_dict()
+    if not isinstance(cfg.get("hidden_size"), int) or not isinstance(cfg.get("num_attention_heads"), int):
+        raise ValueError(f"calibrate: cannot shrink {name}: no hidden_size and num_attention_heads")
+    heads = cfg["num_attention_heads"]
+    own = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    head_dim = min(SHRUNK_HEAD_DIM, own - own % 2) or own
+    hidden = heads * head_dim
+    depth = cfg.get("num_hidden_layers")
+    cfg.update(hidden_size=hidden, vocab_size=SHRUNK_VOCAB, num_hidden_layers=layers)
+    if cfg.get("head_dim") is not None:
+        cfg["head_dim"] = head_dim
+    for key, value in list(cfg.items()):
+        if key.endswith("intermediate_size") and isinstance(value, int):
+            cfg[key] = hidden
+        if key in PER_LAYER_KEYS and isinstance(value, list) and len(value) == depth:
+            cfg[key] = [value[i % depth] for i in range(layers)]
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = cfg.get(key)
+        if isinstance(ids, int):
+            cfg[key] = min(ids, SHRUNK_VOCAB - 1)
+        elif isinstance(ids, list):
+            cfg[key] = [min(i, SHRUNK_VOCAB - 1) for i in ids]
+    try:
+        return type(config).from_dict(cfg)
+    except (TypeError, KeyError, AttributeError, IndexError) as e:  # a shape its config class refuses
+        raise ValueError(f"calibrate: cannot shrink {name} ({e!r})") from e
+
+
+def shrunk_copy(model, layers: int):
+    """A model of ``model``'s architecture class and dtype, on its device, in eval mode, with random
+    weights (``from_config``) and :func:`shrunk_config`'s shape at ``layers`` layers. ``ValueError`` where
+    the copy does not come out so (another class, other head counts, another depth)."""
+    import torch  # noqa: PLC0415
+
+    from oppo_engine.model.runner import unwrap_model  # noqa: PLC0415
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+
+    base = unwrap_model(model)
+    config = shrunk_config(base.config, layers)
+    device, dtype = next(base.parameters()).device, next(base.parameters()).dtype
+    try:
+        with torch.device(device):
+            copy = type(base)._from_config(config, dtype=dtype)
+    except (TypeError, KeyError, AttributeError, IndexError) as e:  # a config its class cannot build
+        raise ValueError(f"calibrate: cannot build the shrunk copy of {type(base).__name__} ({e!r})") from e
+    copy = copy.to(device).eval()
+    own, got = model_shape(base, dtype_bytes=None), model_shape(copy, dtype_bytes=None)
+    if (
+        type(copy) is not type(base)
+        or (got.layers, got.heads, got.kv_heads) != (layers, own.heads, own.kv_heads)
+        or got.head_dim > SHRUNK_HEAD_DIM
+    ):
+        raise ValueError(
+            f"calibrate: the shrunk copy of {type(base).__name__} came out as {type(copy).__name__} with "
+            f"(layers, heads, KV heads, head_dim) {(got.layers, got.heads, got.kv_heads, got.head_dim)}, "
+            f"not {(layers, own.heads, own.kv_heads)} and head_dim <= {SHRUNK_HEAD_DIM}"
+        )
+    return copy
+
+
 def _head_rows(role: str, rows: int, new: int) -> int:
     return rows if role in ("actor", "reward") else rows * new
 
@@ -449,26 +552,74 @@ def _batch(role: str, rows: int, new: int, ctx: int) -> Batch:
     return Batch(tuple((new, ctx + new) for _ in range(rows)), _head_rows(role, rows, new), rows)
 
 
-def _fit(points: list[tuple[ModelShape, str, tuple[int, int, int], float]], ts: ThreadCosts) -> ThreadCosts:
+Point = tuple[ModelShape, str, tuple[int, int, int], float]  # (shape, role, (rows, new, ctx), seconds)
+
+# The constants of the forwards' fit, in the order of its columns after the GEMMs' scale; with shrunk copies
+# (CPU), the fixed ones are fitted from the copies' forwards (``_fixed_costs``), the rest from the models'.
+CONSTANTS = ("forward_s", "layer_s", "pair_s", "kv_byte_s", "token_hidden_s", "logit_s")
+FIXED = CONSTANTS[:2]
+
+
+def _fit(points: list[Point], ts: ThreadCosts, shrunk: list[Point] | None = None) -> ThreadCosts:
     """Fit the per-forward constants to the timed forwards, the GEMMs' share as the bare GEMMs
     (``ts.gemm``, ``ts.streaming``) price it taken out. Where that leaves the fit poor (a median error
     over ``POOR_FIT``: the projections inside a forward do not run as the bare ones did, say two threads
     thrashing on a loaded machine), a scale on the GEMMs' share is fitted with the rest, if that fits
     better (it is left at 1 otherwise: fitted freely it trades off against the per-token costs and prices
-    other models worse)."""
-    fixed = _fit_with(points, ts, free_scale=False)
+    other models worse).
+
+    ``shrunk``: the forwards of the models' shrunk copies at two depths (``shrunk_config``): ``forward_s``
+    and ``layer_s`` are fitted from them (``_fixed_costs``) and held, and the other constants fitted from
+    ``points``; ``fit_error`` and the ``unfitted`` marks are still the fit's over ``points``. Why: a model's
+    forwards measure its fixed costs by how much of them they are. On a wide model a forward is mostly its
+    projections, and a fit of the fixed costs from it fits noise (a gqa8 profile priced ``tiny``, mostly
+    Python, 77% fast); a shrunk copy's forward is almost all fixed cost. And models of one depth ``L`` have
+    the columns 1 and ``L`` in proportion: the fit sees only ``forward_s + L * layer_s`` and splits it as
+    ``lstsq``'s minimum norm does, for a model of another depth to inherit; the copies have two depths.
+    None: every constant from ``points`` (a GPU's calibration)."""
+    fit = CONSTANTS
+    if shrunk:
+        fixed = _fixed_costs(shrunk, ts)
+        ts, fit = dataclasses.replace(ts, forward_s=fixed.forward_s, layer_s=fixed.layer_s), CONSTANTS[2:]
+    fixed = _fit_with(points, ts, free_scale=False, fit=fit)
     if fixed.fit_error <= POOR_FIT:
         return fixed
-    free = _fit_with(points, ts, free_scale=True)
+    free = _fit_with(points, ts, free_scale=True, fit=fit)
     return free if free.fit_error < fixed.fit_error else fixed
 
 
 POOR_FIT = 0.2
 
 
-def _fit_with(points, ts: ThreadCosts, *, free_scale: bool) -> ThreadCosts:
+def _fixed_costs(shrunk: list[Point], ts: ThreadCosts) -> ThreadCosts:
+    """``forward_s`` and ``layer_s`` fitted (NNLS on relative error, as ``_fit_with``) to the ``shrunk``
+    copies' forwards, their GEMMs' share as ``ts``'s tables price it taken out (at scale 1) and their other
+    terms neglected: at ``SHRUNK_GRID``'s points those are a token's or two's worth of attention and
+    elementwise work (1-2% of ``layer_s`` with made-up constants), which every forward has, where
+    pricing them by the constants fitted from the models would charge the copies the models' noise (a wide
+    model fits its per-token costs poorly: 14x off in a made-up gqa8 with 3% noise, 15% off in ``layer_s``).
+    ``fit_error`` is this fit's over the copies. Copies of one depth are refused (``ValueError``): the two
+    columns are then in proportion."""
+    depths = sorted({shape.layers for shape, *_ in shrunk})
+    if len(depths) < 2:
+        raise ValueError(
+            f"calibrate: the fixed costs per forward and per layer need shrunk copies of two depths, got "
+            f"{depths}: of one depth, the two are in proportion and only their sum is measured"
+        )
+    bare = dataclasses.replace(ts, pair_s=0.0, kv_byte_s=0.0, token_hidden_s=0.0, logit_s=0.0, gemm_scale=1.0)
+    return _fit_with(shrunk, bare, free_scale=False, fit=FIXED)
+
+
+def _fit_with(points: list[Point], ts: ThreadCosts, *, free_scale: bool, fit=CONSTANTS) -> ThreadCosts:
+    """The non-negative least-squares fit, on relative error, of the constants named in ``fit`` (and of the
+    GEMMs' scale where ``free_scale``) to the timed forwards ``points``; the GEMMs' share (at ``ts``'s
+    scale where the scale is not fitted) and the terms of the constants not in ``fit`` (at ``ts``'s
+    values) are taken out of each forward first."""
     probe = Calibrated(_probe_profile(ts))
     design, target, totals = [], [], []
+    fitted = [0] if free_scale else []
+    fitted += [j for j, name in enumerate(CONSTANTS, start=1) if name in fit]
+    held = [j for j, name in enumerate(CONSTANTS, start=1) if name not in fit]
     for shape, role, (rows, new, ctx), seconds in points:
         batch = Batch(tuple((new, ctx + new) for _ in range(rows)), _head_rows(role, rows, new), rows)
         weights = shape.weight_bytes
@@ -490,17 +641,14 @@ def _fit_with(points, ts: ThreadCosts, *, free_scale: bool) -> ThreadCosts:
             shape.layers * batch.tokens * shape.hidden,
             logit_rows * shape.vocab,
         ]
-        if not free_scale:
-            cols[0], fixed_s = 0.0, gemm_s
-        else:
-            fixed_s = 0.0
-        design.append([x / seconds for x in cols])
+        fixed_s = 0.0 if free_scale else gemm_s
+        fixed_s += sum(getattr(ts, CONSTANTS[j - 1]) * cols[j] for j in held)
+        design.append([cols[j] / seconds for j in fitted])
         target.append(1.0 - fixed_s / seconds)
         totals.append((cols, fixed_s, seconds))
-    coef = nnls(design, target)
-    scale, forward_s, layer_s, pair_s, kv_s, tok_s, logit_s = coef
-    scale = scale if free_scale else 1.0
-    errors = [abs(f + sum(a * b for a, b in zip(cols, coef, strict=True)) - s) / s for cols, f, s in totals]
+    coef = dict(zip(fitted, nnls(design, target), strict=True))
+    errors = [abs(f + sum(c * cols[j] for j, c in coef.items()) - s) / s for cols, f, s in totals]
+    values = {name: coef.get(j, getattr(ts, name)) for j, name in enumerate(CONSTANTS, start=1)}
     # A constant whose feature no timed forward had (its column zero in every one) was not measured: the
     # profile records it with the largest amount of its feature the calibration's models had
     # (Profile.check_shape refuses beyond). Decided from the columns alone: a coefficient the fit put at
@@ -508,12 +656,12 @@ def _fit_with(points, ts: ThreadCosts, *, free_scale: bool) -> ThreadCosts:
     shapes = {shape for shape, *_ in points}
     unfitted = {
         name: max(FEATURES[name][1](s) for s in shapes)
-        for j, name in enumerate(("layer_s", "pair_s", "kv_byte_s", "token_hidden_s", "logit_s"), start=2)
+        for j, name in enumerate(CONSTANTS[1:], start=2)
         if all(cols[j] == 0 for cols, _, _ in totals)
     }
     return dataclasses.replace(
-        ts, gemm_scale=scale, forward_s=forward_s, layer_s=layer_s, pair_s=pair_s, kv_byte_s=kv_s,
-        token_hidden_s=tok_s, logit_s=logit_s, fit_error=statistics.median(errors), unfitted=unfitted,
+        ts, gemm_scale=coef.get(0, 1.0) if free_scale else ts.gemm_scale, **values,
+        fit_error=statistics.median(errors), unfitted=unfitted,
     )  # fmt: skip
 
 
@@ -561,6 +709,17 @@ def calibrate(
     }
     counts = (1,) if gpu else tuple(sorted(set(threads or (1, torch.get_num_threads()))))
     packs = packing(device, dtype)
+    # The fixed costs per forward and per layer are fitted from shrunk copies of each model at two depths
+    # (``_fit``, ``_fixed_costs``). On the CPU only: on a GPU the copies' projections (a few thousand
+    # weights) lie far below the GPU's GEMM table (896 x 896 up), which prices them per weight element at
+    # nearly nothing, so their launches would land in the fixed cost per layer and be charged again in
+    # every timed projection of a real model; and a GPU's decode forwards are launch-bound themselves, so
+    # its own models show the fixed costs. The GPU keeps the one-depth fit (untested here: no GPU).
+    shrunk = {} if gpu else _shrunk_copies(models, say)
+    shrunk_shapes = {
+        (role, depth): model_shape(m, head=heads[role], dtype_bytes=dtype.itemsize, name=f"{role}@{depth}")
+        for (role, depth), m in shrunk.items()
+    }
     saved = torch.get_num_threads()
     per_thread: dict[int, ThreadCosts] = {}
     try:
@@ -578,16 +737,25 @@ def calibrate(
             say(f"calibrate: forwards of {', '.join(models)} at {count} thread(s)")
             benches = {role: _RoleBench(role, model, device, packed=packs and role == "actor")
                        for role, model in models.items()}  # fmt: skip
+            # The shrunk copies through the same machinery (the actor's packed as the actor's are).
+            copies = {(role, depth): _RoleBench(role, m, device, packed=packs and role == "actor",
+                                                grid=SHRUNK_GRID)
+                      for (role, depth), m in shrunk.items()}  # fmt: skip
+            runs = [(role, bench, FORWARD_GRID) for role, bench in benches.items()]
+            runs += [(key, bench, SHRUNK_GRID) for key, bench in copies.items()]
             best: dict = {}
             # NOTE: rounds over the whole grid, the fastest of each point kept: a burst of other load on
             # the machine then slows one round of a point, not all of them.
             for _ in range(ROUNDS):
-                for role, bench in benches.items():
-                    for point in FORWARD_GRID:
+                for key, bench, grid in runs:
+                    for point in grid:
                         seconds = timed(bench.call(*point), 2)
-                        best[role, point] = min(seconds, best.get((role, point), seconds))
-            points = [(shapes[role], role, point, seconds) for (role, point), seconds in best.items()]
-            per_thread[count] = _fit(points, ts)
+                        best[key, point] = min(seconds, best.get((key, point), seconds))
+            points = [(shapes[key], key, point, s) for (key, point), s in best.items() if key in benches]
+            shrunk_points = [(shrunk_shapes[key], key[0], point, s)
+                             for (key, point), s in best.items() if key in copies]  # fmt: skip
+            per_thread[count] = _fit(points, ts, shrunk_points)
+            del copies
         say("calibrate: host time per iteration, two lanes at once, and the update")
         host = measure_host_costs()
         if not gpu:
@@ -624,6 +792,29 @@ def calibrate(
     if path is not None:
         profile.save(path)
     return profile
+
+
+def _shrunk_copies(models: dict, say: Callable[[str], None]) -> dict:
+    """``{(role, depth): copy}``: each model's shrunk copies at its two depths (``shrunk_depths``), or none,
+    with a warning, where one cannot be made (``shrunk_copy``'s ``ValueError``): the fit then falls back to
+    the models' own forwards, of one depth, whose fixed costs per forward and per layer it cannot split."""
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+
+    try:
+        copies = {}
+        for role, model in models.items():
+            for depth in shrunk_depths(model_shape(model, dtype_bytes=None).layers):
+                copies[role, depth] = shrunk_copy(model, depth)
+    except ValueError as e:
+        warnings.warn(
+            f"{e}; the fixed costs per forward and per layer are fitted from the models' own forwards, which "
+            "measure them poorly (barely, on a wide model; their split not at all, at one depth)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return {}
+    say(f"calibrate: shrunk copies at depths {sorted({d for _, d in copies})} for the fixed costs")
+    return copies
 
 
 def _time_training(actor, device, timed) -> float:

@@ -464,6 +464,14 @@ def test_calibrate_writes_a_profile_of_this_device_that_prices_other_models(tmp_
     # over the same grids as the unpacked ones.
     packs = calibration.packing(torch.device("cpu"), torch.float32)
     assert {b.role: b.runner.packed is not None for b in benches} == {"actor": packs, "reward": False}
+    # The fixed costs were fitted from shrunk copies of both models, of their classes, at depths 1 and 4
+    # (the models' 2, twice), over the shrunk grid's small forwards, the actor's packed as the actor's are.
+    copies = [b for b in benches if b.model is not actor and b.model is not reward]
+    assert sorted((b.role, b.model.config.num_hidden_layers) for b in copies) == [
+        ("actor", 1), ("actor", 4), ("reward", 1), ("reward", 4)
+    ]  # fmt: skip
+    assert all(type(b.model) is type({"actor": actor, "reward": reward}[b.role]) for b in copies)
+    assert all(b.model.config.hidden_size == 4 * calibration.SHRUNK_HEAD_DIM for b in copies)
     if packs:
         assert all(b.runner.packed.nbytes > 0 for b in benches if b.role == "actor")
         ts = profile.threads[1]
