@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import statistics
 import time
 import warnings
@@ -473,10 +474,18 @@ def shrunk_depths(layers: int) -> tuple[int, int]:
     return (1, 2 * max(1, layers))
 
 
+WIDTH_KEYS = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "word_embed_proj_dim")
+
+
+def _module_layout(model) -> set[str]:
+    """``model``'s module names with layer indices folded: what it computes, whatever its depth."""
+    return {re.sub(r"\.\d+(\.|$)", r".N\1", name) for name, _ in model.named_modules()}
+
+
 def shrunk_config(config, layers: int):
     """A copy of the HF decoder ``config`` with ``layers`` layers and every width cut down: its query and
     KV head counts kept (the GQA layout), head_dim ``SHRUNK_HEAD_DIM`` (the model's own where smaller),
-    hidden size heads x head_dim, every intermediate size the hidden size, a vocabulary of
+    hidden size heads x head_dim, every MLP width (and OPT's embedding width) the hidden size, a vocabulary of
     ``SHRUNK_VOCAB`` tokens (special token ids past it moved to its last), per-layer lists
     (``PER_LAYER_KEYS``) tiled to the new depth. ``ValueError`` naming what it cannot shrink (a multimodal
     config: its decoder's config nested in another; a config without the usual names of its widths)."""
@@ -496,7 +505,9 @@ def shrunk_config(config, layers: int):
     if cfg.get("head_dim") is not None:
         cfg["head_dim"] = head_dim
     for key, value in list(cfg.items()):
-        if key.endswith("intermediate_size") and isinstance(value, int):
+        # The MLP's widths by their several names (OPT's ffn_dim, Falcon's ffn_hidden_size), and OPT's
+        # embedding width (a projection in and out of the decoder where it differs from the hidden size).
+        if key.endswith(WIDTH_KEYS) and isinstance(value, int):
             cfg[key] = hidden
         if key in PER_LAYER_KEYS and isinstance(value, list) and len(value) == depth:
             cfg[key] = [value[i % depth] for i in range(layers)]
@@ -531,6 +542,12 @@ def shrunk_copy(model, layers: int):
         raise ValueError(f"calibrate: cannot build the shrunk copy of {type(base).__name__} ({e!r})") from e
     copy = copy.to(device).eval()
     own, got = model_shape(base, dtype_bytes=None), model_shape(copy, dtype_bytes=None)
+    extra = _module_layout(copy) ^ _module_layout(base)
+    if extra:  # a module the model lacks (or the other way round): its work would land in the fit unpriced
+        raise ValueError(
+            f"calibrate: the shrunk copy of {type(base).__name__} does not compute what the model does: "
+            f"modules {sorted(extra)} in one and not the other"
+        )
     if (
         type(copy) is not type(base)
         or (got.layers, got.heads, got.kv_heads) != (layers, own.heads, own.kv_heads)

@@ -222,6 +222,24 @@ def test_a_shrunk_copy_is_the_models_class_and_runs_the_engines_forwards():
     assert actor.config.num_hidden_layers == 2 and actor.config.hidden_size == 96  # untouched
 
 
+def test_a_copy_computes_what_the_model_does_or_is_refused_naming_the_modules():
+    """OPT names its MLP width ``ffn_dim`` and has an embedding width of its own: a copy cuts both, so it
+    gains no projection in or out of the decoder that the model lacks (whose work would land in the fitted
+    fixed costs, unpriced); a model that has such projections is refused by name."""
+    from transformers import OPTConfig
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=96, num_attention_heads=4, ffn_dim=192, num_hidden_layers=2, vocab_size=200)
+    opt = AutoModelForCausalLM.from_config(OPTConfig(**shape, word_embed_proj_dim=96)).eval()
+    for depth in shrunk_depths(2):
+        copy = shrunk_copy(opt, depth)
+        assert copy.config.ffn_dim == copy.config.word_embed_proj_dim == copy.config.hidden_size == 64
+        assert copy.model.decoder.project_in is None and copy.model.decoder.project_out is None
+    projected = AutoModelForCausalLM.from_config(OPTConfig(**shape, word_embed_proj_dim=48)).eval()
+    with pytest.raises(ValueError, match="does not compute what the model does: .*project_in"):
+        shrunk_copy(projected, 1)
+
+
 def test_a_model_that_cannot_be_shrunk_is_named_and_the_fit_falls_back_with_a_warning(monkeypatch):
     class Multimodal:
         def get_text_config(self):
