@@ -393,7 +393,8 @@ class PPOTrainer:
         """Whether the actor's and the critic's packs run their attention batched, from
         ``PPOConfig.pack_attention`` and each model's probe (made the first time it is needed, collective;
         ``ValueError`` under ``"batched"`` for a model refused). A model that turned activation checkpointing
-        on since runs dense under ``"auto"`` (``"batched"``: refused by the switch)."""
+        on since runs dense under ``"auto"`` (``"batched"``: refused by the switch), or raises ``ValueError``
+        where the dense mask cannot serve it (its build-time dense probe refused it)."""
         cfg = self.config
         models = {"actor": (self.actor, _pack_logprobs), "critic": (self.critic, pack_values)}
         if cfg.pack_attention == "dense" or cfg.max_tokens_per_microbatch is None:

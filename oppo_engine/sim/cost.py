@@ -345,7 +345,8 @@ class CostModel:
         cuts a global minibatch into one slice per rank: ``ppo/ranks.py``). A rank's share is padded to its
         own longest row (``packed=False``: ``PPOTrainer`` today) or packed without padding into micro-batches
         (``packed=True``: ``max_tokens_per_microbatch``, ``budget`` tokens a pack, the attention priced as
-        the batched pack attention runs it: :func:`pack_attention_pairs`); FSDP's collectives make every
+        the batched pack attention runs it, :func:`pack_attention_pairs`, or with ``checkpointing`` as the
+        dense mask the trainer falls back to then, :func:`dense_pack_pairs`); FSDP's collectives make every
         rank wait for the slowest share of each minibatch. ``epochs`` passes over them of forward and
         backward of the ``trained`` models (actor, critic), FLOPs counted in the convention of the run the
         training MFU comes from (:func:`training_flops`); ``checkpointing`` recomputes a forward. Per
@@ -362,7 +363,10 @@ class CostModel:
             """FLOPs of the slowest rank of each chunk, summed over the chunks."""
             return sum(
                 max(
-                    (sum(training_flops(s, rank, n, packed, budget) for s in shapes) for rank in chunk),
+                    (
+                        sum(training_flops(s, rank, n, packed, budget, dense=checkpointing) for s in shapes)
+                        for rank in chunk
+                    ),
                     default=0.0,
                 )
                 for chunk in chunks
@@ -381,7 +385,13 @@ class CostModel:
 
 
 def training_flops(
-    shape: ModelShape, lengths, passes: float, packed: bool = False, budget: int | None = None
+    shape: ModelShape,
+    lengths,
+    passes: float,
+    packed: bool = False,
+    budget: int | None = None,
+    *,
+    dense: bool = False,
 ) -> float:
     """FLOPs of ``passes`` forwards' worth (1: a forward; 3: forward and backward; 4: with a recomputed
     forward) over rows of ``lengths``, counted as torchtitan counts them for its MFU
@@ -389,14 +399,18 @@ def training_flops(
     and backward, attention over the whole row, causal sparsity not subtracted, recomputation not counted):
     per forward ``2 N`` per token plus ``4 L q`` per attention pair. Padded rows (``packed=False``) all take
     the longest row's width: ``w^2`` pairs each. Packed rows in packs of ``budget`` tokens take the pairs
-    the batched pack attention computes (:func:`pack_attention_pairs`); with no ``budget``, each its own
-    ``w^2``."""
+    the batched pack attention computes (:func:`pack_attention_pairs`), or with ``dense`` those of the
+    dense mask over each pack (:func:`dense_pack_pairs`: the trainer's choice where a model has activation
+    checkpointing on); with no ``budget``, each its own ``w^2``."""
     lengths = list(lengths)
     if not lengths:
         return 0.0
     if packed:
         tokens = sum(lengths)
-        attention = pack_attention_pairs(lengths, budget) if budget else sum(w * w for w in lengths)
+        if not budget:
+            attention = sum(w * w for w in lengths)
+        else:
+            attention = (dense_pack_pairs if dense else pack_attention_pairs)(lengths, budget)
     else:
         width = max(lengths)
         tokens = len(lengths) * width
@@ -430,6 +444,24 @@ def pack_attention_pairs(lengths, budget: int) -> int:
         count += 1
         room -= n
     return total + count * head * head
+
+
+def dense_pack_pairs(lengths, budget: int) -> int:
+    """The attention pairs of the dense ``T x T`` mask over each pack of rows of ``lengths`` packed
+    ``budget`` tokens a pack, as the trainer packs them for the dense mask (``ppo/packing.py::plan_packs``:
+    first-fit decreasing, the longest first, each into the first pack with room; ``pack_attention="dense"``,
+    and ``"auto"`` for a model with activation checkpointing on). A torch-free mirror of that function
+    (``tests/sim/test_plan_terms.py`` checks it against the trainer's)."""
+    room: list[int] = []
+    for n in sorted(lengths, reverse=True):
+        if n > budget:
+            raise ValueError(f"a sequence of {n} tokens exceeds max_tokens_per_microbatch={budget}")
+        slot = next((k for k, r in enumerate(room) if r >= n), None)
+        if slot is None:
+            room.append(budget - n)
+        else:
+            room[slot] -= n
+    return sum((budget - r) ** 2 for r in room)
 
 
 def roofline(device: Device) -> CostModel:

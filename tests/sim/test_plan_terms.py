@@ -9,8 +9,14 @@ import random
 import pytest
 
 from oppo_engine import EngineConfig
-from oppo_engine.sim import plan
-from oppo_engine.sim.cost import PACK_BUCKET_RATIO, pack_attention_pairs, roofline, training_flops
+from oppo_engine.sim import cost, plan
+from oppo_engine.sim.cost import (
+    PACK_BUCKET_RATIO,
+    dense_pack_pairs,
+    pack_attention_pairs,
+    roofline,
+    training_flops,
+)
 from oppo_engine.sim.devices import device
 from oppo_engine.sim.planner import _setting
 from oppo_engine.sim.shapes import model_shape
@@ -76,6 +82,44 @@ def test_packed_attention_is_priced_as_the_trainers_batched_packs_compute_it():
     assert H200.update([SEVEN_B], [shares], gpus=1, epochs=1, packed=True, budget=4096) > H200.update(
         [SEVEN_B], [shares], gpus=1, epochs=1, packed=True
     )
+
+
+def test_with_checkpointing_packs_are_priced_as_the_dense_mask_the_trainer_falls_back_to():
+    """With activation checkpointing on, "auto" packs each model for the dense mask (``plan_packs``,
+    ``T x T`` a pack): the twin charges those pairs, not the batched buckets'."""
+    from oppo_engine.ppo.packing import plan_packs
+
+    rng = random.Random(1)
+    for _ in range(300):
+        budget = rng.choice([64, 100, 512, 2048])
+        lengths = [rng.randint(1, budget) for _ in range(rng.randint(1, 24))]
+        want = sum(sum(lengths[i] for i in pack) ** 2 for pack in plan_packs(lengths, budget))
+        assert dense_pack_pairs(lengths, budget) == want, (lengths, budget)
+    share = [1500, 1200, 900, 700, 600, 400, 300, 200, 150, 100, 60, 30]
+    assert dense_pack_pairs(share, 2048) > pack_attention_pairs(share, 2048)
+    attention = 4 * SEVEN_B.layers * SEVEN_B.q_width
+    gap = dense_pack_pairs(share, 2048) - pack_attention_pairs(share, 2048)
+    assert training_flops(SEVEN_B, share, 4.0, True, 2048, dense=True) - training_flops(
+        SEVEN_B, share, 4.0, True, 2048
+    ) == pytest.approx(4 * attention * gap)
+    checkpointed = H200.update(
+        [SEVEN_B], [[share]], gpus=1, epochs=1, packed=True, budget=2048, checkpointing=True
+    )
+    want = H200.update([SEVEN_B], [[share]], gpus=1, epochs=1, packed=True, budget=2048)
+    assert checkpointed > want * 4 / 3  # the recomputed forward and the dense pairs
+
+
+def test_the_twin_prices_its_packs_with_the_plans_budget(monkeypatch):
+    """The world's update hands the plan's ``max_tokens_per_microbatch`` to the pricing of its packs."""
+    seen = []
+
+    def record(lengths, budget):
+        seen.append(budget)
+        return sum(w * w for w in lengths)
+
+    monkeypatch.setattr(cost, "pack_attention_pairs", record)
+    _world_update(max_tokens=4096)
+    assert seen and set(seen) == {4096}
 
 
 def _world_update(**changes):
