@@ -70,6 +70,8 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
                    help="a recomputed forward, only layer inputs kept (PPOTrainer has none)")  # fmt: skip
     p.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                    help="packed micro-batches of the update (default: each rank's share padded)")  # fmt: skip
+    p.add_argument("--no-measure-agreement", action="store_true",
+                   help="PPOConfig.measure_agreement=False: no forward over every row")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None,
                    help="the engine's max_model_len (default: prompt cap + response cap)")  # fmt: skip
     p.add_argument("--cpu-threads", type=int, default=1,
@@ -99,6 +101,7 @@ def plan_main(argv: list[str], prog: str = "oppo-engine plan") -> int:
             sweep=args.sweep, extrapolate=not args.no_extrapolate, progress=bar, group_size=args.group_size,
             group_by_length=args.group_by_length, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             activation_checkpointing=args.activation_checkpointing, cpu_threads=args.cpu_threads,
+            measure_agreement=not args.no_measure_agreement,
         )  # fmt: skip
         bar.close()
     except (ValueError, OSError, json.JSONDecodeError) as e:

@@ -196,6 +196,7 @@ def plan(
     group_size: int = 1,
     group_by_length: bool = False,
     max_tokens_per_microbatch: int | None = None,
+    measure_agreement: bool | None = None,
     sweep: Sequence[int] = SWEEP,
     extrapolate: bool = True,
     warmup: int | None = None,
@@ -219,7 +220,9 @@ def plan(
     rank) shape the update (default: the reference trainer's ``PPOConfig``); the memory defaults are bf16
     weights and gradients, fp32 Adam moments and FSDP over the training GPUs, without activation
     checkpointing, each rank's share of a minibatch padded to its longest row (``PPOTrainer`` today);
-    ``group_by_length`` and ``max_tokens_per_microbatch`` (packed micro-batches) as the trainer's options.
+    ``group_by_length`` and ``max_tokens_per_microbatch`` (packed micro-batches) as the trainer's options;
+    ``measure_agreement`` (default: ``PPOConfig``'s, on) prices the trainer's no-grad actor forward over
+    every row before its first optimizer step.
     ``config.max_model_len``, when set, bounds prompt + response: a larger prompt cap plus response cap is
     refused with ``ValueError``. A plan that does not fit returns ``fits=False`` with the numbers; it does
     not raise. ``progress(done, total)`` is called after each simulated world. ``cpu_threads`` (placement
@@ -239,6 +242,7 @@ def plan(
         optimizer_bytes=optimizer_bytes, checkpointing=activation_checkpointing, fsdp=fsdp, seed=seed,
         group_size=group_size, group_by_length=group_by_length, max_tokens=max_tokens_per_microbatch,
         cpu_threads=cpu_threads,
+        measure_agreement=ppo.measure_agreement if measure_agreement is None else measure_agreement,
     )  # fmt: skip
     modes = tuple(modes)
     bad = [m for m in modes if m not in ARMS]
@@ -279,6 +283,7 @@ def plan(
         "activation_checkpointing": setting.checkpointing,
         "group_by_length": setting.group_by_length,
         "max_tokens_per_microbatch": setting.max_tokens_per_microbatch,
+        "measure_agreement": setting.measure_agreement,
         "extrapolated": extrapolate,
         "config": repr(setting.config),
     }
@@ -339,7 +344,8 @@ def _check_cpu_threads(profile: Profile, cpu_threads) -> None:
 def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch_size, lengths,
              prompt_lengths, config, reward_curve, epochs, minibatch_size, weight_bytes, grad_bytes,
              optimizer_bytes, checkpointing, fsdp, seed, group_size=1, group_by_length=False,
-             max_tokens=None, cpu_threads=1) -> tuple[Setting, MemoryPlan]:  # fmt: skip
+             max_tokens=None, cpu_threads=1,
+             measure_agreement=True) -> tuple[Setting, MemoryPlan]:  # fmt: skip
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if isinstance(device, Profile):
@@ -400,7 +406,7 @@ def _setting(actor, reward, critic, reference, *, device, gpus, placement, batch
         reward_curve=list(reward_curve) if reward_curve is not None else None,
         cores=device.cores if isinstance(device, Profile) else 1, seed=seed, group_size=group_size,
         group_by_length=group_by_length, max_tokens_per_microbatch=max_tokens, max_len=config.max_model_len,
-        cpu_threads=cpu_threads,
+        cpu_threads=cpu_threads, measure_agreement=measure_agreement,
     )  # fmt: skip
     if batch_size < setting.ranks or batch_size % setting.ranks:
         raise ValueError(

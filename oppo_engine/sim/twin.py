@@ -83,7 +83,9 @@ class Setting:
     ``cpu_threads`` (placement ``"cpu"``): the torch thread count of the process the engine runs in, which
     the world sets while it runs whatever the predicting process's is (a step that runs one lane runs its
     forwards on that many; a step of two lanes on one each, as the engine's own step sets it:
-    ``sched/step.py::_lane_threads``)."""
+    ``sched/step.py::_lane_threads``). ``measure_agreement``: the update starts with one no-grad forward of
+    the actor over every row (``PPOConfig.measure_agreement``, on by default, or a rollout correction),
+    which the stale rows' recompute then reads instead of a forward of its own."""
 
     shapes: dict[str, ModelShape]
     cost: CostModel
@@ -105,6 +107,7 @@ class Setting:
     arena_pages: int | None = None
     max_len: int | None = None
     cpu_threads: int = 1
+    measure_agreement: bool = True
 
     @property
     def actor_packed(self) -> bool:
@@ -402,8 +405,9 @@ class World:
         """The PPO update on the batch's rows as ``PPOTrainer`` cuts them (``ppo/trainer.py``): minibatches of
         ``minibatch_size`` rows per rank, random (or, ``group_by_length``, rows of similar length together,
         in random order), each cut into one consecutive slice per rank; each slice padded to its own longest
-        row, or packed (``max_tokens_per_microbatch``); stale rows recomputed first in chunks of similar
-        length, each rank its slice."""
+        row, or packed (``max_tokens_per_microbatch``); first one no-grad actor forward over every row (the
+        agreement, ``measure_agreement``) or, without it, over the stale rows, in chunks of similar length
+        (packed: one group), each rank its slice."""
         s = self.setting
         if not rows:
             return 0.0
@@ -418,13 +422,26 @@ class World:
             rng.shuffle(order)
             chunks = [order[i : i + size] for i in range(0, len(order), size)]
         minibatches = [rank_slices(c, s.ranks) for c in chunks]
-        stale = sorted(deferred)
-        recompute = [rank_slices(stale[i : i + size], s.ranks) for i in range(0, len(stale), size)]
+        # The no-grad actor forward before the first optimizer step (``PPOTrainer.trainer_logprobs``): over
+        # every row where the update measures the agreement (the stale rows' recompute reads it), else over
+        # the stale rows alone where a mode carries some; packed, one group of them split by rank, else
+        # sorted chunks of a minibatch's rows.
+        ahead = (
+            sorted(rows)
+            if s.measure_agreement
+            else sorted(deferred)
+            if self.mode in ("inter", "oppo")
+            else []
+        )
+        if s.max_tokens_per_microbatch is not None:
+            recompute = [rank_slices(ahead, s.ranks)] if ahead else []
+        else:
+            recompute = [rank_slices(ahead[i : i + size], s.ranks) for i in range(0, len(ahead), size)]
         trained = [s.shapes[ACTOR]] + ([s.shapes[CRITIC]] if CRITIC in s.shapes else [])
         return s.cost.update(
             trained, minibatches, gpus=s.training_gpus, epochs=s.epochs, checkpointing=s.checkpointing,
             packed=s.max_tokens_per_microbatch is not None, budget=s.max_tokens_per_microbatch,
-            recompute=recompute if self.mode in ("inter", "oppo") else [],
+            recompute=recompute,
         )  # fmt: skip
 
     def timeline(self) -> list[tuple[str, str, float, float]]:

@@ -136,6 +136,26 @@ def _world_update(**changes):
         world.close()
 
 
+def test_the_update_prices_the_agreement_forward_over_every_row():
+    """``PPOConfig.measure_agreement`` (on by default): one no-grad actor forward over every row before the
+    first optimizer step, in sorted chunks of a minibatch's rows (packed: one group), each rank its slice:
+    exactly what the update costs more than without it, in ``sequential`` too (no stale rows)."""
+    rows = sorted(16 + n for n in [3000] * 8 + [50] * 24)
+    actor = model_shape("0.5b")
+    size = 2 * 4  # minibatch_size x ranks
+    chunks = [rank_slices(rows[i : i + size], 4) for i in range(0, len(rows), size)]
+    flops = sum(max(training_flops(actor, share, 1.0) for share in chunk) for chunk in chunks)
+    extra = _world_update() - _world_update(measure_agreement=False)
+    assert extra == pytest.approx(H200.source.training_s(flops))
+    packed = _world_update(max_tokens=4096) - _world_update(max_tokens=4096, measure_agreement=False)
+    shares = rank_slices(rows, 4)
+    flops = max(training_flops(actor, share, 1.0, True, 4096) for share in shares)
+    assert packed == pytest.approx(H200.source.training_s(flops))
+    p = plan("0.5b", reward="rule", device="h100", gpus=2, placement="colocated", batch_size=2, lengths=8,
+             prompt_lengths=8, steps=1, modes=("sequential",))  # fmt: skip
+    assert p.setting["measure_agreement"] is True
+
+
 def test_group_by_length_and_packing_cut_the_update_of_a_long_tail():
     padded = _world_update()
     assert _world_update(group_by_length=True) < padded
