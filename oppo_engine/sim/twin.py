@@ -424,18 +424,16 @@ class World:
         minibatches = [rank_slices(c, s.ranks) for c in chunks]
         # The no-grad actor forward before the first optimizer step (``PPOTrainer.trainer_logprobs``): over
         # every row where the update measures the agreement (the stale rows' recompute reads it), else over
-        # the stale rows alone where a mode carries some; packed, one group of them split by rank, else
-        # sorted chunks of a minibatch's rows.
-        ahead = (
-            sorted(rows)
-            if s.measure_agreement
-            else sorted(deferred)
-            if self.mode in ("inter", "oppo")
-            else []
-        )
+        # the stale rows alone where a mode carries some. Packed, they are one group in the batch's order,
+        # split by rank; padded, sorted chunks of a minibatch's rows, each split by rank.
+        if s.measure_agreement:
+            ahead = list(rows)
+        else:
+            ahead = list(deferred) if self.mode in ("inter", "oppo") else []
         if s.max_tokens_per_microbatch is not None:
             recompute = [rank_slices(ahead, s.ranks)] if ahead else []
         else:
+            ahead.sort()
             recompute = [rank_slices(ahead[i : i + size], s.ranks) for i in range(0, len(ahead), size)]
         trained = [s.shapes[ACTOR]] + ([s.shapes[CRITIC]] if CRITIC in s.shapes else [])
         return s.cost.update(

@@ -122,7 +122,7 @@ def test_the_twin_prices_its_packs_with_the_plans_budget(monkeypatch):
     assert seen and set(seen) == {4096}
 
 
-def _world_update(**changes):
+def _world_update(rows=None, **changes):
     setting, _ = _setting(
         "0.5b", "rule", None, None, device="h200", gpus=4, placement="colocated", batch_size=32,
         lengths=[3000] * 8 + [50] * 24, prompt_lengths=16, config=EngineConfig(), reward_curve=None, epochs=1,
@@ -131,15 +131,16 @@ def _world_update(**changes):
     )  # fmt: skip
     world = World(setting, "sequential", steps=1)
     try:
-        return world._update_s([16 + n for n in [3000] * 8 + [50] * 24], [])
+        return world._update_s(rows or [16 + n for n in [3000] * 8 + [50] * 24], [])
     finally:
         world.close()
 
 
 def test_the_update_prices_the_agreement_forward_over_every_row():
     """``PPOConfig.measure_agreement`` (on by default): one no-grad actor forward over every row before the
-    first optimizer step, in sorted chunks of a minibatch's rows (packed: one group), each rank its slice:
-    exactly what the update costs more than without it, in ``sequential`` too (no stale rows)."""
+    first optimizer step, in sorted chunks of a minibatch's rows (packed: one group in the batch's order),
+    each rank its slice: exactly what the update costs more than without it, in ``sequential`` too (no
+    stale rows)."""
     rows = sorted(16 + n for n in [3000] * 8 + [50] * 24)
     actor = model_shape("0.5b")
     size = 2 * 4  # minibatch_size x ranks
@@ -147,9 +148,13 @@ def test_the_update_prices_the_agreement_forward_over_every_row():
     flops = sum(max(training_flops(actor, share, 1.0) for share in chunk) for chunk in chunks)
     extra = _world_update() - _world_update(measure_agreement=False)
     assert extra == pytest.approx(H200.source.training_s(flops))
-    packed = _world_update(max_tokens=4096) - _world_update(max_tokens=4096, measure_agreement=False)
-    shares = rank_slices(rows, 4)
-    flops = max(training_flops(actor, share, 1.0, True, 4096) for share in shares)
+    # packed: one group in the batch's order, each rank a consecutive slice (two long rows each here;
+    # sorted, one rank would hold all eight)
+    mixed = [3016, 66, 66, 66] * 8
+    packed = _world_update(mixed, max_tokens=4096) - _world_update(
+        mixed, max_tokens=4096, measure_agreement=False
+    )
+    flops = max(training_flops(actor, share, 1.0, True, 4096) for share in rank_slices(mixed, 4))
     assert packed == pytest.approx(H200.source.training_s(flops))
     p = plan("0.5b", reward="rule", device="h100", gpus=2, placement="colocated", batch_size=2, lengths=8,
              prompt_lengths=8, steps=1, modes=("sequential",))  # fmt: skip
