@@ -601,6 +601,16 @@ def long_reasoning(args) -> int:
     return 0
 
 
+# The published rows timed per kernel (bench/published.py): a page's heading and each row's setting.
+KERNEL_ROWS = {
+    "gemm": ("GEMM source rows (gemm_fit)", lambda s: f"{s['m']} x {s['k']} x {s['n']}"),
+    "elementwise": (
+        "Elementwise source rows (elementwise_fit)",
+        lambda s: f"{s['op']} x {s['tokens']} tokens",
+    ),
+}
+
+
 def published(args) -> int:
     """Every row of ``bench/published.py``: setting, published figure, the twin's prediction, their ratio
     and the source; refused rows name why. The goals count only check rows."""
@@ -614,23 +624,15 @@ def published(args) -> int:
     for r in rows:
         row = r["row"]
         pub = f"{row.figure:.4g}"
-        if row.kind == "gemm":  # many rows of one page: its source, GPU and software once, a line a row
+        if row.kind in KERNEL_ROWS:  # many rows of one page: its source, GPU and software once, a line a row
+            title, setting = KERNEL_ROWS[row.kind]
             if (row.url, row.gpu, row.kind) != group:
                 group = (row.url, row.gpu, row.kind)
-                print(f"GEMM source rows (gemm_fit): {row.url}; {row.gpu}; {row.software}")
+                print(f"{title}: {row.url}; {row.gpu}; {row.software}")
                 print(f"{'':<41}fixes: {row.constant}")
-            s, us = row.settings, f"{row.figure * 1e6:.1f} us"
+            us = f"{row.figure * 1e6:.1f} us"
             print(f"{row.key:<34}{row.role:<7}{us:>12}{r['prediction'] * 1e6:>12.1f}{r['ratio']:>7.3f}  "
-                  f"{s['m']} x {s['k']} x {s['n']}; quote: {row.quote}")  # fmt: skip
-            continue
-        if row.kind == "elementwise":  # as the gemm rows: one kernel of ``tokens`` tokens a line
-            if (row.url, row.gpu, row.kind) != group:
-                group = (row.url, row.gpu, row.kind)
-                print(f"Elementwise source rows (elementwise_fit): {row.url}; {row.gpu}; {row.software}")
-                print(f"{'':<41}fixes: {row.constant}")
-            s, us = row.settings, f"{row.figure * 1e6:.1f} us"
-            print(f"{row.key:<34}{row.role:<7}{us:>12}{r['prediction'] * 1e6:>12.1f}{r['ratio']:>7.3f}  "
-                  f"{s['op']} x {s['tokens']} tokens; quote: {row.quote}")  # fmt: skip
+                  f"{setting(row.settings)}; quote: {row.quote}")  # fmt: skip
             continue
         if r["prediction"] is None:
             print(f"{row.key:<34}{row.role:<7}{pub:>12}{'refused':>12}{'':>7}  {row.unit}; {row.gpu}")
