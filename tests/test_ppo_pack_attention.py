@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from families import FAMILIES, ROUTED, build_actor
-from test_ppo_packing import _leaky_attention, _record_steps, make_trainer, ppo_models
+from test_ppo_packing import _leaky_attention, _record_steps, assert_same_update, make_trainer, ppo_models
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -130,15 +130,10 @@ def test_batched_pack_losses_and_gradients_equal_padded_with_no_mask_built(group
         trainer.close()
         runs[budget] = (stats, grads)
     (padded, padded_grads), (packed, packed_grads) = runs[None], runs[40]
-    assert padded.response_len > 5
-    for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "grad_norm", "kl", "reward"):
-        torch.testing.assert_close(getattr(packed, name), getattr(padded, name), rtol=1e-5, atol=1e-6)
+    assert_same_update(packed, padded, packed_grads, padded_grads)
     assert packed.agreement["fresh"].max_abs < 1e-4
     assert len(packed_grads) == len(padded_grads) == 4
-    for a, b in zip(packed_grads, padded_grads, strict=True):
-        assert a.keys() == b.keys() and any(k.startswith("critic.") for k in a) and len(a) > 10
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert all(any(k.startswith("critic.") for k in a) and len(a) > 10 for a in packed_grads)
 
 
 @pytest.mark.parametrize("impl", ["reentrant", "no_reentrant"])
@@ -386,10 +381,5 @@ def test_auto_batches_a_model_whose_dense_pack_leaks_and_refuses_its_dense_fallb
         trainer.close()
         runs[budget] = (stats, grads)
     (padded, padded_grads), (packed, packed_grads) = runs[None], runs[40]
-    assert padded.response_len > 5
-    for name in ("policy_loss", "value_loss", "clipfrac", "approx_kl", "grad_norm", "kl", "reward"):
-        torch.testing.assert_close(getattr(packed, name), getattr(padded, name), rtol=1e-5, atol=1e-6)
-    for a, b in zip(packed_grads, padded_grads, strict=True):
-        assert a.keys() == b.keys() and any(k.startswith("actor.") for k in a)
-        for name in a:
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_update(packed, padded, packed_grads, padded_grads)
+    assert packed_grads and all(any(k.startswith("actor.") for k in a) for a in packed_grads)
