@@ -36,7 +36,9 @@ from oppo_engine.sim.calibration import (
 )
 from oppo_engine.sim.cost import HostCosts
 from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts
-from oppo_engine.sim.shapes import attention_pairs, model_shape
+from oppo_engine.sim.shapes import model_shape
+
+from .test_profile_fit import forward_s as fitted_terms_s
 
 TRUE = dict(forward_s=1e-4, layer_s=2e-5, pair_s=1e-9, kv_byte_s=1e-11, token_hidden_s=1e-9, logit_s=1e-9)
 # Copies whose other terms are nil: the fixed costs and their projections alone.
@@ -67,17 +69,7 @@ def seconds(shape, role, point, c: dict, ts: ThreadCosts = FREE_GEMMS) -> float:
 
     projections = shape.layers * sum(gemm(batch.tokens, k, n) for k, n in shape.layer_gemms())
     projections += gemm(batch.head_rows, *shape.head_gemm())
-    pairs = sum(attention_pairs(n, ctx) for n, ctx in batch.chunks)
-    context = sum(ctx for _, ctx in batch.chunks)
-    logit_rows = batch.head_rows if shape.head == "lm" else 0
-    return projections + (
-        c["forward_s"]
-        + c["layer_s"] * shape.layers
-        + c["pair_s"] * shape.layers * shape.q_width * pairs
-        + c["kv_byte_s"] * shape.layers * shape.kv_width * 2 * shape.dtype_bytes * context
-        + c["token_hidden_s"] * shape.layers * batch.tokens * shape.hidden
-        + c["logit_s"] * logit_rows * shape.vocab
-    )
+    return projections + fitted_terms_s(shape, role, point, c)
 
 
 def timed(config, roles=("actor", "reward"), grid=FORWARD_GRID, ts=FREE_GEMMS, noise=0.0, **constants):
