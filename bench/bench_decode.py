@@ -358,7 +358,8 @@ def bench_smollm2(
 ) -> dict[int, dict[str, float]]:
     """The engine (eager, packed weights, the exact fusions: "engine") against HF ``generate`` on
     SmolLM2-135M-Instruct at each batch size, with the ``arms`` beside it ("unpacked": without packed
-    weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``), all alternating: tok/s
+    weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``; "ungrouped": every
+    projection alone, ``PackedLinears.grouping`` off), all alternating: tok/s
     from the fastest of ``repeats`` rounds, the step time beside the roofline."""
     from oppo_engine.pretrained import load_pretrained
 
@@ -370,8 +371,14 @@ def bench_smollm2(
     for batch in batches:
         prompts = [torch.randint(16, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
         engines = {"engine": make_engine(actor, new_tokens, batch, graph=False, packed=True)}
+        # The engine again with fewer new tokens: the same prefill, so the difference of the two is decode
+        # steps alone (a decode step's time, prefill excluded).
+        short = max(1, new_tokens // 6)
+        engines["short"] = make_engine(actor, short, batch, graph=False, packed=True)
         if "unpacked" in arms:
             engines["unpacked"] = make_engine(actor, new_tokens, batch, graph=False, packed=False)
+        if "ungrouped" in arms:  # the packed engine with every projection alone (PackedLinears.grouping off)
+            engines["ungrouped"] = make_engine(actor, new_tokens, batch, graph=False, packed=True)
         if "unfused" in arms:
             before = {id(r) for r in actor_runners(actor)}
             engines["unfused"] = make_engine(actor, new_tokens, batch, graph=False, packed=True)
@@ -389,9 +396,12 @@ def bench_smollm2(
                 if name == "hf":
                     elapsed, tokens = run_hf(actor, prompts, new_tokens)
                 else:
+                    packs = actor_runner_of(engines[name]).packed
+                    if packs is not None:
+                        packs.grouping = name != "ungrouped"
                     elapsed, tokens = run_engine(engines[name], prompts)
                 cpu[name].append(time.process_time() - c0)
-                assert tokens == batch * new_tokens, (name, tokens)
+                assert tokens == batch * (short if name == "short" else new_tokens), (name, tokens)
                 times[name].append(elapsed)
             loads.append(os.getloadavg()[0])
         best = {name: min(ts) for name, ts in times.items()}
@@ -399,10 +409,16 @@ def bench_smollm2(
         measured = measure_roofline(dtype)
         roof = roofline(actor, batch, measured)
         step_ms = 1e3 * best["engine"] / new_tokens  # prefill included, spread over the tokens
+        # A decode step alone: the long run less the short one (the same prefill), over the extra tokens.
+        decode_ms = 1e3 * (best["engine"] - best["short"]) / (new_tokens - short)
+        best.pop("short")
+        best_cpu.pop("short")
+        times.pop("short")
         r = {f"{name}_tok_s": batch * new_tokens / t for name, t in best.items()}
         r |= {f"{name}_cpu_ms": 1e3 * t / new_tokens for name, t in best_cpu.items()}
         r |= {
             "step_ms": step_ms,
+            "decode_step_ms": decode_ms,
             "bytes_ms": 1e3 * roof["bytes_s"],
             "gemm_ms": 1e3 * roof["gemm_s"],
             "bandwidth_gb_s": measured["bandwidth"] / 1e9,
@@ -424,13 +440,15 @@ def bench_smollm2(
             f"{name}/HF {r[f'{name}_tok_s'] / r['hf_tok_s']:.2f}x wall, "
             f"{best_cpu['hf'] / best_cpu[name]:.2f}x CPU; "
             for name in engines
-            if name != "engine"
+            if name not in ("engine", "short")
         )
         print(
             f"  engine/HF {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x CPU time; {others}"
             f"roofline (measured: {r['bandwidth_gb_s']:.0f} GB/s, {r['gemm_gflop_s']:.0f} GFLOP/s): weights "
             f"{r['bytes_ms']:.1f} ms, GEMM {r['gemm_ms']:.1f} ms a step; engine step "
-            f"{step_ms:.1f} ms = {step_ms / r['gemm_ms']:.2f}x GEMM"
+            f"{step_ms:.1f} ms = {step_ms / r['gemm_ms']:.2f}x GEMM (prefill included); a decode step alone "
+            f"(the {new_tokens}-token run less a {short}-token one) {decode_ms:.1f} ms = "
+            f"{decode_ms / r['gemm_ms']:.2f}x GEMM"
         )
         if profile:
             r |= {f"profile:{k}": v for k, v in profile_step(engines["engine"], prompts).items()}
@@ -438,6 +456,11 @@ def bench_smollm2(
             engine.close()
         results[batch] = r
     return results
+
+
+def actor_runner_of(engine: RolloutEngine) -> ModelRunner:
+    """The engine's actor runner (its packed weights are shared with every engine of the same actor)."""
+    return engine._loop.actor.runner
 
 
 def actor_runners(actor: torch.nn.Module) -> list[ModelRunner]:
@@ -464,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument(
         "--arms",
         nargs="*",
-        choices=["unpacked", "unfused"],
+        choices=["unpacked", "unfused", "ungrouped"],
         default=["unpacked"],
         help="--model: the engine variants run beside the engine and HF",
     )
