@@ -12,7 +12,7 @@ from families import FAMILIES, ROUTED, build_actor, prompts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
-from oppo_engine.model import fused
+from oppo_engine.model import fused, packed
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -154,10 +154,11 @@ def rollouts(actor, batch, *, temperature: float) -> list[tuple[list[int], list[
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, dtype, monkeypatch):
     """Mixed prefills and decodes (6 prompts of 2-16 tokens, batch 4), greedy and sampled: the engine's
-    tokens and log-probs are the same floats with the fused norms as with HF's own."""
+    tokens and log-probs are the same floats with the fused norms, attention and MLPs (their grouped
+    products included) as with HF's own modules."""
     batch = prompts((2, 5, 8, 11, 13, 16), seed=5)
     actor = build_actor(name, dtype=dtype)
-    calls = {"rms_norm": 0, "rotary_and_cache": 0}
+    calls = {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0}
 
     def counted(op, real):
         def call(*args):
@@ -166,18 +167,28 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
 
         return call
 
-    for op in calls:
+    for op in ("rms_norm", "rotary_and_cache"):
         monkeypatch.setattr(ops, op, counted(op, getattr(ops, op)))
+    real_grouped = packed.PackedLinears.grouped
+
+    def grouped(self, modules, x):
+        out = real_grouped(self, modules, x)
+        calls["grouped"] += out is not None
+        return out
+
+    monkeypatch.setattr(packed.PackedLinears, "grouped", grouped)
     for temperature in (0.0, 0.8):
         with_fusion = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
         assert calls["rms_norm"], "the fused norm never ran"
         assert calls["rotary_and_cache"] or name != "llama", "the fused attention never ran"
-        calls.update(rms_norm=0, rotary_and_cache=0)
+        assert calls["grouped"], "no grouped product ran (the MLPs' gate and up, Llama's q, k and v)"
+        calls.update(rms_norm=0, rotary_and_cache=0, grouped=0)
         with monkeypatch.context() as m:
             m.setattr(fused, "is_llama_rms_norm", lambda module: False)
             m.setattr(fused, "is_llama_attention", lambda module: False)
+            m.setattr(fused, "is_llama_mlp", lambda module: False)
             without = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
-        assert calls == {"rms_norm": 0, "rotary_and_cache": 0}
+        assert calls == {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0}
         assert with_fusion == without
 
 

@@ -236,3 +236,93 @@ def test_a_forward_already_set_on_the_instance_is_left_in_place_and_runs():
         assert "forward" not in plain.__dict__
     assert len(calls) == 2
     assert torch.equal(got, F.linear(x, hooked.weight, hooked.bias))
+
+
+# -- grouped products: q, k, v (Llama's fused attention) and gate, up (Llama-form MLPs) as one product each --
+
+
+def llama_actor(dtype: torch.dtype, bias: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attention_bias=bias, mlp_bias=bias, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def outputs(got: list) -> list[tuple[list[int], list[float]]]:
+    return [(r.response_ids, r.logprobs) for r in got]
+
+
+def grouped_rollouts(actor, grouping: bool, temperature: float) -> tuple[list, packed.PackedLinears, int]:
+    """The rollouts, the packs, and how many groups held a stacked pack at the end (before the close)."""
+    engine = make_engine(actor, True, temperature=temperature)
+    packs = engine._loop.actor.runner.packed
+    packs.grouping = grouping
+    try:
+        got = rollouts(engine, random_prompts(6, seed=4))
+        return got, packs, sum(g.packed is not None for g in packs._groups.values())
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_products_are_the_members_own_to_the_bit(dtype, bias, monkeypatch):
+    """A Llama (fused attention and MLPs; with and without biases): greedy and sampled rollouts with the
+    grouped products are those without, to the bit, and the groups did serve (q, k, v and gate, up of
+    every layer)."""
+    served = []
+    real = packed.PackedLinears.grouped
+    monkeypatch.setattr(
+        packed.PackedLinears, "grouped", lambda self, m, x: served.append(len(m)) or real(self, m, x)
+    )
+    actor = llama_actor(dtype, bias)
+    for temperature in (0.0, 1.0):
+        with_groups, packs, stacked = grouped_rollouts(actor, True, temperature)
+        assert packs.ungrouped == 0 and {3, 2} <= set(served)
+        assert len(packs._groups) == 4 and stacked == 4
+        without, _, stacked = grouped_rollouts(actor, False, temperature)
+        assert stacked == 0
+        assert outputs(with_groups) == outputs(without)
+    assert no_forward_left(actor)
+
+
+def test_a_group_whose_product_is_not_bitwise_is_declined(monkeypatch):
+    """Where the stacked product differs from the members' (forced here), the group is not used: counted in
+    ``ungrouped``, ``grouped`` declines, and the rollouts are the members' own."""
+    monkeypatch.setattr(packed, "_bitwise_grouped", lambda *a: False)
+    actor = llama_actor(torch.float32, False)
+    got, packs, stacked = grouped_rollouts(actor, True, 0.0)
+    assert packs.ungrouped == 4 and stacked == 0
+    monkeypatch.undo()
+    want, _, _ = grouped_rollouts(actor, False, 0.0)
+    assert outputs(got) == outputs(want)
+
+
+def test_grouped_serves_only_its_groups_on_the_forward_thread_and_follows_updates():
+    actor = llama_actor(torch.float32, True)
+    packs = packed.PackedLinears(actor, 4)
+    attn = actor.model.layers[0].self_attn
+    mlp = actor.model.layers[0].mlp
+    x = torch.randn(1, 5, 64)
+    assert packed.grouped((attn.q_proj, attn.k_proj, attn.v_proj), x) is None  # outside applied()
+    with torch.inference_mode(), packs.applied():
+        qkv = packed.grouped((attn.q_proj, attn.k_proj, attn.v_proj), x)
+        assert [t.shape[-1] for t in qkv] == [64, 32, 32] and all(t.is_contiguous() for t in qkv)
+        for t, m in zip(qkv, (attn.q_proj, attn.k_proj, attn.v_proj), strict=True):
+            assert torch.equal(t, m(x))  # the member's own pack
+        assert packed.grouped((attn.k_proj, attn.q_proj, attn.v_proj), x) is None  # not a group (order)
+        assert packed.grouped((mlp.gate_proj, attn.q_proj), x) is None
+        other = []
+        t = threading.Thread(target=lambda: other.append(packs.grouped((mlp.gate_proj, mlp.up_proj), x)))
+        t.start()
+        t.join()
+        assert other == [None]
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2.0)  # an in-place update: the group is packed again
+    with torch.inference_mode(), packs.applied():
+        gate, up = packed.grouped((mlp.gate_proj, mlp.up_proj), x)
+        assert torch.equal(up, mlp.up_proj(x))
+        torch.testing.assert_close(up, F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), atol=ATOL, rtol=0)

@@ -22,6 +22,11 @@ log-probs are those of HF's modules (``tests/test_fused.py``).
   cache, in training mode, or for a dtype or device the op does not take. A model whose rotary embedding
   was swapped for a hub kernel (``kernels.kernelize``) is not supported by this path.
 
+- **The Llama-form MLP** (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, ``LLAMA_MLP_FORWARD``: Llama,
+  Qwen2, Mistral, ... share it): its gate and up projections run as one product over their stacked packed
+  weights where the packed weights have that group (``packed.grouped``, bitwise the two products), and the
+  fused attention does the same for its q, k and v projections; the module's own forward elsewhere.
+
 The replacements are installed for the duration of the runner's forward as instance attributes (as the
 packed weights are, ``model/packed.py``) and act only on the threads running such a forward: the same
 model running elsewhere meanwhile (a trainer's forward and backward) gets its own modules. Weights are read
@@ -42,7 +47,7 @@ import torch
 from torch import nn
 
 from oppo_engine import ops
-from oppo_engine.model import attention
+from oppo_engine.model import attention, packed
 
 # The RMSNorm forward the fused op reproduces (transformers' LlamaRMSNorm.forward, as of 5.x). A class
 # qualifies only if its forward's source is exactly this (dedented), so a change upstream disables the
@@ -117,8 +122,16 @@ def rotate_half(x):
     return q_embed, k_embed
 """,
 )
+# The MLP forward whose two input projections may run as one grouped product (transformers' LlamaMLP's,
+# verbatim; Qwen2's and Mistral's read the same).
+LLAMA_MLP_FORWARD = """\
+def forward(self, x):
+    down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return down_proj
+"""
 _LLAMA_MODULE = "transformers.models.llama.modeling_llama"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 _forms: dict[tuple[str, type], bool] = {}  # (form, class) -> whether the class reads as that form
@@ -165,6 +178,25 @@ def is_llama_attention(module: nn.Module) -> bool:
     )
 
 
+def is_llama_mlp(module: nn.Module) -> bool:
+    """Whether ``module``'s class's forward is ``LLAMA_MLP_FORWARD`` verbatim, with its three projections
+    and a callable ``act_fn``."""
+    cls = type(module)
+    with _forms_lock:
+        form = _forms.get(("mlp", cls))
+        if form is None:
+            try:
+                source = textwrap.dedent(inspect.getsource(cls.forward))
+            except (OSError, TypeError):
+                source = ""
+            form = _forms["mlp", cls] = source == LLAMA_MLP_FORWARD
+    return (
+        form
+        and all(isinstance(getattr(module, n, None), nn.Module) for n in _MLP_PROJECTIONS)
+        and callable(getattr(module, "act_fn", None))
+    )
+
+
 def _reads_as_llama_attention(cls: type) -> bool:
     forward = inspect.unwrap(cls.forward)
     if getattr(forward, "__module__", None) != _LLAMA_MODULE:
@@ -184,8 +216,10 @@ class FusedModules:
     def __init__(self, model: nn.Module) -> None:
         self.norms = [m for m in model.modules() if is_llama_rms_norm(m)]
         self.attentions = [m for m in model.modules() if is_llama_attention(m)]
+        self.mlps = [m for m in model.modules() if is_llama_mlp(m)]
         self._installs = [(m, _fused_norm_forward(self, m)) for m in self.norms]
         self._installs += [(m, _fused_attention_forward(self, m)) for m in self.attentions]
+        self._installs += [(m, _fused_mlp_forward(self, m)) for m in self.mlps]
         self._lock = threading.Lock()
         self._threads: Counter[int] = Counter()  # threads inside applied(), with their depth
 
@@ -269,9 +303,9 @@ def _fused_attention_forward(fused: FusedModules, module: nn.Module):
         num_tokens = hidden_states.shape[1]
         cos, sin = position_embeddings
         # The projections are looked up at every call (an adapter library may have wrapped them since).
-        q = module.q_proj(hidden_states).view(num_tokens, -1, head_dim)
-        k = module.k_proj(hidden_states).view(num_tokens, -1, head_dim)
-        v = module.v_proj(hidden_states).view(num_tokens, -1, head_dim)
+        projections = (module.q_proj, module.k_proj, module.v_proj)
+        qkv = packed.grouped(projections, hidden_states) or [p(hidden_states) for p in projections]
+        q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv)
         q = ops.rotary_and_cache(q, k, v, cos[0], sin[0], meta.kv_cache, meta.slot_mapping, layer)
         out = ops.paged_attention(
             q,
@@ -287,6 +321,24 @@ def _fused_attention_forward(fused: FusedModules, module: nn.Module):
             plan=meta.plan,
         )
         return module.o_proj(out.view(1, num_tokens, -1)), None
+
+    return forward
+
+
+def _fused_mlp_forward(fused: FusedModules, module: nn.Module):
+    """The MLP's forward while fused: its gate and up projections as one grouped product of the packed
+    weights (``packed.grouped``) where the packs have it, on this thread, outside autograd; the module's own
+    forward elsewhere (the same arithmetic, one product per projection)."""
+    own = type(module).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate_up = None
+        if fused.active() and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"):
+            gate_up = packed.grouped((module.gate_proj, module.up_proj), x)
+        if gate_up is None:
+            return own(module, x)
+        gate, up = gate_up
+        return module.down_proj(module.act_fn(gate) * up)
 
     return forward
 
