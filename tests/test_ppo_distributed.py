@@ -44,13 +44,16 @@ def _models():
     return actor, critic, reference, reward
 
 
-def _trainer(world_size: int, group, models, mode: str = "sequential", lr: float = 1e-3):
+def _trainer(
+    world_size: int, group, models, mode: str = "sequential", lr: float = 1e-3, pack_attention: str = "auto"
+):
     """``mode`` is the engine's; ``mode+N``: packed updates, packs of at most ``N`` tokens."""
     from oppo_engine.ppo import PPOConfig, PPOTrainer, engine_config_for
 
     mode, _, packed = mode.partition("+")
     cfg = PPOConfig(
         max_tokens_per_microbatch=int(packed) if packed else None,
+        pack_attention=pack_attention,
         batch_size=BATCH * world_size if group is None else BATCH,
         minibatch_size=MINIBATCH * world_size if group is None else MINIBATCH,
         epochs=2,
@@ -102,6 +105,71 @@ def _ppo_rank(rank: int, world_size: int, modes: tuple[str, ...]):
         out[mode] = _record(stats), local, _full_weights(trainer.actor), _full_weights(trainer.critic)
         trainer.close()
     return out
+
+
+LEAK = "max_tokens_per_microbatch: the actor's attention crosses the boundary (rank 1's dense probe)"
+
+
+def _dense_verdict_rank(rank: int, world_size: int, modes: tuple[str, ...]) -> dict:
+    """Rank 1's dense probe refuses the actor, rank 0's passes it (each after the probe's forwards, which
+    are collective): under ``pack_attention="dense"`` the build, under ``"auto"`` the build and then the
+    dense fallback once activation checkpointing is turned on, on every rank."""
+    import torch.distributed as dist
+
+    from oppo_engine.ppo import trainer as trainer_module
+
+    real = trainer_module.check_packing
+
+    def check_packing(model, role, probe, forward):
+        real(model, role, probe, forward)
+        if rank == 1 and role == "actor":
+            raise ValueError(LEAK)
+
+    trainer_module.check_packing = check_packing
+    out = {}
+    for pack_attention in modes:
+        models = _models()
+        distributed.shard_model(models[0])
+        distributed.shard_model(models[1])
+        try:
+            trainer = _trainer(
+                world_size, dist.group.WORLD, models, "sequential+20", pack_attention=pack_attention
+            )
+        except ValueError as e:
+            out[pack_attention] = ("refused at build", str(e))
+            continue
+        refusals = dict(trainer._dense_refusal)
+        models[0].gradient_checkpointing_enable()
+        try:
+            later = ("modes", trainer._pack_attention_modes())
+        except ValueError as e:
+            later = ("refused", str(e))
+        trainer.close()
+        out[pack_attention] = ("built", refusals, later)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense_verdicts():
+    return run_ranks(_dense_verdict_rank, 2, ("dense", "auto"), timeout_s=240, pg_timeout_s=45)
+
+
+def test_a_dense_refusal_on_one_rank_refuses_on_every_rank_at_build(dense_verdicts):
+    """``pack_attention="dense"``: one rank's dense probe refuses the actor; every rank raises the same
+    ``ValueError`` naming it (a rank raising alone used to leave the others in the next probe's collective
+    until the group's timeout)."""
+    assert [r["dense"] for r in dense_verdicts] == [("refused at build", LEAK)] * 2
+
+
+def test_a_dense_refusal_on_one_rank_is_every_ranks_fallback_refusal(dense_verdicts):
+    """``pack_attention="auto"``: the actor is batched everywhere, and every rank records rank 1's dense
+    refusal, so once activation checkpointing puts the actor on the dense mask, every rank refuses it (one
+    rank refusing alone would leave the others in the update's next collective)."""
+    outcomes = [r["auto"] for r in dense_verdicts]
+    assert outcomes[0] == outcomes[1]
+    built, refusals, (later, message) = outcomes[0]
+    assert built == "built" and refusals == {"actor": LEAK}
+    assert later == "refused" and "turned activation checkpointing on" in message and LEAK in message
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
@@ -237,6 +238,78 @@ def test_the_model_gets_its_attention_back_after_an_error():
     # And outside the block a forward runs on the model's own attention again.
     with torch.no_grad():
         torch.testing.assert_close(_logprobs(actor, pack), _logprobs(actor, pack), rtol=0, atol=0)
+
+
+def test_nested_batched_blocks_on_one_model_keep_the_switch_on_until_the_last_exits():
+    """The switch is reference-counted: an inner block on the same model (its own pack) runs batched and does
+    not give the model its attention back while the outer block is still inside; the last exit does."""
+    _, actor, *_ = ppo_models()
+    g = torch.Generator().manual_seed(4)
+    outer_lengths, inner_lengths = [7, 4], [5, 3, 6]
+    vocab = actor.config.vocab_size
+    outer_pack = pack_rows(torch.randint(3, vocab, (2, 7), generator=g), outer_lengths)
+    inner_pack = pack_rows(torch.randint(3, vocab, (3, 6), generator=g), inner_lengths)
+    with torch.no_grad():
+        dense_outer, dense_inner = _logprobs(actor, outer_pack), _logprobs(actor, inner_pack)
+        with batched_attention(actor, outer_lengths) as outer:
+            with batched_attention(actor, inner_lengths) as inner:
+                batched_inner = _logprobs(actor, inner_pack)
+            assert actor.config._attn_implementation == ATTN_IMPL
+            batched_outer = _logprobs(actor, outer_pack)
+    assert actor.config._attn_implementation == "sdpa"
+    assert outer.calls == inner.calls == actor.config.num_hidden_layers
+    torch.testing.assert_close(batched_inner, dense_inner, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(batched_outer, dense_outer, rtol=1e-5, atol=1e-6)
+
+
+def test_a_threads_batched_block_stays_batched_when_another_threads_block_on_the_model_exits_first():
+    """Two threads' blocks on one model, entered A then B and left A first: B's forward, run after A left,
+    still goes through the batched call over B's own pack (and equals the dense pack); the model gets its
+    attention back only when B leaves."""
+    _, actor, *_ = ppo_models()
+    lengths = [6, 9, 3]
+    pack = pack_rows(torch.randint(3, actor.config.vocab_size, (3, 9)), lengths)
+    with torch.no_grad():
+        dense = _logprobs(actor, pack)
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    out, errors = {}, []
+
+    def a():
+        try:
+            with batched_attention(actor, [4, 4]):
+                a_inside.set()
+                assert b_inside.wait(30)
+        except BaseException as e:  # noqa: BLE001 - reported to the test's thread
+            errors.append(e)
+        finally:
+            a_inside.set()
+            a_left.set()
+
+    def b():
+        try:
+            assert a_inside.wait(30)
+            with batched_attention(actor, lengths) as layout:
+                b_inside.set()
+                assert a_left.wait(30)
+                out["switched"] = actor.config._attn_implementation
+                with torch.no_grad():
+                    out["batched"] = _logprobs(actor, pack)
+            out["calls"] = layout.calls
+        except BaseException as e:  # noqa: BLE001 - reported to the test's thread
+            errors.append(e)
+        finally:
+            b_inside.set()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    assert out["switched"] == ATTN_IMPL and out["calls"] == actor.config.num_hidden_layers
+    torch.testing.assert_close(out["batched"], dense, rtol=1e-5, atol=1e-6)
+    assert actor.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("name", ROUTED)

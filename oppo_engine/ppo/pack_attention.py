@@ -18,12 +18,13 @@ within 2x of each other), where one call per sequence pays a call's overhead per
 The function is registered with ``transformers.AttentionInterface`` under ``ATTN_IMPL`` without a mask
 function, so transformers builds no mask at all and passes ``attention_mask=None``; it is switched on only
 inside :func:`batched_attention`, which binds the pack's layout to the thread (not every decoder forwards
-``**kwargs`` to its attention modules) and gives every config its implementation back on exit, error
-included. What the call cannot do exactly it refuses with ``ValueError`` naming the feature: a sliding
-window shorter than the pack's longest sequence, logit softcapping, attention sinks, a mask or position bias
-the model built itself, non-causal attention. :func:`refusal` names what rules a model out before any
-forward: an attention other than sdpa or eager (the batched call stands in for those two only), activation
-checkpointing (its recompute in the backward would run outside the switch, over the whole row).
+``**kwargs`` to its attention modules) and gives every config its implementation back when the last block
+on it leaves (blocks may nest, or overlap in several threads), error included. What the call cannot do
+exactly it refuses with ``ValueError`` naming the feature: a sliding window shorter than the pack's longest
+sequence, logit softcapping, attention sinks, a mask or position bias the model built itself, non-causal
+attention. :func:`refusal` names what rules a model out before any forward: an attention other than sdpa or
+eager (the batched call stands in for those two only), activation checkpointing (its recompute in the
+backward would run outside the switch, over the whole row).
 """
 
 from __future__ import annotations
@@ -216,9 +217,23 @@ def _configs(model: nn.Module) -> list:
     return list(found.values())
 
 
+# NOTE: the switch is reference-counted per config: the first block to enter saves a config's implementation
+# and sets ATTN_IMPL, the last to leave gives it back, so blocks on one model may nest, and overlap in several
+# threads (each reads its own thread's layout), in any order of exit.
+_switched: dict[int, list] = {}  # id(config) -> [config, its own implementation, blocks inside]
+_switch_lock = threading.Lock()
+
+
 def refusal(model: nn.Module) -> str | None:
     """Why ``model``'s packs cannot take the batched attention before any forward (``None``: nothing)."""
-    impls = sorted({str(c._attn_implementation) for c in _configs(model)} - set(REPLACES))
+    with _switch_lock:
+        return _refusal(model)
+
+
+def _refusal(model: nn.Module) -> str | None:
+    # The implementations the model's configs have outside every batched block (the caller holds the lock).
+    own = [_switched[id(c)][1] if id(c) in _switched else c._attn_implementation for c in _configs(model)]
+    impls = sorted({str(impl) for impl in own} - set(REPLACES))
     if impls:
         return (
             f"{type(model).__name__} runs attention {', '.join(map(repr, impls))}; the batched call "
@@ -236,23 +251,30 @@ def refusal(model: nn.Module) -> str | None:
 def batched_attention(model: nn.Module, lengths: Sequence[int]) -> Iterator[PackLayout]:
     """Run ``model``'s attention over a pack of sequences of ``lengths`` (end to end, in this order) as
     batched calls inside the block, one per bucket of :class:`PackLayout` (``ValueError`` if :func:`refusal`
-    names a reason); every config gets its
-    implementation back on exit, error included. Not for a model another thread runs meanwhile (the switch
-    is the model's configs')."""
-    reason = refusal(model)
-    if reason is not None:
-        raise ValueError(f"pack_attention='batched': {reason}")
+    names a reason). Reference-counted: blocks on one model may nest or run in several threads at once, each
+    thread's forwards over its own innermost pack; every config gets its implementation back when the last
+    block leaves, error included. A forward of the model outside every block (another thread's) while one
+    is open raises ``RuntimeError``."""
     register()
     layout = PackLayout.of(lengths, next(model.parameters()).device)
     configs = _configs(model)
-    saved = [c._attn_implementation_internal for c in configs]
     previous = getattr(_bound, "layout", None)
-    try:
+    with _switch_lock:  # the check and the switch at once: no other block's exit or entry between them
+        reason = _refusal(model)
+        if reason is not None:
+            raise ValueError(f"pack_attention='batched': {reason}")
         for c in configs:
+            _switched.setdefault(id(c), [c, c._attn_implementation_internal, 0])[2] += 1
             c._attn_implementation_internal = ATTN_IMPL
+    try:
         _bound.layout = layout
         yield layout
     finally:
         _bound.layout = previous
-        for c, impl in zip(configs, saved, strict=True):
-            c._attn_implementation_internal = impl
+        with _switch_lock:
+            for c in configs:
+                entry = _switched[id(c)]
+                entry[2] -= 1
+                if entry[2] == 0:
+                    del _switched[id(c)]
+                    c._attn_implementation_internal = entry[1]

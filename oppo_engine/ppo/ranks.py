@@ -44,6 +44,7 @@ __all__ = [
     "is_sharded",
     "prompt_seed",
     "rank_prompts",
+    "refusals_on_any_rank",
     "shard_count",
     "shard_model",
     "shard_trainer_models",
@@ -95,6 +96,18 @@ def check_same_on_ranks(settings: dict, group) -> None:
             f"data-parallel PPOTrainer: the ranks differ in {', '.join(differ)} (every rank must pass the "
             "same config and prompts)"
         )
+
+
+def refusals_on_any_rank(reasons: dict[str, str], group) -> dict[str, str]:
+    """Per key of ``reasons`` (why this rank refuses it; ``""``: it does not), the refusal of the first rank
+    of ``group`` that gives one (``""`` where none does), the same on every rank: a refusal on one rank is a
+    refusal on all, so every rank takes the same path. ``reasons`` itself without a group; collective (one
+    all-gather)."""
+    if group is None:
+        return dict(reasons)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, reasons, group=group)
+    return {key: next((other[key] for other in everyone if other.get(key)), "") for key in reasons}
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:

@@ -230,18 +230,26 @@ class PPOTrainer:
                 if cfg.pack_attention != "dense":
                     self._pack_attention_modes()  # the batched probes ("batched": a refusal raises here)
                 if cfg.pack_attention != "batched":
+                    dense = {}  # the dense probes' refusals ("" for none): every rank probes both models
                     for role, model, forward in (
                         ("actor", actor, _pack_logprobs),
                         ("critic", critic, pack_values),
                     ):
                         try:
                             check_packing(model, role, prompts[0], forward)
+                            dense[role] = ""
                         except ValueError as e:
-                            # "auto" with the batched attention verified needs the dense mask only if the
-                            # model turns activation checkpointing on later: refused then, not now.
-                            if cfg.pack_attention != "auto" or self._batched_refusal[role]:
-                                raise
-                            self._dense_refusal[role] = str(e)
+                            dense[role] = str(e)
+                    # NOTE: any rank's refusal is every rank's, agreed before any rank raises: a rank raising
+                    # (or later refusing the dense fallback) alone would leave the others in a collective.
+                    for role, reason in ranks.refusals_on_any_rank(dense, process_group).items():
+                        if not reason:
+                            continue
+                        # "auto" with the batched attention verified needs the dense mask only if the
+                        # model turns activation checkpointing on later: refused then, not now.
+                        if cfg.pack_attention != "auto" or self._batched_refusal[role]:
+                            raise ValueError(reason)
+                        self._dense_refusal[role] = reason
             except ValueError:
                 self.engine.close()
                 raise
