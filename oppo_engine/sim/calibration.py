@@ -645,7 +645,7 @@ def _fit_with(points: list[Point], ts: ThreadCosts, *, free_scale: bool, fit=CON
         def gemm(m, k, n, weights=weights, shape=shape, packed=packed):
             return max(probe.gemm(m, k, n, shape.dtype_bytes, 1, weights, packed))
 
-        gemm_s = shape.layers * sum(gemm(batch.tokens, k, n) for k, n in shape.layer_gemms())
+        gemm_s = shape.layers * sum(gemm(batch.tokens, k, n) for k, n in shape.layer_gemms(grouped=packed))
         gemm_s += gemm(batch.head_rows, *shape.head_gemm())
         kv = shape.kv_width * 2 * shape.dtype_bytes
         logit_rows = batch.head_rows if shape.head == "lm" else 0

@@ -307,7 +307,7 @@ class CostModel:
         if gemms is None:  # the GEMMs depend on the token and head-row counts only (a source is immutable)
             gemms = []
             weights = shape.weight_bytes  # what a forward streams through: the cache it does not fit in
-            for k, n in shape.layer_gemms():
+            for k, n in shape.layer_gemms(grouped=packed):  # packed: grouped products too (model/packed.py)
                 f, m = src.gemm(tokens, k, n, shape.dtype_bytes, threads, weights, packed)
                 gemms.append((shape.layers * f, shape.layers * m))
             if batch.head_rows:

@@ -33,6 +33,9 @@ class ModelShape:
     tied: bool
     dtype_bytes: int = 2
     head: str = "lm"
+    # Whether the engine's fused attention serves this family (transformers' Llama), whose packed q, k and v
+    # projections then run as one grouped product on the CPU (``model/packed.py``).
+    fused_qkv: bool = False
 
     def __post_init__(self) -> None:
         for field in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
@@ -49,6 +52,7 @@ class ModelShape:
         return ModelShape(
             self.name, self.layers, self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
             self.vocab, self.tied, self.dtype_bytes if dtype_bytes is None else dtype_bytes, head,
+            self.fused_qkv,
         )  # fmt: skip
 
     # -- sizes -------------------------------------------------------------------------------------------
@@ -89,11 +93,17 @@ class ModelShape:
         """Key and value of one token in every layer."""
         return self.layers * 2 * self.kv_width * self.dtype_bytes
 
-    def layer_gemms(self) -> list[tuple[int, int]]:
-        """(K, N) of each weight GEMM of one layer, for T tokens: [T, K] @ [K, N]."""
+    def layer_gemms(self, grouped: bool = False) -> list[tuple[int, int]]:
+        """(K, N) of each weight GEMM of one layer, for T tokens: [T, K] @ [K, N]. ``grouped``: as the
+        engine's packed actor runs them on the CPU (``model/packed.py``): the MLP's gate and up projections
+        as one product, and q, k and v as one where ``fused_qkv``."""
         h, i = self.hidden, self.intermediate
-        return [(h, self.q_width), (h, self.kv_width), (h, self.kv_width), (self.q_width, h),
-                (h, i), (h, i), (i, h)]  # fmt: skip
+        if self.fused_qkv and grouped:
+            attention = [(h, self.q_width + 2 * self.kv_width)]
+        else:
+            attention = [(h, self.q_width), (h, self.kv_width), (h, self.kv_width)]
+        mlp = [(h, 2 * i)] if grouped else [(h, i), (h, i)]
+        return [*attention, (self.q_width, h), *mlp, (i, h)]
 
     def head_gemm(self) -> tuple[int, int]:
         """(K, N) of the head's projection."""
@@ -126,6 +136,7 @@ def _from_mapping(name: str, cfg: dict, dtype_bytes: int | None) -> ModelShape:
         vocab=int(get("vocab_size")),
         tied=bool(cfg.get("tie_word_embeddings", False)),
         dtype_bytes=dtype_bytes,
+        fused_qkv=cfg.get("model_type") == "llama",
     )
 
 

@@ -45,10 +45,19 @@ def test_a_packed_forward_is_priced_by_the_packed_tables_and_an_unpacked_one_as_
     unpacked = _gemm_phases(with_tables.forward(shape, batch))
     packed = _gemm_phases(with_tables.forward(shape, batch, packed=True))
     assert unpacked == _gemm_phases(without.forward(shape, batch))  # the scorers' price: unchanged
-    for (f, m), (pf, pm) in zip(unpacked, packed, strict=True):
-        assert pf == pytest.approx(f / 2) and pm == pytest.approx(m / 2)
-    # A profile that timed no packed weights prices a packed forward by its unpacked tables.
-    assert _gemm_phases(without.forward(shape, batch, packed=True)) == unpacked
+    # Packed, the MLP's gate and up run as one grouped product (model/packed.py), at half the unpacked price.
+    src, weights = Calibrated(_profile(UNPACKED)), shape.weight_bytes
+    want = [
+        tuple(shape.layers * x / 2 for x in src.gemm(8, k, n, 4, 1, weights))
+        for k, n in shape.layer_gemms(True)
+    ]
+    want.append(tuple(x / 2 for x in src.gemm(8, *shape.head_gemm(), 4, 1, weights)))
+    assert len(packed) == len(unpacked) - 1
+    for (f, m), (pf, pm) in zip(want, packed, strict=True):
+        assert pf == pytest.approx(f) and pm == pytest.approx(m)
+    # A profile that timed no packed weights prices a packed forward (grouped) by its unpacked tables.
+    priced = _gemm_phases(without.forward(shape, batch, packed=True))
+    assert [x for pair in priced for x in pair] == pytest.approx([2 * x for pair in want for x in pair])
 
 
 def test_the_fit_takes_the_actors_packed_gemms_out_of_its_forwards_and_the_scorers_unpacked():
@@ -121,3 +130,19 @@ def test_the_chunk_prior_prices_the_actors_decode_packed():
 def test_a_profile_with_packed_tables_survives_its_file(tmp_path):
     profile = _profile(PACKED)
     assert Profile.load(profile.save(tmp_path / "p.json")) == profile
+
+
+def test_grouped_products_are_priced_as_the_engine_runs_them():
+    """The packed actor's projections as ``model/packed.py`` groups them: gate and up as one product for
+    every family the twin prices, and q, k and v as one for transformers' Llama (its fused attention)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    llama, qwen2 = model_shape(LlamaConfig(**dims)), model_shape(Qwen2Config(**dims))
+    assert llama.fused_qkv and not qwen2.fused_qkv and not model_shape("small").fused_qkv
+    alone = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 96), (64, 96), (96, 64)]
+    assert llama.layer_gemms() == qwen2.layer_gemms() == alone
+    assert llama.layer_gemms(grouped=True) == [(64, 128), (64, 64), (64, 192), (96, 64)]
+    assert qwen2.layer_gemms(grouped=True) == [(64, 64), (64, 32), (64, 32), (64, 64), (64, 192), (96, 64)]
+    assert model_shape(llama, head="value").fused_qkv  # a head swap keeps it
