@@ -370,20 +370,18 @@ def bench_smollm2(
     results: dict[int, dict[str, float]] = {}
     for batch in batches:
         prompts = [torch.randint(16, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-        engines = {"engine": make_engine(actor, new_tokens, batch, graph=False, packed=True)}
-        # The engine again with fewer new tokens: the same prefill, so the difference of the two is decode
-        # steps alone (a decode step's time, prefill excluded).
+        # Each engine arm twice: with new_tokens and with fewer ("<arm>@short"); the same prefill, so the
+        # difference of the two is decode steps alone (a decode step's time, prefill excluded).
         short = max(1, new_tokens // 6)
-        engines["short"] = make_engine(actor, short, batch, graph=False, packed=True)
-        if "unpacked" in arms:
-            engines["unpacked"] = make_engine(actor, new_tokens, batch, graph=False, packed=False)
-        if "ungrouped" in arms:  # the packed engine with every projection alone (PackedLinears.grouping off)
-            engines["ungrouped"] = make_engine(actor, new_tokens, batch, graph=False, packed=True)
-        if "unfused" in arms:
-            before = {id(r) for r in actor_runners(actor)}
-            engines["unfused"] = make_engine(actor, new_tokens, batch, graph=False, packed=True)
-            (runner,) = [r for r in actor_runners(actor) if id(r) not in before]  # the new engine's
-            runner.fused = None
+        engines: dict[str, RolloutEngine] = {}
+        for name in ("engine", *arms):
+            for suffix, tokens in (("", new_tokens), ("@short", short)):
+                before = {id(r) for r in actor_runners(actor)}
+                packed = name != "unpacked"
+                engines[name + suffix] = make_engine(actor, tokens, batch, graph=False, packed=packed)
+                if name == "unfused":  # without the fused modules of model/fused.py
+                    (runner,) = [r for r in actor_runners(actor) if id(r) not in before]  # the new engine's
+                    runner.fused = None
         for engine in engines.values():
             run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
         run_hf(actor, prompts[:2], 4)
@@ -397,11 +395,11 @@ def bench_smollm2(
                     elapsed, tokens = run_hf(actor, prompts, new_tokens)
                 else:
                     packs = actor_runner_of(engines[name]).packed
-                    if packs is not None:
-                        packs.grouping = name != "ungrouped"
+                    if packs is not None:  # "ungrouped": every projection alone (PackedLinears.grouping off)
+                        packs.grouping = not name.startswith("ungrouped")
                     elapsed, tokens = run_engine(engines[name], prompts)
                 cpu[name].append(time.process_time() - c0)
-                assert tokens == batch * (short if name == "short" else new_tokens), (name, tokens)
+                assert tokens == batch * (short if name.endswith("@short") else new_tokens), (name, tokens)
                 times[name].append(elapsed)
             loads.append(os.getloadavg()[0])
         best = {name: min(ts) for name, ts in times.items()}
@@ -410,15 +408,18 @@ def bench_smollm2(
         roof = roofline(actor, batch, measured)
         step_ms = 1e3 * best["engine"] / new_tokens  # prefill included, spread over the tokens
         # A decode step alone: the long run less the short one (the same prefill), over the extra tokens.
-        decode_ms = 1e3 * (best["engine"] - best["short"]) / (new_tokens - short)
-        best.pop("short")
-        best_cpu.pop("short")
-        times.pop("short")
+        extra = new_tokens - short
+        decode = {name: 1e3 * (best[name] - best.pop(name + "@short")) / extra for name in ("engine", *arms)}
+        decode_ms = decode["engine"]
+        for name in decode:
+            best_cpu.pop(name + "@short")
+            times.pop(name + "@short")
         r = {f"{name}_tok_s": batch * new_tokens / t for name, t in best.items()}
         r |= {f"{name}_cpu_ms": 1e3 * t / new_tokens for name, t in best_cpu.items()}
         r |= {
             "step_ms": step_ms,
             "decode_step_ms": decode_ms,
+            **{f"{name}_decode_step_ms": ms for name, ms in decode.items() if name != "engine"},
             "bytes_ms": 1e3 * roof["bytes_s"],
             "gemm_ms": 1e3 * roof["gemm_s"],
             "bandwidth_gb_s": measured["bandwidth"] / 1e9,
@@ -432,15 +433,16 @@ def bench_smollm2(
             f"threads={torch.get_num_threads()} load={min(loads):.1f}-{max(loads):.1f}, min of {repeats}:"
         )
         for name in times:
+            alone = f", {decode[name]:5.1f} ms a decode step alone" if name in decode else ""
             print(
                 f"  {name:>8}: {r[f'{name}_tok_s']:8.1f} tok/s, "
                 f"{1e3 * best[name] / new_tokens:6.1f} ms/token wall, {r[f'{name}_cpu_ms']:6.1f} ms/token CPU"
+                f"{alone}"
             )
         others = "".join(
             f"{name}/HF {r[f'{name}_tok_s'] / r['hf_tok_s']:.2f}x wall, "
             f"{best_cpu['hf'] / best_cpu[name]:.2f}x CPU; "
-            for name in engines
-            if name not in ("engine", "short")
+            for name in arms
         )
         print(
             f"  engine/HF {r['ratio']:.2f}x wall, {r['cpu_ratio']:.2f}x CPU time; {others}"

@@ -182,16 +182,17 @@ class PackedLinears:
             self.ungrouped += 1
 
     def grouped(self, modules: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
-        """``[m(x) for m in modules]`` as one product over their stacked pack, each output contiguous and
-        bitwise what the member's own pack gives; ``None`` where that is not available (not a group of this
-        model, a member not packed for this forward, the check failed, grouping off, another thread)."""
+        """``[m(x) for m in modules]`` as one product over their stacked pack: each output a view of its
+        columns (contiguous in the last dimension, not across rows), bitwise what the member's own pack
+        gives; ``None`` where that is not available (not a group of this model, a member not packed for this
+        forward, the check failed, grouping off, another thread)."""
         g = self._groups.get(tuple(map(id, modules)))
         if g is None or not g.live or g.packed is None or threading.get_ident() != self._thread:
             return None
         biases = [m.bias for m in modules]  # read at every call, as a lone module's
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         y = ops.packed_linear(x, g.packed, bias)
-        return [t.contiguous() for t in torch.split(y, g.widths, dim=-1)]
+        return list(torch.split(y, g.widths, dim=-1))
 
     @contextmanager
     def applied(self) -> Iterator[None]:
