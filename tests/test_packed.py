@@ -326,3 +326,28 @@ def test_grouped_serves_only_its_groups_on_the_forward_thread_and_follows_update
         gate, up = packed.grouped((mlp.gate_proj, mlp.up_proj), x)
         assert torch.equal(up, mlp.up_proj(x))
         torch.testing.assert_close(up, F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias), atol=ATOL, rtol=0)
+
+
+def test_a_groups_probe_runs_once_per_shape_not_at_every_repacking(monkeypatch):
+    """The bitwise probe's verdict depends on the products' shapes, dtype, batch hint and threads, not on
+    the weights: a model's layers share one verdict per kind of group, and repacking after an update (every
+    PPO step) probes nothing again."""
+    probes = []
+    real = packed._probe_grouped
+    monkeypatch.setattr(packed, "_probe_grouped", lambda *a: probes.append(1) or real(*a))
+    monkeypatch.setattr(packed, "_verdicts", {})
+    actor = llama_actor(torch.float32, False)
+    engine = make_engine(actor, True)
+    try:
+        first = rollouts(engine, random_prompts(4, seed=5))
+        assert len(probes) == 2  # q, k, v and gate, up: one shape each, over both layers
+        repacks = engine._loop.actor.runner.packed.repacks
+        with torch.no_grad():
+            for p in actor.parameters():
+                p.mul_(0.9)
+        engine.update_policy()
+        again = rollouts(engine, random_prompts(4, seed=5))
+        assert engine._loop.actor.runner.packed.repacks > repacks and len(probes) == 2
+        assert outputs(again) != outputs(first)  # the new weights, grouped
+    finally:
+        engine.close()

@@ -172,6 +172,54 @@ def test_a_dense_refusal_on_one_rank_is_every_ranks_fallback_refusal(dense_verdi
     assert later == "refused" and "turned activation checkpointing on" in message and LEAK in message
 
 
+BATCHED_LEAK = "pack_attention='batched' cannot run the actor: rank 1's batched probe"
+
+
+def _batched_verdict_rank(rank: int, world_size: int, modes: tuple[str, ...]) -> dict:
+    """Rank 1's batched probe refuses the actor, rank 0's passes it (each after the probe's forwards):
+    under ``pack_attention="batched"`` the build fails on every rank with rank 1's reason; under ``"auto"``
+    every rank runs the actor's packs dense."""
+    import torch.distributed as dist
+
+    from oppo_engine.ppo import trainer as trainer_module
+
+    real = trainer_module.check_batched_packing
+
+    def check_batched_packing(model, role, probe, forward, longest):
+        real(model, role, probe, forward, longest)
+        if rank == 1 and role == "actor":
+            raise ValueError(BATCHED_LEAK)
+
+    trainer_module.check_batched_packing = check_batched_packing
+    out = {}
+    for pack_attention in modes:
+        models = _models()
+        distributed.shard_model(models[0])
+        distributed.shard_model(models[1])
+        try:
+            trainer = _trainer(
+                world_size, dist.group.WORLD, models, "sequential+20", pack_attention=pack_attention
+            )
+        except ValueError as e:
+            out[pack_attention] = ("refused at build", str(e))
+            continue
+        out[pack_attention] = ("built", dict(trainer._batched_refusal), trainer._pack_attention_modes())
+        trainer.close()
+    return out
+
+
+def test_a_batched_refusal_on_one_rank_is_every_ranks():
+    """One rank's batched probe refuses the actor: under ``"batched"`` every rank raises that refusal at
+    build, under ``"auto"`` every rank runs the actor's packs dense (the ranks used to raise "the ranks
+    differ", a ValueError naming no feature, in both)."""
+    outcomes = run_ranks(_batched_verdict_rank, 2, ("batched", "auto"), timeout_s=240, pg_timeout_s=45)
+    assert [r["batched"] for r in outcomes] == [("refused at build", BATCHED_LEAK)] * 2
+    assert outcomes[0]["auto"] == outcomes[1]["auto"]
+    built, refusals, modes = outcomes[0]["auto"]
+    assert built == "built" and refusals == {"actor": BATCHED_LEAK, "critic": ""}
+    assert modes == {"actor": False, "critic": True}
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     """One 2-rank job for every test here (spawning ranks costs more than their PPO steps)."""

@@ -16,12 +16,14 @@ that the packs follow the weights.
 **Grouped products.** Sibling projections that read one input (a Llama-form attention's ``q_proj``,
 ``k_proj`` and ``v_proj``; a Llama-form MLP's ``gate_proj`` and ``up_proj``) are also packed as one stacked
 weight, and the fused forwards of ``model/fused.py``, which call them on one input, run one product in place
-of two or three (``grouped``) and split its columns: on SmolLM2-135M's layers at M=16, 1.18x less GEMM time
-in bf16 and 1.10x in fp32 (docs/benchmarks.md). A group is used only where its product equals its members'
-own packed products bit for bit, checked on probes each time it is packed (oneDNN sums an output column over
-K alike whatever N is; where it does not, ``grouped`` declines and ``PackedLinears.ungrouped`` counts it), so
-the engine's numbers are those of the members alone. The members keep their own packs (for any other caller):
-a group's stacked copy is memory on top.
+of two or three (``grouped``) and split its columns: on SmolLM2-135M's layers' bare products at M=16,
+1.18x less time in bf16 and 1.09x in fp32, 1.01-1.04x from 128 rows up; in the engine's decode step 1-8%,
+within the measuring machine's spread (docs/benchmarks.md, "Grouped products"). A group is used only where
+its product equals its members' own packed products bit for bit, checked on probes (once per process for
+each dtype, shape, batch hint and thread count: oneDNN sums an output column over K alike whatever N is;
+where it does not, ``grouped`` declines and ``PackedLinears.ungrouped`` counts it), so the engine's numbers
+are those of the members alone. The members keep their own packs (for any other caller): a group's stacked
+copy is memory on top.
 
 The packed copies live beside the model's weights (one more copy of every ``nn.Linear`` weight: the
 actor's only) and are swapped in for the duration of the runner's forward: each module's ``forward`` is
@@ -236,9 +238,30 @@ def grouped(modules: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tenso
     return None if packs is None else packs.grouped(modules, x)
 
 
+# The probes' verdicts by what decides them: the products' order of summation is oneDNN's for the dtype,
+# the shapes, the pack's batch hint and the thread count, not the weights' values, so a repacking after a
+# weight update (every PPO step) reuses the verdict instead of probing again.
+_verdicts: dict[tuple, bool] = {}
+_verdicts_lock = threading.Lock()
+
+
 def _bitwise_grouped(group: _Group, biases: list, batch_hint: int) -> bool:
     """Whether the group's stacked product equals its members' own packed products bit for bit on random
-    inputs of ``PROBE_ROWS`` and ``batch_hint`` rows, with the members' biases where they have them."""
+    inputs of ``PROBE_ROWS`` and ``batch_hint`` rows, with the members' biases where they have them; probed
+    once per process for each dtype, input width, member widths, bias or not, batch hint and thread count."""
+    w = group.entries[0].weight
+    bias = biases[0] is not None
+    key = (w.dtype, w.shape[1], tuple(group.widths), bias, batch_hint, torch.get_num_threads())
+    with _verdicts_lock:
+        verdict = _verdicts.get(key)
+    if verdict is None:
+        verdict = _probe_grouped(group, biases, batch_hint)
+        with _verdicts_lock:
+            _verdicts[key] = verdict
+    return verdict
+
+
+def _probe_grouped(group: _Group, biases: list, batch_hint: int) -> bool:
     w = group.entries[0].weight
     gen = torch.Generator().manual_seed(0)
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])

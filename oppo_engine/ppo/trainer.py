@@ -416,9 +416,9 @@ class PPOTrainer:
                     self._batched_refusal[role] = ""
                 except ValueError as e:
                     self._batched_refusal[role] = str(e)
-            # Every rank must plan its packs alike (and run as many forwards): the same verdicts everywhere.
-            verdicts = {role: not reason for role, reason in self._batched_refusal.items()}
-            ranks.check_same_on_ranks(verdicts, self.group)
+            # Every rank must plan its packs alike (and run as many forwards): any rank's refusal is every
+            # rank's, agreed before any rank acts on it (as the dense probes' are).
+            self._batched_refusal = ranks.refusals_on_any_rank(self._batched_refusal, self.group)
             for role, reason in self._batched_refusal.items():
                 if reason and cfg.pack_attention == "auto":
                     logger.info("PPOConfig.pack_attention='auto': %s's packs stay dense: %s", role, reason)

@@ -11,6 +11,8 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
   weights where the engine packs them; the scorers' reward, reference and critic paths) over a grid of
   rows x new tokens x context; on the CPU also those of each model's shrunk copies (``shrunk_config``) at
   two depths (``shrunk_depths``), over a few small points (``SHRUNK_GRID``);
+- where the actor is packed, packing its weights again (``_time_repack``: after every weight update the engine
+  drops the packs and its next forward makes them);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
   ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``);
@@ -319,6 +321,20 @@ def _time_streaming(device, dtype, timed, gpu: bool, packed: bool = False) -> li
             out.append((float(layers * per_layer), rows, layers * per_layer / seconds))
         del weights
     return out
+
+
+def _time_repack(packs, timed) -> float:
+    """Seconds per byte of the actor's packed weights (``PackedLinears.nbytes``) to pack them again: the
+    packs dropped, then made by the next forward's refresh, as after every weight update (the grouped
+    products' stacked copies included; their bitwise probe runs once per process, in the warm-up call)."""
+
+    def repack() -> None:
+        packs.drop()
+        with packs.applied():
+            pass
+
+    seconds = min(timed(repack, 3) for _ in range(ROUNDS))
+    return seconds / max(1, packs.nbytes)
 
 
 # The calibration pair's streamed step: batch, prompt and response tokens, chunk size.
@@ -754,6 +770,9 @@ def calibrate(
             say(f"calibrate: forwards of {', '.join(models)} at {count} thread(s)")
             benches = {role: _RoleBench(role, model, device, packed=packs and role == "actor")
                        for role, model in models.items()}  # fmt: skip
+            if packs:  # the actor's packs made again, as after every weight update (update_policy)
+                repack = _time_repack(benches["actor"].runner.packed, timed)
+                ts = dataclasses.replace(ts, repack_byte_s=repack)
             # The shrunk copies through the same machinery (the actor's packed as the actor's are).
             copies = {(role, depth): _RoleBench(role, m, device, packed=packs and role == "actor",
                                                 grid=SHRUNK_GRID)

@@ -262,6 +262,10 @@ class Roofline:
     def host_s(self, rows: int) -> float:
         return self.host.per_forward_s + self.host.per_row_s * rows
 
+    def repack_s(self, shape: ModelShape, threads: int = 1) -> float:
+        """Nothing: a GPU's actor multiplies by its own weights (the engine packs on the CPU only)."""
+        return 0.0
+
     def training_s(self, flops: float) -> float:
         return flops / (self.device.bf16_flops * self.device.fractions.training_mfu)
 
@@ -320,6 +324,11 @@ class CostModel:
         phases = (*gemms, (shape.layers * f, shape.layers * m))
         host, launch = src.fixed(shape, captured, threads)
         return Work(host + src.host_s(len(batch.chunks)), launch, phases, threads)
+
+    def repack(self, shape: ModelShape, threads: int = 1) -> Work:
+        """Packing the actor's weights again at its first forward after a weight update, where the engine
+        packs them (the CPU: ``model/packed.py``): a memory-bound reorder on the actor's threads."""
+        return Work(0.0, 0.0, ((0.0, self.source.repack_s(shape, threads)),), threads)
 
     def handoff(self) -> Work:
         """The actor's host time for one hand-off of a chunk to the scorers."""

@@ -108,6 +108,12 @@ class TwinActor:
         self.shape, self.cost, self.cache, self.seqs = shape, cost, cache, seqs
         self.target, self.run, self.captured, self.threads = target, run, captured, threads
         self.stride, self.packed = stride, packed
+        self.stale = packed  # the packs are made at the first forward, and again after each weight update
+
+    def weights_updated(self) -> None:
+        """The policy's weights changed (``update_policy()``): the engine drops the actor's packs, and its
+        next forward packs them again (``CostModel.repack``)."""
+        self.stale = self.packed
 
     def price(self, batch: Batch, captured: bool, threads: int):
         """A forward's :class:`~oppo_engine.sim.cost.Work` over ``batch`` (with the actor's weights packed
@@ -121,6 +127,9 @@ class TwinActor:
         decode = all(len(c.token_ids) == 1 for c in chunks)
         captured, threads = self.captured and decode, self.threads()
         stride = self.stride
+        if self.stale:
+            self.stale = False
+            self.run(self.cost.repack(self.shape, threads))
         self.run(self.price(batch, captured, threads))
         by_id = self.seqs()
         extra = 0

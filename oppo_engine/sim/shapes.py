@@ -105,6 +105,16 @@ class ModelShape:
         mlp = [(h, 2 * i)] if grouped else [(h, i), (h, i)]
         return [*attention, (self.q_width, h), *mlp, (i, h)]
 
+    def packed_bytes(self) -> int:
+        """Bytes of the weights the engine's packed actor holds packed on the CPU (``model/packed.py``): every
+        projection's (the LM head's included), and the grouped products' stacked copies on top."""
+        alone = sum(k * n for k, n in self.layer_gemms())
+        stacked = (self.hidden * (self.q_width + 2 * self.kv_width) if self.fused_qkv else 0) + (
+            self.hidden * 2 * self.intermediate
+        )
+        k, n = self.head_gemm()
+        return (self.layers * (alone + stacked) + k * n) * self.dtype_bytes
+
     def head_gemm(self) -> tuple[int, int]:
         """(K, N) of the head's projection."""
         return (self.hidden, self.vocab if self.head == "lm" else 1)

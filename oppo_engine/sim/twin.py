@@ -355,6 +355,7 @@ class World:
                 if state["release"] > clock.now:
                     ex.sleep(state["release"] - clock.now)
                 engine.update_policy()
+                engine._loop.actor.weights_updated()  # the TwinActor: its packs are made again (CPU)
                 curve = s.reward_curve
                 if curve and engine._delta_control is not None:
                     step = len(self.records) - 1

@@ -146,3 +146,50 @@ def test_grouped_products_are_priced_as_the_engine_runs_them():
     assert llama.layer_gemms(grouped=True) == [(64, 128), (64, 64), (64, 192), (96, 64)]
     assert qwen2.layer_gemms(grouped=True) == [(64, 64), (64, 32), (64, 32), (64, 64), (64, 192), (96, 64)]
     assert model_shape(llama, head="value").fused_qkv  # a head swap keeps it
+
+
+def test_the_actors_packs_are_priced_again_after_every_weight_update():
+    """``update_policy()`` drops the actor's packs and its next forward makes them again
+    (``model/packed.py``): the twin's actor runs ``CostModel.repack`` before its first forward and before
+    the first one after each weight update, and never otherwise; a GPU's (no packs) never."""
+    from oppo_engine.model.runner import SeqChunk
+    from oppo_engine.sim.cost import Work
+    from oppo_engine.sim.models import TwinActor
+
+    costs = dataclasses.replace(PACKED, repack_byte_s=2e-10)
+    cost = CostModel(Calibrated(_profile(costs)))
+    shape = model_shape("small", dtype_bytes=4)
+    assert cost.repack(shape) == Work(0.0, 0.0, ((0.0, 2e-10 * shape.packed_bytes()),), 1)
+    linears = sum(k * n for k, n in shape.layer_gemms()) * shape.layers + shape.hidden * shape.vocab
+    stacked = shape.layers * shape.hidden * 2 * shape.intermediate  # gate and up (Qwen2: no fused q, k, v)
+    assert shape.packed_bytes() == 4 * (linears + stacked)
+
+    class Cache:
+        def token_counts(self, ids):
+            return [4 for _ in ids]
+
+    class Seq:
+        prompt_ids = [1, 2, 3]
+
+    class Samples:
+        rows, positions = [0], [3]
+
+        def __len__(self):
+            return 1
+
+    def forwards(packed: bool, updates: list[bool]) -> list[bool]:
+        """Per forward, whether a repack ran before it (``weights_updated()`` where ``updates`` says)."""
+        works = []
+        actor = TwinActor(shape, cost, Cache(), lambda: {1: Seq()}, lambda seq: 99, works.append,
+                          captured=False, threads=lambda: 1, packed=packed)  # fmt: skip
+        seen = []
+        for update in updates:
+            if update:
+                actor.weights_updated()
+            before = len(works)
+            actor.forward([SeqChunk(1, [5], [3])], Samples())
+            seen.append(len(works) - before == 2 and works[before] == cost.repack(shape))
+        return seen
+
+    assert forwards(True, [False, False, True, False, True]) == [True, False, True, False, True]
+    assert forwards(False, [False, True, False]) == [False, False, False]
