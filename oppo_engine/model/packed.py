@@ -64,8 +64,9 @@ class _Entry:
         self.forward = None
 
 
-# Attribute names of sibling projections that a fused forward calls on one input (model/fused.py).
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Attribute names of sibling projections that a fused forward calls on one input (model/fused.py), with the
+# name of the predicate in model/fused.py that says whether a module's fused forward is that one.
+GROUPS = ((("q_proj", "k_proj", "v_proj"), "is_llama_attention"), (("gate_proj", "up_proj"), "is_llama_mlp"))
 # Rows of the probes on which a group's stacked product is checked against its members' own (besides the
 # pack's batch hint): one decode row, and a prefill chunk's many.
 PROBE_ROWS = (1, 64)
@@ -101,12 +102,14 @@ class PackedLinears:
     def __init__(self, model: nn.Module, batch_hint: int) -> None:
         self.batch_hint = max(1, int(batch_hint))
         self._entries = [_Entry(m) for m in model.modules() if type(m) is nn.Linear]
+        from oppo_engine.model import fused  # noqa: PLC0415  (fused imports this module)
+
         by_module = {id(e.module): e for e in self._entries}
         self._groups: dict[tuple[int, ...], _Group] = {}
-        for m in model.modules():
-            for names in GROUPS:
+        for m in model.modules():  # only the groups a fused forward calls ``grouped`` for: nothing held idle
+            for names, form in GROUPS:
                 members = [getattr(m, name, None) for name in names]
-                if all(id(x) in by_module for x in members):
+                if all(id(x) in by_module for x in members) and getattr(fused, form)(m):
                     self._groups[tuple(map(id, members))] = _Group([by_module[id(x)] for x in members])
         self._lock = threading.Lock()
         self._thread = 0  # the thread of the forward holding the packs (a packed forward checks it)
@@ -119,6 +122,12 @@ class PackedLinears:
         """Bytes held by the packed copies now."""
         packs = [e.packed for e in self._entries] + [g.packed for g in self._groups.values()]
         return sum(p.numel() * p.element_size() for p in packs if p is not None)
+
+    @property
+    def held(self) -> int:
+        """How many packed tensors are held now (the modules' and the groups' stacked ones)."""
+        packs = [e.packed for e in self._entries] + [g.packed for g in self._groups.values()]
+        return sum(p is not None for p in packs)
 
     def drop(self) -> None:
         """Free every pack; the next forward packs again from the weights as they are then."""

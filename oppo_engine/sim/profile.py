@@ -63,10 +63,11 @@ class ThreadCosts:
     the engine's actor multiplies by them on the CPU (``EngineConfig.packed_weights``,
     ``oppo_engine/model/packed.py``; ``F.linear`` repacks the weights at every call); empty where the
     calibration did not pack (a GPU, a dtype oneDNN cannot pack here, a profile older than version 3):
-    packed projections are then priced by the unpacked tables. ``repack_byte_s``: seconds per byte of the
-    actor's packed weights to pack them again (after every weight update: ``update_policy()`` drops the
-    packs, the next forward makes them), timed on the actor; 0 where the calibration did not pack (a profile
-    written before it was timed prices no repacking)."""
+    packed projections are then priced by the unpacked tables. ``repack_s`` and ``repack_byte_s``: seconds per
+    packed tensor and per byte of them to pack the actor's weights again (after every weight update:
+    ``update_policy()`` drops the packs, the next forward makes them), fitted to the actor's own repacking and
+    its shrunk copies'; 0 where the calibration did not pack (a profile written before it was timed prices
+    no repacking)."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -83,6 +84,7 @@ class ThreadCosts:
     gemm_packed: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     streaming_packed: list[tuple[float, int, float]] = field(default_factory=list)
     repack_byte_s: float = 0.0
+    repack_s: float = 0.0
 
     @property
     def packed(self) -> bool:
@@ -310,8 +312,10 @@ class Calibrated:
         return self.host.per_forward_s + self.host.per_row_s * rows
 
     def repack_s(self, shape: ModelShape, threads: int = 1) -> float:
-        """Packing ``shape``'s actor weights again after a weight update (``ThreadCosts.repack_byte_s``)."""
-        return self.profile.costs_at(threads).repack_byte_s * shape.packed_bytes()
+        """Packing ``shape``'s actor weights again after a weight update (``ThreadCosts.repack_s`` per packed
+        tensor, ``repack_byte_s`` per byte)."""
+        c = self.profile.costs_at(threads)
+        return c.repack_s * shape.packs() + c.repack_byte_s * shape.packed_bytes()
 
     def training_s(self, flops: float) -> float:
         return flops / self.profile.training_flops

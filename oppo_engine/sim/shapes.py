@@ -115,6 +115,11 @@ class ModelShape:
         k, n = self.head_gemm()
         return (self.layers * (alone + stacked) + k * n) * self.dtype_bytes
 
+    def packs(self) -> int:
+        """How many packed tensors the engine's packed actor holds (``model/packed.py``): one per projection
+        (the LM head's included) and one per grouped product (gate and up; q, k and v where ``fused_qkv``)."""
+        return self.layers * (len(self.layer_gemms()) + 1 + self.fused_qkv) + 1
+
     def head_gemm(self) -> tuple[int, int]:
         """(K, N) of the head's projection."""
         return (self.hidden, self.vocab if self.head == "lm" else 1)

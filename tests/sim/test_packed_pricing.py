@@ -156,13 +156,11 @@ def test_the_actors_packs_are_priced_again_after_every_weight_update():
     from oppo_engine.sim.cost import Work
     from oppo_engine.sim.models import TwinActor
 
-    costs = dataclasses.replace(PACKED, repack_byte_s=2e-10)
+    costs = dataclasses.replace(PACKED, repack_s=3e-5, repack_byte_s=2e-10)
     cost = CostModel(Calibrated(_profile(costs)))
     shape = model_shape("small", dtype_bytes=4)
-    assert cost.repack(shape) == Work(0.0, 0.0, ((0.0, 2e-10 * shape.packed_bytes()),), 1)
-    linears = sum(k * n for k, n in shape.layer_gemms()) * shape.layers + shape.hidden * shape.vocab
-    stacked = shape.layers * shape.hidden * 2 * shape.intermediate  # gate and up (Qwen2: no fused q, k, v)
-    assert shape.packed_bytes() == 4 * (linears + stacked)
+    repack = 3e-5 * shape.packs() + 2e-10 * shape.packed_bytes()
+    assert cost.repack(shape) == Work(0.0, 0.0, ((0.0, repack),), 1)
 
     class Cache:
         def token_counts(self, ids):
@@ -193,3 +191,24 @@ def test_the_actors_packs_are_priced_again_after_every_weight_update():
 
     assert forwards(True, [False, False, True, False, True]) == [True, False, True, False, True]
     assert forwards(False, [False, True, False]) == [False, False, False]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_twins_packs_are_the_engines(family):
+    """``ModelShape.packs`` and ``packed_bytes`` (what the repacking is priced by) count what the engine's
+    ``PackedLinears`` holds after a forward: every projection's pack and the grouped products' stacked
+    copies (gate and up; q, k and v in Llama, whose attention the engine fuses)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from oppo_engine.model.packed import PackedLinears
+
+    dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**dims)
+    packs = PackedLinears(AutoModelForCausalLM.from_config(config).eval(), 4)
+    with torch.inference_mode(), packs.applied():
+        pass
+    shape = model_shape(config, dtype_bytes=4)
+    assert packs.ungrouped == 0 and (packs.held, packs.nbytes) == (shape.packs(), shape.packed_bytes())
+    assert shape.packs() == 3 * (7 + (2 if family == "llama" else 1)) + 1
