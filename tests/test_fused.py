@@ -258,3 +258,23 @@ def test_only_llamas_own_attention_is_fused():
     for name in ("qwen2", "mistral", "qwen3", "gemma", "phi3", "granite", "olmo2"):
         if name in FAMILIES:
             assert not fused.FusedModules(build_actor(name)).attentions, name
+
+
+def test_a_modules_own_instance_forward_is_kept_and_runs():
+    """A module that already has a forward on the instance (a wrapper's, accelerate's hooks) keeps it
+    inside ``applied()`` and after: the fused forward is not installed over it."""
+    model = build_actor("llama", dtype=torch.float32)
+    mlp = model.model.layers[0].mlp
+    calls = []
+
+    def own(x):
+        calls.append(1)
+        return type(mlp).forward(mlp, x)
+
+    mlp.forward = own
+    mods = fused.FusedModules(model)
+    assert mlp in mods.mlps
+    with mods.applied():
+        assert mlp.__dict__["forward"] is own
+        mlp(torch.randn(1, 3, model.config.hidden_size))
+    assert calls == [1] and mlp.__dict__["forward"] is own

@@ -241,11 +241,11 @@ def test_a_forward_already_set_on_the_instance_is_left_in_place_and_runs():
 # -- grouped products: q, k, v (Llama's fused attention) and gate, up (Llama-form MLPs) as one product each --
 
 
-def llama_actor(dtype: torch.dtype, bias: bool) -> torch.nn.Module:
+def llama_actor(dtype: torch.dtype, bias: bool, intermediate: int = 96) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       attention_bias=bias, mlp_bias=bias, eos_token_id=3, pad_token_id=0)  # fmt: skip
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
@@ -268,17 +268,18 @@ def grouped_rollouts(actor, grouping: bool, temperature: float) -> tuple[list, p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("bias", [False, True])
-def test_grouped_products_are_the_members_own_to_the_bit(dtype, bias, monkeypatch):
-    """A Llama (fused attention and MLPs; with and without biases): greedy and sampled rollouts with the
-    grouped products are those without, to the bit, and the groups did serve (q, k, v and gate, up of
-    every layer)."""
+@pytest.mark.parametrize(("bias", "intermediate"), [(False, 96), (True, 96), (False, 100)])
+def test_grouped_products_are_the_members_own_to_the_bit(dtype, bias, intermediate, monkeypatch):
+    """A Llama (fused attention and MLPs; with and without biases; an intermediate size that is no multiple
+    of a vector, where SiLU over a strided view rounded a row's tail otherwise): greedy and sampled rollouts
+    with the grouped products are those without, to the bit, and the groups did serve (q, k, v and gate, up
+    of every layer)."""
     served = []
     real = packed.PackedLinears.grouped
     monkeypatch.setattr(
         packed.PackedLinears, "grouped", lambda self, m, x: served.append(len(m)) or real(self, m, x)
     )
-    actor = llama_actor(dtype, bias)
+    actor = llama_actor(dtype, bias, intermediate)
     for temperature in (0.0, 1.0):
         with_groups, packs, stacked = grouped_rollouts(actor, True, temperature)
         assert packs.ungrouped == 0 and {3, 2} <= set(served)
@@ -351,3 +352,44 @@ def test_a_groups_probe_runs_once_per_shape_not_at_every_repacking(monkeypatch):
         assert outputs(again) != outputs(first)  # the new weights, grouped
     finally:
         engine.close()
+
+
+def test_a_hooked_member_runs_alone_and_its_hook_runs():
+    """``grouped`` calls no member's ``__call__``: a member with a forward hook (or any global module hook)
+    is served alone, through its own call, so the hook runs; without hooks the group serves."""
+    from oppo_engine.model import fused
+
+    actor = llama_actor(torch.float32, False)
+    mlp = actor.model.layers[0].mlp
+    packs, mods = packed.PackedLinears(actor, 4), fused.FusedModules(actor)
+    x = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        want = mlp(x)
+        handle = mlp.up_proj.register_forward_hook(lambda module, args, out: out * 2)
+        hooked = mlp(x)
+        with packs.applied(), mods.applied():
+            assert packed.grouped((mlp.gate_proj, mlp.up_proj), x) is None
+            assert torch.equal(mlp(x), hooked)
+        handle.remove()
+        with packs.applied(), mods.applied():
+            assert packed.grouped((mlp.gate_proj, mlp.up_proj), x) is not None
+            assert torch.equal(mlp(x), want)
+        global_hook = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+        with global_hook, packs.applied():
+            assert packed.grouped((mlp.gate_proj, mlp.up_proj), x) is None
+
+
+def test_a_raised_batch_hint_repacks_everything_at_it():
+    """Every pack and group of a model is made at one batch hint: raised (a larger engine of the same
+    actor), the next forward packs everything again at it, so a group's verdict is for its members' layout."""
+    actor = llama_actor(torch.float32, False)
+    packs = packed.PackedLinears(actor, 4)
+    with torch.inference_mode(), packs.applied():
+        pass
+    first, held = packs.repacks, packs.held
+    assert packed.for_model(actor, 4) is not packs  # for_model keeps its own; raise this one's by hand
+    packs.batch_hint = 16
+    with torch.inference_mode(), packs.applied():
+        pass
+    assert packs.repacks == 2 * first and packs.held == held
+    assert all(g.packed is not None for g in packs._groups.values())

@@ -222,6 +222,7 @@ class FusedModules:
         self._installs += [(m, _fused_mlp_forward(self, m)) for m in self.mlps]
         self._lock = threading.Lock()
         self._threads: Counter[int] = Counter()  # threads inside applied(), with their depth
+        self._installed: list = []  # what applied() installed: (module, forward), where it had no own forward
 
     def active(self) -> bool:
         """Whether this thread is inside ``applied()``."""
@@ -233,8 +234,9 @@ class FusedModules:
         several threads may be inside at once (the modules are restored when the last one leaves)."""
         me = threading.get_ident()
         with self._lock:
-            if not self._threads:
-                for m, fwd in self._installs:
+            if not self._threads:  # a module with its own instance forward (a wrapper's) keeps it
+                self._installed = [(m, fwd) for m, fwd in self._installs if "forward" not in m.__dict__]
+                for m, fwd in self._installed:
                     m.__dict__["forward"] = fwd
             self._threads[me] += 1
         try:
@@ -244,9 +246,10 @@ class FusedModules:
                 self._threads[me] -= 1
                 if self._threads[me] == 0:
                     del self._threads[me]
-                if not self._threads:
-                    for m, _ in self._installs:
-                        m.__dict__.pop("forward", None)
+                if not self._threads:  # only what was installed here: anything set meanwhile stays
+                    for m, fwd in self._installed:
+                        if m.__dict__.get("forward") is fwd:
+                            del m.__dict__["forward"]
 
 
 def _fused_norm_forward(fused: FusedModules, module: nn.Module):
@@ -337,7 +340,9 @@ def _fused_mlp_forward(fused: FusedModules, module: nn.Module):
             gate_up = packed.grouped((module.gate_proj, module.up_proj), x)
         if gate_up is None:
             return own(module, x)
-        gate, up = gate_up
+        # Contiguous, as the members' own products are: an elementwise op over a view whose rows are strided
+        # takes each row's tail through its scalar path, which rounds otherwise (SiLU's exp).
+        gate, up = (t.contiguous() for t in gate_up)
         return module.down_proj(module.act_fn(gate) * up)
 
     return forward
@@ -354,3 +359,12 @@ def for_model(model: nn.Module) -> FusedModules:
         if fused is None:
             fused = _by_model[model] = FusedModules(model)
         return fused
+
+
+# The sibling projections the fused forwards above call through ``packed.grouped``, by parent module.
+packed.GROUPS.extend(
+    [
+        (("q_proj", "k_proj", "v_proj"), is_llama_attention),
+        (("gate_proj", "up_proj"), is_llama_mlp),
+    ]
+)

@@ -17,13 +17,14 @@ that the packs follow the weights.
 ``k_proj`` and ``v_proj``; a Llama-form MLP's ``gate_proj`` and ``up_proj``) are also packed as one stacked
 weight, and the fused forwards of ``model/fused.py``, which call them on one input, run one product in place
 of two or three (``grouped``) and split its columns: on SmolLM2-135M's layers' bare products at M=16,
-1.18x less time in bf16 and 1.09x in fp32, 1.01-1.04x from 128 rows up; in the engine's decode step 1-8%,
-within the measuring machine's spread (docs/benchmarks.md, "Grouped products"). A group is used only where
-its product equals its members' own packed products bit for bit, checked on probes (once per process for
-each dtype, shape, batch hint and thread count: oneDNN sums an output column over K alike whatever N is;
-where it does not, ``grouped`` declines and ``PackedLinears.ungrouped`` counts it), so the engine's numbers
-are those of the members alone. The members keep their own packs (for any other caller): a group's stacked
-copy is memory on top.
+1.18x less time in bf16 and 1.09x in fp32, 1.01-1.04x from 128 rows up; in the engine's decode step
+0.96-1.08x, within the measuring machine's spread (docs/benchmarks.md, "Grouped products"). A group is used
+only where its product equals its members' own packed products bit for bit, checked on probes of
+``PROBE_ROWS`` rows (once per process for each dtype, shape, bias, batch hint and thread count: measured,
+oneDNN sums an output column over K alike whatever N is at these sizes; where it does not, the group is
+declined and ``PackedLinears.ungrouped`` counts it), so the engine's numbers are those of the members alone;
+a member with forward hooks (or global module hooks) runs alone, so its hooks run. The members keep their
+own packs (for any other caller): a group's stacked copy is memory on top, held only while grouping serves.
 
 The packed copies live beside the model's weights (one more copy of every ``nn.Linear`` weight: the
 actor's only) and are swapped in for the duration of the runner's forward: each module's ``forward`` is
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -64,12 +65,13 @@ class _Entry:
         self.forward = None
 
 
-# Attribute names of sibling projections that a fused forward calls on one input (model/fused.py), with the
-# name of the predicate in model/fused.py that says whether a module's fused forward is that one.
-GROUPS = ((("q_proj", "k_proj", "v_proj"), "is_llama_attention"), (("gate_proj", "up_proj"), "is_llama_mlp"))
+# Attribute names of sibling projections that a fused forward calls on one input through ``grouped``, each
+# with the predicate on their parent module that says its fused forward is that one: registered by
+# model/fused.py, which owns those forwards (this module does not import it).
+GROUPS: list[tuple[tuple[str, ...], Callable[[nn.Module], bool]]] = []
 # Rows of the probes on which a group's stacked product is checked against its members' own (besides the
-# pack's batch hint): one decode row, and a prefill chunk's many.
-PROBE_ROWS = (1, 64)
+# pack's batch hint): decode batches and prefill chunks, even and odd.
+PROBE_ROWS = (1, 3, 8, 17, 64, 100, 256, 1000)
 
 
 class _Group:
@@ -102,18 +104,17 @@ class PackedLinears:
     def __init__(self, model: nn.Module, batch_hint: int) -> None:
         self.batch_hint = max(1, int(batch_hint))
         self._entries = [_Entry(m) for m in model.modules() if type(m) is nn.Linear]
-        from oppo_engine.model import fused  # noqa: PLC0415  (fused imports this module)
-
         by_module = {id(e.module): e for e in self._entries}
         self._groups: dict[tuple[int, ...], _Group] = {}
         for m in model.modules():  # only the groups a fused forward calls ``grouped`` for: nothing held idle
             for names, form in GROUPS:
                 members = [getattr(m, name, None) for name in names]
-                if all(id(x) in by_module for x in members) and getattr(fused, form)(m):
+                if all(id(x) in by_module for x in members) and form(m):
                     self._groups[tuple(map(id, members))] = _Group([by_module[id(x)] for x in members])
         self._lock = threading.Lock()
         self._thread = 0  # the thread of the forward holding the packs (a packed forward checks it)
         self.repacks = 0  # modules packed so far (the first packing included)
+        self._made_hint = self.batch_hint  # the batch hint the packs held were made with
         self.grouping = True  # whether ``grouped`` serves groups (off: every member alone; for comparisons)
         self.ungrouped = 0  # group packings whose stacked product was not bitwise the members' (declined)
 
@@ -144,6 +145,12 @@ class PackedLinears:
         whose answer depends on a weight's dtype, device, rank and layout and on global settings (fp32
         matmul precision), is made once per distinct (dtype, device, rank, layout) per forward, not once
         per module."""
+        if self._made_hint != self.batch_hint:  # every pack (and group verdict) at one batch hint
+            for e in self._entries:
+                e.weight, e.version, e.packed, e.forward = None, -1, None, None
+            for g in self._groups.values():
+                g.made_from, g.packed = None, None
+            self._made_hint = self.batch_hint
         out = []
         supported: dict[tuple, bool] = {}
         for e in self._entries:
@@ -180,14 +187,19 @@ class PackedLinears:
             and (all(b is None for b in biases) or all(b is not None for b in biases))
         )
         if not g.live:
+            g.made_from, g.packed = None, None  # nothing held that no forward uses
             return
         made_from = tuple((e.weight, e.version) for e in members)
         if g.made_from is not None and all(
             a is b and u == v for (a, u), (b, v) in zip(g.made_from, made_from, strict=True)
         ):
             return
+        g.made_from, g.packed = made_from, None
+        if _verdicts.get(_verdict_key(g, biases, self.batch_hint)) is False:  # declined before: not packed
+            self.ungrouped += 1
+            return
         stacked = torch.cat([e.weight.detach() for e in members])
-        g.packed, g.made_from = ops.pack_linear_weight(stacked, self.batch_hint), made_from
+        g.packed = ops.pack_linear_weight(stacked, self.batch_hint)
         if not _bitwise_grouped(g, biases, self.batch_hint):
             g.packed = None
             self.ungrouped += 1
@@ -199,6 +211,8 @@ class PackedLinears:
         forward, the check failed, grouping off, another thread)."""
         g = self._groups.get(tuple(map(id, modules)))
         if g is None or not g.live or g.packed is None or threading.get_ident() != self._thread:
+            return None
+        if _hooked(modules):  # the members' hooks run only through their own calls
             return None
         biases = [m.bias for m in modules]  # read at every call, as a lone module's
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
@@ -254,13 +268,27 @@ _verdicts: dict[tuple, bool] = {}
 _verdicts_lock = threading.Lock()
 
 
+def _hooked(modules) -> bool:
+    """Whether any of ``modules`` has forward hooks, or the process global module hooks (which only the
+    module's own call runs)."""
+    from torch.nn.modules import module as torch_module  # noqa: PLC0415
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _verdict_key(group: _Group, biases: list, batch_hint: int) -> tuple:
+    w = group.entries[0].weight
+    bias = biases[0] is not None
+    return (w.dtype, w.shape[1], tuple(group.widths), bias, batch_hint, torch.get_num_threads())
+
+
 def _bitwise_grouped(group: _Group, biases: list, batch_hint: int) -> bool:
     """Whether the group's stacked product equals its members' own packed products bit for bit on random
     inputs of ``PROBE_ROWS`` and ``batch_hint`` rows, with the members' biases where they have them; probed
     once per process for each dtype, input width, member widths, bias or not, batch hint and thread count."""
-    w = group.entries[0].weight
-    bias = biases[0] is not None
-    key = (w.dtype, w.shape[1], tuple(group.widths), bias, batch_hint, torch.get_num_threads())
+    key = _verdict_key(group, biases, batch_hint)
     with _verdicts_lock:
         verdict = _verdicts.get(key)
     if verdict is None:

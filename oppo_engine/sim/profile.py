@@ -24,9 +24,12 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 
 # 2: ThreadCosts.unfitted (version 1 profiles still load, with nothing unfitted). 3: the packed weights'
 # GEMMs and streaming (``ThreadCosts.gemm_packed``, ``streaming_packed``; a version 1 or 2 profile loads
-# without them, and prices the actor's packed projections as unpacked: ``Profile.from_json`` warns).
-VERSION = 3
-READS = (1, 2, VERSION)
+# without them, and prices the actor's packed projections as unpacked: ``Profile.from_json`` warns). 4: the
+# actor's repacking (``repack_s``, ``repack_byte_s``), and forwards fitted with the packed actor's grouped
+# products (``model/packed.py``); a version 3 CPU profile loads with no repacking and its fixed costs fitted
+# around ungrouped products (``Profile.from_json`` warns).
+VERSION = 4
+READS = (1, 2, 3, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -219,6 +222,14 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+        if data["version"] == 3 and profile.kind == "cpu":
+            warnings.warn(
+                f"{where}: format version 3 timed no repacking of the actor's packed weights after a weight "
+                "update and fitted its forwards around ungrouped products, so the twin prices no repacking "
+                "and the grouped products with the old fit; calibrate again (oppo-engine calibrate)",
+                UserWarning,
+                stacklevel=2,
+            )
         if data["version"] < 3 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version {data['version']} timed no packed weights, so the engine's actor "

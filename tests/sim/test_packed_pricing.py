@@ -201,6 +201,7 @@ def test_the_twins_packs_are_the_engines(family):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+    from oppo_engine.model import fused  # noqa: F401  (registers the groups its forwards call)
     from oppo_engine.model.packed import PackedLinears
 
     dims = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -97,17 +97,23 @@ def test_a_feature_no_timed_forward_had_is_marked_and_a_model_with_it_refused_na
 
 
 def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its_version(tmp_path):
-    """Profiles are format version 3 (``ThreadCosts.unfitted`` since 2, the packed tables since 3): an older
-    reader refuses them by version ("calibrate again") instead of failing on the new fields; version-1 and
-    version-2 files still load, with no packed tables, and a CPU one warns that the engine's packed actor is
-    priced unpacked."""
+    """Profiles are format version 4 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
+    repacking since 4): an older reader refuses them by version ("calibrate again") instead of failing on the
+    new fields; version-1 and version-2 files still load, with no packed tables, and a CPU one warns that
+    the engine's packed actor is priced unpacked; a version-3 CPU one loads with no repacking, and warns."""
     profile = _profile(fitted())
     data = profile.to_json()
-    assert VERSION == 3 and data["version"] == 3
-    drop = {"unfitted", "gemm_packed", "streaming_packed"}
+    assert VERSION == 4 and data["version"] == 4
+    path = tmp_path / "old.json"
+    repack = {"repack_s", "repack_byte_s"}
+    v3 = {**data, "version": 3, "threads": {t: {k: v for k, v in c.items() if k not in repack}
+                                            for t, c in data["threads"].items()}}  # fmt: skip
+    path.write_text(json.dumps(v3))
+    with pytest.warns(UserWarning, match="version 3 timed no repacking"):
+        assert Profile.load(path) == profile
+    drop = {"unfitted", "gemm_packed", "streaming_packed", *repack}
     old = {**data, "version": 1, "threads": {t: {k: v for k, v in c.items() if k not in drop}
                                              for t, c in data["threads"].items()}}  # fmt: skip
-    path = tmp_path / "old.json"
     for version in (1, 2):
         path.write_text(json.dumps({**old, "version": version}))
         with pytest.warns(UserWarning, match=f"version {version} timed no packed weights"):
