@@ -114,7 +114,6 @@ def _dense_verdict_rank(rank: int, world_size: int, modes: tuple[str, ...]) -> d
     """Rank 1's dense probe refuses the actor, rank 0's passes it (each after the probe's forwards, which
     are collective): under ``pack_attention="dense"`` the build, under ``"auto"`` the build and then the
     dense fallback once activation checkpointing is turned on, on every rank."""
-    import torch.distributed as dist
 
     from oppo_engine.ppo import trainer as trainer_module
 
@@ -126,6 +125,23 @@ def _dense_verdict_rank(rank: int, world_size: int, modes: tuple[str, ...]) -> d
             raise ValueError(LEAK)
 
     trainer_module.check_packing = check_packing
+
+    def later(trainer, models):
+        refusals = dict(trainer._dense_refusal)
+        models[0].gradient_checkpointing_enable()
+        try:
+            return ("built", refusals, ("modes", trainer._pack_attention_modes()))
+        except ValueError as e:
+            return ("built", refusals, ("refused", str(e)))
+
+    return _build_each(world_size, modes, later)
+
+
+def _build_each(world_size: int, modes: tuple[str, ...], record) -> dict:
+    """Per ``pack_attention`` of ``modes``: a sharded packed trainer built on every rank, and
+    ``record(trainer, models)`` of it (then closed), or ``("refused at build", message)``."""
+    import torch.distributed as dist
+
     out = {}
     for pack_attention in modes:
         models = _models()
@@ -138,14 +154,8 @@ def _dense_verdict_rank(rank: int, world_size: int, modes: tuple[str, ...]) -> d
         except ValueError as e:
             out[pack_attention] = ("refused at build", str(e))
             continue
-        refusals = dict(trainer._dense_refusal)
-        models[0].gradient_checkpointing_enable()
-        try:
-            later = ("modes", trainer._pack_attention_modes())
-        except ValueError as e:
-            later = ("refused", str(e))
+        out[pack_attention] = record(trainer, models)
         trainer.close()
-        out[pack_attention] = ("built", refusals, later)
     return out
 
 
@@ -179,7 +189,6 @@ def _batched_verdict_rank(rank: int, world_size: int, modes: tuple[str, ...]) ->
     """Rank 1's batched probe refuses the actor, rank 0's passes it (each after the probe's forwards):
     under ``pack_attention="batched"`` the build fails on every rank with rank 1's reason; under ``"auto"``
     every rank runs the actor's packs dense."""
-    import torch.distributed as dist
 
     from oppo_engine.ppo import trainer as trainer_module
 
@@ -191,21 +200,11 @@ def _batched_verdict_rank(rank: int, world_size: int, modes: tuple[str, ...]) ->
             raise ValueError(BATCHED_LEAK)
 
     trainer_module.check_batched_packing = check_batched_packing
-    out = {}
-    for pack_attention in modes:
-        models = _models()
-        distributed.shard_model(models[0])
-        distributed.shard_model(models[1])
-        try:
-            trainer = _trainer(
-                world_size, dist.group.WORLD, models, "sequential+20", pack_attention=pack_attention
-            )
-        except ValueError as e:
-            out[pack_attention] = ("refused at build", str(e))
-            continue
-        out[pack_attention] = ("built", dict(trainer._batched_refusal), trainer._pack_attention_modes())
-        trainer.close()
-    return out
+
+    def record(trainer, models):
+        return ("built", dict(trainer._batched_refusal), trainer._pack_attention_modes())
+
+    return _build_each(world_size, modes, record)
 
 
 def test_a_batched_refusal_on_one_rank_is_every_ranks():

@@ -138,18 +138,23 @@ _forms: dict[tuple[str, type], bool] = {}  # (form, class) -> whether the class 
 _forms_lock = threading.Lock()
 
 
-def is_llama_rms_norm(module: nn.Module) -> bool:
-    """Whether ``module`` computes the Llama-form RMSNorm: its class's forward is ``LLAMA_RMS_NORM_FORWARD``
-    verbatim, it has a 1-D ``weight`` parameter and a float ``variance_epsilon``."""
-    cls = type(module)
+def _reads_as(kind: str, cls: type, forward: str) -> bool:
+    """Whether ``cls``'s forward's source is ``forward`` verbatim (dedented), once per (kind, class)."""
     with _forms_lock:
-        form = _forms.get(("norm", cls))
+        form = _forms.get((kind, cls))
         if form is None:
             try:
                 source = textwrap.dedent(inspect.getsource(cls.forward))
             except (OSError, TypeError):
                 source = ""
-            form = _forms["norm", cls] = source == LLAMA_RMS_NORM_FORWARD
+            form = _forms[kind, cls] = source == forward
+    return form
+
+
+def is_llama_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` computes the Llama-form RMSNorm: its class's forward is ``LLAMA_RMS_NORM_FORWARD``
+    verbatim, it has a 1-D ``weight`` parameter and a float ``variance_epsilon``."""
+    form = _reads_as("norm", type(module), LLAMA_RMS_NORM_FORWARD)
     weight = getattr(module, "weight", None)
     return (
         form
@@ -181,15 +186,7 @@ def is_llama_attention(module: nn.Module) -> bool:
 def is_llama_mlp(module: nn.Module) -> bool:
     """Whether ``module``'s class's forward is ``LLAMA_MLP_FORWARD`` verbatim, with its three projections
     and a callable ``act_fn``."""
-    cls = type(module)
-    with _forms_lock:
-        form = _forms.get(("mlp", cls))
-        if form is None:
-            try:
-                source = textwrap.dedent(inspect.getsource(cls.forward))
-            except (OSError, TypeError):
-                source = ""
-            form = _forms["mlp", cls] = source == LLAMA_MLP_FORWARD
+    form = _reads_as("mlp", type(module), LLAMA_MLP_FORWARD)
     return (
         form
         and all(isinstance(getattr(module, n, None), nn.Module) for n in _MLP_PROJECTIONS)
