@@ -47,6 +47,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from oppo_engine import ops
 
@@ -121,22 +122,28 @@ class PackedLinears:
     @property
     def nbytes(self) -> int:
         """Bytes held by the packed copies now."""
-        packs = [e.packed for e in self._entries] + [g.packed for g in self._groups.values()]
-        return sum(p.numel() * p.element_size() for p in packs if p is not None)
+        return sum(p.numel() * p.element_size() for p in self._held())
 
     @property
     def held(self) -> int:
         """How many packed tensors are held now (the modules' and the groups' stacked ones)."""
+        return len(self._held())
+
+    def _held(self) -> list[torch.Tensor]:
         packs = [e.packed for e in self._entries] + [g.packed for g in self._groups.values()]
-        return sum(p is not None for p in packs)
+        return [p for p in packs if p is not None]
 
     def drop(self) -> None:
         """Free every pack; the next forward packs again from the weights as they are then."""
         with self._lock:
-            for e in self._entries:
-                e.weight, e.version, e.packed, e.forward = None, -1, None, None
-            for g in self._groups.values():
-                g.made_from, g.packed, g.live = None, None, False
+            self._clear()
+
+    def _clear(self) -> None:
+        # The caller holds the lock.
+        for e in self._entries:
+            e.weight, e.version, e.packed, e.forward = None, -1, None, None
+        for g in self._groups.values():
+            g.made_from, g.packed, g.live = None, None, False
 
     def _refresh(self) -> list[_Entry]:
         """The entries to use in this forward, packing what is missing or stale.
@@ -146,10 +153,7 @@ class PackedLinears:
         matmul precision), is made once per distinct (dtype, device, rank, layout) per forward, not once
         per module."""
         if self._made_hint != self.batch_hint:  # every pack (and group verdict) at one batch hint
-            for e in self._entries:
-                e.weight, e.version, e.packed, e.forward = None, -1, None, None
-            for g in self._groups.values():
-                g.made_from, g.packed = None, None
+            self._clear()
             self._made_hint = self.batch_hint
         out = []
         supported: dict[tuple, bool] = {}
@@ -271,8 +275,6 @@ _verdicts_lock = threading.Lock()
 def _hooked(modules) -> bool:
     """Whether any of ``modules`` has forward hooks, or the process global module hooks (which only the
     module's own call runs)."""
-    from torch.nn.modules import module as torch_module  # noqa: PLC0415
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
