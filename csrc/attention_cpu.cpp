@@ -26,6 +26,7 @@ namespace {
 constexpr int64_t kKeyTile = 32;      // keys per tile: its scores, K and V stay in L1 up to D = 128
 constexpr int64_t kRowsPerItem = 64;  // query rows (tokens x group heads) per work item
 constexpr int64_t kDotRows = 8;       // up to this many rows, scores are dot products off the key rows
+constexpr int64_t kPrefetchKeys = 8;  // a decode asks for a key's page row this many keys before its scores
 // Below this many multiply-adds a call stays on the calling thread: waking the pool would cost more.
 constexpr int64_t kSerialWork = 1 << 15;
 
@@ -146,6 +147,48 @@ inline __attribute__((always_inline)) void pv_block(float* a0, float* a1, const 
   }
 }
 
+// The online-softmax update of one key tile, a row at a time in whole vectors: s holds each row's scores on
+// entry and its probabilities on return. The scores outside the row's visible keys (not computed, or
+// masked) are set to -inf, whose exp is zero, so P @ V can run over the whole tile; padding rows get zero
+// probabilities. (Scalar stores set them: GCC turns a select between vectors on a lane-index mask into a
+// branch per lane.) Inlined into each ISA clone that calls it.
+inline __attribute__((always_inline)) void softmax_tile(const int64_t* jlo, const int64_t* jhi, int64_t rows,
+                                                        int64_t rows_pad, int64_t dim_pad, float softcap,
+                                                        float* __restrict s, float* __restrict m,
+                                                        float* __restrict l, float* __restrict acc) {
+  static_assert(kKeyTile == 2 * kLanes, "a tile's scores are two vectors");
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    float* sr = s + r * kKeyTile;
+    const int64_t lo = r < rows ? jlo[r] : 0, hi = r < rows ? jhi[r] : 0;
+    if (lo >= hi) {  // no visible key (before the row's window or past its position), or a padding row
+      store(sr, vf{});
+      store(sr + kLanes, vf{});
+      continue;
+    }
+    if (softcap > 0.0f) {
+      store(sr, softcap * tanh_vec(load(sr)));
+      store(sr + kLanes, softcap * tanh_vec(load(sr + kLanes)));
+    }
+    for (int64_t j = 0; j < lo; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+    for (int64_t j = hi; j < kKeyTile; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+    const vf x0 = load(sr), x1 = load(sr + kLanes);
+    // A NaN score makes the row's output NaN, through the max or else through the sum.
+    const float m_old = m[r], m_new = std::max(m_old, hmax(x0 > x1 ? x0 : x1));
+    const vf p0 = exp_nonpositive(x0 - m_new), p1 = exp_nonpositive(x1 - m_new);
+    store(sr, p0);
+    store(sr + kLanes, p1);
+    const vf sum = p0 + p1;
+    if (m_old != m_new) {  // the first tile of a row, or a new max: rescale what came before
+      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(m_old - m_new);
+      l[r] *= alpha;
+      float* ar = acc + r * dim_pad;
+      for (int64_t c = 0; c < dim_pad; c += kLanes) store(ar + c, alpha * load(ar + c));
+    }
+    l[r] += hsum(sum);
+    m[r] = m_new;
+  }
+}
+
 // One key tile for every row of a work item: scores, softcap, online-softmax update, P @ V.
 // Row buffers are padded: R_pad = R rounded up to kScoreRows, D_pad = D rounded up to 16, padding zero.
 OPPO_ISA_CLONES
@@ -208,41 +251,8 @@ void attend_tile(const float* __restrict q,   // [R_pad, D_pad] query rows, pre-
     }
   }
 
-  // Online softmax over the tile, a row at a time in whole vectors. The scores outside the row's visible
-  // keys (not computed, or masked) are set to -inf, whose exp is zero, so P @ V can run over the whole
-  // tile; padding rows get zero probabilities. (Scalar stores set them: GCC turns a select between
-  // vectors on a lane-index mask into a branch per lane.)
-  static_assert(kKeyTile == 2 * kLanes, "a tile's scores are two vectors");
-  for (int64_t r = 0; r < rows_pad; ++r) {
-    float* sr = s + r * kKeyTile;
-    const int64_t lo = r < rows ? jlo[r] : 0, hi = r < rows ? jhi[r] : 0;
-    if (lo >= hi) {  // no visible key (before the row's window or past its position), or a padding row
-      store(sr, vf{});
-      store(sr + kLanes, vf{});
-      continue;
-    }
-    if (softcap > 0.0f) {
-      store(sr, softcap * tanh_vec(load(sr)));
-      store(sr + kLanes, softcap * tanh_vec(load(sr + kLanes)));
-    }
-    for (int64_t j = 0; j < lo; ++j) sr[j] = -std::numeric_limits<float>::infinity();
-    for (int64_t j = hi; j < kKeyTile; ++j) sr[j] = -std::numeric_limits<float>::infinity();
-    const vf x0 = load(sr), x1 = load(sr + kLanes);
-    // A NaN score makes the row's output NaN, through the max or else through the sum.
-    const float m_old = m[r], m_new = std::max(m_old, hmax(x0 > x1 ? x0 : x1));
-    const vf p0 = exp_nonpositive(x0 - m_new), p1 = exp_nonpositive(x1 - m_new);
-    store(sr, p0);
-    store(sr + kLanes, p1);
-    const vf sum = p0 + p1;
-    if (m_old != m_new) {  // the first tile of a row, or a new max: rescale what came before
-      const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : exp_nonpositive(m_old - m_new);
-      l[r] *= alpha;
-      float* ar = acc + r * dim_pad;
-      for (int64_t c = 0; c < dim_pad; c += kLanes) store(ar + c, alpha * load(ar + c));
-    }
-    l[r] += hsum(sum);
-    m[r] = m_new;
-  }
+  // Online softmax over the tile, then P @ V.
+  softmax_tile(jlo, jhi, rows, rows_pad, dim_pad, softcap, s, m, l, acc);
 
   // P @ V two rows at a time, in chunks of up to four vectors of head_dim held in registers.
   for (int64_t r0 = 0; r0 < rows; r0 += 2) {
@@ -306,6 +316,185 @@ void widen_bf16_tile(const uint16_t* const* k_src,  // [kKeyTile] -> [D] each ke
   }
 }
 
+// -- one query token of a sequence (decode) -------------------------------------------------------------------
+// A single-token item covers the KV heads [kv_head, kv_head + heads) of its sequence, all of them unless the
+// batch has fewer such sequences than threads: row r is query head kv_head * G + r. A key's page row holds
+// every head (Hkv x D contiguous), so the scores walk the tile's keys in order and, for each key, the
+// item's heads: the page is read front to back. The G rows of a head are served by one load of
+// each key and value vector (up to four rows at a time, in registers), straight from the page: a bf16 row is
+// widened as it is loaded, not copied into scratch. Each (row, key) score and each row's P @ V run the same
+// arithmetic in the same order as attend_tile's dot-product path, and bf16 reads the values fp32 reads.
+inline __attribute__((always_inline)) vf load_row(const float* p) { return load(p); }
+inline __attribute__((always_inline)) vf load_row(const uint16_t* p) { return widen(p); }
+
+// Scores of NR rows (q, s at the block's first row) against the four keys k0..k3, into columns j..j+3.
+template <int NR, typename Src>
+inline __attribute__((always_inline)) void score_four(const float* __restrict q, int64_t dim_pad, const Src* k0,
+                                                      const Src* k1, const Src* k2, const Src* k3, int64_t j,
+                                                      float* __restrict s) {
+  vf x[NR][4] = {};
+  for (int64_t c = 0; c < dim_pad; c += kLanes) {
+    const vf y0 = load_row(k0 + c), y1 = load_row(k1 + c), y2 = load_row(k2 + c), y3 = load_row(k3 + c);
+    for (int i = 0; i < NR; ++i) {
+      const vf qc = load(q + i * dim_pad + c);
+      x[i][0] += qc * y0;
+      x[i][1] += qc * y1;
+      x[i][2] += qc * y2;
+      x[i][3] += qc * y3;
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    const vf4 four = hsum4(x[i][0], x[i][1], x[i][2], x[i][3]);
+    for (int t = 0; t < 4; ++t) s[i * kKeyTile + j + t] = four[t];
+  }
+}
+
+template <int NR, typename Src>
+inline __attribute__((always_inline)) void score_one(const float* __restrict q, int64_t dim_pad, const Src* k,
+                                                     int64_t j, float* __restrict s) {
+  vf x[NR] = {};
+  for (int64_t c = 0; c < dim_pad; c += kLanes) {
+    const vf y = load_row(k + c);
+    for (int i = 0; i < NR; ++i) x[i] += load(q + i * dim_pad + c) * y;
+  }
+  for (int i = 0; i < NR; ++i) s[i * kKeyTile + j] = hsum(x[i]);
+}
+
+// acc[NR rows][c0 .. c0 + NV * 16) += sum_j p[row][j] * v_rows[j][off + c0 ..]: each value vector loaded once
+// for the NR rows.
+template <int NR, int NV, typename Src>
+inline __attribute__((always_inline)) void pv_rows(float* __restrict acc, int64_t dim_pad, const float* __restrict p,
+                                                   const Src* const* v_rows, int64_t off, int64_t nk) {
+  vf x[NR][NV];
+  for (int r = 0; r < NR; ++r) {
+    for (int i = 0; i < NV; ++i) x[r][i] = load(acc + r * dim_pad + i * kLanes);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const Src* vj = v_rows[j] + off;
+    vf v[NV];
+    for (int i = 0; i < NV; ++i) v[i] = load_row(vj + i * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const float pr = p[r * kKeyTile + j];
+      for (int i = 0; i < NV; ++i) x[r][i] += pr * v[i];
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int i = 0; i < NV; ++i) store(acc + r * dim_pad + i * kLanes, x[r][i]);
+  }
+}
+
+template <int NR, typename Src>
+inline __attribute__((always_inline)) void pv_rows_all(float* acc, int64_t dim_pad, const float* p,
+                                                       const Src* const* v_rows, int64_t off, int64_t nk) {
+  for (int64_t c0 = 0; c0 < dim_pad; c0 += 4 * kLanes) {
+    switch (std::min<int64_t>(4, (dim_pad - c0) / kLanes)) {
+      case 4:
+        pv_rows<NR, 4>(acc + c0, dim_pad, p, v_rows, off + c0, nk);
+        break;
+      case 3:
+        pv_rows<NR, 3>(acc + c0, dim_pad, p, v_rows, off + c0, nk);
+        break;
+      case 2:
+        pv_rows<NR, 2>(acc + c0, dim_pad, p, v_rows, off + c0, nk);
+        break;
+      default:
+        pv_rows<NR, 1>(acc + c0, dim_pad, p, v_rows, off + c0, nk);
+        break;
+    }
+  }
+}
+
+// CALL(NR) for NR = min(4, n): a block of up to four rows, held in registers.
+#define OPPO_ROW_BLOCK(n, CALL)   \
+  switch (std::min<int64_t>(4, n)) { \
+    case 4:                       \
+      CALL(4);                    \
+      break;                      \
+    case 3:                       \
+      CALL(3);                    \
+      break;                      \
+    case 2:                       \
+      CALL(2);                    \
+      break;                      \
+    default:                      \
+      CALL(1);                    \
+      break;                      \
+  }
+
+// One key tile of a single-token item: its heads x group rows all see keys [lo, hi) of the tile. head_dim
+// fills whole vectors (dim_pad == head_dim), so the page rows are read in place; head h's K and V start
+// h * head_stride elements into each page row.
+template <typename Src>
+inline __attribute__((always_inline)) void attend_one_token_body(const float* q, const Src* const* k_rows,
+                                                                 const Src* const* v_rows, int64_t num_keys,
+                                                                 int64_t ahead, int64_t heads, int64_t head_stride,
+                                                                 int64_t group, const int64_t* jlo, const int64_t* jhi,
+                                                                 int64_t dim_pad, float softcap, float* s, float* m,
+                                                                 float* l, float* acc) {
+  const int64_t lo = jlo[0], hi = jhi[0], rows = heads * group;
+  // Bytes of a key's page row that the heads read (the rows of all heads are contiguous in a page).
+  const int64_t row_bytes = ((heads - 1) * head_stride + dim_pad) * static_cast<int64_t>(sizeof(Src));
+  int64_t j = lo;
+  for (; j + 4 <= hi; j += 4) {
+    // The out-of-order window spans about one group of four keys, so the page rows are asked for ahead:
+    // the keys kPrefetchKeys on (the pointer arrays run ahead keys past this tile's start), and this
+    // group's values, which P @ V reads after the tile's scores.
+    for (int64_t t = 0; t < 4; ++t) {
+      const char* v = reinterpret_cast<const char*>(v_rows[j + t]);
+      for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(v + o, 0, 3);
+      if (j + t + kPrefetchKeys < ahead) {
+        const char* k = reinterpret_cast<const char*>(k_rows[j + t + kPrefetchKeys]);
+        for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(k + o, 0, 3);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = h * head_stride;
+      const Src *k0 = k_rows[j] + off, *k1 = k_rows[j + 1] + off, *k2 = k_rows[j + 2] + off, *k3 = k_rows[j + 3] + off;
+      for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += 4) {
+#define OPPO_SCORE_FOUR(NR) score_four<NR>(q + r0 * dim_pad, dim_pad, k0, k1, k2, k3, j, s + r0 * kKeyTile)
+        OPPO_ROW_BLOCK((h + 1) * group - r0, OPPO_SCORE_FOUR)
+#undef OPPO_SCORE_FOUR
+      }
+    }
+  }
+  for (; j < hi; ++j) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const Src* k = k_rows[j] + h * head_stride;
+      for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += 4) {
+#define OPPO_SCORE_ONE(NR) score_one<NR>(q + r0 * dim_pad, dim_pad, k, j, s + r0 * kKeyTile)
+        OPPO_ROW_BLOCK((h + 1) * group - r0, OPPO_SCORE_ONE)
+#undef OPPO_SCORE_ONE
+      }
+    }
+  }
+  softmax_tile(jlo, jhi, rows, rows, dim_pad, softcap, s, m, l, acc);
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t off = h * head_stride;
+    for (int64_t r0 = h * group; r0 < (h + 1) * group; r0 += 4) {
+#define OPPO_PV(NR) pv_rows_all<NR>(acc + r0 * dim_pad, dim_pad, s + r0 * kKeyTile, v_rows, off, num_keys)
+      OPPO_ROW_BLOCK((h + 1) * group - r0, OPPO_PV)
+#undef OPPO_PV
+    }
+  }
+}
+#undef OPPO_ROW_BLOCK
+
+OPPO_ISA_CLONES
+void attend_one_token(const float* q, const float* const* k_rows, const float* const* v_rows, int64_t num_keys,
+                      int64_t ahead, int64_t heads, int64_t head_stride, int64_t group, const int64_t* jlo,
+                      const int64_t* jhi, int64_t dim_pad, float softcap, float* s, float* m, float* l, float* acc) {
+  attend_one_token_body(q, k_rows, v_rows, num_keys, ahead, heads, head_stride, group, jlo, jhi, dim_pad, softcap, s,
+                        m, l, acc);
+}
+
+OPPO_ISA_CLONES
+void attend_one_token(const float* q, const uint16_t* const* k_rows, const uint16_t* const* v_rows, int64_t num_keys,
+                      int64_t ahead, int64_t heads, int64_t head_stride, int64_t group, const int64_t* jlo,
+                      const int64_t* jhi, int64_t dim_pad, float softcap, float* s, float* m, float* l, float* acc) {
+  attend_one_token_body(q, k_rows, v_rows, num_keys, ahead, heads, head_stride, group, jlo, jhi, dim_pad, softcap, s,
+                        m, l, acc);
+}
+
 // Everything a work item reads about the call: pointers into the int32 metadata and element strides.
 struct Batch {
   const int32_t* block_tables;  // [N, max_pages]
@@ -316,12 +505,15 @@ struct Batch {
   int64_t kv_stride_page, kv_stride_kv, kv_stride_tok, kv_stride_head;  // of kv_cache[:, layer]
   int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head;
   float q_scale, softcap;
-  int64_t window;  // 0 = none
+  int64_t window;    // 0 = none
+  bool one_token;    // items of one token take attend_one_token
+  int64_t kv_heads;  // Hkv
 };
 
 struct Item {
   int32_t seq, kv_head, tok_lo, tok_hi;  // query tokens [tok_lo, tok_hi) of the sequence's new tokens
   int64_t cost;                          // rows x keys walked, for scheduling the largest first
+  int32_t heads;                         // KV heads from kv_head: 1, or all of a one-token item's
 };
 
 // Per-thread buffers, sized once per call for the largest item; row buffers padded as attend_tile wants.
@@ -360,12 +552,15 @@ void attend_item(const Batch& b,
   const int64_t group = b.group, head_dim = b.head_dim;
   const int64_t q_start = b.cu_seqlens_q[it.seq], q_len = b.cu_seqlens_q[it.seq + 1] - q_start;
   const int64_t first_pos = b.context_lens[it.seq] - q_len + it.tok_lo;  // position of the item's first token
-  const int64_t rows = (it.tok_hi - it.tok_lo) * group, rows_pad = Scratch::pad_rows(rows);
+  // A one-token item (Batch::one_token) covers its heads: row r is q head kv_head * G + r. Otherwise row r is token
+  // tok_lo + r / G, q head kv_head * G + r % G. Padding rows and columns are zero.
+  const bool one_token = b.one_token && it.tok_hi - it.tok_lo == 1;
+  const int64_t rows = (it.tok_hi - it.tok_lo) * group * it.heads, rows_pad = Scratch::pad_rows(rows);
   const int64_t dim_pad = w.dim_pad;
-  // Row r is token tok_lo + r / G, q head kv_head * G + r % G; padding rows and columns are zero.
+  const int64_t row_tok = one_token ? rows : group;  // rows per token
   std::fill_n(w.q.begin(), rows_pad * dim_pad, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + (q_start + it.tok_lo + r / group) * b.q_stride_tok + (it.kv_head * group + r % group) * b.q_stride_head;
+    const T* src = q + (q_start + it.tok_lo + r / row_tok) * b.q_stride_tok + (it.kv_head * group + r % row_tok) * b.q_stride_head;
     float* dst = w.q.data() + r * dim_pad;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * b.q_scale;
   }
@@ -379,17 +574,53 @@ void attend_item(const Batch& b,
   const int64_t key_hi = first_pos + (it.tok_hi - it.tok_lo);
   const int32_t* table = b.block_tables + it.seq * b.bt_stride_seq;
   const T* kv_head = kv + it.kv_head * b.kv_stride_head;
-  for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + r / group;
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = first_pos + r / row_tok;
   // Few rows (decode): each score is a dot product straight off the key's row. Many rows (prefill): the
   // tile's keys are transposed once so the scores vectorise over keys, which pays back the copy when it
   // serves many rows. fp32 rows whose head_dim fills whole vectors are read in place from the page.
-  const bool transpose = rows > kDotRows;
+  const bool transpose = !one_token && rows > kDotRows;
   constexpr bool is_float = std::is_same_v<T, float>;
   constexpr bool is_bf16 = std::is_same_v<T, at::BFloat16>;
   const bool in_place = is_float && dim_pad == head_dim;
   // The page walk advances by increments: a 64-bit division per key would cost more than its dot products.
   int64_t page_idx = key_lo / b.page_size, offset = key_lo % b.page_size;
-  for (int64_t k0 = key_lo; k0 < key_hi; k0 += kKeyTile) {
+  if (one_token) {
+    // Every key's page row first, the item's whole context, so that a tile can ask for rows ahead of it.
+    const int64_t keys = key_hi - key_lo;
+    if constexpr (is_bf16 || is_float) {
+      using Src = std::conditional_t<is_bf16, uint16_t, float>;
+      std::vector<const Src*>& k_ptrs = [&]() -> std::vector<const Src*>& {
+        if constexpr (is_bf16) return w.k_src; else return w.k_rows;
+      }();
+      std::vector<const Src*>& v_ptrs = [&]() -> std::vector<const Src*>& {
+        if constexpr (is_bf16) return w.v_src; else return w.v_rows;
+      }();
+      if (static_cast<int64_t>(k_ptrs.size()) < keys) {
+        k_ptrs.resize(keys);
+        v_ptrs.resize(keys);
+      }
+      for (int64_t j = 0; j < keys; ++j) {
+        const T* k_row = kv_head + table[page_idx * b.bt_stride_page] * b.kv_stride_page + offset * b.kv_stride_tok;
+        k_ptrs[j] = reinterpret_cast<const Src*>(k_row);
+        v_ptrs[j] = reinterpret_cast<const Src*>(k_row + b.kv_stride_kv);
+        if (++offset == b.page_size) {
+          offset = 0;
+          ++page_idx;
+        }
+      }
+      for (int64_t k0 = key_lo; k0 < key_hi; k0 += kKeyTile) {
+        const int64_t nk = std::min(kKeyTile, key_hi - k0);
+        // One token: every row sees the same keys of the tile.
+        const int64_t visible_lo = b.window > 0 ? w.pos[0] - b.window + 1 : 0;
+        std::fill_n(w.jlo.begin(), rows, std::clamp<int64_t>(visible_lo - k0, 0, nk));
+        std::fill_n(w.jhi.begin(), rows, std::clamp<int64_t>(w.pos[0] + 1 - k0, 0, nk));
+        attend_one_token(w.q.data(), k_ptrs.data() + (k0 - key_lo), v_ptrs.data() + (k0 - key_lo), nk, key_hi - k0,
+                         it.heads, b.kv_stride_head, group, w.jlo.data(), w.jhi.data(), dim_pad, b.softcap,
+                         w.s.data(), w.m.data(), w.l.data(), w.acc.data());
+      }
+    }
+  }
+  for (int64_t k0 = key_lo; k0 < key_hi && !one_token; k0 += kKeyTile) {
     const int64_t nk = std::min(kKeyTile, key_hi - k0);
     for (int64_t j = 0; j < nk; ++j) {
       const T* k_row = kv_head + table[page_idx * b.bt_stride_page] * b.kv_stride_page + offset * b.kv_stride_tok;
@@ -422,14 +653,14 @@ void attend_item(const Batch& b,
         ++page_idx;
       }
     }
-    if constexpr (is_bf16) {
-      widen_bf16_tile(w.k_src.data(), w.v_src.data(), nk, head_dim, dim_pad, w.k.data(), w.v.data(),
-                      transpose ? w.kt.data() : nullptr);
-    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible_lo = b.window > 0 ? w.pos[r] - b.window + 1 : 0;
       w.jlo[r] = std::clamp<int64_t>(visible_lo - k0, 0, nk);
       w.jhi[r] = std::clamp<int64_t>(w.pos[r] + 1 - k0, 0, nk);
+    }
+    if constexpr (is_bf16) {
+      widen_bf16_tile(w.k_src.data(), w.v_src.data(), nk, head_dim, dim_pad, w.k.data(), w.v.data(),
+                      transpose ? w.kt.data() : nullptr);
     }
     attend_tile(w.q.data(), transpose ? w.kt.data() : nullptr, w.k_rows.data(), w.v_rows.data(), nk, w.jlo.data(),
                 w.jhi.data(), rows, head_dim, dim_pad, b.softcap, w.s.data(), w.m.data(), w.l.data(), w.acc.data());
@@ -439,7 +670,7 @@ void attend_item(const Batch& b,
     // NOTE: every row sees at least its own key, so l > 0.
     const float inv = 1.0f / w.l[r];
     const float* a = w.acc.data() + r * dim_pad;
-    T* dst = out + (q_start + it.tok_lo + r / group) * b.o_stride_tok + (it.kv_head * group + r % group) * b.o_stride_head;
+    T* dst = out + (q_start + it.tok_lo + r / row_tok) * b.o_stride_tok + (it.kv_head * group + r % row_tok) * b.o_stride_head;
     for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(a[d] * inv);
   }
 }
@@ -450,6 +681,9 @@ void run_items(const Batch& b, const at::Tensor& q, const at::Tensor& kv_cache, 
   const T* q_ptr = q.const_data_ptr<T>();
   const T* kv_ptr = kv_cache.const_data_ptr<T>() + layer * kv_cache.stride(1);  // kv_cache[:, layer]
   T* out_ptr = out.mutable_data_ptr<T>();
+  const int64_t tasks = total_cost * b.head_dim < kSerialWork
+                            ? 1
+                            : std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   std::atomic<size_t> next{0};
   auto worker = [&]() {
     Scratch w(max_rows, b.head_dim);
@@ -457,9 +691,6 @@ void run_items(const Batch& b, const at::Tensor& q, const at::Tensor& kv_cache, 
       attend_item<T>(b, q_ptr, kv_ptr, out_ptr, items[i], w);
     }
   };
-  const int64_t tasks = total_cost * b.head_dim < kSerialWork
-                            ? 1
-                            : std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   if (tasks <= 1) {
     worker();
     return;
@@ -534,6 +765,17 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, int64_
   TORCH_CHECK_VALUE(cu[0] == 0 && cu[num_seqs] == num_tokens, "paged_attention: cu_seqlens_q must run from 0 to T = ",
                     num_tokens, ", got ", cu[0], " .. ", cu[num_seqs]);
   const int64_t tok_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  // A sequence with one new token (a decode) is one item over all KV heads (attend_one_token) where its
+  // per-head rows are few, head_dim fills whole vectors and the dtype is fp32 or bf16.
+  const int64_t head_dim = q.size(2);
+  const bool one_token = group <= kDotRows && head_dim % kLanes == 0 &&
+                         (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16);
+  bool any_one_token = false;
+  // Fewer such sequences than threads (a lone decode): an item per KV head instead, so the threads share
+  // the heads. A row's arithmetic is the same either way (a head's rows read only that head's keys).
+  int64_t one_token_seqs = 0;
+  for (int64_t n = 0; n < num_seqs && one_token; ++n) one_token_seqs += cu[n + 1] - cu[n] == 1;
+  const int64_t heads_per_item = one_token_seqs >= at::get_num_threads() ? num_kv_heads : 1;
   std::vector<Item> items;
   int64_t total_cost = 0;
   bool uneven = false;
@@ -553,15 +795,23 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, int64_
                         " outside [0, ", num_pages, ")");
     }
     uneven |= q_len > 1;
+    any_one_token |= one_token && q_len == 1;
     for (int64_t t0 = 0; t0 < q_len; t0 += tok_per_item) {
       const int64_t t1 = std::min(q_len, t0 + tok_per_item);
       const int64_t first_pos = ctx[n] - q_len + t0;
       const int64_t keys = first_pos + (t1 - t0) - (window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0);
       const int64_t cost = (t1 - t0) * group * keys;
       total_cost += cost;
+      if (one_token && q_len == 1) {  // an item for its heads: each page row is read once, front to back
+        for (int64_t h = 0; h < num_kv_heads; h += heads_per_item) {
+          items.push_back({static_cast<int32_t>(n), static_cast<int32_t>(h), 0, 1, cost * heads_per_item,
+                           static_cast<int32_t>(heads_per_item)});
+        }
+        continue;
+      }
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         items.push_back({static_cast<int32_t>(n), static_cast<int32_t>(h), static_cast<int32_t>(t0),
-                         static_cast<int32_t>(t1), cost});
+                         static_cast<int32_t>(t1), cost, 1});
       }
     }
   }
@@ -589,8 +839,11 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, int64_
                 out.stride(1),
                 static_cast<float>(capped ? scale / softcap : scale),
                 static_cast<float>(capped ? softcap : 0.0),
-                window};
-  const int64_t max_rows = std::min<int64_t>(tok_per_item, cu[num_seqs]) * group;
+                window,
+                one_token,
+                num_kv_heads};
+  const int64_t max_rows = std::max<int64_t>(std::min<int64_t>(tok_per_item, cu[num_seqs]) * group,
+                                             any_one_token ? num_kv_heads * group : 0);
   switch (q.scalar_type()) {
     case at::kFloat:
       run_items<float>(b, q, kv_cache, layer, out, items, max_rows, total_cost);

@@ -95,8 +95,14 @@ def test_half_precision_matches_reference(dtype: torch.dtype, window: int | None
 
 @pytest.mark.parametrize(
     ("num_q_heads", "num_kv_heads", "head_dim", "window", "softcap"),
-    [(9, 3, 64, None, None), (6, 2, 80, 10, 30.0), (16, 1, 24, None, 3.0), (4, 2, 8, 5, None)],
-    ids=["smollm2_gqa", "d80_window_cap", "d24_16_rows", "d8_window"],
+    [
+        (9, 3, 64, None, None),
+        (6, 2, 80, 10, 30.0),
+        (16, 1, 24, None, 3.0),
+        (4, 2, 8, 5, None),
+        (10, 2, 128, 9, 30.0),
+    ],
+    ids=["smollm2_gqa", "d80_window_cap", "d24_16_rows", "d8_window", "d128_gqa5_window_cap"],
 )
 def test_bf16_equals_fp32_over_the_same_values_bit_for_bit(
     num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None, softcap: float | None
@@ -125,6 +131,53 @@ def test_bf16_equals_fp32_over_the_same_values_bit_for_bit(
     expected = run_op(as_fp32, window, softcap)
     assert not expected.isnan().any()
     assert torch.equal(got, expected.to(torch.bfloat16))
+
+
+# A decode batch: contexts of one key, under and over a tile (32) and the prefetch distance (8), not a
+# multiple of four keys, across pages.
+DECODE = [(1, 1), (1, 3), (1, 8), (1, 9), (1, 33), (1, 70), (1, 257)]
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads"), [(3, 3), (9, 3), (8, 1), (10, 2), (16, 4)], ids=lambda v: str(v)
+)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("window", "softcap"), [(None, None), (7, 30.0), (40, None)], ids=["plain", "w7cap", "w40"]
+)
+def test_decode_items_over_every_kv_head_match_reference(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    window: int | None,
+    softcap: float | None,
+):
+    # One-token sequences whose head_dim fills whole vectors are one work item over every KV head (rows of
+    # 1 to 8 query heads per KV head, in register blocks of up to four), reading K and V in place.
+    case = make_case(
+        DECODE,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=num_q_heads + head_dim,
+        window=window,
+    )
+    case.q *= 3
+    assert_op_matches_reference(case, window, softcap)
+    expected = dense_causal_attention_f64(case, window=window, softcap=softcap)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(run_op(case, window, softcap).double(), expected, atol=atol, rtol=atol)
+
+
+def test_decode_items_read_a_padded_page_stride():
+    # Pages of a fixed byte size (page_pad_bytes), the heads of a key's row read at the cache's own strides.
+    case = make_case(
+        DECODE, num_q_heads=9, num_kv_heads=3, dtype=torch.bfloat16, page_pad_bytes=4096 + 6, seed=13
+    )
+    assert_op_matches_reference(case, 12)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (1, None), (7, 20.0), (None, 3.0)])
@@ -188,12 +241,14 @@ def test_page_stride_larger_than_page_and_strided_query_match_reference():
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("q_len", [1, 12])  # 2 rows per item (scores as dot products), 24 (keys transposed)
-def test_a_nan_key_reaches_exactly_the_outputs_that_see_it(q_len: int, softcap: float | None):
+# q_len 1: 2 rows per item (scores as dot products), or at head_dim 64 one item over both KV heads;
+# q_len 12: 24 rows (keys transposed).
+@pytest.mark.parametrize(("q_len", "head_dim"), [(1, 24), (1, 64), (12, 24)])
+def test_a_nan_key_reaches_exactly_the_outputs_that_see_it(q_len: int, head_dim: int, softcap: float | None):
     # A wrong number must not come out finite: a NaN key (a corrupt page) makes NaN every output that
     # attends to it, and nothing else; the masking of invisible keys must not swallow it.
     ctx, nan_pos = 70, 63  # inside the 12-token chunk: its first 5 tokens do not see it
-    case = make_case([(q_len, ctx), (1, 40)], num_q_heads=4, num_kv_heads=2, head_dim=24, seed=11)
+    case = make_case([(q_len, ctx), (1, 40)], num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seed=11)
     page = int(case.block_tables[0, nan_pos // 16])
     case.kv_cache[page, LAYER, 0, nan_pos % 16, 1, 5] = float("nan")  # a key of KV head 1
     out = run_op(case, None, softcap)
@@ -225,6 +280,32 @@ def test_output_is_the_same_on_one_and_two_threads():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(serial, parallel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_decode_row_does_not_depend_on_its_batch_mates_or_the_threads(dtype: torch.dtype):
+    # A batch of decodes runs an item per sequence over all its KV heads; a lone decode on two threads an
+    # item per KV head. A row's arithmetic is the same in both: its output is bitwise the same alone and
+    # in a batch, on one thread and on two.
+    case = make_case(DECODE, num_q_heads=9, num_kv_heads=3, dtype=dtype, seed=14, window=40)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = run_op(case, 40, 30.0)
+        for i in range(len(DECODE)):
+            alone = Case(
+                case.q[i : i + 1],
+                case.kv_cache,
+                case.block_tables[i : i + 1],
+                case.context_lens[i : i + 1],
+                torch.tensor([0, 1], dtype=torch.int32),
+                case.scale,
+            )
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                assert torch.equal(run_op(alone, 40, 30.0), batched[i : i + 1]), (i, n)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_cpu_ops_are_built_to_run_on_torchs_intra_op_threads():
