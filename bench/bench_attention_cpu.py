@@ -1,6 +1,11 @@
 """CPU paged attention: the C++ op (through ``ops.paged_attention``) beside ``paged_attention_ref``.
 
     python -m bench.bench_attention_cpu [--threads N] [--cpu] [--only NAME]
+    python -m bench.bench_attention_cpu --arena [--threads N]
+
+``--arena``: SmolLM2's decode (9 q heads, 3 KV heads, head_dim 64, contexts 40-79) in an engine-sized arena
+of 30 layers (1,024 pages), one layer's call at a time: "out of cache" walks the 30 layers in turn, as a
+decode step does (each layer's K/V read from memory), "in cache" repeats one layer. Fastest of 7 rounds.
 
 The reference is what the CPU engine ran before the op existed (gather pages, SDPA in fp32). Shapes: the
 ``tiny`` preset's attention (4 q heads, 2 KV heads, head_dim 16, 2 layers) decoding 16 and 64 sequences at
@@ -158,6 +163,35 @@ def measure(shape: Shape, min_run_time: float, timer=median_us) -> dict:
     )
 
 
+def arena_decode(dtype: torch.dtype, batch: int, layers: int = 30, pages: int = 1024) -> tuple[float, float]:
+    """``--arena``: microseconds a call (out of cache, in cache) of SmolLM2's decode attention."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    arena = torch.randn(pages, layers, 2, PAGE_SIZE, kv_heads, dim, generator=gen).to(dtype)
+    ctx = torch.randint(40, 80, (batch,), generator=gen, dtype=torch.int32)
+    per_seq = (int(ctx.max()) + PAGE_SIZE - 1) // PAGE_SIZE
+    tables = torch.randperm(pages, generator=gen)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+
+    def call(layer: int) -> None:
+        ops.paged_attention(q, arena, layer, tables, ctx, cu, dim**-0.5, out=out)
+
+    for layer in range(layers):
+        call(layer)
+    best = {}
+    for name, pick in (("out", lambda i: i), ("in", lambda i: 0)):
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for i in range(layers):
+                call(pick(i))
+            times.append((time.perf_counter() - t0) / layers)
+        best[name] = min(times) * 1e6
+    return best["out"], best["in"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -168,7 +202,25 @@ def main(argv: list[str] | None = None) -> int:
         help="thread CPU time, min of 7 rounds, one thread (loaded machines)",
     )
     parser.add_argument("--only", default=None, help="only the shapes whose name contains this")
+    parser.add_argument(
+        "--arena", action="store_true", help="SmolLM2's decode in a 30-layer arena, in/out of cache"
+    )
     args = parser.parse_args(argv)
+    if args.arena:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        print(
+            f"SmolLM2 decode attention, 30-layer arena, {torch.get_num_threads()} threads, "
+            "us a call (fastest of 7)"
+        )
+        for dtype in (torch.bfloat16, torch.float32):
+            for batch in (16, 64):
+                out_us, in_us = arena_decode(dtype, batch)
+                print(
+                    f"  {str(dtype).removeprefix('torch.'):>8} B={batch:<3} out of cache {out_us:6.0f}  "
+                    f"in cache {in_us:6.0f}  load {os.getloadavg()[0]:.1f}"
+                )
+        return 0
     if args.cpu:
         args.threads = 1
     if args.threads:

@@ -1,7 +1,8 @@
 // CPU paged attention: decode and chunked prefill straight from the pages, fp32 online softmax.
 //
-// A work item is (sequence, KV head, block of up to kRowsPerItem / G query tokens). The KV head's G query
-// heads ride together as rows, so every K/V row read from a page serves the whole group (GQA). Keys are
+// A work item is (sequence, KV head, block of up to kRowsPerItem / G query tokens), or for a decode (one new
+// token) the sequence over its KV heads (attend_one_token, below). The KV head's G query heads ride
+// together as rows, so every K/V row read from a page serves the whole group (GQA). Keys are
 // walked in tiles of kKeyTile: the tile's K is converted to fp32 transposed (one row's scores are then a
 // loop over keys, which vectorises without horizontal sums) and its V converted, and each row updates its
 // running max, sum and accumulator once per tile. Items are pulled from a shared counter by at most one
@@ -505,9 +506,8 @@ struct Batch {
   int64_t kv_stride_page, kv_stride_kv, kv_stride_tok, kv_stride_head;  // of kv_cache[:, layer]
   int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head;
   float q_scale, softcap;
-  int64_t window;    // 0 = none
-  bool one_token;    // items of one token take attend_one_token
-  int64_t kv_heads;  // Hkv
+  int64_t window;  // 0 = none
+  bool one_token;  // items of one token take attend_one_token (fp32 and bf16 only)
 };
 
 struct Item {
@@ -618,6 +618,8 @@ void attend_item(const Batch& b,
                          it.heads, b.kv_stride_head, group, w.jlo.data(), w.jhi.data(), dim_pad, b.softcap,
                          w.s.data(), w.m.data(), w.l.data(), w.acc.data());
       }
+    } else {
+      TORCH_INTERNAL_ASSERT(false, "paged_attention: a one-token item of a dtype without that path");
     }
   }
   for (int64_t k0 = key_lo; k0 < key_hi && !one_token; k0 += kKeyTile) {
@@ -840,10 +842,9 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& kv_cache, int64_
                 static_cast<float>(capped ? scale / softcap : scale),
                 static_cast<float>(capped ? softcap : 0.0),
                 window,
-                one_token,
-                num_kv_heads};
+                one_token};
   const int64_t max_rows = std::max<int64_t>(std::min<int64_t>(tok_per_item, cu[num_seqs]) * group,
-                                             any_one_token ? num_kv_heads * group : 0);
+                                             any_one_token ? heads_per_item * group : 0);
   switch (q.scalar_type()) {
     case at::kFloat:
       run_items<float>(b, q, kv_cache, layer, out, items, max_rows, total_cost);

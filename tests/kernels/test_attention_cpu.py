@@ -155,7 +155,8 @@ def test_decode_items_over_every_kv_head_match_reference(
     softcap: float | None,
 ):
     # One-token sequences whose head_dim fills whole vectors are one work item over every KV head (rows of
-    # 1 to 8 query heads per KV head, in register blocks of up to four), reading K and V in place.
+    # 1 to 8 query heads per KV head, in register blocks of up to four), reading K and V in place; with
+    # more threads than such sequences, one item per KV head. Both shapes, whatever this machine's threads.
     case = make_case(
         DECODE,
         num_q_heads=num_q_heads,
@@ -166,10 +167,16 @@ def test_decode_items_over_every_kv_head_match_reference(
         window=window,
     )
     case.q *= 3
-    assert_op_matches_reference(case, window, softcap)
     expected = dense_causal_attention_f64(case, window=window, softcap=softcap)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(run_op(case, window, softcap).double(), expected, atol=atol, rtol=atol)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, len(DECODE) + 1):
+            torch.set_num_threads(n)
+            assert_op_matches_reference(case, window, softcap)
+            torch.testing.assert_close(run_op(case, window, softcap).double(), expected, atol=atol, rtol=atol)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_decode_items_read_a_padded_page_stride():
