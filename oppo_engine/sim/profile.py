@@ -77,7 +77,7 @@ class ThreadCosts:
     packs' bookkeeping and per-call dispatch around every packed product (``model/packed.py``: refreshed,
     installed and removed per module per forward), its sampler -- fitted from the actor's shrunk copies
     against the scorers' (``calibration.py::_fixed_costs``; signed); charged to forwards priced as the actor's
-    with its weights packed as the calibration timed them (``Calibrated.fixed``). 0 where no copies were
+    unless the profile packed and the actor runs unpacked (``Calibrated.fixed``). 0 where no copies were
     timed (a GPU) or in a profile written before (version 4 and older)."""
 
     gemm: dict[int, list[tuple[int, float]]]
@@ -235,9 +235,9 @@ class Profile:
         if data["version"] == 4 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version 4 fitted one fixed cost per forward and per layer to every role, "
-                "so the actor's forwards (its packed products' bookkeeping, its sampler: some 90 us a layer "
-                "more than a scorer's on a small model here) are priced low; calibrate again "
-                "(oppo-engine calibrate)",
+                "so the actor's forwards (its packed products' bookkeeping, its sampler: some 100 us a "
+                "forward and 35-90 us a layer more than a scorer's on the small models here) are priced low; "
+                "calibrate again (oppo-engine calibrate)",
                 UserWarning,
                 stacklevel=2,
             )
@@ -344,12 +344,13 @@ class Calibrated:
         packed: bool = False,
     ) -> tuple[float, float]:
         """(host seconds, launch seconds) of one forward: the fixed costs per forward and per layer, and an
-        ``actor``'s own beside them where its weights are ``packed`` as the calibration's actor ran
-        (``ThreadCosts.actor_forward_s``, ``actor_layer_s``); an actor run otherwise is priced as a scorer's
-        (its own costs were not timed)."""
+        ``actor``'s own beside them (``ThreadCosts.actor_forward_s``, ``actor_layer_s``), timed on its copies
+        as the engine runs the actor here: packed where the calibration packed, else as it is (where nothing
+        packs, an actor asked ``packed`` runs unpacked, as timed). An actor run unpacked on a profile that
+        packed (``packed_weights=False``) is priced as a scorer's: its own costs were not timed."""
         c = self.profile.costs_at(threads)
         fixed = c.forward_s + c.layer_s * shape.layers
-        if actor and packed == c.packed:
+        if actor and (packed or not c.packed):
             fixed += c.actor_forward_s + c.actor_layer_s * shape.layers
         return fixed, 0.0
 

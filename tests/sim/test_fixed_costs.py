@@ -205,8 +205,9 @@ def test_the_actors_own_fixed_costs_are_fitted_apart_from_the_scorers(ts):
 
 def test_the_actors_own_fixed_costs_are_charged_to_its_forwards_alone():
     """``CostModel.forward(actor=True)`` adds ``actor_forward_s + layers * actor_layer_s`` to a forward's
-    host time where the actor's weights are packed as the calibration timed them; a scorer's forward, and
-    an actor run otherwise (its own costs never timed), pay the shared fixed costs alone."""
+    host time, the actor's as the calibration timed it (packed where it packed; where nothing packed, an
+    actor asked packed runs unpacked, as timed); a scorer's forward, and an unpacked actor on a profile that
+    packed (its own costs never timed), pay the shared fixed costs alone."""
     from oppo_engine.sim.cost import Batch, CostModel
 
     costs = dataclasses.replace(TABLES, forward_s=1e-4, layer_s=2e-5, **OWN)
@@ -220,9 +221,13 @@ def test_the_actors_own_fixed_costs_are_charged_to_its_forwards_alone():
         actor = cost.forward(shape, batch, packed=packs, actor=True)
         assert actor.host_s - scorer.host_s == pytest.approx(own, rel=1e-12)
         assert actor.phases == scorer.phases
-        # the actor's weights not as the calibration ran them: its own costs are not known
         other = cost.forward(shape, batch, packed=not packs, actor=True)
-        assert other.host_s == cost.forward(shape, batch, packed=not packs).host_s
+        if packs:  # an unpacked actor on a profile that packed: its own costs were not timed
+            assert other.host_s == cost.forward(shape, batch, packed=False).host_s
+        else:  # nothing packed here: an actor asked packed runs as timed, unpacked
+            assert other.host_s - cost.forward(shape, batch, packed=True).host_s == pytest.approx(
+                own, rel=1e-12
+            )
 
 
 # Llama with head_dim given apart from the hidden size, and a pad id past the shrunk vocabulary.
