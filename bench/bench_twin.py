@@ -100,9 +100,13 @@ def _draws(w: Workload, count: int) -> tuple[list[int], list[int]]:
     return [lengths[i] for i in range(count)], [prompts[i] for i in range(count)]
 
 
-def measure(w: Workload, warmup: int, steps: int, arms=ARMS) -> dict[tuple, tuple[float, float]]:
+def measure(
+    w: Workload, warmup: int, steps: int, arms=ARMS, cpu_share: dict | None = None
+) -> dict[tuple, tuple[float, float]]:
     """The real engine's median step wall time and exposed scoring per arm (steps interleaved across
-    arms)."""
+    arms). ``cpu_share``, if given, gets each arm's median CPU seconds of the process over the step's wall
+    (``StepMetrics.cpu_s / wall_s``): about 1 for a one-lane step that had its core, less where other load
+    took it (the step's wall is then the machine's, not the engine's)."""
     actor, reward = _models(w.model, 0)
     count = (warmup + steps + 2) * (w.batch_size * 3 // 2)
     lengths, prompt_lens = _draws(w, count)
@@ -119,6 +123,7 @@ def measure(w: Workload, warmup: int, steps: int, arms=ARMS) -> dict[tuple, tupl
         engine.add_prompts(prompts, sampling=per_prompt)
         engines[arm] = engine
     times: dict[tuple, list[tuple[float, float]]] = {arm: [] for arm in arms}
+    shares: dict[tuple, list[float]] = {arm: [] for arm in arms}
     order = list(arms)
     try:
         for k in range(warmup + steps):
@@ -127,11 +132,16 @@ def measure(w: Workload, warmup: int, steps: int, arms=ARMS) -> dict[tuple, tupl
                 result = engines[arm].step()
                 engines[arm].update_policy()
                 if k >= warmup:
-                    times[arm].append((result.metrics.wall_s, result.metrics.exposed_scoring_s))
+                    m = result.metrics
+                    times[arm].append((m.wall_s, m.exposed_scoring_s))
+                    if m.cpu_s is not None:
+                        shares[arm].append(m.cpu_s / m.wall_s)
     finally:
         for engine in engines.values():
             engine.close()
     median = statistics.median
+    if cpu_share is not None:
+        cpu_share.update({arm: median(v) for arm, v in shares.items() if v})
     return {arm: (median(t for t, _ in v), median(x for _, x in v)) for arm, v in times.items()}
 
 
@@ -252,10 +262,14 @@ def matrix(args) -> int:
     real = {}
     for shape in shapes:
         for w in matrix_workloads(shape):
-            rounds = [measure(w, args.warmup, args.steps, MATRIX_ARMS) for _ in range(args.rounds)]
+            shares = [{} for _ in range(args.rounds)]
+            rounds = [measure(w, args.warmup, args.steps, MATRIX_ARMS, s) for s in shares]
             real[w] = {arm: statistics.median(r[arm][0] for r in rounds) for arm in MATRIX_ARMS}
+            # the sequential arm's CPU share: below ~0.95 its one lane waited for a core (other load)
+            share = statistics.median(s[MATRIX_ARMS[0]] for s in shares if MATRIX_ARMS[0] in s)
             print(f"measured {w.name}: " + ", ".join(f"{a[0]} {t:.3f}s" for a, t in real[w].items())
-                  + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}")  # fmt: skip
+                  + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}, sequential's CPU "
+                  f"share {share:.2f}")  # fmt: skip
     print("\ncalibrated on (row) -> predicting (column): median / worst signed s/step error (twin / real "
           "- 1; the twin's numbers are predictions)")  # fmt: skip
     print(f"{'':<10}" + "".join(f"{c:>16}" for c in shapes))

@@ -15,7 +15,8 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
   drops the packs and its next forward makes them);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
-  ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``);
+  ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``; on the CPU of
+  the models' one-layer shrunk copies, whose forwards are mostly Python: ``_interpreter_pair``);
 - one training step (forward, backward, AdamW) of the actor.
 
 The forwards are fitted, after the GEMMs' share is taken out, with non-negative least squares on relative
@@ -352,6 +353,21 @@ STREAMED_STEP = (4, 16, 48, 8)
 PENALTIES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0)
 
 
+def _interpreter_pair(actor, reward, shrunk: dict) -> tuple:
+    """The actor and reward whose streamed step ``_fit_interpreter`` times: their one-layer shrunk copies
+    where the calibration made them (the CPU), else the models. Why the copies: the penalty prices two
+    lanes' Python interleaving, and only a step whose forwards are mostly Python shows it. On a wide pair
+    the twin's step barely moves with it -- ``small``'s 0.1017-0.1038 s and ``mid``'s 0.2141-0.2153 s over
+    penalties 1-12, against measured steps 16% and 8% slower (2026-12-06; the gap is something else) -- so
+    the fit went to the grid's edge, 12, which priced a Python-bound model's streamed steps (``tiny``'s
+    ``oppo``) 1.7-2.2x slow. Their copies' step moves 2.3x over the grid and fitted 1-3 on all four matrix
+    shapes (``tiny`` 2, ``small`` 3, ``mid`` 1.5, gqa8 1; one streamed step each, ``bench_twin --matrix``'s
+    profiles). The penalty is a property of the interpreter and the machine, not of a model."""
+    if ("actor", 1) in shrunk and ("reward", 1) in shrunk:
+        return shrunk["actor", 1], shrunk["reward", 1]
+    return actor, reward
+
+
 def _fit_interpreter(actor, reward, profile: Profile) -> float:
     """The interpreter penalty under which the twin's streamed step of the calibration pair takes what the
     engine's own takes (``STREAMED_STEP``, measured here): two lanes of one process interleave Python and
@@ -623,7 +639,14 @@ def _fit(points: list[Point], ts: ThreadCosts, shrunk: list[Point] | None = None
     fit = CONSTANTS
     if shrunk:
         fixed = _fixed_costs(shrunk, ts)
-        ts, fit = dataclasses.replace(ts, forward_s=fixed.forward_s, layer_s=fixed.layer_s), CONSTANTS[2:]
+        ts = dataclasses.replace(
+            ts,
+            forward_s=fixed.forward_s,
+            layer_s=fixed.layer_s,
+            actor_forward_s=fixed.actor_forward_s,
+            actor_layer_s=fixed.actor_layer_s,
+        )
+        fit = CONSTANTS[2:]
     fixed = _fit_with(points, ts, free_scale=False, fit=fit)
     if fixed.fit_error <= POOR_FIT:
         return fixed
@@ -635,22 +658,42 @@ POOR_FIT = 0.2
 
 
 def _fixed_costs(shrunk: list[Point], ts: ThreadCosts) -> ThreadCosts:
-    """``forward_s`` and ``layer_s`` fitted (NNLS on relative error, as ``_fit_with``) to the ``shrunk``
-    copies' forwards, their GEMMs' share as ``ts``'s tables price it taken out (at scale 1) and their other
-    terms neglected: at ``SHRUNK_GRID``'s points those are a token's or two's worth of attention and
-    elementwise work (1-2% of ``layer_s`` with made-up constants), which every forward has, where
-    pricing them by the constants fitted from the models would charge the copies the models' noise (a wide
-    model fits its per-token costs poorly: 14x off in a made-up gqa8 with 3% noise, 15% off in ``layer_s``).
-    ``fit_error`` is this fit's over the copies. Copies of one depth are refused (``ValueError``): the two
-    columns are then in proportion."""
+    """``forward_s`` and ``layer_s`` fitted (NNLS on relative error, as ``_fit_with``) to the scorers'
+    ``shrunk`` copies' forwards, and the actor's own (``actor_forward_s``, ``actor_layer_s``: its copies'
+    fit less the scorers', signed), their GEMMs' share as ``ts``'s tables price it taken out (at scale 1)
+    and their other terms neglected: at ``SHRUNK_GRID``'s points those are a token's or two's worth of
+    attention and elementwise work (1-2% of ``layer_s`` with made-up constants), which every forward has,
+    where pricing them by the constants fitted from the models would charge the copies the models' noise (a
+    wide model fits its per-token costs poorly: 14x off in a made-up gqa8 with 3% noise, 15% off in
+    ``layer_s``). Why the actor apart: its forward is not a scorer's. Its packed products each pass through
+    the packs' bookkeeping (``model/packed.py``: every module refreshed, installed and removed at every
+    forward, a closure per call), and it samples; measured on ``small``'s copies (one row, one token, the
+    fastest of 5 rounds, 2026-12-06): 204 us a layer packed, 115 unpacked, against the reward's 114, and
+    291 us a forward packed against 185. Fitted together, as before, the two roles' copies were priced
+    14-16% low (the actor's) and 9-19% high (the reward's), and the actor's decode forwards of ``small``
+    15-20% low, where most of a small model's step is. With copies of one role only, every copy fits
+    ``forward_s`` and ``layer_s`` and the actor's own are 0. ``fit_error``: the worse of the two fits' over
+    their copies. Copies of one depth are refused (``ValueError``): the two columns are then in proportion."""
     depths = sorted({shape.layers for shape, *_ in shrunk})
     if len(depths) < 2:
         raise ValueError(
             f"calibrate: the fixed costs per forward and per layer need shrunk copies of two depths, got "
             f"{depths}: of one depth, the two are in proportion and only their sum is measured"
         )
-    bare = dataclasses.replace(ts, pair_s=0.0, kv_byte_s=0.0, token_hidden_s=0.0, logit_s=0.0, gemm_scale=1.0)
-    return _fit_with(shrunk, bare, free_scale=False, fit=FIXED)
+    bare = dataclasses.replace(ts, pair_s=0.0, kv_byte_s=0.0, token_hidden_s=0.0, logit_s=0.0, gemm_scale=1.0,
+                               actor_forward_s=0.0, actor_layer_s=0.0)  # fmt: skip
+    actor = [p for p in shrunk if p[1] == "actor"]
+    scorers = [p for p in shrunk if p[1] != "actor"]
+    if not actor or not scorers:
+        return _fit_with(shrunk, bare, free_scale=False, fit=FIXED)
+    fixed = _fit_with(scorers, bare, free_scale=False, fit=FIXED)
+    own = _fit_with(actor, bare, free_scale=False, fit=FIXED)
+    return dataclasses.replace(
+        fixed,
+        actor_forward_s=own.forward_s - fixed.forward_s,
+        actor_layer_s=own.layer_s - fixed.layer_s,
+        fit_error=max(fixed.fit_error, own.fit_error),
+    )
 
 
 def _fit_with(points: list[Point], ts: ThreadCosts, *, free_scale: bool, fit=CONSTANTS) -> ThreadCosts:
@@ -686,6 +729,8 @@ def _fit_with(points: list[Point], ts: ThreadCosts, *, free_scale: bool, fit=CON
         ]
         fixed_s = 0.0 if free_scale else gemm_s
         fixed_s += sum(getattr(ts, CONSTANTS[j - 1]) * cols[j] for j in held)
+        if role == "actor":  # its own fixed costs beside the scorers' (held: fitted from its copies)
+            fixed_s += ts.actor_forward_s + ts.actor_layer_s * shape.layers
         design.append([cols[j] / seconds for j in fitted])
         target.append(1.0 - fixed_s / seconds)
         totals.append((cols, fixed_s, seconds))
@@ -814,7 +859,7 @@ def calibrate(
         pairs = []
         for a, b in CONTENTION_PAIRS:
             s_a, s_b = _pair_slowdowns(benches["actor"].call(*a), benches["reward"].call(*b), timed, device)
-            wa = cost.forward(shapes["actor"], _batch("actor", *a), packed=packs)
+            wa = cost.forward(shapes["actor"], _batch("actor", *a), packed=packs, actor=True)
             wb = cost.forward(shapes["reward"], _batch("reward", *b))
             pairs.append((wa, wb, s_a, s_b))
         cores, penalty = _fit_contention(pairs, probe, device)
@@ -823,7 +868,8 @@ def calibrate(
         say("calibrate: a streamed step of the engine, for its lanes' interpreter")
         profile = Profile(local_device_id(device), "gpu" if gpu else "cpu", per_thread, host, training,
                           cores=1.0 if gpu else cores)  # fmt: skip
-        host = dataclasses.replace(host, interpreter_penalty=_fit_interpreter(actor, reward, profile))
+        pair = _interpreter_pair(actor, reward, shrunk)
+        host = dataclasses.replace(host, interpreter_penalty=_fit_interpreter(*pair, profile))
     finally:
         torch.set_num_threads(saved)
     profile = Profile(

@@ -254,8 +254,16 @@ class Roofline:
             layers = shape.layers * self.elementwise_kernels_s(ELEMENTWISE_KERNELS, nbytes)
         return layers + 3 * logit_rows * shape.vocab * 4 / self._stream
 
-    def fixed(self, shape: ModelShape, captured: bool, threads: int = 1) -> tuple[float, float]:
-        """(host seconds, launch seconds) of one forward."""
+    def fixed(
+        self,
+        shape: ModelShape,
+        captured: bool,
+        threads: int = 1,
+        *,
+        actor: bool = False,
+        packed: bool = False,
+    ) -> tuple[float, float]:
+        """(host seconds, launch seconds) of one forward (an ``actor``'s as any: its launches count)."""
         kernels = 1 if captured else shape.layers * KERNELS_PER_LAYER + 4
         return 0.0, kernels * self.device.launch_s
 
@@ -300,10 +308,13 @@ class CostModel:
         captured: bool = False,
         threads: int = 1,
         packed: bool = False,
+        actor: bool = False,
     ) -> Work:
         """One packed forward of ``shape`` over ``batch`` (its host bookkeeping included). ``packed``: its
         ``nn.Linear`` weights are packed once into oneDNN's layout, as the engine's actor has them on the
-        CPU (``EngineConfig.packed_weights``); the scorers' are not."""
+        CPU (``EngineConfig.packed_weights``); the scorers' are not. ``actor``: the engine's actor's forward
+        (``ActorWorker``: its packs' bookkeeping, its sampler), whose fixed costs a calibrated profile
+        prices apart from the scorers' (``ThreadCosts.actor_forward_s``, ``actor_layer_s``)."""
         src = self.source
         tokens = batch.tokens
         key = (shape, tokens, batch.head_rows, threads, packed)
@@ -322,7 +333,7 @@ class CostModel:
             gemms = self._gemms[key] = tuple(gemms)
         f, m = src.attention(shape, batch, threads)
         phases = (*gemms, (shape.layers * f, shape.layers * m))
-        host, launch = src.fixed(shape, captured, threads)
+        host, launch = src.fixed(shape, captured, threads, actor=actor, packed=packed)
         return Work(host + src.host_s(len(batch.chunks)), launch, phases, threads)
 
     def repack(self, shape: ModelShape, threads: int = 1) -> Work:

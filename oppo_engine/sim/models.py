@@ -118,7 +118,9 @@ class TwinActor:
     def price(self, batch: Batch, captured: bool, threads: int):
         """A forward's :class:`~oppo_engine.sim.cost.Work` over ``batch`` (with the actor's weights packed
         where the engine packs them: ``packed``)."""
-        return self.cost.forward(self.shape, batch, captured=captured, threads=threads, packed=self.packed)
+        return self.cost.forward(
+            self.shape, batch, captured=captured, threads=threads, packed=self.packed, actor=True
+        )
 
     def forward(self, chunks: Sequence[SeqChunk], samples) -> tuple[list[int], list[float]]:
         counts = self.cache.token_counts([c.seq_id for c in chunks])

@@ -50,7 +50,7 @@ def predicted_profile(
     actor = shapes[ACTOR]
     ctx = int(prompt_len + response_len / 2)
     decode = cost.forward(actor, Batch(tuple((1, ctx) for _ in range(running)), running, running),
-                          captured=captured, threads=threads, packed=packed)  # fmt: skip
+                          captured=captured, threads=threads, packed=packed, actor=True)  # fmt: skip
     scorers = [role for role in shapes if role != ACTOR]
 
     def prefill(role: str, chunk: int):

@@ -27,9 +27,11 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # without them, and prices the actor's packed projections as unpacked: ``Profile.from_json`` warns). 4: the
 # actor's repacking (``repack_s``, ``repack_byte_s``), and forwards fitted with the packed actor's grouped
 # products (``model/packed.py``); a version 3 CPU profile loads with no repacking and its fixed costs fitted
-# around ungrouped products (``Profile.from_json`` warns).
-VERSION = 4
-READS = (1, 2, 3, VERSION)
+# around ungrouped products (``Profile.from_json`` warns). 5: the actor's own fixed costs beside the scorers'
+# (``actor_forward_s``, ``actor_layer_s``); a version 4 CPU profile loads with them 0, the actor's forwards
+# priced with the fixed costs of every role's copies together (``Profile.from_json`` warns).
+VERSION = 5
+READS = (1, 2, 3, 4, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -70,7 +72,13 @@ class ThreadCosts:
     packed tensor and per byte of them to pack the actor's weights again (after every weight update:
     ``update_policy()`` drops the packs, the next forward makes them), fitted to the actor's own repacking and
     its shrunk copies'; 0 where the calibration did not pack (a profile written before it was timed prices
-    no repacking)."""
+    no repacking). ``actor_forward_s`` and ``actor_layer_s``: what the actor's forward costs per forward and
+    per layer beyond ``forward_s`` and ``layer_s`` (the scorers'), as the engine runs the actor here -- its
+    packs' bookkeeping and per-call dispatch around every packed product (``model/packed.py``: refreshed,
+    installed and removed per module per forward), its sampler -- fitted from the actor's shrunk copies
+    against the scorers' (``calibration.py::_fixed_costs``; signed); charged to forwards priced as the actor's
+    unless the profile packed and the actor runs unpacked (``Calibrated.fixed``). 0 where no copies were
+    timed (a GPU) or in a profile written before (version 4 and older)."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -88,6 +96,8 @@ class ThreadCosts:
     streaming_packed: list[tuple[float, int, float]] = field(default_factory=list)
     repack_byte_s: float = 0.0
     repack_s: float = 0.0
+    actor_forward_s: float = 0.0
+    actor_layer_s: float = 0.0
 
     @property
     def packed(self) -> bool:
@@ -222,6 +232,15 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+        if data["version"] == 4 and profile.kind == "cpu":
+            warnings.warn(
+                f"{where}: format version 4 fitted one fixed cost per forward and per layer to every role, "
+                "so the actor's forwards (its packed products' bookkeeping, its sampler: some 100 us a "
+                "forward and 35-90 us a layer more than a scorer's on the small models here) are priced low; "
+                "calibrate again (oppo-engine calibrate)",
+                UserWarning,
+                stacklevel=2,
+            )
         if data["version"] == 3 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version 3 timed no repacking of the actor's packed weights after a weight "
@@ -315,9 +334,25 @@ class Calibrated:
         c = self.profile.costs_at(threads)
         return c.token_hidden_s * shape.layers * tokens * shape.hidden + c.logit_s * logit_rows * shape.vocab
 
-    def fixed(self, shape: ModelShape, captured: bool, threads: int = 1) -> tuple[float, float]:
+    def fixed(
+        self,
+        shape: ModelShape,
+        captured: bool,
+        threads: int = 1,
+        *,
+        actor: bool = False,
+        packed: bool = False,
+    ) -> tuple[float, float]:
+        """(host seconds, launch seconds) of one forward: the fixed costs per forward and per layer, and an
+        ``actor``'s own beside them (``ThreadCosts.actor_forward_s``, ``actor_layer_s``), timed on its copies
+        as the engine runs the actor here: packed where the calibration packed, else as it is (where nothing
+        packs, an actor asked ``packed`` runs unpacked, as timed). An actor run unpacked on a profile that
+        packed (``packed_weights=False``) is priced as a scorer's: its own costs were not timed."""
         c = self.profile.costs_at(threads)
-        return c.forward_s + c.layer_s * shape.layers, 0.0
+        fixed = c.forward_s + c.layer_s * shape.layers
+        if actor and (packed or not c.packed):
+            fixed += c.actor_forward_s + c.actor_layer_s * shape.layers
+        return fixed, 0.0
 
     def host_s(self, rows: int) -> float:
         return self.host.per_forward_s + self.host.per_row_s * rows

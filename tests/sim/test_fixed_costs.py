@@ -12,6 +12,7 @@ test input, not a measurement)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -159,6 +160,74 @@ def test_the_unfitted_marks_are_decided_from_the_models_own_forwards():
     assert costs.forward_s == pytest.approx(TRUE["forward_s"], rel=1e-6)
     assert costs.layer_s == pytest.approx(TRUE["layer_s"], rel=1e-6)
     assert _fit(points, FREE_GEMMS).unfitted == {"logit_s": 0}  # as without copies
+
+
+# The actor's own fixed costs beside the scorers' (made up, in the proportions measured on ``small``'s copies:
+# 291 against 185 us a forward, 204 against 114 us a layer; ``_fixed_costs``).
+OWN = dict(actor_forward_s=6e-5, actor_layer_s=1.8e-5)
+
+
+def with_own(points, actor_forward_s=OWN["actor_forward_s"], actor_layer_s=OWN["actor_layer_s"]):
+    """``points`` with the actor's forwards each ``actor_forward_s + layers * actor_layer_s`` longer."""
+    return [
+        (shape, role, point, s + (actor_forward_s + actor_layer_s * shape.layers if role == "actor" else 0.0))
+        for shape, role, point, s in points
+    ]
+
+
+@pytest.mark.parametrize("ts", [FREE_GEMMS, TABLES], ids=["free-gemms", "gemm-tables"])
+def test_the_actors_own_fixed_costs_are_fitted_apart_from_the_scorers(ts):
+    """The engine's actor costs more per forward and per layer than a scorer of its shape (its packs'
+    bookkeeping per module, its sampler): its copies fit its own, the reward's copies the scorers', and the
+    models' other constants come out exactly with both held. Fitted together (as before), the two roles'
+    fixed costs were one average: the actor's forwards priced low, the reward's high."""
+    copies = with_own(shrunk(TINY, ts=ts, **NIL))
+    fixed = _fixed_costs(copies, ts)
+    assert fixed.forward_s == pytest.approx(TRUE["forward_s"], rel=1e-6)
+    assert fixed.layer_s == pytest.approx(TRUE["layer_s"], rel=1e-6)
+    assert fixed.actor_forward_s == pytest.approx(OWN["actor_forward_s"], rel=1e-6)
+    assert fixed.actor_layer_s == pytest.approx(OWN["actor_layer_s"], rel=1e-6)
+    new = _fit(with_own(timed(TINY, ts=ts)), ts, copies)
+    for name, value in {**TRUE, **OWN}.items():
+        assert getattr(new, name) == pytest.approx(value, rel=1e-6), name
+    assert new.fit_error < 1e-9
+
+    # One fit over both roles' copies (the rule before): between the two, neither's.
+    both = _fit_with(copies, ts, free_scale=False, fit=("forward_s", "layer_s"))
+    assert TRUE["layer_s"] < both.layer_s < TRUE["layer_s"] + OWN["actor_layer_s"]
+    assert both.fit_error > 0.05
+
+    # Copies of one role: no scorer to compare with, so no own costs; every copy fits the shared two.
+    alone = _fixed_costs(shrunk(TINY, roles=("reward", "critic"), ts=ts, **NIL), ts)
+    assert (alone.actor_forward_s, alone.actor_layer_s) == (0.0, 0.0)
+    assert alone.layer_s == pytest.approx(TRUE["layer_s"], rel=1e-6)
+
+
+def test_the_actors_own_fixed_costs_are_charged_to_its_forwards_alone():
+    """``CostModel.forward(actor=True)`` adds ``actor_forward_s + layers * actor_layer_s`` to a forward's
+    host time, the actor's as the calibration timed it (packed where it packed; where nothing packed, an
+    actor asked packed runs unpacked, as timed); a scorer's forward, and an unpacked actor on a profile that
+    packed (its own costs never timed), pay the shared fixed costs alone."""
+    from oppo_engine.sim.cost import Batch, CostModel
+
+    costs = dataclasses.replace(TABLES, forward_s=1e-4, layer_s=2e-5, **OWN)
+    packed = dataclasses.replace(costs, gemm_packed=GEMM, streaming_packed=STREAMING)
+    shape = model_shape(TINY, dtype_bytes=4, name="actor")
+    batch = Batch(((1, 40),) * 8, 8, 8)
+    own = OWN["actor_forward_s"] + shape.layers * OWN["actor_layer_s"]
+    for ts, packs in ((costs, False), (packed, True)):
+        cost = CostModel(Calibrated(Profile("t", "cpu", {1: ts}, HostCosts(0, 0, 0), 1.0)))
+        scorer = cost.forward(shape, batch, packed=packs)
+        actor = cost.forward(shape, batch, packed=packs, actor=True)
+        assert actor.host_s - scorer.host_s == pytest.approx(own, rel=1e-12)
+        assert actor.phases == scorer.phases
+        other = cost.forward(shape, batch, packed=not packs, actor=True)
+        if packs:  # an unpacked actor on a profile that packed: its own costs were not timed
+            assert other.host_s == cost.forward(shape, batch, packed=False).host_s
+        else:  # nothing packed here: an actor asked packed runs as timed, unpacked
+            assert other.host_s - cost.forward(shape, batch, packed=True).host_s == pytest.approx(
+                own, rel=1e-12
+            )
 
 
 # Llama with head_dim given apart from the hidden size, and a pad id past the shrunk vocabulary.

@@ -455,10 +455,24 @@ def test_calibrate_writes_a_profile_of_this_device_that_prices_other_models(tmp_
             benches.append(self)
 
     monkeypatch.setattr(calibration, "_RoleBench", Bench)
+    interpreted = []  # the pairs whose streamed step the interpreter penalty was fitted to
+    fit_interpreter = calibration._fit_interpreter
+
+    def record(a, r, profile):
+        interpreted.append((a, r))
+        return fit_interpreter(a, r, profile)
+
+    monkeypatch.setattr(calibration, "_fit_interpreter", record)
     try:
         profile = calibrate(actor, reward, path=path, threads=(1,))
     finally:
         torch.set_num_threads(saved)
+    # The interpreter penalty from a streamed step of the one-layer copies (mostly Python), not the models'.
+    pairs = [
+        (type(a), type(r), a.config.num_hidden_layers, r.config.num_hidden_layers) for a, r in interpreted
+    ]
+    assert pairs == [(type(actor), type(reward), 1, 1)]
+    assert interpreted[0][0] is not actor and interpreted[0][1] is not reward
     # The actor's forwards were timed as the engine runs them on the CPU: its weights packed (and used:
     # packs exist after the timed forwards); the reward's not. The packed GEMMs and streaming were timed
     # over the same grids as the unpacked ones.
