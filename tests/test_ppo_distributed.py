@@ -219,6 +219,53 @@ def test_a_batched_refusal_on_one_rank_is_every_ranks():
     assert modes == {"actor": False, "critic": True}
 
 
+CRASH = "the probe's forward crashed on rank 1"
+
+
+def _probe_crash_rank(rank: int, world_size: int, which: str) -> tuple:
+    """Rank 1's dense (or batched) probe raises an error that is not a refusal, after the probe's forwards:
+    what each rank raises, and how long its build took."""
+    import time
+
+    import torch.distributed as dist
+
+    from oppo_engine.ppo import trainer as trainer_module
+
+    name = "check_packing" if which == "dense" else "check_batched_packing"
+    real = getattr(trainer_module, name)
+
+    def probe(model, role, *args):
+        real(model, role, *args)
+        if rank == 1 and role == "actor":
+            raise RuntimeError(CRASH)
+
+    setattr(trainer_module, name, probe)
+    models = _models()
+    distributed.shard_model(models[0])
+    distributed.shard_model(models[1])
+    t0 = time.monotonic()
+    try:
+        trainer = _trainer(world_size, dist.group.WORLD, models, "sequential+20", pack_attention=which)
+    except RuntimeError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    trainer.close()
+    return "built", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("which", ["dense", "batched"])
+def test_a_probe_crash_on_one_rank_raises_on_every_rank_without_waiting(which: str):
+    """A probe's error that is not a refusal (here a RuntimeError on rank 1, after the probe's collective
+    forwards) reaches every rank through the probes' agreement: rank 1 raises its own error, rank 0 an
+    error naming rank 1's, both long before the group's 45 s timeout. Before, rank 0 was left in the
+    agreement's all-gather: here it got gloo's "Connection closed by peer" once rank 1's process ended, and
+    where that rank lives on (a script that catches the error) it waits out the timeout."""
+    outcomes = run_ranks(_probe_crash_rank, 2, which, timeout_s=240, pg_timeout_s=45)
+    (kind0, message0, seconds0), (kind1, message1, seconds1) = outcomes
+    assert (kind1, message1) == ("RuntimeError", CRASH)
+    assert kind0 == "RuntimeError" and "rank 1 of the group failed" in message0 and CRASH in message0
+    assert max(seconds0, seconds1) < 30, (seconds0, seconds1)
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     """One 2-rank job for every test here (spawning ranks costs more than their PPO steps)."""

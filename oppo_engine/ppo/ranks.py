@@ -98,16 +98,33 @@ def check_same_on_ranks(settings: dict, group) -> None:
         )
 
 
-def refusals_on_any_rank(reasons: dict[str, str], group) -> dict[str, str]:
+def refusals_on_any_rank(reasons: dict[str, str], group, failure: Exception | None = None) -> dict[str, str]:
     """Per key of ``reasons`` (why this rank refuses it; ``""``: it does not), the refusal of the first rank
     of ``group`` that gives one (``""`` where none does), the same on every rank: a refusal on one rank is a
     refusal on all, so every rank takes the same path. ``reasons`` itself without a group; collective (one
-    all-gather)."""
+    all-gather).
+
+    ``failure``: an error this rank's probe raised that is not a refusal (a crash, not a verdict). It is
+    shared in the same all-gather and raised after it: on this rank as itself, on every other rank as a
+    ``RuntimeError`` naming the rank and the error. A rank raising it alone would leave the others waiting
+    in this all-gather until the group's timeout."""
     if group is None:
+        if failure is not None:
+            raise failure
         return dict(reasons)
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, reasons, group=group)
-    return {key: next((other[key] for other in everyone if other.get(key)), "") for key in reasons}
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    dist.all_gather_object(everyone, (reasons, mine), group=group)
+    if failure is not None:
+        raise failure
+    failed = [(rank, error) for rank, (_, error) in enumerate(everyone) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        raise RuntimeError(
+            f"rank {rank} of the group failed in a probe every rank runs ({error}); raised here too, "
+            "rather than left waiting in the group's next collective"
+        )
+    return {key: next((other[key] for other, _ in everyone if other.get(key)), "") for key in reasons}
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:

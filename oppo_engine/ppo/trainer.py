@@ -231,6 +231,7 @@ class PPOTrainer:
                     self._pack_attention_modes()  # the batched probes ("batched": a refusal raises here)
                 if cfg.pack_attention != "batched":
                     dense = {}  # the dense probes' refusals ("" for none): every rank probes both models
+                    failure = None  # a probe's error that is not a refusal: raised once every rank knows it
                     for role, model, forward in (
                         ("actor", actor, _pack_logprobs),
                         ("critic", critic, pack_values),
@@ -240,9 +241,12 @@ class PPOTrainer:
                             dense[role] = ""
                         except ValueError as e:
                             dense[role] = str(e)
+                        except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
+                            failure, dense[role] = failure or e, ""
                     # NOTE: any rank's refusal is every rank's, agreed before any rank raises: a rank raising
                     # (or later refusing the dense fallback) alone would leave the others in a collective.
-                    for role, reason in ranks.refusals_on_any_rank(dense, process_group).items():
+                    agreed = ranks.refusals_on_any_rank(dense, process_group, failure)
+                    for role, reason in agreed.items():
                         if not reason:
                             continue
                         # "auto" with the batched attention verified needs the dense mask only if the
@@ -250,7 +254,7 @@ class PPOTrainer:
                         if cfg.pack_attention != "auto" or self._batched_refusal[role]:
                             raise ValueError(reason)
                         self._dense_refusal[role] = reason
-            except ValueError:
+            except Exception:  # a refusal, or a probe's failure on this rank or another: nothing left running
                 self.engine.close()
                 raise
         self._share_prefix = False  # the update computes each minibatch's common prompt prefix once
@@ -408,17 +412,20 @@ class PPOTrainer:
         if cfg.pack_attention == "dense" or cfg.max_tokens_per_microbatch is None:
             return dict.fromkeys(models, False)
         if not self._batched_refusal:
+            refusals, failure = {}, None
             for role, (model, forward) in models.items():
                 try:
                     check_batched_packing(
                         model, role, self._probe_prompt, forward, cfg.max_tokens_per_microbatch
                     )
-                    self._batched_refusal[role] = ""
+                    refusals[role] = ""
                 except ValueError as e:
-                    self._batched_refusal[role] = str(e)
+                    refusals[role] = str(e)
+                except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
+                    failure, refusals[role] = failure or e, ""
             # Every rank must plan its packs alike (and run as many forwards): any rank's refusal is every
-            # rank's, agreed before any rank acts on it (as the dense probes' are).
-            self._batched_refusal = ranks.refusals_on_any_rank(self._batched_refusal, self.group)
+            # rank's, agreed before any rank acts on it (as the dense probes' are); so is a probe's failure.
+            self._batched_refusal = ranks.refusals_on_any_rank(refusals, self.group, failure)
             for role, reason in self._batched_refusal.items():
                 if reason and cfg.pack_attention == "auto":
                     logger.info("PPOConfig.pack_attention='auto': %s's packs stay dense: %s", role, reason)
