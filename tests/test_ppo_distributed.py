@@ -266,6 +266,23 @@ def test_a_probe_crash_on_one_rank_raises_on_every_rank_without_waiting(which: s
     assert max(seconds0, seconds1) < 30, (seconds0, seconds1)
 
 
+def test_a_probe_failure_is_shared_unless_the_group_is_broken():
+    """A probe's own error goes through the agreement; a collective's failure is raised at once (the group
+    is broken, and the agreement's all-gather would only wait on it); without a group the error is raised
+    as itself."""
+    import torch.distributed as dist
+
+    from oppo_engine.ppo import ranks
+
+    assert ranks.shared_failure(RuntimeError("out of memory"))
+    assert not ranks.shared_failure(dist.DistBackendError("peer gone"))
+    crash = RuntimeError(CRASH)
+    with pytest.raises(RuntimeError) as raised:
+        ranks.refusals_on_any_rank({"actor": ""}, None, crash)
+    assert raised.value is crash
+    assert ranks.refusals_on_any_rank({"actor": "no", "critic": ""}, None) == {"actor": "no", "critic": ""}
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     """One 2-rank job for every test here (spawning ranks costs more than their PPO steps)."""

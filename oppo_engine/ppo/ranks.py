@@ -98,6 +98,14 @@ def check_same_on_ranks(settings: dict, group) -> None:
         )
 
 
+def shared_failure(error: Exception) -> bool:
+    """Whether a probe's ``error`` goes to the other ranks through ``refusals_on_any_rank`` (an error of
+    this rank's own work), rather than raised at once: a collective's failure (``torch.distributed``'s
+    ``DistError``: a peer gone, a timeout) means the group is broken, and the agreement's all-gather
+    would only wait on it."""
+    return not isinstance(error, dist.DistError)
+
+
 def refusals_on_any_rank(reasons: dict[str, str], group, failure: Exception | None = None) -> dict[str, str]:
     """Per key of ``reasons`` (why this rank refuses it; ``""``: it does not), the refusal of the first rank
     of ``group`` that gives one (``""`` where none does), the same on every rank: a refusal on one rank is a

@@ -241,7 +241,9 @@ class PPOTrainer:
                             dense[role] = ""
                         except ValueError as e:
                             dense[role] = str(e)
-                        except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
+                        except Exception as e:  # shared with the other ranks, then raised
+                            if not ranks.shared_failure(e):
+                                raise
                             failure, dense[role] = failure or e, ""
                     # NOTE: any rank's refusal is every rank's, agreed before any rank raises: a rank raising
                     # (or later refusing the dense fallback) alone would leave the others in a collective.
@@ -421,7 +423,9 @@ class PPOTrainer:
                     refusals[role] = ""
                 except ValueError as e:
                     refusals[role] = str(e)
-                except Exception as e:  # noqa: BLE001 -- shared with the other ranks, then raised
+                except Exception as e:  # shared with the other ranks, then raised
+                    if not ranks.shared_failure(e):
+                        raise
                     failure, refusals[role] = failure or e, ""
             # Every rank must plan its packs alike (and run as many forwards): any rank's refusal is every
             # rank's, agreed before any rank acts on it (as the dense probes' are); so is a probe's failure.
