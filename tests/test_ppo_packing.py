@@ -231,6 +231,31 @@ def test_bad_packing_settings_are_refused_at_build():
         make_trainer((tokenizer, actor, critic, reference, reward, prompts), max_tokens_per_microbatch=64)
 
 
+@pytest.mark.parametrize("probe", ["check_packing", "check_batched_packing"])
+def test_a_probe_that_fails_at_build_closes_the_engine(monkeypatch, probe: str):
+    """A packing probe that fails rather than refuses (an error other than ValueError) raises as itself,
+    and the engine the trainer built is closed (it was left running: only a refusal closed it)."""
+    from oppo_engine import engine as engine_module
+    from oppo_engine.ppo import trainer as trainer_module
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("the probe crashed")
+
+    closed = []
+    real_close = engine_module.RolloutEngine.close
+
+    def close(self):
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(trainer_module, probe, crash)
+    monkeypatch.setattr(engine_module.RolloutEngine, "close", close)
+    pack_attention = "dense" if probe == "check_packing" else "batched"
+    with pytest.raises(RuntimeError, match="the probe crashed"):
+        make_trainer(ppo_models(), max_tokens_per_microbatch=64, pack_attention=pack_attention)
+    assert len(closed) == 1 and closed[0]._closed
+
+
 @pytest.mark.parametrize("budget", [None, 64])
 def test_one_lora_ppo_step_trains_the_adapters_and_the_value_head(budget):
     """PEFT-wrapped actor and critic (LoRA): the trainer's forwards unwrap them as the engine does; the
