@@ -52,7 +52,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from bench import bench_sampler
 from bench.baselines import hf_generate
 from bench.workloads import PAD_TOKEN_ID, build_models
-from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
+from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 
@@ -358,7 +358,8 @@ def bench_smollm2(
 ) -> dict[int, dict[str, float]]:
     """The engine (eager, packed weights, the exact fusions: "engine") against HF ``generate`` on
     SmolLM2-135M-Instruct at each batch size, with the ``arms`` beside it ("unpacked": without packed
-    weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``; "ungrouped": every
+    weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``; "unfused_silu": the MLPs'
+    SiLU and product as torch's two ops on copies of the halves (``ops.silu_mul`` off); "ungrouped": every
     projection alone, ``PackedLinears.grouping`` off), all alternating: tok/s
     from the fastest of ``repeats`` rounds, the step time beside the roofline."""
     from oppo_engine.pretrained import load_pretrained
@@ -385,12 +386,15 @@ def bench_smollm2(
         for engine in engines.values():
             run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
         run_hf(actor, prompts[:2], 4)
+        silu_mul = ops.SILU_MUL_AVAILABLE
         times: dict[str, list[float]] = {name: [] for name in (*engines, "hf")}
         cpu: dict[str, list[float]] = {name: [] for name in times}
         loads = []
         for _ in range(repeats):
             for name in times:
                 packs = actor_runner_of(engines[name]).packed if name != "hf" else None
+                # "unfused_silu": the MLPs' SiLU and product as torch's two ops (ops.silu_mul off)
+                ops.SILU_MUL_AVAILABLE = silu_mul and not name.startswith("unfused_silu")
                 grouping = not name.startswith("ungrouped")  # "ungrouped": PackedLinears.grouping off
                 if packs is not None and packs.grouping != grouping:
                     packs.grouping = grouping
@@ -405,6 +409,7 @@ def bench_smollm2(
                 assert tokens == batch * (short if name.endswith("@short") else new_tokens), (name, tokens)
                 times[name].append(elapsed)
             loads.append(os.getloadavg()[0])
+        ops.SILU_MUL_AVAILABLE = silu_mul
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
         measured = measure_roofline(dtype)
@@ -492,7 +497,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument(
         "--arms",
         nargs="*",
-        choices=["unpacked", "unfused", "ungrouped"],
+        choices=["unpacked", "unfused", "unfused_silu", "ungrouped"],
         default=["unpacked"],
         help="--model: the engine variants run beside the engine and HF",
     )

@@ -2,6 +2,7 @@
 // registered in Python (oppo_engine/ops.py) so torch.compile and opcheck can trace the ops.
 #include <torch/library.h>
 
+#include "act_ops.h"
 #include "attention.h"
 #include "cache_ops.h"
 #include "norm_ops.h"
@@ -37,6 +38,12 @@ TORCH_LIBRARY(oppo, m) {
   m.def(
       "rotary_and_cache(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, int layer) -> Tensor");
+  // gate/up: [..., W] fp32/bf16, last dim contiguous, rows evenly spaced (a grouped product's halves), W % 16
+  // == 0. silu(gate) * up, bit for bit what torch's vector loops give (act_cpu.cpp); the caller checks that
+  // torch's own loop would take its vector path for every element (ops.silu_mul_exact). CPU with AVX-512.
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  // Whether this build and CPU run silu_mul.
+  m.def("silu_mul_available() -> bool", &oppo::silu_mul_available);
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
@@ -46,6 +53,7 @@ TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("sample", &oppo::sample_cpu);
   m.impl("rms_norm", &oppo::rms_norm_cpu);
   m.impl("rotary_and_cache", &oppo::rotary_and_cache_cpu);
+  m.impl("silu_mul", &oppo::silu_mul_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA

@@ -87,6 +87,11 @@ def _rms_norm_fake(x, weight, eps):  # noqa: ARG001
     return torch.empty_like(x)
 
 
+@torch.library.register_fake("oppo::silu_mul")
+def _silu_mul_fake(gate, up):  # noqa: ARG001
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
 @torch.library.register_fake("oppo::rotary_and_cache")
 def _rotary_and_cache_fake(q, k, v, cos, sin, kv_cache, slot_mapping, layer):  # noqa: ARG001
     return torch.empty_like(q)
@@ -286,6 +291,48 @@ def rotary_and_cache(
     written into ``kv_cache`` at ``slot_mapping`` as :func:`reshape_and_cache` writes them, and the rotated
     ``q`` is returned. CPU float32 or bfloat16, one op (``oppo_engine/model/fused.py``)."""
     return torch.ops.oppo.rotary_and_cache(q, k, v, cos, sin, kv_cache, slot_mapping, layer)
+
+
+# torch's elementwise loops (TensorIterator's for_each) run below this many elements on the calling thread,
+# from it in chunks split evenly over the intra-op threads (at::internal::GRAIN_SIZE; ATen/ParallelOpenMP.h).
+_TORCH_GRAIN = 32768
+# Whether silu_mul runs here and its lanes are torch's: the extension's AVX-512 routine, and torch running
+# its own AVX-512 kernels (its vector SiLU calls the same Sleef exp on 16 lanes).
+SILU_MUL_AVAILABLE: bool = bool(torch.ops.oppo.silu_mul_available()) and (
+    torch.backends.cpu.get_cpu_capability() == "AVX512"
+)
+
+
+def silu_mul_exact(rows: int, width: int, dtype: torch.dtype, threads: int | None = None) -> bool:
+    """Whether :func:`silu_mul` over ``[rows, width]`` operands is bit for bit torch's
+    ``F.silu(gate) * up`` on contiguous ones: torch's SiLU loop over the ``rows * width`` elements must take
+    its vector path for every element, that is each of its chunks (one below ``_TORCH_GRAIN`` elements, else
+    one per thread: checked for every team size up to ``threads``, default torch's) a multiple of its
+    two-vector step (64 bf16 or 32 float32 elements); the remainder of a chunk goes through a scalar
+    ``std::exp``, which rounds otherwise. The multiply rounds alike either way."""
+    if not SILU_MUL_AVAILABLE or dtype not in (torch.float32, torch.bfloat16) or width % 16 or rows < 1:
+        return False
+    step = 64 if dtype == torch.bfloat16 else 32
+    numel = rows * width
+    if numel % step:
+        return False
+    threads = torch.get_num_threads() if threads is None else threads
+    if numel < _TORCH_GRAIN:
+        return True
+    for team in range(2, max(1, threads) + 1):
+        tasks = min(team, -(-numel // _TORCH_GRAIN))
+        chunk = -(-numel // tasks)
+        if any(min(chunk, numel - t * chunk) % step for t in range(tasks) if t * chunk < numel):
+            return False
+    return True
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` in one op, bit for bit where :func:`silu_mul_exact` says so (the caller checks):
+    ``gate``/``up [..., W]`` CPU float32 or bfloat16 of one shape, each with its last dim contiguous and its
+    rows evenly spaced (the two halves of a grouped gate|up product, without copying them), ``W % 16 == 0``.
+    Returns a contiguous tensor. No autograd (``oppo_engine/model/fused.py``)."""
+    return torch.ops.oppo.silu_mul(gate, up)
 
 
 def sample(

@@ -158,7 +158,7 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
     products included) as with HF's own modules."""
     batch = prompts((2, 5, 8, 11, 13, 16), seed=5)
     actor = build_actor(name, dtype=dtype)
-    calls = {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0}
+    calls = {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0}
 
     def counted(op, real):
         def call(*args):
@@ -167,7 +167,7 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
 
         return call
 
-    for op in ("rms_norm", "rotary_and_cache"):
+    for op in ("rms_norm", "rotary_and_cache", "silu_mul"):
         monkeypatch.setattr(ops, op, counted(op, getattr(ops, op)))
     real_grouped = packed.PackedLinears.grouped
 
@@ -182,14 +182,121 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
         assert calls["rms_norm"], "the fused norm never ran"
         assert calls["rotary_and_cache"] or name != "llama", "the fused attention never ran"
         assert calls["grouped"], "no grouped product ran (the MLPs' gate and up, Llama's q, k and v)"
-        calls.update(rms_norm=0, rotary_and_cache=0, grouped=0)
+        # Their MLPs' 96 columns: every float32 product and the even-row bf16 ones take the fused SiLU (the
+        # odd-row bf16 ones are torch's two ops: silu_mul_exact), so both paths run here.
+        assert calls["silu_mul"] or not ops.SILU_MUL_AVAILABLE, "the fused SiLU and product never ran"
+        calls.update(rms_norm=0, rotary_and_cache=0, grouped=0, silu_mul=0)
         with monkeypatch.context() as m:
             m.setattr(fused, "is_llama_rms_norm", lambda module: False)
             m.setattr(fused, "is_llama_attention", lambda module: False)
             m.setattr(fused, "is_llama_mlp", lambda module: False)
             without = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
-        assert calls == {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0}
+        assert calls == {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0}
         assert with_fusion == without
+
+
+# -- The MLP's SiLU and product in one op ---------------------------------------------------------------
+
+needs_silu_mul = pytest.mark.skipif(not ops.SILU_MUL_AVAILABLE, reason="silu_mul needs torch's AVX-512 kernels")
+
+
+def grouped_halves(rows: int, width: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two halves of a [1, rows, 2 * width] product, as ``packed.grouped`` returns them (strided rows):
+    values from 1e-3 to 1e3 in magnitude, with zeros, infinities, NaNs, subnormals and exp's overflow edge."""
+    y = random_rows((1, rows, 2 * width), torch.float32, seed) * 8
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 88.7, -88.7, -104.0])
+    flat = y.view(-1)
+    flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[: special.numel()]] = special
+    gate, up = y.to(dtype).split(width, dim=-1)
+    return gate, up
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@needs_silu_mul
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_mul_equals_torchs_silu_and_product_bit_for_bit(dtype, threads):
+    """Wherever ``silu_mul_exact`` says so (rows of decodes and prefills, widths of real MLPs), the fused op on
+    the grouped product's halves in place is bitwise ``F.silu(gate) * up`` on contiguous copies, NaNs
+    included (compared as bits); and it says so for SmolLM2's 1536 columns at every row count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        checked = 0
+        for width in (16, 96, 704, 1536, 2816):
+            for rows in (1, 2, 3, 8, 17, 22, 23, 47, 48, 64, 100, 257):
+                if not ops.silu_mul_exact(rows, width, dtype):
+                    continue
+                gate, up = grouped_halves(rows, width, dtype, seed=rows * 7 + width)
+                out = ops.silu_mul(gate, up)
+                ref = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
+                assert out.is_contiguous() and out.shape == ref.shape
+                assert torch.equal(bits(out), bits(ref)), (width, rows)
+                checked += 1
+        assert checked >= 40
+        assert all(ops.silu_mul_exact(rows, 1536, dtype) for rows in range(1, 300))
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_silu_mul
+def test_silu_mul_exact_declines_where_torchs_loop_takes_its_scalar_tail():
+    """Where torch's SiLU loop leaves a chunk's tail to its scalar ``std::exp`` (an odd row count over two
+    threads' chunks of 704 columns, a width off the vector step), ``silu_mul_exact`` declines: there the fused
+    op's lanes differ from torch in the last bit (found here in float32), so the check is what keeps it exact."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert not ops.silu_mul_exact(47, 704, torch.bfloat16)  # two chunks of 16,544 elements
+        assert not ops.silu_mul_exact(3, 80, torch.bfloat16)  # 240 elements: not a multiple of 64
+        assert not ops.silu_mul_exact(1, 8, torch.float32)  # not a multiple of the 16 lanes
+        # float32 steps are 32 elements: rows x 48 columns over one chunk leave 16 to the scalar tail.
+        assert not ops.silu_mul_exact(1, 48, torch.float32)
+        differs = 0
+        for seed in range(4):
+            gate, up = grouped_halves(1, 48, torch.float32, seed)
+            gate, up = gate * 0.25, up  # moderate arguments: where Sleef's and libm's exp disagree in the last bit
+            ref = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
+            differs += int((bits(ops.silu_mul(gate, up)) != bits(ref)).sum())
+        assert differs > 0
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_silu_mul_refuses_what_it_does_not_compute():
+    x = torch.randn(2, 32)
+    if not ops.SILU_MUL_AVAILABLE and not torch.ops.oppo.silu_mul_available():
+        with pytest.raises(ValueError, match="AVX-512"):
+            ops.silu_mul(x, x)
+        return
+    with pytest.raises(ValueError, match="one shape"):
+        ops.silu_mul(x, torch.randn(2, 16))
+    with pytest.raises(ValueError, match="float32 or both bfloat16"):
+        ops.silu_mul(x, x.double())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.silu_mul(torch.randn(2, 24), torch.randn(2, 24))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.silu_mul(torch.randn(32, 2).t(), torch.randn(32, 2).t())
+    with pytest.raises(ValueError, match="evenly spaced"):
+        y = torch.randn(4, 3, 64)[:, :2]  # rows 0,1 of each block of 3: uneven spacing
+        ops.silu_mul(y, y)
+
+
+def test_only_silu_activations_are_fused():
+    from transformers.activations import ACT2FN
+
+    assert fused.is_silu(ACT2FN["silu"]) and fused.is_silu(torch.nn.SiLU())
+    assert not fused.is_silu(torch.nn.SiLU(inplace=True))
+    assert not fused.is_silu(ACT2FN["gelu"]) and not fused.is_silu(torch.nn.GELU())
+    hooked = torch.nn.SiLU()
+    hooked.register_forward_hook(lambda *a: None)
+    assert not fused.is_silu(hooked)
+    own = torch.nn.SiLU()
+    own.forward = lambda x: x
+    assert not fused.is_silu(own)
 
 
 # -- Llama's attention: the rotary embedding and the cache write in one op ------------------------------

@@ -25,7 +25,11 @@ log-probs are those of HF's modules (``tests/test_fused.py``).
 - **The Llama-form MLP** (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, ``LLAMA_MLP_FORWARD``: Llama,
   Qwen2, Mistral, ... share it): its gate and up projections run as one product over their stacked packed
   weights where the packed weights have that group (``packed.grouped``, bitwise the two products), and the
-  fused attention does the same for its q, k and v projections; the module's own forward elsewhere.
+  fused attention does the same for its q, k and v projections; the module's own forward elsewhere. Where
+  its ``act_fn`` is SiLU (``is_silu``), the SiLU and the product run as one op on the grouped product's two
+  halves in place (``ops.silu_mul``), wherever that is bitwise torch's two ops (``ops.silu_mul_exact``: torch
+  runs its AVX-512 kernels and its SiLU loop would take its vector path for every element); torch's two ops on
+  contiguous copies of the halves elsewhere.
 
 The replacements are installed for the duration of the runner's forward as instance attributes (as the
 packed weights are, ``model/packed.py``) and act only on the threads running such a forward: the same
@@ -45,6 +49,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from oppo_engine import ops
 from oppo_engine.model import attention, packed
@@ -129,6 +134,12 @@ def forward(self, x):
     down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
     return down_proj
 """
+# transformers' SiLUActivation's forward (ACT2FN["silu"], as of 5.x): an MLP whose act_fn reads so, or is
+# ``nn.SiLU``, has its SiLU and product fused (``ops.silu_mul``) where that is bitwise the two ops.
+SILU_ACTIVATION_FORWARD = """\
+def forward(self, input: Tensor) -> Tensor:
+    return nn.functional.silu(input)
+"""
 _LLAMA_MODULE = "transformers.models.llama.modeling_llama"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -192,6 +203,21 @@ def is_llama_mlp(module: nn.Module) -> bool:
         and all(isinstance(getattr(module, n, None), nn.Module) for n in _MLP_PROJECTIONS)
         and callable(getattr(module, "act_fn", None))
     )
+
+
+def is_silu(act: object) -> bool:
+    """Whether the activation module ``act`` computes ``F.silu`` as its own forward: ``nn.SiLU`` (not in
+    place) or transformers' ``SiLUActivation`` whose forward reads ``SILU_ACTIVATION_FORWARD`` (not swapped for
+    a hub kernel), with no instance ``forward`` and no forward hooks (nor global ones), which only its own call
+    would run."""
+    if not isinstance(act, nn.Module) or "forward" in act.__dict__ or act._forward_hooks or act._forward_pre_hooks:
+        return False
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    cls = type(act)
+    if cls is nn.SiLU:
+        return not act.inplace
+    return cls.__name__ == "SiLUActivation" and _reads_as("silu", cls, SILU_ACTIVATION_FORWARD)
 
 
 def _reads_as_llama_attention(cls: type) -> bool:
@@ -337,6 +363,10 @@ def _fused_mlp_forward(fused: FusedModules, module: nn.Module):
             gate_up = packed.grouped((module.gate_proj, module.up_proj), x)
         if gate_up is None:
             return own(module, x)
+        gate, up = gate_up
+        width = gate.shape[-1]
+        if is_silu(module.act_fn) and ops.silu_mul_exact(gate.numel() // max(1, width), width, gate.dtype):
+            return module.down_proj(ops.silu_mul(gate, up))  # on the halves in place, bitwise the two ops
         # Contiguous, as the members' own products are: an elementwise op over a view whose rows are strided
         # takes each row's tail through its scalar path, which rounds otherwise (SiLU's exp).
         gate, up = (t.contiguous() for t in gate_up)
