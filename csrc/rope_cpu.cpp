@@ -19,15 +19,18 @@ namespace oppo {
 
 namespace {
 
+// x: [tokens, heads, dim] with strides (x_token, x_head, 1) (a view of a grouped q|k|v product qualifies);
+// out: the same shape, contiguous.
 template <typename T>
-void rotate(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t dim) {
+void rotate(const T* x, int64_t x_token, int64_t x_head, const T* cos, const T* sin, T* out, int64_t tokens,
+            int64_t heads, int64_t dim) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cos + t * dim;
       const T* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + (t * heads + h) * dim;
+        const T* xr = x + t * x_token + h * x_head;
         T* o = out + (t * heads + h) * dim;
         for (int64_t i = 0; i < half; ++i) {
           const float a = widen(narrow<T>(widen(xr[i]) * widen(c[i])));
@@ -45,8 +48,8 @@ void rotate(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int6
 }
 
 void check_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const char* name) {
-  TORCH_CHECK_VALUE(x.dim() == 3 && x.is_contiguous(), "rotary_and_cache: ", name, " must be a contiguous [T, H, D], got ",
-                    x.sizes());
+  TORCH_CHECK_VALUE(x.dim() == 3 && (x.size(2) <= 1 || x.stride(2) == 1), "rotary_and_cache: ", name,
+                    " must be a [T, H, D] whose last dim is contiguous, got ", x.sizes(), " with strides ", x.strides());
   TORCH_CHECK_VALUE(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
                         cos.size(1) == x.size(2) && cos.is_contiguous() && sin.is_contiguous(),
                     "rotary_and_cache: cos and sin must be contiguous [T, D] matching ", name, " ", x.sizes(),
@@ -60,16 +63,17 @@ void check_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 }
 
 at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  auto out = at::empty_like(x);
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) {
     return out;
   }
   if (x.scalar_type() == at::kFloat) {
-    rotate(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
-           x.size(1), x.size(2));
+    rotate(x.const_data_ptr<float>(), x.stride(0), x.stride(1), cos.const_data_ptr<float>(),
+           sin.const_data_ptr<float>(), out.mutable_data_ptr<float>(), x.size(0), x.size(1), x.size(2));
   } else {
-    rotate(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
-           out.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.size(2));
+    rotate(x.const_data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), cos.const_data_ptr<c10::BFloat16>(),
+           sin.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>(), x.size(0), x.size(1),
+           x.size(2));
   }
   return out;
 }

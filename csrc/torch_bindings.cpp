@@ -32,7 +32,8 @@ TORCH_LIBRARY(oppo, m) {
   // x: [..., H] contiguous fp32/bf16; weight: [H], x's dtype. HF's Llama-form RMSNorm of x, bit for bit:
   // weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype) (norm_cpu.cpp). CPU only.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  // q: [T, Hq, D], k/v: [T, Hkv, D], cos/sin: [T, D], one dtype (fp32/bf16). HF's rotary embedding of q and
+  // q: [T, Hq, D], k/v: [T, Hkv, D] (each with its last dim contiguous; tokens and heads may be strided, as
+  // views of a grouped q|k|v product are), cos/sin: [T, D] contiguous, one dtype (fp32/bf16). HF's rotary embedding of q and
   // k, bit for bit (q * cos + rotate_half(q) * sin, each op rounded); writes the rotated k and v into the
   // cache as reshape_and_cache does and returns the rotated q (rope_cpu.cpp). CPU only.
   m.def(

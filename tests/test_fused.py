@@ -337,11 +337,19 @@ def test_rotary_and_cache_equals_hf_rotary_and_cache_write_bit_for_bit(dtype, he
     slots = torch.randperm(cache.shape[0] * page_size, generator=g)[:tokens]
     slots[::7] = -1  # skipped tokens
     want_q, want_k = hf_rotary(q, k, cos, sin)
-    want_cache = cache.clone()
+    want_cache, initial = cache.clone(), cache.clone()
     ops.reshape_and_cache(want_k, v, want_cache, slots, 1)
     got_q = ops.rotary_and_cache(q, k, v, cos, sin, cache, slots, 1)
     assert torch.equal(got_q, want_q)
     assert torch.equal(cache, want_cache)
+    # The same q, k and v as views of one grouped [T, (4 + 2 + 2) * D] product (rows strided, as the fused
+    # attention passes them): the same bits, read in place; the rotated q comes back contiguous.
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    views = [t.view(tokens, -1, head_dim) for t in qkv.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=1)]
+    assert not views[0].is_contiguous()
+    got_q = ops.rotary_and_cache(*views, cos, sin, initial, slots, 1)
+    assert got_q.is_contiguous() and torch.equal(got_q, want_q)
+    assert torch.equal(initial, want_cache)
 
 
 def test_rotary_and_cache_refuses_what_it_does_not_compute():
@@ -358,6 +366,8 @@ def test_rotary_and_cache_refuses_what_it_does_not_compute():
                              sin[:, :7].contiguous(), cache, slots, 0)  # fmt: skip
     with pytest.raises(ValueError, match="layer"):
         ops.rotary_and_cache(q, k, k, cos, sin, cache, slots, 5)
+    with pytest.raises(ValueError, match="last dim is contiguous"):
+        ops.rotary_and_cache(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, cos, sin, cache, slots, 0)
 
 
 def test_only_llamas_own_attention_is_fused():

@@ -331,7 +331,8 @@ def _fused_attention_forward(fused: FusedModules, module: nn.Module):
         # The projections are looked up at every call (an adapter library may have wrapped them since).
         projections = (module.q_proj, module.k_proj, module.v_proj)
         qkv = packed.grouped(projections, hidden_states) or [p(hidden_states) for p in projections]
-        q, k, v = (t.contiguous().view(num_tokens, -1, head_dim) for t in qkv)  # rotary_and_cache's layout
+        # [T, H, D] views, rows strided where the product was grouped: rotary_and_cache reads them in place
+        q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv)
         q = ops.rotary_and_cache(q, k, v, cos[0], sin[0], meta.kv_cache, meta.slot_mapping, layer)
         out = ops.paged_attention(
             q,
