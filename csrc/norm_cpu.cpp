@@ -24,36 +24,85 @@ namespace {
 // Rows per parallel chunk: the elementwise loops are cheap, so only a prefill's rows are split.
 constexpr int64_t kRowGrain = 64;
 
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// The row loops are built for AVX-512 and for this file's baseline (AVX2), the loader picking one for this CPU
+// (ifunc): 16 lanes where the CPU has them. Each lane's arithmetic is the same single rounding, so the clones
+// give the same bits.
+#define OPPO_NORM_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
+#else
+#define OPPO_NORM_CLONES
+#endif
+
+template <typename T>
+inline __attribute__((always_inline)) void square_row(const T* xr, float* sr, int64_t hidden) {
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float h = widen(xr[i]);
+    sr[i] = h * h;  // pow(h, 2) is h * h in torch's kernel
+  }
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void scale_row(const T* xr, const T* w, float inv, T* outr, int64_t hidden) {
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float h = widen(xr[i]) * inv;
+    // h.to(dtype), then weight * h: a bf16 product is taken in float32 and rounded once to bf16.
+    outr[i] = narrow<T>(widen(w[i]) * widen(narrow<T>(h)));
+  }
+}
+
+// The rows [begin, end) of each pass, per dtype (target_clones takes no templates).
+OPPO_NORM_CLONES void square_f32(const float* x, float* sq, int64_t begin, int64_t end, int64_t hidden) {
+  for (int64_t r = begin; r < end; ++r) {
+    square_row(x + r * hidden, sq + r * hidden, hidden);
+  }
+}
+OPPO_NORM_CLONES void square_bf16(const c10::BFloat16* x, float* sq, int64_t begin, int64_t end, int64_t hidden) {
+  for (int64_t r = begin; r < end; ++r) {
+    square_row(x + r * hidden, sq + r * hidden, hidden);
+  }
+}
+
+// torch.rsqrt(variance + eps): the sum rounded, then 1 / sqrt(.) (torch's rsqrt, scalar and vector).
+inline __attribute__((always_inline)) float inv_rms(float variance, float eps) {
+  const float denom = variance + eps;
+  return 1.0f / std::sqrt(denom);
+}
+
+OPPO_NORM_CLONES void scale_f32(const float* x, const float* w, const float* variance, float eps, float* out,
+                                int64_t begin, int64_t end, int64_t hidden) {
+  for (int64_t r = begin; r < end; ++r) {
+    scale_row(x + r * hidden, w, inv_rms(variance[r], eps), out + r * hidden, hidden);
+  }
+}
+OPPO_NORM_CLONES void scale_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const float* variance, float eps,
+                                 c10::BFloat16* out, int64_t begin, int64_t end, int64_t hidden) {
+  for (int64_t r = begin; r < end; ++r) {
+    scale_row(x + r * hidden, w, inv_rms(variance[r], eps), out + r * hidden, hidden);
+  }
+}
+
+inline void square_range(const float* x, float* sq, int64_t b, int64_t e, int64_t h) { square_f32(x, sq, b, e, h); }
+inline void square_range(const c10::BFloat16* x, float* sq, int64_t b, int64_t e, int64_t h) {
+  square_bf16(x, sq, b, e, h);
+}
+inline void scale_range(const float* x, const float* w, const float* v, float eps, float* out, int64_t b, int64_t e,
+                        int64_t h) {
+  scale_f32(x, w, v, eps, out, b, e, h);
+}
+inline void scale_range(const c10::BFloat16* x, const c10::BFloat16* w, const float* v, float eps,
+                        c10::BFloat16* out, int64_t b, int64_t e, int64_t h) {
+  scale_bf16(x, w, v, eps, out, b, e, h);
+}
+
 template <typename T>
 void square_rows(const T* x, float* sq, int64_t rows, int64_t hidden) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * hidden;
-      float* sr = sq + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float h = widen(xr[i]);
-        sr[i] = h * h;  // pow(h, 2) is h * h in torch's kernel
-      }
-    }
-  });
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) { square_range(x, sq, begin, end, hidden); });
 }
 
 template <typename T>
 void scale_rows(const T* x, const T* w, const float* variance, float eps, T* out, int64_t rows, int64_t hidden) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      // torch.rsqrt(variance + eps): the sum rounded, then 1 / sqrt(.) (torch's rsqrt, scalar and vector).
-      const float denom = variance[r] + eps;
-      const float inv = 1.0f / std::sqrt(denom);
-      const T* xr = x + r * hidden;
-      T* outr = out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float h = widen(xr[i]) * inv;
-        // h.to(dtype), then weight * h: a bf16 product is taken in float32 and rounded once to bf16.
-        outr[i] = narrow<T>(widen(w[i]) * widen(narrow<T>(h)));
-      }
-    }
-  });
+  at::parallel_for(0, rows, kRowGrain,
+                   [&](int64_t begin, int64_t end) { scale_range(x, w, variance, eps, out, begin, end, hidden); });
 }
 
 }  // namespace
