@@ -290,7 +290,8 @@ def rotary_and_cache(
     (``x * cos + rotate_half(x) * sin``, each op rounded to the dtype); the rotated ``k`` and ``v`` are
     written into ``kv_cache`` at ``slot_mapping`` as :func:`reshape_and_cache` writes them, and the rotated
     ``q`` is returned (contiguous). ``q``, ``k`` and ``v`` need only their last dim contiguous: views of a
-    grouped q|k|v product are read in place. CPU float32 or bfloat16, one op (``oppo_engine/model/fused.py``)."""
+    grouped q|k|v product are read in place. CPU float32 or bfloat16, one op
+    (``oppo_engine/model/fused.py``)."""
     return torch.ops.oppo.rotary_and_cache(q, k, v, cos, sin, kv_cache, slot_mapping, layer)
 
 

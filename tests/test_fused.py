@@ -197,16 +197,20 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
 
 # -- The MLP's SiLU and product in one op ---------------------------------------------------------------
 
-needs_silu_mul = pytest.mark.skipif(not ops.SILU_MUL_AVAILABLE, reason="silu_mul needs torch's AVX-512 kernels")
+needs_silu_mul = pytest.mark.skipif(
+    not ops.SILU_MUL_AVAILABLE, reason="silu_mul needs torch's AVX-512 kernels"
+)
 
 
 def grouped_halves(rows: int, width: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The two halves of a [1, rows, 2 * width] product, as ``packed.grouped`` returns them (strided rows):
     values from 1e-3 to 1e3 in magnitude, with zeros, infinities, NaNs, subnormals and exp's overflow edge."""
     y = random_rows((1, rows, 2 * width), torch.float32, seed) * 8
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 88.7, -88.7, -104.0])
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([0.0, -0.0, inf, -inf, nan, 1e-40, -1e-40, 88.7, -88.7, -104.0])
     flat = y.view(-1)
-    flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[: special.numel()]] = special
+    where = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[: special.numel()]
+    flat[where] = special
     gate, up = y.to(dtype).split(width, dim=-1)
     return gate, up
 
@@ -219,8 +223,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_silu_mul_equals_torchs_silu_and_product_bit_for_bit(dtype, threads):
-    """Wherever ``silu_mul_exact`` says so (rows of decodes and prefills, widths of real MLPs), the fused op on
-    the grouped product's halves in place is bitwise ``F.silu(gate) * up`` on contiguous copies, NaNs
+    """Wherever ``silu_mul_exact`` says so (rows of decodes and prefills, widths of real MLPs), the fused op
+    on the grouped product's halves in place is bitwise ``F.silu(gate) * up`` on contiguous copies, NaNs
     included (compared as bits); and it says so for SmolLM2's 1536 columns at every row count."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -245,8 +249,9 @@ def test_silu_mul_equals_torchs_silu_and_product_bit_for_bit(dtype, threads):
 @needs_silu_mul
 def test_silu_mul_exact_declines_where_torchs_loop_takes_its_scalar_tail():
     """Where torch's SiLU loop leaves a chunk's tail to its scalar ``std::exp`` (an odd row count over two
-    threads' chunks of 704 columns, a width off the vector step), ``silu_mul_exact`` declines: there the fused
-    op's lanes differ from torch in the last bit (found here in float32), so the check is what keeps it exact."""
+    threads' chunks of 704 columns, a width off the vector step), ``silu_mul_exact`` declines: there the
+    fused op's lanes differ from torch in the last bit (found here in float32), so the check is what keeps
+    it exact."""
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -258,7 +263,7 @@ def test_silu_mul_exact_declines_where_torchs_loop_takes_its_scalar_tail():
         differs = 0
         for seed in range(4):
             gate, up = grouped_halves(1, 48, torch.float32, seed)
-            gate, up = gate * 0.25, up  # moderate arguments: where Sleef's and libm's exp disagree in the last bit
+            gate = gate * 0.25  # moderate arguments: where Sleef's and libm's exp disagree in the last bit
             ref = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
             differs += int((bits(ops.silu_mul(gate, up)) != bits(ref)).sum())
         assert differs > 0
@@ -345,7 +350,8 @@ def test_rotary_and_cache_equals_hf_rotary_and_cache_write_bit_for_bit(dtype, he
     # The same q, k and v as views of one grouped [T, (4 + 2 + 2) * D] product (rows strided, as the fused
     # attention passes them): the same bits, read in place; the rotated q comes back contiguous.
     qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    views = [t.view(tokens, -1, head_dim) for t in qkv.split([4 * head_dim, 2 * head_dim, 2 * head_dim], dim=1)]
+    widths = [4 * head_dim, 2 * head_dim, 2 * head_dim]
+    views = [t.view(tokens, -1, head_dim) for t in qkv.split(widths, dim=1)]
     assert not views[0].is_contiguous()
     got_q = ops.rotary_and_cache(*views, cos, sin, initial, slots, 1)
     assert got_q.is_contiguous() and torch.equal(got_q, want_q)

@@ -207,10 +207,12 @@ def is_llama_mlp(module: nn.Module) -> bool:
 
 def is_silu(act: object) -> bool:
     """Whether the activation module ``act`` computes ``F.silu`` as its own forward: ``nn.SiLU`` (not in
-    place) or transformers' ``SiLUActivation`` whose forward reads ``SILU_ACTIVATION_FORWARD`` (not swapped for
-    a hub kernel), with no instance ``forward`` and no forward hooks (nor global ones), which only its own call
-    would run."""
-    if not isinstance(act, nn.Module) or "forward" in act.__dict__ or act._forward_hooks or act._forward_pre_hooks:
+    place) or transformers' ``SiLUActivation`` whose forward reads ``SILU_ACTIVATION_FORWARD`` (not swapped
+    for a hub kernel), with no instance ``forward`` and no forward hooks (nor global ones), which only its
+    own call would run."""
+    if not isinstance(act, nn.Module) or "forward" in act.__dict__:
+        return False
+    if act._forward_hooks or act._forward_pre_hooks:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
