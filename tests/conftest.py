@@ -36,6 +36,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _restore_intra_op_threads():
+    """Each test ends with torch's intra-op thread count as it began. A bench's ``main()`` sets the count its
+    CLI asks for (``torch.set_num_threads``), and one test calling it used to leave every later test of the
+    session on one thread, so their two-thread paths ran nowhere in CI. A module's own fixture that sets a
+    count for its tests (``test_model_families``, ``test_graph``) still holds: this restores what the test
+    began with, and the module's fixture restores the session's at its end."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
