@@ -390,26 +390,29 @@ def bench_smollm2(
         times: dict[str, list[float]] = {name: [] for name in (*engines, "hf")}
         cpu: dict[str, list[float]] = {name: [] for name in times}
         loads = []
-        for _ in range(repeats):
-            for name in times:
-                packs = actor_runner_of(engines[name]).packed if name != "hf" else None
-                # "unfused_silu": the MLPs' SiLU and product as torch's two ops (ops.silu_mul off)
-                ops.SILU_MUL_AVAILABLE = silu_mul and not name.startswith("unfused_silu")
-                grouping = not name.startswith("ungrouped")  # "ungrouped": PackedLinears.grouping off
-                if packs is not None and packs.grouping != grouping:
-                    packs.grouping = grouping
-                    with torch.inference_mode(), packs.applied():
-                        pass  # the stacked packs made (or freed) here, outside the timed run
-                c0 = time.process_time()
-                if name == "hf":
-                    elapsed, tokens = run_hf(actor, prompts, new_tokens)
-                else:
-                    elapsed, tokens = run_engine(engines[name], prompts)
-                cpu[name].append(time.process_time() - c0)
-                assert tokens == batch * (short if name.endswith("@short") else new_tokens), (name, tokens)
-                times[name].append(elapsed)
-            loads.append(os.getloadavg()[0])
-        ops.SILU_MUL_AVAILABLE = silu_mul
+        try:
+            for _ in range(repeats):
+                for name in times:
+                    packs = actor_runner_of(engines[name]).packed if name != "hf" else None
+                    # "unfused_silu": the MLPs' SiLU and product as torch's two ops (ops.silu_mul off)
+                    ops.SILU_MUL_AVAILABLE = silu_mul and not name.startswith("unfused_silu")
+                    grouping = not name.startswith("ungrouped")  # "ungrouped": PackedLinears.grouping off
+                    if packs is not None and packs.grouping != grouping:
+                        packs.grouping = grouping
+                        with torch.inference_mode(), packs.applied():
+                            pass  # the stacked packs made (or freed) here, outside the timed run
+                    c0 = time.process_time()
+                    if name == "hf":
+                        elapsed, tokens = run_hf(actor, prompts, new_tokens)
+                    else:
+                        elapsed, tokens = run_engine(engines[name], prompts)
+                    cpu[name].append(time.process_time() - c0)
+                    want = batch * (short if name.endswith("@short") else new_tokens)
+                    assert tokens == want, (name, tokens)
+                    times[name].append(elapsed)
+                loads.append(os.getloadavg()[0])
+        finally:
+            ops.SILU_MUL_AVAILABLE = silu_mul
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
         measured = measure_roofline(dtype)

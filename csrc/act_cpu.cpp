@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "act_ops.h"
@@ -30,7 +31,6 @@ namespace oppo {
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kGrainElements = 1 << 14;  // elements per parallel chunk, at least
 
 #ifdef OPPO_SILU_AVX512
 #define OPPO_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
@@ -40,8 +40,8 @@ OPPO_AVX512 inline __m512 silu16(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-OPPO_AVX512 inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+OPPO_AVX512 inline __m512 widen16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
@@ -57,30 +57,43 @@ OPPO_AVX512 inline __m256i narrow16(__m512 f) {
   return _mm512_cvtusepi32_epi16(t);
 }
 
-OPPO_AVX512 void rows_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t ld_gate, int64_t ld_up,
-                           int64_t width, c10::BFloat16* out, int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r) {
-    const c10::BFloat16* g = gate + r * ld_gate;
-    const c10::BFloat16* u = up + r * ld_up;
-    c10::BFloat16* o = out + r * width;
-    for (int64_t j = 0; j < width; j += kLanes) {
-      const __m256i s = narrow16(silu16(widen16(g + j)));  // silu's output, rounded to bf16
+// The elements [begin, end) of the [rows, width] operands in row-major order (a range may start and end inside
+// a row: at a multiple of 16 columns, as the caller's chunks are multiples of 64 elements and width of 16).
+OPPO_AVX512 void range_bf16(const c10::BFloat16* gate, const c10::BFloat16* up, int64_t ld_gate, int64_t ld_up,
+                            int64_t width, c10::BFloat16* out, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t r = i / width;
+    const int64_t c = i - r * width;
+    const int64_t n = std::min(width - c, end - i);
+    const c10::BFloat16* g = gate + r * ld_gate + c;
+    const c10::BFloat16* u = up + r * ld_up + c;
+    c10::BFloat16* o = out + i;
+    for (int64_t j = 0; j < n; j += kLanes) {
+      // A range's end inside a 16-lane group (a split the caller's rule never makes) is masked, not overrun.
+      const __mmask16 m = n - j >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      const __m256i s = narrow16(silu16(widen16(g + j, m)));  // silu's output, rounded to bf16
       const __m512 sw = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), narrow16(_mm512_mul_ps(sw, widen16(u + j))));
+      _mm256_mask_storeu_epi16(o + j, m, narrow16(_mm512_mul_ps(sw, widen16(u + j, m))));
     }
+    i += n;
   }
 }
 
-OPPO_AVX512 void rows_f32(const float* gate, const float* up, int64_t ld_gate, int64_t ld_up, int64_t width,
-                          float* out, int64_t begin, int64_t end) {
-  for (int64_t r = begin; r < end; ++r) {
-    const float* g = gate + r * ld_gate;
-    const float* u = up + r * ld_up;
-    float* o = out + r * width;
-    for (int64_t j = 0; j < width; j += kLanes) {
-      const __m512 s = silu16(_mm512_loadu_ps(g + j));
-      _mm512_storeu_ps(o + j, _mm512_mul_ps(s, _mm512_loadu_ps(u + j)));
+OPPO_AVX512 void range_f32(const float* gate, const float* up, int64_t ld_gate, int64_t ld_up, int64_t width,
+                           float* out, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t r = i / width;
+    const int64_t c = i - r * width;
+    const int64_t n = std::min(width - c, end - i);
+    const float* g = gate + r * ld_gate + c;
+    const float* u = up + r * ld_up + c;
+    float* o = out + i;
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const __mmask16 m = n - j >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+      const __m512 s = silu16(_mm512_maskz_loadu_ps(m, g + j));
+      _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + j)));
     }
+    i += n;
   }
 }
 #endif
@@ -135,17 +148,24 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate, const at::Tensor& up) {
     return out;
   }
 #ifdef OPPO_SILU_AVX512
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / width);
+  // Split as torch's elementwise loops split the same [rows, width] elements (TensorIterator's for_each:
+  // at::parallel_for over the flat range with its grain), so each element is computed on the thread that
+  // computes it in torch's two ops: a thread's floating-point state (flush-to-zero, set per thread by
+  // torch.set_flush_denormal) then rounds it alike.
+  const int64_t numel = rows * width;
+  TORCH_CHECK_VALUE(at::internal::GRAIN_SIZE % 64 == 0, "silu_mul: unexpected at::internal::GRAIN_SIZE");
   if (gate.scalar_type() == at::kBFloat16) {
     const auto* g = gate.const_data_ptr<c10::BFloat16>();
     const auto* u = up.const_data_ptr<c10::BFloat16>();
     auto* o = out.mutable_data_ptr<c10::BFloat16>();
-    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { rows_bf16(g, u, ld_gate, ld_up, width, o, b, e); });
+    at::parallel_for(0, numel, at::internal::GRAIN_SIZE,
+                     [&](int64_t b, int64_t e) { range_bf16(g, u, ld_gate, ld_up, width, o, b, e); });
   } else {
     const auto* g = gate.const_data_ptr<float>();
     const auto* u = up.const_data_ptr<float>();
     auto* o = out.mutable_data_ptr<float>();
-    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { rows_f32(g, u, ld_gate, ld_up, width, o, b, e); });
+    at::parallel_for(0, numel, at::internal::GRAIN_SIZE,
+                     [&](int64_t b, int64_t e) { range_f32(g, u, ld_gate, ld_up, width, o, b, e); });
   }
 #endif
   return out;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -307,24 +308,58 @@ SILU_MUL_AVAILABLE: bool = bool(torch.ops.oppo.silu_mul_available()) and (
 
 def silu_mul_exact(rows: int, width: int, dtype: torch.dtype, threads: int | None = None) -> bool:
     """Whether :func:`silu_mul` over ``[rows, width]`` operands is bit for bit torch's
-    ``F.silu(gate) * up`` on contiguous ones: torch's SiLU loop over the ``rows * width`` elements must take
-    its vector path for every element, that is each of its chunks (one below ``_TORCH_GRAIN`` elements, else
-    one per thread: checked for every team size up to ``threads``, default torch's) a multiple of its
-    two-vector step (64 bf16 or 32 float32 elements); the remainder of a chunk goes through a scalar
-    ``std::exp``, which rounds otherwise. The multiply rounds alike either way."""
+    ``F.silu(gate) * up`` on contiguous ones, at ``threads`` intra-op threads (default torch's).
+
+    Two checks, the verdict kept per (rows, width, dtype, threads): the rule, that torch's SiLU loop over
+    the ``rows * width`` elements takes its vector path for every element -- each of its chunks (one below
+    ``_TORCH_GRAIN`` elements, else one per thread: checked for every team size up to ``threads``) a
+    multiple of its two-vector step (64 bf16 or 32 float32 elements); a chunk's remainder goes through a
+    scalar ``std::exp``, which rounds otherwise; and a probe, the op against torch's two ops on random
+    operands of that shape, which would catch a torch whose kernels changed under the rule."""
     if not SILU_MUL_AVAILABLE or dtype not in (torch.float32, torch.bfloat16) or width % 16 or rows < 1:
         return False
+    threads = torch.get_num_threads() if threads is None else threads
+    key = (rows, width, dtype, threads)
+    verdict = _silu_verdicts.get(key)
+    if verdict is None:
+        verdict = _silu_rule(rows, width, dtype, threads) and _silu_probe(rows, width, dtype)
+        with _silu_lock:
+            _silu_verdicts[key] = verdict
+    return verdict
+
+
+_silu_verdicts: dict[tuple, bool] = {}
+_silu_lock = threading.Lock()
+
+
+def _silu_rule(rows: int, width: int, dtype: torch.dtype, threads: int) -> bool:
     step = 64 if dtype == torch.bfloat16 else 32
     numel = rows * width
     if numel % step:
         return False
-    threads = torch.get_num_threads() if threads is None else threads
     if numel < _TORCH_GRAIN:
         return True
     for team in range(2, max(1, threads) + 1):
         tasks = min(team, -(-numel // _TORCH_GRAIN))
         chunk = -(-numel // tasks)
         if any(min(chunk, numel - t * chunk) % step for t in range(tasks) if t * chunk < numel):
+            return False
+    return True
+
+
+def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
+    """The op against torch's two ops, bit for bit, on random halves of a ``[rows, 2 * width]`` product
+    (values at scales from 0.05 to 20; several draws where the shape is small, so the few elements a loop's
+    scalar tail would take are drawn often enough to show a last-bit difference)."""
+    gen = torch.Generator().manual_seed(rows * 131 + width)
+    as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for _ in range(1 if rows * width >= 4096 else 8):
+        scale = 10.0 ** (torch.rand(rows, 2 * width, generator=gen) * 2.6 - 1.3)
+        y = (torch.randn(rows, 2 * width, generator=gen) * scale).to(dtype)
+        gate, up = y.split(width, dim=-1)
+        want = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
+        got = torch.ops.oppo.silu_mul(gate, up)
+        if not torch.equal(got.view(as_int), want.view(as_int)):
             return False
     return True
 

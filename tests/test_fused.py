@@ -271,6 +271,63 @@ def test_silu_mul_exact_declines_where_torchs_loop_takes_its_scalar_tail():
         torch.set_num_threads(saved)
 
 
+@needs_silu_mul
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_takes_2d_and_batched_views(dtype):
+    """Row strides from any leading dims: a 2-D [rows, 2W] product's halves, and a [3, rows, 2W] one's."""
+    for shape in ((40, 2 * 96), (3, 5, 2 * 160)):
+        y = random_rows(shape, torch.float32, seed=len(shape)).to(dtype)
+        gate, up = y.split(shape[-1] // 2, dim=-1)
+        ref = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
+        assert torch.equal(bits(ops.silu_mul(gate, up)), bits(ref)), shape
+
+
+@needs_silu_mul
+def test_silu_mul_splits_as_torch_so_each_thread_rounds_its_own_elements():
+    """``torch.set_flush_denormal`` sets flush-to-zero on the calling thread only (the pool's threads keep
+    subnormals): the op splits its elements over the threads as torch's loop does, so each element is
+    computed under the same thread's settings (a split by rows gave -1.5e-39 where torch gives -0.0)."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("no flush-to-zero on this CPU")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (16, 23):  # below torch's grain (all on the calling thread), and above it
+            y = torch.empty(1, rows, 2 * 1536, dtype=torch.bfloat16)
+            y[..., :1536], y[..., 1536:] = -80.0, 1e-6
+            gate, up = y.split(1536, dim=-1)
+            assert ops.silu_mul_exact(rows, 1536, torch.bfloat16)
+            ref = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
+            assert torch.equal(bits(ops.silu_mul(gate, up)), bits(ref)), rows
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(saved)
+
+
+@needs_silu_mul
+def test_silu_mul_exact_probes_the_op_against_torch_and_keeps_the_verdict(monkeypatch):
+    """Past the rule, each (rows, width, dtype, threads) is probed once against torch's two ops: a shape
+    whose scalar tail rounds otherwise (the rule would refuse it) fails the probe, and a verdict is kept."""
+    assert not ops._silu_probe(1, 48, torch.float32)
+    assert ops._silu_probe(4, 1536, torch.bfloat16)
+    probes = []
+    real = ops._silu_probe
+    monkeypatch.setattr(ops, "_silu_probe", lambda *a: probes.append(a) or real(*a))
+    monkeypatch.setattr(ops, "_silu_verdicts", {})
+    assert ops.silu_mul_exact(6, 1536, torch.bfloat16, threads=2)
+    assert ops.silu_mul_exact(6, 1536, torch.bfloat16, threads=2)
+    assert probes == [(6, 1536, torch.bfloat16)]
+    monkeypatch.setattr(ops, "_silu_probe", lambda *a: False)  # a torch whose kernels changed
+    assert not ops.silu_mul_exact(7, 1536, torch.bfloat16, threads=2)
+
+
+@needs_silu_mul
+def test_silu_mul_passes_opcheck():
+    y = torch.randn(3, 2 * 64)
+    gate, up = y.split(64, dim=-1)
+    torch.library.opcheck(torch.ops.oppo.silu_mul.default, (gate.contiguous(), up.contiguous()))
+
+
 def test_silu_mul_refuses_what_it_does_not_compute():
     x = torch.randn(2, 32)
     if not ops.SILU_MUL_AVAILABLE and not torch.ops.oppo.silu_mul_available():
@@ -302,6 +359,25 @@ def test_only_silu_activations_are_fused():
     own = torch.nn.SiLU()
     own.forward = lambda x: x
     assert not fused.is_silu(own)
+
+
+def test_a_silu_replaced_after_the_check_is_not_fused(monkeypatch):
+    """Whatever the activation would compute instead is what HF's MLP computes: a replaced class forward
+    (before or after the first check, whose verdict is not reused) or a replaced ``F.silu`` disqualifies."""
+    from transformers.activations import SiLUActivation
+
+    act = SiLUActivation()
+    assert fused.is_silu(act) and fused.is_silu(torch.nn.SiLU())
+    with monkeypatch.context() as m:
+        m.setattr(SiLUActivation, "forward", lambda self, x: torch.nn.functional.gelu(x))
+        assert not fused.is_silu(act)
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.SiLU, "forward", lambda self, x: x)
+        assert not fused.is_silu(torch.nn.SiLU())
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "silu", lambda x, inplace=False: x)
+        assert not fused.is_silu(act) and not fused.is_silu(torch.nn.SiLU())
+    assert fused.is_silu(act)
 
 
 # -- Llama's attention: the rotary embedding and the cache write in one op ------------------------------

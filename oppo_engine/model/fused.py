@@ -140,25 +140,30 @@ SILU_ACTIVATION_FORWARD = """\
 def forward(self, input: Tensor) -> Tensor:
     return nn.functional.silu(input)
 """
+_NN_SILU_FORWARD = nn.SiLU.forward  # as imported: a class-level replacement disqualifies nn.SiLU
+_F_SILU = torch.nn.functional.silu
 _LLAMA_MODULE = "transformers.models.llama.modeling_llama"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
-_forms: dict[tuple[str, type], bool] = {}  # (form, class) -> whether the class reads as that form
+# (form, class, the class's forward) -> whether the class reads as that form: a forward replaced on the class
+# later (a monkeypatch) is read again, not judged by its predecessor's verdict.
+_forms: dict[tuple, bool] = {}
 _forms_lock = threading.Lock()
 
 
 def _reads_as(kind: str, cls: type, forward: str) -> bool:
     """Whether ``cls``'s forward's source is ``forward`` verbatim (dedented), once per (kind, class)."""
+    key = (kind, cls, getattr(cls, "forward", None))
     with _forms_lock:
-        form = _forms.get((kind, cls))
+        form = _forms.get(key)
         if form is None:
             try:
                 source = textwrap.dedent(inspect.getsource(cls.forward))
             except (OSError, TypeError):
                 source = ""
-            form = _forms[kind, cls] = source == forward
+            form = _forms[key] = source == forward
     return form
 
 
@@ -179,10 +184,11 @@ def is_llama_attention(module: nn.Module) -> bool:
     """Whether ``module`` is transformers' own ``LlamaAttention`` with the forward and rotary helpers above
     (``LLAMA_ATTENTION_FORWARD``, ``LLAMA_ROTARY``) and an even head dim."""
     cls = type(module)
+    key = ("attention", cls, getattr(cls, "forward", None))
     with _forms_lock:
-        form = _forms.get(("attention", cls))
+        form = _forms.get(key)
         if form is None:
-            form = _forms["attention", cls] = _reads_as_llama_attention(cls)
+            form = _forms[key] = _reads_as_llama_attention(cls)
     head_dim = getattr(module, "head_dim", None)
     return (
         form
@@ -216,9 +222,11 @@ def is_silu(act: object) -> bool:
         return False
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
+    if torch.nn.functional.silu is not _F_SILU:  # both forms call it by name at every call
+        return False
     cls = type(act)
     if cls is nn.SiLU:
-        return not act.inplace
+        return cls.forward is _NN_SILU_FORWARD and not act.inplace
     return cls.__name__ == "SiLUActivation" and _reads_as("silu", cls, SILU_ACTIVATION_FORWARD)
 
 
@@ -334,7 +342,7 @@ def _fused_attention_forward(fused: FusedModules, module: nn.Module):
         projections = (module.q_proj, module.k_proj, module.v_proj)
         qkv = packed.grouped(projections, hidden_states) or [p(hidden_states) for p in projections]
         # [T, H, D] views, rows strided where the product was grouped: rotary_and_cache reads them in place
-        q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv)
+        q, k, v = ((t if t.stride(-1) == 1 else t.contiguous()).view(num_tokens, -1, head_dim) for t in qkv)
         q = ops.rotary_and_cache(q, k, v, cos[0], sin[0], meta.kv_cache, meta.slot_mapping, layer)
         out = ops.paged_attention(
             q,
