@@ -379,12 +379,16 @@ def _packed_in_forward(calls, ts: ThreadCosts, dtype_bytes: int) -> dict[int, li
     (now taken out with the rest of their projections). A ratio, not seconds: the excess grows with the
     product (2 us at one row on the copies' 4K weights, 115 us at 512 rows on ``small``'s 360K)."""
     probe = Calibrated(_probe_profile(ts))
-    by_size: dict[int, list[tuple[int, float]]] = {}
+    ratios: dict[tuple[int, int], list[float]] = {}
     for (m, k, n), (weights, seconds) in sorted(calls.items()):
         compute, memory = probe.gemm(m, k, n, dtype_bytes, 1, weights, True)
         if compute < memory or compute <= 0:
             continue
-        by_size.setdefault(k * n, []).append((m, statistics.median(seconds) / compute))
+        # NOTE: both orientations of one size (64 x 128 and 128 x 64) share its bare price: one point.
+        ratios.setdefault((k * n, m), []).extend(s / compute for s in seconds)
+    by_size: dict[int, list[tuple[int, float]]] = {}
+    for (kn, m), values in sorted(ratios.items()):
+        by_size.setdefault(kn, []).append((m, statistics.median(values)))
     return by_size
 
 

@@ -81,6 +81,7 @@ def test_the_ratio_is_measured_where_the_bare_price_is_the_compute_term():
     calls = {
         (1, 64, 32): (1e6, [1.4 * f1, 1.5 * f1, 9.0 * f1]),  # the median: a burst of load moves one call
         (16, 64, 32): (1e6, [1.2 * f16] * 3),
+        (16, 32, 64): (1e6, [1.2 * f16] * 3),  # the other orientation of one size: the same point
         (1, 704, 256): (1e9, [5e-3] * 3),  # 720 KB of weights at 1e8 B/s: priced by its streaming
     }
     ratios = _packed_in_forward(calls, slow, 4)
