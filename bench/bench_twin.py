@@ -273,6 +273,7 @@ def matrix(args) -> int:
     print("\ncalibrated on (row) -> predicting (column): median / worst signed s/step error (twin / real "
           "- 1; the twin's numbers are predictions)")  # fmt: skip
     print(f"{'':<10}" + "".join(f"{c:>16}" for c in shapes))
+    per_arm = []
     for cal in shapes:
         cells = []
         for target in shapes:
@@ -287,7 +288,16 @@ def matrix(args) -> int:
                 continue
             worst = max(errors, key=abs)
             cells.append(f"{statistics.median(errors):+.0%} / {worst:+.0%}")
+            per_arm.append(
+                f"  {cal:>5} -> {target:<5} "
+                + "  ".join(
+                    f"{a[0]} {errors[i]:+.0%} / {errors[i + len(MATRIX_ARMS)]:+.0%}"
+                    for i, a in enumerate(MATRIX_ARMS)
+                )
+            )
         print(f"{cal:<10}" + "".join(f"{c:>16}" for c in cells) + f"   load {os.getloadavg()[0]:.1f}")
+    print("\nper arm, base / pareto (row -> column):")
+    print("\n".join(per_arm))
     return 0
 
 

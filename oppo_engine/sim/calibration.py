@@ -12,7 +12,9 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
   rows x new tokens x context; on the CPU also those of each model's shrunk copies (``shrunk_config``) at
   two depths (``shrunk_depths``), over a few small points (``SHRUNK_GRID``);
 - where the actor is packed, packing its weights again (``_time_repack``: after every weight update the engine
-  drops the packs and its next forward makes them);
+  drops the packs and its next forward makes them), and its packed products as its forwards and its
+  copies' call them (``_time_packed_calls``: how much longer a product takes there than bare,
+  ``_packed_in_forward``);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
   ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``; on the CPU of
@@ -322,6 +324,72 @@ def _time_streaming(device, dtype, timed, gpu: bool, packed: bool = False) -> li
             out.append((float(layers * per_layer), rows, layers * per_layer / seconds))
         del weights
     return out
+
+
+# Forwards of each point the in-forward products are timed over (``_time_packed_calls``).
+CALL_REPEATS = 5
+
+
+def _time_packed_calls(runs) -> dict[tuple[int, int, int], tuple[float, list[float]]]:
+    """``{(rows, K, N): (working set bytes, [seconds of each call])}``: each packed product of the actor's
+    forwards as the forward calls it. ``runs``: ``(bench, working set bytes, grid)`` of the actor and its
+    shrunk copies (their packed ``_RoleBench``); each point's forward runs once to warm up, then
+    ``CALL_REPEATS`` times with ``ops.packed_linear`` (the one entry of every packed product, the grouped
+    ones included: ``model/packed.py``) timed call by call, the forward's own work left as it is."""
+    from oppo_engine import ops  # noqa: PLC0415
+
+    product = ops.packed_linear
+    calls: dict[tuple[int, int, int], tuple[float, list[float]]] = {}
+    working = [0.0]
+
+    def timed_product(x, packed, bias):
+        t0 = time.perf_counter()
+        out = product(x, packed, bias)
+        seconds = time.perf_counter() - t0
+        k, n = x.shape[-1], out.shape[-1]
+        calls.setdefault((x.numel() // k, k, n), (working[0], []))[1].append(seconds)
+        return out
+
+    for bench, weights, grid in runs:
+        for point in grid:
+            fn = bench.call(*point)
+            fn()
+            working[0] = weights
+            ops.packed_linear = timed_product
+            try:
+                for _ in range(CALL_REPEATS):
+                    fn()
+            finally:
+                ops.packed_linear = product
+    return calls
+
+
+def _packed_in_forward(calls, ts: ThreadCosts, dtype_bytes: int) -> dict[int, list[tuple[int, float]]]:
+    """``ThreadCosts.packed_in_forward``: per weight size ``K*N`` and row count, the median time of its
+    calls inside the forwards (``_time_packed_calls``) over their bare price by ``ts.gemm_packed`` --
+    counted only where that price is the product's compute term (its weights' streaming at the forward's
+    working set, ``ts.streaming_packed``, is shorter): a product bound by its weights' bandwidth inside a
+    forward is the streaming table's to price. Why: a bare GEMM is timed in a loop of one product, whose
+    weights and oneDNN's code and state stay hot in the core's caches and predictors; in the actor's forward
+    the interpreter's work between two products has taken them. Measured on ``small``'s actor (fastest
+    forwards, one thread, 2026-12-06): its 25 products took 0.52-0.64 ms inside a one-row decode forward,
+    0.43-0.48 ms replayed back to back and 0.43 ms priced; 0.75-1.01 ms against 0.55-0.77 and 0.56-0.73 at
+    8-16 rows; call by call 1.2-2.0x their bare time at 1-32 rows, 1.04-1.2x at 128-512 rows, and
+    1.06-1.4x on its shrunk copies' products, whose excess the fixed costs fitted from them used to absorb
+    (now taken out with the rest of their projections). A ratio, not seconds: the excess grows with the
+    product (2 us at one row on the copies' 4K weights, 115 us at 512 rows on ``small``'s 360K)."""
+    probe = Calibrated(_probe_profile(ts))
+    ratios: dict[tuple[int, int], list[float]] = {}
+    for (m, k, n), (weights, seconds) in sorted(calls.items()):
+        compute, memory = probe.gemm(m, k, n, dtype_bytes, 1, weights, True)
+        if compute < memory or compute <= 0:
+            continue
+        # NOTE: both orientations of one size (64 x 128 and 128 x 64) share its bare price: one point.
+        ratios.setdefault((k * n, m), []).extend(s / compute for s in seconds)
+    by_size: dict[int, list[tuple[int, float]]] = {}
+    for (kn, m), values in sorted(ratios.items()):
+        by_size.setdefault(kn, []).append((m, statistics.median(values)))
+    return by_size
 
 
 def _time_repack(packs, timed) -> tuple[int, int, float]:
@@ -842,6 +910,12 @@ def calibrate(
             points = [(shapes[key], key, point, s) for (key, point), s in best.items() if key in benches]
             shrunk_points = [(shrunk_shapes[key], key[0], point, s)
                              for (key, point), s in best.items() if key in copies]  # fmt: skip
+            if packs:  # the actor's packed products as its forwards call them (ThreadCosts.packed_in_forward)
+                calls = [(benches["actor"], shapes["actor"].weight_bytes, FORWARD_GRID)]
+                calls += [(b, shrunk_shapes[key].weight_bytes, SHRUNK_GRID)
+                          for key, b in copies.items() if key[0] == "actor"]  # fmt: skip
+                ratios = _packed_in_forward(_time_packed_calls(calls), ts, dtype.itemsize)
+                ts = dataclasses.replace(ts, packed_in_forward=ratios)
             if packs:  # the actor's packs made again, as after every weight update (update_policy)
                 actor_packs = [benches["actor"].runner.packed]
                 actor_packs += [b.runner.packed for (role, _), b in copies.items() if role == "actor"]

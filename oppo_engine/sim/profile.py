@@ -29,9 +29,12 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # products (``model/packed.py``); a version 3 CPU profile loads with no repacking and its fixed costs fitted
 # around ungrouped products (``Profile.from_json`` warns). 5: the actor's own fixed costs beside the scorers'
 # (``actor_forward_s``, ``actor_layer_s``); a version 4 CPU profile loads with them 0, the actor's forwards
-# priced with the fixed costs of every role's copies together (``Profile.from_json`` warns).
-VERSION = 5
-READS = (1, 2, 3, 4, VERSION)
+# priced with the fixed costs of every role's copies together (``Profile.from_json`` warns). 6: how much
+# longer a packed product takes inside the actor's forward than its bare price (``packed_in_forward``); a
+# version 5 CPU profile loads without it, pricing the packed products at their bare, hot-loop time
+# (``Profile.from_json`` warns).
+VERSION = 6
+READS = (1, 2, 3, 4, 5, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -78,7 +81,15 @@ class ThreadCosts:
     installed and removed per module per forward), its sampler -- fitted from the actor's shrunk copies
     against the scorers' (``calibration.py::_fixed_costs``; signed); charged to forwards priced as the actor's
     unless the profile packed and the actor runs unpacked (``Calibrated.fixed``). 0 where no copies were
-    timed (a GPU) or in a profile written before (version 4 and older)."""
+    timed (a GPU) or in a profile written before (version 4 and older). ``packed_in_forward``: ``{K*N:
+    [(rows, ratio), ...]}``, how much longer a packed product of that weight size and that many rows takes
+    inside the actor's forward than its bare price from ``gemm_packed`` (timed in a loop of that one product,
+    its weights and oneDNN's code and state hot in the core's caches and predictors; inside a forward the
+    interpreter's work between two products has taken them), measured on the products of the actor's own
+    forwards and its shrunk copies' where the bare price is the product's compute term
+    (``calibration.py::_packed_in_forward``); it scales that term (linear in rows at a size, in log size
+    across sizes, held flat past the ends). Empty where the calibration did not pack or in a profile written
+    before (version 5 and older): the bare price."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -98,6 +109,26 @@ class ThreadCosts:
     repack_s: float = 0.0
     actor_forward_s: float = 0.0
     actor_layer_s: float = 0.0
+    packed_in_forward: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def in_forward(self, m: int, kn: int) -> float:
+        """How much longer a packed ``[m, K] @ [K, N]`` product (``K * N = kn``) takes inside the actor's
+        forward than its bare price (``packed_in_forward``; 1 where nothing was measured)."""
+        if not self.packed_in_forward:
+            return 1.0
+        at = []
+        for size, points in sorted(self.packed_in_forward.items()):
+            points = sorted(points)
+            rows = [r for r, _ in points]
+            if m <= rows[0]:
+                at.append((size, points[0][1]))
+            elif m >= rows[-1]:
+                at.append((size, points[-1][1]))
+            else:
+                i = next(i for i, r in enumerate(rows) if r >= m)
+                w = (m - rows[i - 1]) / (rows[i] - rows[i - 1])
+                at.append((size, points[i - 1][1] + w * (points[i][1] - points[i - 1][1])))
+        return log_interp(at, max(1.0, float(kn)))
 
     @property
     def packed(self) -> bool:
@@ -194,6 +225,7 @@ class Profile:
                 **dataclasses.asdict(c),
                 "gemm": {str(k): v for k, v in c.gemm.items()},
                 "gemm_packed": {str(k): v for k, v in c.gemm_packed.items()},
+                "packed_in_forward": {str(k): v for k, v in c.packed_in_forward.items()},
             }
             for t, c in self.threads.items()
         }
@@ -220,6 +252,10 @@ class Profile:
                         "streaming_packed": [
                             (float(w), int(r), float(b)) for w, r, b in c.get("streaming_packed", [])
                         ],
+                        "packed_in_forward": {
+                            int(k): [(int(m), float(r)) for m, r in v]
+                            for k, v in c.get("packed_in_forward", {}).items()
+                        },
                     }
                 )
                 for t, c in data["threads"].items()
@@ -232,6 +268,15 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+        if data["version"] == 5 and profile.kind == "cpu" and any(c.packed for c in threads.values()):
+            warnings.warn(
+                f"{where}: format version 5 priced the actor's packed products at their bare time in a loop "
+                "of one product, which inside a forward they exceed (the interpreter's work between them "
+                "takes the caches: 1-19 us a product on the small models here), so the actor's forwards "
+                "are priced low; calibrate again (oppo-engine calibrate)",
+                UserWarning,
+                stacklevel=2,
+            )
         if data["version"] == 4 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version 4 fitted one fixed cost per forward and per layer to every role, "
@@ -319,7 +364,10 @@ class Calibrated:
         # reads them at the streaming bandwidth of that working set. ``packed``: the weights packed once,
         # as the engine's actor has them on the CPU (the packed tables, where the calibration timed them).
         moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set, m, packed)
-        return c.gemm_scale * c.gemm_s(m, k * n, packed), c.gemm_scale * moved
+        compute = c.gemm_s(m, k * n, packed)
+        if packed and c.packed:  # as the actor's forward calls it, not as a loop of one product runs it
+            compute *= c.in_forward(m, k * n)
+        return c.gemm_scale * compute, c.gemm_scale * moved
 
     def attention(self, shape: ModelShape, batch: Batch, threads: int = 1) -> tuple[float, float]:
         c = self.profile.costs_at(threads)

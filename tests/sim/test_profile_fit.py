@@ -97,17 +97,18 @@ def test_a_feature_no_timed_forward_had_is_marked_and_a_model_with_it_refused_na
 
 
 def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its_version(tmp_path):
-    """Profiles are format version 5 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
-    repacking since 4, the actor's own fixed costs since 5): an older reader refuses them by version
+    """Profiles are format version 6 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
+    repacking since 4, the actor's own fixed costs since 5, the packed products' in-forward ratios since 6;
+    a version-5 file is checked in ``test_in_forward_products.py``): an older reader refuses them by version
     ("calibrate again") instead of failing on the new fields; version-1 and version-2 files still load, with
     no packed tables, and a CPU one warns that the engine's packed actor is priced unpacked; a version-3 CPU
     one loads with no repacking, and warns; a version-4 CPU one loads with the actor's fixed costs the
     scorers', and warns."""
     profile = _profile(fitted())
     data = profile.to_json()
-    assert VERSION == 5 and data["version"] == 5
+    assert VERSION == 6 and data["version"] == 6
     path = tmp_path / "old.json"
-    own = {"actor_forward_s", "actor_layer_s"}
+    own = {"actor_forward_s", "actor_layer_s", "packed_in_forward"}
     v4 = {**data, "version": 4, "threads": {t: {k: v for k, v in c.items() if k not in own}
                                             for t, c in data["threads"].items()}}  # fmt: skip
     path.write_text(json.dumps(v4))

@@ -1,0 +1,139 @@
+"""The actor's packed products as its forward calls them.
+
+A bare GEMM is timed in a loop of one product: its weights and oneDNN's code and state stay hot in the
+core's caches and predictors. Inside the engine's actor forward the interpreter's work between two products
+has taken them, and a product takes longer: measured on ``small``'s actor, 1.2-2.0x its bare time at 1-32
+rows, 1.04-1.2x at 128-512 (1.06-1.4x on its shrunk copies' products, which the fixed costs fitted from
+the copies absorbed, a layer's worth, while ``small``'s larger products lost more: its decode forwards were
+priced 7-16% low in the matrix, the column predicted fast from every row). ``calibrate`` now times each packed
+product inside the actor's forwards and its copies' (``_time_packed_calls``), keeps its ratio to the bare
+price where that price is the product's compute term (``_packed_in_forward``), and the twin scales that term
+by it (``ThreadCosts.packed_in_forward``): the actor's packed products only, the scorers' unpacked ones as
+before. Times and tables here are made up (a test input, not a measurement)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from oppo_engine.sim.calibration import SHRUNK_GRID, _batch, _fixed_costs, _packed_in_forward
+from oppo_engine.sim.cost import Batch, CostModel, HostCosts
+from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts
+from oppo_engine.sim.shapes import model_shape
+
+from .test_fixed_costs import TINY, shrunk_config, shrunk_depths
+
+# Made-up tables: flat per-call GEMMs (a dispatch's 10 us, then FLOPs) and a fast streaming table, so that
+# the small products here are priced by their compute term.
+GEMM = {kn: [(1, 2.0 * kn / 1e-5), (16, 2.0 * 16 * kn / 2e-5), (256, 2.0 * 256 * kn / 2e-4)]
+        for kn in (2048, 16384, 180224)}  # fmt: skip
+STREAMING = [(1e6, 1, 1e12), (1e9, 1, 1e12), (1e6, 16, 1e12), (1e9, 16, 1e12)]
+PACKED = ThreadCosts(GEMM, 1e10, 0, 0, 0, 0, 0, 0, 0, STREAMING, gemm_packed=GEMM, streaming_packed=STREAMING)
+# Inside a forward: 1.5x at one row, 1.2x at sixteen, at every size.
+RATIOS = {kn: [(1, 1.5), (16, 1.2)] for kn in (2048, 180224)}
+IN_FORWARD = dataclasses.replace(PACKED, packed_in_forward=RATIOS)
+
+
+def _source(costs: ThreadCosts) -> Calibrated:
+    return Calibrated(Profile("cpu:test", "cpu", {1: costs}, HostCosts(0, 0, 0), 1.0))
+
+
+def test_a_packed_product_is_priced_as_the_actors_forward_calls_it():
+    bare, inside = _source(PACKED), _source(IN_FORWARD)
+    # Linear in rows between the measured ones, held past them.
+    for m, want in ((1, 1.5), (16, 1.2), (8, 1.5 - 0.3 * 7 / 15), (64, 1.2)):
+        for k, n in ((64, 32), (256, 704), (704, 256)):
+            f, mem = inside.gemm(m, k, n, 4, 1, 1e7, packed=True)
+            f0, mem0 = bare.gemm(m, k, n, 4, 1, 1e7, packed=True)
+            assert f == pytest.approx(want * f0) and mem == mem0
+            # The scorers' unpacked products: their bare price, as before.
+            assert inside.gemm(m, k, n, 4, 1, 1e7, packed=False) == bare.gemm(
+                m, k, n, 4, 1, 1e7, packed=False
+            )
+    # Sizes between the measured ones: in log size; past the ends: held.
+    assert IN_FORWARD.in_forward(1, 4096) == pytest.approx(1.5)
+    assert IN_FORWARD.in_forward(1, 10**7) == pytest.approx(1.5)
+    assert PACKED.in_forward(1, 4096) == 1.0
+
+    # A whole forward of the actor: its products' compute terms scale, nothing else moves.
+    shape = model_shape("small", dtype_bytes=4, name="actor")
+    batch = Batch(tuple((1, 40) for _ in range(1)), 1, 1)
+    w0 = CostModel(bare).forward(shape, batch, packed=True, actor=True)
+    w1 = CostModel(inside).forward(shape, batch, packed=True, actor=True)
+    assert w1.host_s == w0.host_s and w1.phases[-2:] == w0.phases[-2:]
+    assert sum(f for f, _ in w1.phases[:-2]) == pytest.approx(1.5 * sum(f for f, _ in w0.phases[:-2]))
+    reward = model_shape("small", head="score", dtype_bytes=4, name="reward")
+    assert CostModel(inside).forward(reward, batch) == CostModel(bare).forward(reward, batch)
+
+
+def test_the_ratio_is_measured_where_the_bare_price_is_the_compute_term():
+    """Per size and rows, the median call inside the forwards over the bare price; a product whose weights'
+    streaming is its price (a wide model's, from memory) is left to the streaming table."""
+    # Weights stream fast out of a small working set, slowly out of a large one.
+    slow = dataclasses.replace(
+        PACKED, streaming_packed=[(w, r, 1e12 if w < 1e7 else 1e8) for w, r, _ in STREAMING]
+    )
+    bare = _source(PACKED)
+    f1 = bare.gemm(1, 64, 32, 4, 1, 1e6, True)[0]
+    f16 = bare.gemm(16, 64, 32, 4, 1, 1e6, True)[0]
+    calls = {
+        (1, 64, 32): (1e6, [1.4 * f1, 1.5 * f1, 9.0 * f1]),  # the median: a burst of load moves one call
+        (16, 64, 32): (1e6, [1.2 * f16] * 3),
+        (16, 32, 64): (1e6, [1.2 * f16] * 3),  # the other orientation of one size: the same point
+        (1, 704, 256): (1e9, [5e-3] * 3),  # 720 KB of weights at 1e8 B/s: priced by its streaming
+    }
+    ratios = _packed_in_forward(calls, slow, 4)
+    assert set(ratios) == {2048}
+    assert ratios[2048] == [(1, pytest.approx(1.5)), (16, pytest.approx(1.2))]
+
+
+def _copies(truth: ThreadCosts, forward_s=1e-4, layer_s=2e-5, own_layer_s=1.8e-5):
+    """Made-up forwards of ``TINY``'s shrunk copies (actor and reward) at its two depths: the fixed costs
+    (the actor's own per layer beside them) and their projections as ``truth`` prices them, the actor's
+    packed and grouped as the engine runs them."""
+    src = _source(truth)
+    points = []
+    for depth in shrunk_depths(TINY.num_hidden_layers):
+        config = shrunk_config(TINY, depth)
+        for role, head in (("actor", "lm"), ("reward", "score")):
+            shape = model_shape(config, head=head, dtype_bytes=4, name=role)
+            packed = role == "actor"
+            for point in SHRUNK_GRID:
+                batch = _batch(role, *point)
+                gemms = shape.layers * sum(
+                    max(src.gemm(batch.tokens, k, n, 4, 1, shape.weight_bytes, packed))
+                    for k, n in shape.layer_gemms(grouped=packed)
+                )
+                gemms += max(src.gemm(batch.head_rows, *shape.head_gemm(), 4, 1, shape.weight_bytes, packed))
+                fixed = forward_s + shape.layers * (layer_s + (own_layer_s if packed else 0.0))
+                points.append((shape, role, point, fixed + gemms))
+    return points
+
+
+def test_the_copies_products_slowdown_is_not_fitted_into_the_actors_fixed_costs():
+    """The copies' packed products take longer inside their forwards too; priced at their bare time, that
+    landed in the actor's fixed cost per layer, which every real layer then paid on top of its own products'
+    slowdown. With the measured ratio the fit takes it out with the rest of their projections."""
+    copies = _copies(IN_FORWARD)
+    fixed = _fixed_costs(copies, IN_FORWARD)
+    assert fixed.layer_s == pytest.approx(2e-5, rel=1e-6)
+    assert fixed.actor_layer_s == pytest.approx(1.8e-5, rel=1e-6)
+    assert fixed.forward_s == pytest.approx(1e-4, rel=1e-6)
+    # Without it (a version 5 profile's fit): the products' extra half charged per layer as the actor's own.
+    blind = _fixed_costs(copies, PACKED)
+    assert blind.actor_layer_s > 1.8e-5 * 1.3
+
+
+def test_a_version_5_profile_loads_without_the_ratios_and_warns(tmp_path):
+    profile = Profile("cpu:test", "cpu", {1: PACKED}, HostCosts(1e-5, 1e-6, 1e-6), 1.0)
+    data = {**profile.to_json(), "version": 5}
+    for c in data["threads"].values():
+        del c["packed_in_forward"]
+    path = tmp_path / "v5.json"
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="version 5 priced the actor's packed products at their bare time"):
+        assert Profile.load(path) == profile
+    saved = Profile("cpu:test", "cpu", {1: IN_FORWARD}, HostCosts(1e-5, 1e-6, 1e-6), 1.0)
+    assert Profile.load(saved.save(tmp_path / "v6.json")) == saved
