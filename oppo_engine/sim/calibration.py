@@ -36,6 +36,7 @@ import dataclasses
 import os
 import re
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -338,11 +339,22 @@ def _time_packed_calls(runs) -> dict[tuple[int, int, int], tuple[float, list[flo
     ones included: ``model/packed.py``) timed call by call, the forward's own work left as it is."""
     from oppo_engine import ops  # noqa: PLC0415
 
+    with _timing_lock:  # the swap is process-wide: one timing at a time, and the original put back
+        return _time_packed_calls_locked(ops, runs)
+
+
+_timing_lock = threading.Lock()
+
+
+def _time_packed_calls_locked(ops, runs) -> dict[tuple[int, int, int], tuple[float, list[float]]]:
     product = ops.packed_linear
     calls: dict[tuple[int, int, int], tuple[float, list[float]]] = {}
     working = [0.0]
+    me = threading.get_ident()
 
     def timed_product(x, packed, bias):
+        if threading.get_ident() != me:  # another thread's products (an engine beside it) are not timed
+            return product(x, packed, bias)
         t0 = time.perf_counter()
         out = product(x, packed, bias)
         seconds = time.perf_counter() - t0
@@ -373,7 +385,7 @@ def _packed_in_forward(calls, ts: ThreadCosts, dtype_bytes: int) -> dict[int, li
     weights and oneDNN's code and state stay hot in the core's caches and predictors; in the actor's forward
     the interpreter's work between two products has taken them. Measured on ``small``'s actor (fastest
     forwards, one thread, 2026-12-06): its 25 products took 0.52-0.64 ms inside a one-row decode forward,
-    0.43-0.48 ms replayed back to back and 0.43 ms priced; 0.75-1.01 ms against 0.55-0.77 and 0.56-0.73 at
+    0.43-0.48 ms replayed back to back and 0.455 ms priced; 0.75-1.01 ms against 0.55-0.77 and 0.56-0.73 at
     8-16 rows; call by call 1.2-2.0x their bare time at 1-32 rows, 1.04-1.2x at 128-512 rows, and
     1.06-1.4x on its shrunk copies' products, whose excess the fixed costs fitted from them used to absorb
     (now taken out with the rest of their projections). A ratio, not seconds: the excess grows with the

@@ -116,19 +116,29 @@ class ThreadCosts:
         forward than its bare price (``packed_in_forward``; 1 where nothing was measured)."""
         if not self.packed_in_forward:
             return 1.0
-        at = []
+        measured, held = [], []  # sizes measured at rows around m; sizes whose rows end short of m
         for size, points in sorted(self.packed_in_forward.items()):
             points = sorted(points)
+            if not points:
+                continue
             rows = [r for r, _ in points]
-            if m <= rows[0]:
-                at.append((size, points[0][1]))
-            elif m >= rows[-1]:
-                at.append((size, points[-1][1]))
+            if m < rows[0]:
+                held.append((rows[0] / m, size, points[0][1]))
+            elif m > rows[-1]:
+                held.append((m / rows[-1], size, points[-1][1]))
+            elif m == rows[-1]:
+                measured.append((size, points[-1][1]))
             else:
-                i = next(i for i, r in enumerate(rows) if r >= m)
+                i = next(i for i, r in enumerate(rows) if r > m)
                 w = (m - rows[i - 1]) / (rows[i] - rows[i - 1])
-                at.append((size, points[i - 1][1] + w * (points[i][1] - points[i - 1][1])))
-        return log_interp(at, max(1.0, float(kn)))
+                measured.append((size, points[i - 1][1] + w * (points[i][1] - points[i - 1][1])))
+        # Interpolated across sizes from the sizes measured at these rows. A size's value held past its
+        # measured rows (the LM head is called only at the rows sampled) only where no size was measured
+        # there, and then only the sizes measured nearest these rows.
+        if not measured and held:
+            nearest = min(far for far, _, _ in held)
+            measured = [(size, v) for far, size, v in held if far == nearest]
+        return log_interp(measured, max(1.0, float(kn))) if measured else 1.0
 
     @property
     def packed(self) -> bool:

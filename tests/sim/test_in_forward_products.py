@@ -137,3 +137,72 @@ def test_a_version_5_profile_loads_without_the_ratios_and_warns(tmp_path):
         assert Profile.load(path) == profile
     saved = Profile("cpu:test", "cpu", {1: IN_FORWARD}, HostCosts(1e-5, 1e-6, 1e-6), 1.0)
     assert Profile.load(saved.save(tmp_path / "v6.json")) == saved
+
+
+def test_a_sizes_value_held_past_its_rows_is_not_mixed_with_measured_ones():
+    """The LM head's size is called only at the rows sampled (here up to 32, at 1.4x): at 512 rows, where
+    the sizes on both sides of it were measured (1.0x), a size between them gets theirs, not the held 1.4x
+    (a mix gave mid's 384 x 384 projections 1.26x from small's profile); where no size was measured at
+    the rows asked, the held values are all there is."""
+    ratios = {16384: [(1, 1.5), (512, 1.0)], 131072: [(1, 1.6), (32, 1.4)], 360448: [(1, 1.3), (512, 1.0)]}
+    costs = dataclasses.replace(PACKED, packed_in_forward=ratios)
+    assert costs.in_forward(512, 147456) == pytest.approx(1.0)
+    assert costs.in_forward(16, 131072) == pytest.approx(1.6 + (16 - 1) / 31 * (1.4 - 1.6))
+    assert costs.in_forward(2048, 131072) == pytest.approx(1.0)  # measured neighbours at their last rows
+    only_short = dataclasses.replace(PACKED, packed_in_forward={131072: [(1, 1.6), (32, 1.4)]})
+    assert only_short.in_forward(512, 131072) == pytest.approx(1.4)
+    assert dataclasses.replace(PACKED, packed_in_forward={2048: []}).in_forward(4, 2048) == 1.0
+
+
+def test_timing_the_products_is_one_at_a_time_and_times_only_its_own_thread():
+    """``_time_packed_calls`` swaps ``ops.packed_linear`` process-wide: two calibrations on two threads take
+    turns (the original is put back, not a wrapper of a wrapper), and another thread's packed products
+    meanwhile run untimed."""
+    import threading
+
+    import torch
+
+    from oppo_engine import ops
+    from oppo_engine.sim import calibration
+
+    if not ops.packed_linear_supported(torch.ones(8, 8)):
+        pytest.skip("no packed products here")
+    original = ops.packed_linear
+    w = torch.randn(16, 32)
+    packed = ops.pack_linear_weight(w, 4)
+    x = torch.randn(4, 32)
+    inside = threading.Event()
+    release = threading.Event()
+
+    class Bench:
+        def __init__(self, wait: bool):
+            self.wait = wait
+
+        def call(self, *point):
+            def fn():
+                ops.packed_linear(x, packed, None)
+                if self.wait and ops.packed_linear is not original:
+                    inside.set()
+                    release.wait(10)
+
+            return fn
+
+    results = {}
+
+    def calibrate(name, wait):
+        results[name] = calibration._time_packed_calls([(Bench(wait), 1e6, [(4,)])])
+
+    first = threading.Thread(target=calibrate, args=("first", True))
+    first.start()
+    assert inside.wait(10)
+    second = threading.Thread(target=calibrate, args=("second", False))
+    second.start()
+    ops.packed_linear(x, packed, None)  # this thread's product while the first times its own
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert ops.packed_linear is original
+    for name in ("first", "second"):
+        (key,) = results[name]
+        assert key == (4, 32, 16)
+        assert len(results[name][key][1]) == calibration.CALL_REPEATS, name  # its own calls only
