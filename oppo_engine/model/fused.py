@@ -154,7 +154,8 @@ _forms_lock = threading.Lock()
 
 
 def _reads_as(kind: str, cls: type, forward: str) -> bool:
-    """Whether ``cls``'s forward's source is ``forward`` verbatim (dedented), once per (kind, class)."""
+    """Whether ``cls``'s forward's source is ``forward`` verbatim (dedented), read once per (kind, class,
+    forward)."""
     key = (kind, cls, getattr(cls, "forward", None))
     with _forms_lock:
         form = _forms.get(key)
