@@ -50,13 +50,13 @@ inline __attribute__((always_inline)) void scale_row(const T* xr, const T* w, fl
   }
 }
 
-// The rows [begin, end) of each pass, per dtype (target_clones takes no templates).
-OPPO_NORM_CLONES void square_f32(const float* x, float* sq, int64_t begin, int64_t end, int64_t hidden) {
+// The rows [begin, end) of each pass, one overload per dtype (target_clones takes no templates).
+OPPO_NORM_CLONES void square_range(const float* x, float* sq, int64_t begin, int64_t end, int64_t hidden) {
   for (int64_t r = begin; r < end; ++r) {
     square_row(x + r * hidden, sq + r * hidden, hidden);
   }
 }
-OPPO_NORM_CLONES void square_bf16(const c10::BFloat16* x, float* sq, int64_t begin, int64_t end, int64_t hidden) {
+OPPO_NORM_CLONES void square_range(const c10::BFloat16* x, float* sq, int64_t begin, int64_t end, int64_t hidden) {
   for (int64_t r = begin; r < end; ++r) {
     square_row(x + r * hidden, sq + r * hidden, hidden);
   }
@@ -68,30 +68,17 @@ inline __attribute__((always_inline)) float inv_rms(float variance, float eps) {
   return 1.0f / std::sqrt(denom);
 }
 
-OPPO_NORM_CLONES void scale_f32(const float* x, const float* w, const float* variance, float eps, float* out,
-                                int64_t begin, int64_t end, int64_t hidden) {
+OPPO_NORM_CLONES void scale_range(const float* x, const float* w, const float* variance, float eps, float* out,
+                                  int64_t begin, int64_t end, int64_t hidden) {
   for (int64_t r = begin; r < end; ++r) {
     scale_row(x + r * hidden, w, inv_rms(variance[r], eps), out + r * hidden, hidden);
   }
 }
-OPPO_NORM_CLONES void scale_bf16(const c10::BFloat16* x, const c10::BFloat16* w, const float* variance, float eps,
-                                 c10::BFloat16* out, int64_t begin, int64_t end, int64_t hidden) {
+OPPO_NORM_CLONES void scale_range(const c10::BFloat16* x, const c10::BFloat16* w, const float* variance, float eps,
+                                  c10::BFloat16* out, int64_t begin, int64_t end, int64_t hidden) {
   for (int64_t r = begin; r < end; ++r) {
     scale_row(x + r * hidden, w, inv_rms(variance[r], eps), out + r * hidden, hidden);
   }
-}
-
-inline void square_range(const float* x, float* sq, int64_t b, int64_t e, int64_t h) { square_f32(x, sq, b, e, h); }
-inline void square_range(const c10::BFloat16* x, float* sq, int64_t b, int64_t e, int64_t h) {
-  square_bf16(x, sq, b, e, h);
-}
-inline void scale_range(const float* x, const float* w, const float* v, float eps, float* out, int64_t b, int64_t e,
-                        int64_t h) {
-  scale_f32(x, w, v, eps, out, b, e, h);
-}
-inline void scale_range(const c10::BFloat16* x, const c10::BFloat16* w, const float* v, float eps,
-                        c10::BFloat16* out, int64_t b, int64_t e, int64_t h) {
-  scale_bf16(x, w, v, eps, out, b, e, h);
 }
 
 template <typename T>
