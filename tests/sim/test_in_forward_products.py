@@ -206,3 +206,21 @@ def test_timing_the_products_is_one_at_a_time_and_times_only_its_own_thread():
         (key,) = results[name]
         assert key == (4, 32, 16)
         assert len(results[name][key][1]) == calibration.CALL_REPEATS, name  # its own calls only
+
+
+def test_the_scaled_price_never_falls_with_more_rows():
+    """The ratio can fall with rows faster than the bare price grows (measured 1.2-2.0x at 1-32 rows): a
+    product scaled alone priced four rows below one (20.1 us against 18.2 us on a profile of ``small``).
+    The price is the running maximum over the rows up to ``m``: never less for more rows, and where the
+    scaled price itself grows it is unchanged."""
+    steep = dataclasses.replace(
+        PACKED, packed_in_forward={kn: [(1, 2.0), (4, 1.2), (16, 1.2)] for kn in (2048, 180224)}
+    )
+    bare, inside = _source(PACKED), _source(steep)
+    for k, n in ((64, 32), (256, 704), (704, 256)):
+        f = [inside.gemm(m, k, n, 4, 1, 1e7, packed=True)[0] for m in range(1, 300)]
+        f0 = [bare.gemm(m, k, n, 4, 1, 1e7, packed=True)[0] for m in range(1, 300)]
+        assert 1.2 * f0[3] < 2.0 * f0[0]  # scaled alone, four rows (1.2x) priced below one row (2.0x) ...
+        assert all(b >= a for a, b in zip(f, f[1:], strict=False))  # ... but never less for more rows
+        assert f[3] == pytest.approx(2.0 * f0[0])  # held at one row's price
+        assert f[0] == pytest.approx(2.0 * f0[0]) and f[-1] == pytest.approx(1.2 * f0[-1])  # unchanged
