@@ -54,6 +54,7 @@ from bench.baselines import hf_generate
 from bench.workloads import PAD_TOKEN_ID, build_models
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
+from oppo_engine.model import packed as packed_module
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 
 
@@ -359,8 +360,9 @@ def bench_smollm2(
     """The engine (eager, packed weights, the exact fusions: "engine") against HF ``generate`` on
     SmolLM2-135M-Instruct at each batch size, with the ``arms`` beside it ("unpacked": without packed
     weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``; "unfused_silu": the MLPs'
-    SiLU and product as torch's two ops on copies of the halves (``ops.silu_mul`` off); "ungrouped": every
-    projection alone, ``PackedLinears.grouping`` off), all alternating: tok/s
+    SiLU and product as torch's two ops on copies of the halves (``ops.silu_mul`` off); "onednn_small":
+    every product of a few bf16 rows as oneDNN's (``ops.small_linear`` off, ``packed.SMALL_ROWS = 0``);
+    "ungrouped": every projection alone, ``PackedLinears.grouping`` off), all alternating: tok/s
     from the fastest of ``repeats`` rounds, the step time beside the roofline."""
     from oppo_engine.pretrained import load_pretrained
 
@@ -386,7 +388,7 @@ def bench_smollm2(
         for engine in engines.values():
             run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
         run_hf(actor, prompts[:2], 4)
-        silu_mul = ops.SILU_MUL_AVAILABLE
+        silu_mul, small_rows = ops.SILU_MUL_AVAILABLE, packed_module.SMALL_ROWS
         times: dict[str, list[float]] = {name: [] for name in (*engines, "hf")}
         cpu: dict[str, list[float]] = {name: [] for name in times}
         loads = []
@@ -396,6 +398,8 @@ def bench_smollm2(
                     packs = actor_runner_of(engines[name]).packed if name != "hf" else None
                     # "unfused_silu": the MLPs' SiLU and product as torch's two ops (ops.silu_mul off)
                     ops.SILU_MUL_AVAILABLE = silu_mul and not name.startswith("unfused_silu")
+                    # "onednn_small": a few bf16 rows' products as oneDNN's (ops.small_linear off)
+                    packed_module.SMALL_ROWS = 0 if name.startswith("onednn_small") else small_rows
                     grouping = not name.startswith("ungrouped")  # "ungrouped": PackedLinears.grouping off
                     if packs is not None and packs.grouping != grouping:
                         packs.grouping = grouping
@@ -412,7 +416,7 @@ def bench_smollm2(
                     times[name].append(elapsed)
                 loads.append(os.getloadavg()[0])
         finally:
-            ops.SILU_MUL_AVAILABLE = silu_mul
+            ops.SILU_MUL_AVAILABLE, packed_module.SMALL_ROWS = silu_mul, small_rows
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
         measured = measure_roofline(dtype)
@@ -500,7 +504,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument(
         "--arms",
         nargs="*",
-        choices=["unpacked", "unfused", "unfused_silu", "ungrouped"],
+        choices=["unpacked", "unfused", "unfused_silu", "onednn_small", "ungrouped"],
         default=["unpacked"],
         help="--model: the engine variants run beside the engine and HF",
     )

@@ -5,6 +5,7 @@
 #include "act_ops.h"
 #include "attention.h"
 #include "cache_ops.h"
+#include "linear_ops.h"
 #include "norm_ops.h"
 #include "rope_ops.h"
 #include "sample_ops.h"
@@ -45,6 +46,12 @@ TORCH_LIBRARY(oppo, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   // Whether this build and CPU run silu_mul.
   m.def("silu_mul_available() -> bool", &oppo::silu_mul_available);
+  // x: [M, K] bf16 contiguous; blocked: [N / 16, K / 2, 16, 2] bf16 (ops.block_linear_weight). x @ weight.T
+  // as oneDNN orders it for a few rows: float32 sums over runs of kblock inputs, added in order, rounded once
+  // (linear_cpu.cpp); the caller uses it where a probe found it bitwise oneDNN's (ops.small_linear_kblock).
+  m.def("small_linear(Tensor x, Tensor blocked, int kblock) -> Tensor");
+  // Whether this build and CPU run small_linear (AVX-512 BF16).
+  m.def("small_linear_available() -> bool", &oppo::small_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
@@ -55,6 +62,7 @@ TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("rms_norm", &oppo::rms_norm_cpu);
   m.impl("rotary_and_cache", &oppo::rotary_and_cache_cpu);
   m.impl("silu_mul", &oppo::silu_mul_cpu);
+  m.impl("small_linear", &oppo::small_linear_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA

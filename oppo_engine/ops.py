@@ -93,6 +93,11 @@ def _silu_mul_fake(gate, up):  # noqa: ARG001
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
+@torch.library.register_fake("oppo::small_linear")
+def _small_linear_fake(x, blocked, kblock):  # noqa: ARG001
+    return torch.empty((x.shape[0], blocked.shape[0] * 16), dtype=x.dtype, device=x.device)
+
+
 @torch.library.register_fake("oppo::rotary_and_cache")
 def _rotary_and_cache_fake(q, k, v, cos, sin, kv_cache, slot_mapping, layer):  # noqa: ARG001
     return torch.empty_like(q)
@@ -362,6 +367,102 @@ def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
         if not torch.equal(got.view(as_int), want.view(as_int)):
             return False
     return True
+
+
+# Whether small_linear runs here (the extension's AVX-512 BF16 routine on a CPU that has it).
+SMALL_LINEAR_AVAILABLE: bool = bool(torch.ops.oppo.small_linear_available())
+# Up to this many rows a packed bf16 product may run as small_linear (model/packed.py): measured on Zen 5
+# with two threads, SmolLM2-135M's products out of cache at 1-4 rows were 1.03-1.82x faster than oneDNN's,
+# at 6 rows 0.59-1.11x, at 8 rows 0.94-2.08x, at 16 rows 0.63-1.39x
+# (bench/results/small_linear_zen5_2026-12-06.txt).
+SMALL_LINEAR_ROWS = 4
+# The runs of K over which oneDNN sums bf16 rows in float32 before adding the runs' sums (measured on
+# torch 2.13's oneDNN: 512 inputs below 4 rows or up to K = 576, else 1024); the probe picks among them.
+_SMALL_LINEAR_RUNS = (512, 1024)
+# Elements compared per candidate run by the probe (a wrong run shows as a last-bit difference in ~1e-4 of
+# the outputs of mixed-scale rows).
+_SMALL_LINEAR_PROBE_ELEMENTS = 1 << 19
+
+
+def small_linear_supported(weight: torch.Tensor) -> bool:
+    """Whether ``weight [N, K]`` can be blocked for :func:`small_linear`: a CPU bfloat16 matrix with ``N`` a
+    multiple of 16 and ``K`` even, on a CPU that runs the op."""
+    return (
+        SMALL_LINEAR_AVAILABLE
+        and weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 2 == 0
+        and weight.shape[1] > 0
+    )
+
+
+def block_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` bf16 as :func:`small_linear` reads it: ``[N / 16, K / 2, 16, 2]``, each 16-column
+    panel's input pairs interleaved (a copy)."""
+    n, k = weight.shape
+    if n % 16 or k % 2:
+        raise ValueError(f"block_linear_weight: needs N % 16 == 0 and K even, got [{n}, {k}]")
+    return weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def small_linear(x: torch.Tensor, blocked: torch.Tensor, kblock: int) -> torch.Tensor:
+    """``x [M, K] @ weight.T`` for a few bf16 rows, from the weight blocked by :func:`block_linear_weight`:
+    float32 sums over runs of ``kblock`` inputs (pairs in order, as ``vdpbf16ps`` adds them), the runs' sums
+    added in order, rounded to bf16 once. That is oneDNN's order where :func:`small_linear_kblock` found it
+    (the caller checks), so the result is bit for bit :func:`packed_linear`'s there. ``x`` contiguous. No
+    autograd."""
+    return torch.ops.oppo.small_linear(x, blocked, int(kblock))
+
+
+def small_linear_kblock(
+    rows: int, packed: torch.Tensor, blocked: torch.Tensor, batch_hint: int, threads: int | None = None
+) -> int | None:
+    """The run of K for which :func:`small_linear` on ``blocked`` is bit for bit :func:`packed_linear` on
+    ``packed`` (the same weight, packed at ``batch_hint``) for ``rows``-row inputs at ``threads`` intra-op
+    threads (default torch's), or ``None`` where no candidate is.
+
+    oneDNN's order of summation depends on the shapes, the rows, the pack's layout and the threads, not on the
+    weights' values: the verdict is kept per (rows, K, N, batch hint, threads) and probed once, on this
+    weight, with random rows at scales from 0.05 to 20 until ``_SMALL_LINEAR_PROBE_ELEMENTS`` outputs were
+    compared for a candidate; any difference declines it."""
+    if not SMALL_LINEAR_AVAILABLE or rows < 1:
+        return None
+    n, k = blocked.shape[0] * 16, blocked.shape[1] * 2
+    threads = torch.get_num_threads() if threads is None else threads
+    key = (rows, k, n, batch_hint, threads)
+    with _small_lock:
+        known = key in _small_verdicts
+        verdict = _small_verdicts.get(key)
+    if not known:
+        verdict = _small_probe(rows, packed, blocked)
+        with _small_lock:
+            _small_verdicts[key] = verdict
+    return verdict
+
+
+_small_verdicts: dict[tuple, int | None] = {}
+_small_lock = threading.Lock()
+
+
+def _small_probe(rows: int, packed: torch.Tensor, blocked: torch.Tensor) -> int | None:
+    n, k = blocked.shape[0] * 16, blocked.shape[1] * 2
+    draws = max(1, min(4096, -(-_SMALL_LINEAR_PROBE_ELEMENTS // (rows * n))))
+    gen = torch.Generator().manual_seed(rows * 7919 + k * 31 + n)
+    xs = []
+    for _ in range(draws):
+        scale = 10.0 ** (torch.rand(rows, k, generator=gen) * 2.6 - 1.3)
+        xs.append((torch.randn(rows, k, generator=gen) * scale).to(torch.bfloat16))
+    with torch.inference_mode():
+        want = [packed_linear(x, packed, None).view(torch.int16) for x in xs]
+        for run in _SMALL_LINEAR_RUNS:
+            if all(
+                torch.equal(small_linear(x, blocked, run).view(torch.int16), w)
+                for x, w in zip(xs, want, strict=True)
+            ):
+                return run
+    return None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

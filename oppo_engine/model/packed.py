@@ -26,6 +26,16 @@ declined and ``PackedLinears.ungrouped`` counts it), so the engine's numbers are
 a member with forward hooks (or global module hooks) runs alone, so its hooks run. The members keep their
 own packs (for any other caller): a group's stacked copy is memory on top, held only while grouping serves.
 
+**A few bf16 rows.** Up to ``SMALL_ROWS`` rows (a decode batch of one to four sequences: a drain's tail), a
+bias-free bf16 product runs as ``ops.small_linear`` over a second copy of the weight, blocked in 16-column
+panels (made at its first such product, held and dropped with the pack, counted in ``nbytes``), which reads
+each panel once for all the rows (oneDNN's kernels took up to 1.8x its time there: docs/benchmarks.md). It is
+used only where a probe found it bit for bit oneDNN's product for those rows, that shape, the pack's batch
+hint and the thread count (``ops.small_linear_kblock``, once per process): oneDNN sums an output in float32
+over runs of 512 or 1024 inputs and adds the runs' sums, and the op does the same. So the rollouts are those
+of oneDNN's products to the bit (tests/test_small_linear.py); a product with a bias, in fp32, or of more rows
+is oneDNN's.
+
 The packed copies live beside the model's weights (one more copy of every ``nn.Linear`` weight: the
 actor's only) and are swapped in for the duration of the runner's forward: each module's ``forward`` is
 set on the instance, then removed, so the trainer's forwards and backwards never see them (a module that
@@ -56,7 +66,7 @@ class _Entry:
     """One module's pack: the weight tensor it was made from, that tensor's version then, and the forward
     that runs it (made once per pack, not once per model forward)."""
 
-    __slots__ = ("module", "weight", "version", "packed", "forward")
+    __slots__ = ("module", "weight", "version", "packed", "forward", "blocked")
 
     def __init__(self, module: nn.Linear) -> None:
         self.module = module
@@ -64,12 +74,18 @@ class _Entry:
         self.version = -1
         self.packed: torch.Tensor | None = None
         self.forward = None
+        # The weight blocked for ops.small_linear, made at its first product of a few bf16 rows (None: not
+        # yet; False: not possible for this weight); dropped with the pack.
+        self.blocked: torch.Tensor | bool | None = None
 
 
 # Attribute names of sibling projections that a fused forward calls on one input through ``grouped``, each
 # with the predicate on their parent module that says its fused forward is that one: registered by
 # model/fused.py, which owns those forwards (this module does not import it).
 GROUPS: list[tuple[tuple[str, ...], Callable[[nn.Module], bool]]] = []
+# Up to this many rows a packed bf16 product runs as ``ops.small_linear`` where that is bitwise oneDNN's
+# (``PackedLinears._small``); 0 turns it off (for comparisons).
+SMALL_ROWS = ops.SMALL_LINEAR_ROWS
 # Rows of the probes on which a group's stacked product is checked against its members' own (besides the
 # pack's batch hint): decode batches and prefill chunks, even and odd.
 PROBE_ROWS = (1, 3, 8, 17, 64, 100, 256, 1000)
@@ -80,7 +96,7 @@ class _Group:
     was made from, the pack (``None`` where the stacked product is not bitwise the members'), each
     member's output width, and whether every member is packed for the current forward (``live``)."""
 
-    __slots__ = ("entries", "made_from", "packed", "widths", "live")
+    __slots__ = ("entries", "made_from", "packed", "widths", "live", "blocked")
 
     def __init__(self, entries: list[_Entry]) -> None:
         self.entries = entries
@@ -88,6 +104,7 @@ class _Group:
         self.packed: torch.Tensor | None = None
         self.widths = [e.module.out_features for e in entries]
         self.live = False
+        self.blocked: torch.Tensor | bool | None = None  # as _Entry.blocked, of the stacked weight
 
 
 class PackedLinears:
@@ -130,8 +147,9 @@ class PackedLinears:
         return len(self._held())
 
     def _held(self) -> list[torch.Tensor]:
-        packs = [e.packed for e in self._entries] + [g.packed for g in self._groups.values()]
-        return [p for p in packs if p is not None]
+        holders = [*self._entries, *self._groups.values()]
+        packs = [h.packed for h in holders] + [h.blocked for h in holders]
+        return [p for p in packs if isinstance(p, torch.Tensor)]
 
     def drop(self) -> None:
         """Free every pack; the next forward packs again from the weights as they are then."""
@@ -141,9 +159,9 @@ class PackedLinears:
     def _clear(self) -> None:
         # The caller holds the lock.
         for e in self._entries:
-            e.weight, e.version, e.packed, e.forward = None, -1, None, None
+            e.weight, e.version, e.packed, e.forward, e.blocked = None, -1, None, None, None
         for g in self._groups.values():
-            g.made_from, g.packed, g.live = None, None, False
+            g.made_from, g.packed, g.live, g.blocked = None, None, False, None
 
     def _refresh(self) -> list[_Entry]:
         """The entries to use in this forward, packing what is missing or stale.
@@ -164,13 +182,13 @@ class PackedLinears:
             if ok is None:
                 ok = supported[key] = ops.packed_linear_supported(w)
             if not ok or w.is_inference() or "forward" in e.module.__dict__:
-                e.weight, e.version, e.packed, e.forward = None, -1, None, None
+                e.weight, e.version, e.packed, e.forward, e.blocked = None, -1, None, None, None
                 continue
             version = w._version
             if e.packed is None or e.weight is not w or e.version != version:
-                e.packed = ops.pack_linear_weight(w, self.batch_hint)
+                e.packed, e.blocked = ops.pack_linear_weight(w, self.batch_hint), None
                 e.weight, e.version = w, version
-                e.forward = _packed_forward(self, e.module, e.packed)
+                e.forward = _packed_forward(self, e)
                 self.repacks += 1
             out.append(e)
         installed = {id(e) for e in out}
@@ -191,14 +209,14 @@ class PackedLinears:
             and (all(b is None for b in biases) or all(b is not None for b in biases))
         )
         if not g.live:
-            g.made_from, g.packed = None, None  # nothing held that no forward uses
+            g.made_from, g.packed, g.blocked = None, None, None  # nothing held that no forward uses
             return
         made_from = tuple((e.weight, e.version) for e in members)
         if g.made_from is not None and all(
             a is b and u == v for (a, u), (b, v) in zip(g.made_from, made_from, strict=True)
         ):
             return
-        g.made_from, g.packed = made_from, None
+        g.made_from, g.packed, g.blocked = made_from, None, None
         if _verdicts.get(_verdict_key(g, biases, self.batch_hint)) is False:  # declined before: not packed
             self.ungrouped += 1
             return
@@ -220,8 +238,33 @@ class PackedLinears:
             return None
         biases = [m.bias for m in modules]  # read at every call, as a lone module's
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        y = ops.packed_linear(x, g.packed, bias)
+        y = self._small(g, x, bias)
+        if y is None:
+            y = ops.packed_linear(x, g.packed, bias)
         return list(torch.split(y, g.widths, dim=-1))
+
+    def _small(
+        self, holder: _Entry | _Group, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The packed product of a few bf16 rows as ``ops.small_linear`` (up to ``SMALL_ROWS`` rows, without
+        a bias), where its probe found it bit for bit oneDNN's for these rows, this shape and the pack's batch
+        hint (``ops.small_linear_kblock``); ``None`` elsewhere (the caller runs oneDNN's product). The weight
+        is blocked at its first such product and held with the pack."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if bias is not None or x.dtype != torch.bfloat16 or not 1 <= rows <= SMALL_ROWS:
+            return None
+        blocked = holder.blocked
+        if blocked is None:
+            if isinstance(holder, _Group):
+                weight = torch.cat([e.weight.detach() for e in holder.entries])
+            else:
+                weight = holder.weight
+            ok = weight is not None and ops.small_linear_supported(weight)
+            blocked = holder.blocked = ops.block_linear_weight(weight) if ok else False
+        if blocked is False:
+            return None
+        return small_product(x, holder.packed, blocked, self._made_hint)
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -243,17 +286,37 @@ class PackedLinears:
                         del e.module.__dict__["forward"]
 
 
-def _packed_forward(packs: PackedLinears, module: nn.Linear, packed: torch.Tensor):
+def _packed_forward(packs: PackedLinears, entry: _Entry):
     """The module's forward while packed: the packed product on the thread of the runner's forward, the
     module's own on any other (the same model object running elsewhere meanwhile, e.g. as a scorer, gets
     exactly what it gets without packs). The bias is read at every call: only the weight is packed."""
+    module, packed = entry.module, entry.packed
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if threading.get_ident() != packs._thread:
             return nn.Linear.forward(module, x)
-        return ops.packed_linear(x, packed, module.bias)
+        y = packs._small(entry, x, module.bias) if entry.packed is packed else None
+        return ops.packed_linear(x, packed, module.bias) if y is None else y
 
     return forward
+
+
+def small_product(
+    x: torch.Tensor, pack: torch.Tensor, blocked: torch.Tensor, batch_hint: int
+) -> torch.Tensor | None:
+    """``ops.packed_linear(x, pack, None)`` of a bf16 ``x`` as ``ops.small_linear`` over ``blocked`` (the same
+    weight, ``ops.block_linear_weight``), where that is bit for bit oneDNN's for ``x``'s rows (up to
+    ``SMALL_ROWS``), this shape and the pack's ``batch_hint`` (``ops.small_linear_kblock``); ``None``
+    elsewhere. The engine's packs and the twin's calibration (which times the products as the engine runs
+    them) both go through it."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if x.dtype != torch.bfloat16 or not 1 <= rows <= SMALL_ROWS:
+        return None
+    kblock = ops.small_linear_kblock(rows, pack, blocked, batch_hint)
+    if kblock is None:
+        return None
+    return ops.small_linear(x.reshape(rows, k).contiguous(), blocked, kblock).view(*x.shape[:-1], -1)
 
 
 _applied = threading.local()  # .packs: the PackedLinears whose applied() block this thread is in

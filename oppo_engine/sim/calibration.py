@@ -130,8 +130,18 @@ def _linear(w, packed: bool):
 
     if not packed:
         return lambda x: F.linear(x, w)
+    from oppo_engine.model.packed import small_product  # noqa: PLC0415
+
     p = ops.pack_linear_weight(w, PACK_HINT)
-    return lambda x: ops.packed_linear(x, p, None)
+    if not ops.small_linear_supported(w):
+        return lambda x: ops.packed_linear(x, p, None)
+    blocked = ops.block_linear_weight(w)  # a few bf16 rows run as ops.small_linear where the engine's do
+
+    def product(x):
+        y = small_product(x, p, blocked, PACK_HINT)
+        return ops.packed_linear(x, p, None) if y is None else y
+
+    return product
 
 
 def _time_gemms(device, dtype, timed, gpu: bool, packed: bool = False) -> dict[int, list[tuple[int, float]]]:
@@ -336,7 +346,8 @@ def _time_packed_calls(runs) -> dict[tuple[int, int, int], tuple[float, list[flo
     forwards as the forward calls it. ``runs``: ``(bench, working set bytes, grid)`` of the actor and its
     shrunk copies (their packed ``_RoleBench``); each point's forward runs once to warm up, then
     ``CALL_REPEATS`` times with ``ops.packed_linear`` (the one entry of every packed product, the grouped
-    ones included: ``model/packed.py``) timed call by call, the forward's own work left as it is."""
+    ones included: ``model/packed.py``) and ``ops.small_linear`` (a few bf16 rows' products) timed call by
+    call, the forward's own work left as it is."""
     from oppo_engine import ops  # noqa: PLC0415
 
     with _timing_lock:  # the swap is process-wide: one timing at a time, and the original put back
@@ -347,32 +358,37 @@ _timing_lock = threading.Lock()
 
 
 def _time_packed_calls_locked(ops, runs) -> dict[tuple[int, int, int], tuple[float, list[float]]]:
-    product = ops.packed_linear
+    product, small = ops.packed_linear, ops.small_linear
     calls: dict[tuple[int, int, int], tuple[float, list[float]]] = {}
     working = [0.0]
     me = threading.get_ident()
 
-    def timed_product(x, packed, bias):
-        if threading.get_ident() != me:  # another thread's products (an engine beside it) are not timed
-            return product(x, packed, bias)
-        t0 = time.perf_counter()
-        out = product(x, packed, bias)
-        seconds = time.perf_counter() - t0
-        k, n = x.shape[-1], out.shape[-1]
-        calls.setdefault((x.numel() // k, k, n), (working[0], []))[1].append(seconds)
-        return out
+    def timed(op):
+        def timed_op(x, *args):
+            if threading.get_ident() != me:  # another thread's products (an engine beside it) are not timed
+                return op(x, *args)
+            t0 = time.perf_counter()
+            out = op(x, *args)
+            seconds = time.perf_counter() - t0
+            k, n = x.shape[-1], out.shape[-1]
+            calls.setdefault((x.numel() // k, k, n), (working[0], []))[1].append(seconds)
+            return out
+
+        return timed_op
+
+    timed_product, timed_small = timed(product), timed(small)
 
     for bench, weights, grid in runs:
         for point in grid:
             fn = bench.call(*point)
             fn()
             working[0] = weights
-            ops.packed_linear = timed_product
+            ops.packed_linear, ops.small_linear = timed_product, timed_small
             try:
                 for _ in range(CALL_REPEATS):
                     fn()
             finally:
-                ops.packed_linear = product
+                ops.packed_linear, ops.small_linear = product, small
     return calls
 
 

@@ -17,8 +17,19 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
-from oppo_engine.sim.calibration import SHRUNK_GRID, _batch, _fixed_costs, _packed_in_forward
+from oppo_engine import ops
+from oppo_engine.sim.calibration import (
+    CALL_REPEATS,
+    PACK_HINT,
+    SHRUNK_GRID,
+    _batch,
+    _fixed_costs,
+    _linear,
+    _packed_in_forward,
+    _time_packed_calls,
+)
 from oppo_engine.sim.cost import Batch, CostModel, HostCosts
 from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts
 from oppo_engine.sim.shapes import model_shape
@@ -224,3 +235,35 @@ def test_the_scaled_price_never_falls_with_more_rows():
         assert all(b >= a for a, b in zip(f, f[1:], strict=False))  # ... but never less for more rows
         assert f[3] == pytest.approx(2.0 * f0[0])  # held at one row's price
         assert f[0] == pytest.approx(2.0 * f0[0]) and f[-1] == pytest.approx(1.2 * f0[-1])  # unchanged
+
+
+@pytest.mark.skipif(not ops.SMALL_LINEAR_AVAILABLE, reason="needs a CPU with AVX-512 BF16")
+def test_a_few_bf16_rows_are_timed_as_the_engine_multiplies_them():
+    """The engine's packs multiply 1-4 bf16 rows with ``ops.small_linear`` (bitwise oneDNN's product, faster):
+    the calibration's bare products do the same, and its in-forward timing records those calls too."""
+    w = (torch.randn(96, 64, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()
+    spy = []
+    real = ops.small_linear
+    product = _linear(w, packed=True)
+    pack = ops.pack_linear_weight(w, PACK_HINT)
+    for rows in (1, 2, 3, 4):
+        product(torch.zeros(1, rows, 64).bfloat16())  # the probes (their own calls) before the spy
+    try:
+        ops.small_linear = lambda x, b, r: spy.append(x.shape[0]) or real(x, b, r)
+        for rows in (1, 3, 4, 5, 16):
+            x = torch.randn(1, rows, 64).bfloat16()
+            assert torch.equal(product(x), ops.packed_linear(x, pack, None))
+    finally:
+        ops.small_linear = real
+    assert spy == [1, 3, 4]
+
+    class Bench:  # a "forward" of two products: one of 2 rows (small_linear), one of 8 (oneDNN's)
+        @staticmethod
+        def call(rows):
+            x = torch.randn(1, rows, 64).bfloat16()
+            return lambda: product(x)
+
+    calls = _time_packed_calls([(Bench, 1e6, [(2,), (8,)])])
+    assert set(calls) == {(2, 64, 96), (8, 64, 96)}
+    assert all(len(seconds) == CALL_REPEATS for _, seconds in calls.values())
+    assert ops.small_linear is real
