@@ -35,7 +35,7 @@ OPPO_BF16 void panel_rows(const uint32_t* x, int64_t P, const __m512bh* w, int64
     __m512 sum[R];
     for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < P; ++p) {
-      const __m512bh wp = w[p];
+      const __m512bh wp = (__m512bh)_mm512_loadu_si512(w + p);  // any 2-byte aligned tensor
       for (int r = 0; r < R; ++r) sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(x[r * P + p]), wp);
     }
     for (int r = 0; r < R; ++r)
@@ -48,7 +48,7 @@ OPPO_BF16 void panel_rows(const uint32_t* x, int64_t P, const __m512bh* w, int64
     for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
     const int64_t p1 = std::min(P, p0 + run);
     for (int64_t p = p0; p < p1; ++p) {
-      const __m512bh wp = w[p];
+      const __m512bh wp = (__m512bh)_mm512_loadu_si512(w + p);  // any 2-byte aligned tensor
       for (int r = 0; r < R; ++r) sum[r] = _mm512_dpbf16_ps(sum[r], (__m512bh)_mm512_set1_epi32(x[r * P + p]), wp);
     }
     for (int r = 0; r < R; ++r)

@@ -144,3 +144,16 @@ def test_the_blocked_copies_follow_the_weights():
         packed.SMALL_ROWS = saved
     on, _ = _rollouts(actor, prompts, 2, 0.0)
     assert on == off and on != before
+
+
+def test_a_blocked_weight_at_any_offset_is_read_alike():
+    """The op reads its weight panels with unaligned loads: a view at a 2-byte offset (not 64-byte aligned)
+    gives the same bits as a fresh copy (an aligned-load build faults on it)."""
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    b = ops.block_linear_weight(w)
+    raw = torch.empty(b.numel() + 1, dtype=torch.bfloat16)
+    shifted = raw[1:].view(b.shape)
+    shifted.copy_(b)
+    assert shifted.data_ptr() % 64 != 0
+    x = _rows(3, 576, 9)
+    assert torch.equal(ops.small_linear(x, shifted, 512), ops.small_linear(x, b, 512))
