@@ -65,11 +65,19 @@ OPPO_BF16 void panels(const uint32_t* x, int64_t M, int64_t P, const __m512bh* w
     const __m512bh* wb = w + b * P;
     int64_t m = 0;
     for (; m + 8 <= M; m += 8) panel_rows<8>(x + m * P, P, wb, run, out + m * N + b * 16, N);
-    for (; m + 4 <= M; m += 4) panel_rows<4>(x + m * P, P, wb, run, out + m * N + b * 16, N);
-    // The last 1-3 rows in one pass over the panel (one pass per row would read it again for each).
-    if (M - m == 3) panel_rows<3>(x + m * P, P, wb, run, out + m * N + b * 16, N);
-    if (M - m == 2) panel_rows<2>(x + m * P, P, wb, run, out + m * N + b * 16, N);
-    if (M - m == 1) panel_rows<1>(x + m * P, P, wb, run, out + m * N + b * 16, N);
+    // The last 1-7 rows in one pass over the panel (a pass per row or per few would read it again).
+    const uint32_t* xm = x + m * P;
+    uint16_t* om = out + m * N + b * 16;
+    switch (M - m) {
+      case 7: panel_rows<7>(xm, P, wb, run, om, N); break;
+      case 6: panel_rows<6>(xm, P, wb, run, om, N); break;
+      case 5: panel_rows<5>(xm, P, wb, run, om, N); break;
+      case 4: panel_rows<4>(xm, P, wb, run, om, N); break;
+      case 3: panel_rows<3>(xm, P, wb, run, om, N); break;
+      case 2: panel_rows<2>(xm, P, wb, run, om, N); break;
+      case 1: panel_rows<1>(xm, P, wb, run, om, N); break;
+      default: break;
+    }
   }
 }
 #endif

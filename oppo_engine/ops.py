@@ -373,9 +373,9 @@ def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
 SMALL_LINEAR_AVAILABLE: bool = bool(torch.ops.oppo.small_linear_available())
 # Up to this many rows a packed bf16 product may run as small_linear (model/packed.py): measured on Zen 5
 # with two threads, SmolLM2-135M's products out of cache at 1-4 rows were 1.03-1.82x faster than oneDNN's,
-# at 6 rows 0.59-1.11x, at 8 rows 0.94-2.08x, at 16 rows 0.63-1.39x
-# (bench/results/small_linear_zen5_2026-12-06.txt).
-SMALL_LINEAR_ROWS = 4
+# at 5-8 rows 0.85-2.42x (most above 1), at 16 rows 0.63-1.39x; the decode step alone 1.07-1.22x faster at
+# B = 1, 2, 4, 6 and 8 (bench/results/small_linear_zen5_2026-12-06.txt).
+SMALL_LINEAR_ROWS = 8
 # The runs of K over which oneDNN sums bf16 rows in float32 before adding the runs' sums (measured on
 # torch 2.13's oneDNN: 512 inputs below 4 rows or up to K = 576, else 1024); the probe picks among them.
 _SMALL_LINEAR_RUNS = (512, 1024)

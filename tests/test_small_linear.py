@@ -2,7 +2,7 @@
 product wherever the engine uses it. oneDNN sums an output over runs of K inputs in float32 (``vdpbf16ps``
 pairs in order) and adds the runs' sums; the op does the same, the run chosen per (rows, shape, batch hint,
 threads) by a probe against oneDNN's product (``ops.small_linear_kblock``). The packs use it up to
-``packed.SMALL_ROWS`` rows: the rollouts are those of oneDNN's products to the bit."""
+``packed.SMALL_ROWS`` rows (8): the rollouts are those of oneDNN's products to the bit."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _rows(rows: int, k: int, seed: int) -> torch.Tensor:
 def test_small_linear_is_onednns_packed_product_to_the_bit(n, k, hint):
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05).bfloat16()
     p, b = ops.pack_linear_weight(w, hint), ops.block_linear_weight(w)
-    for rows in (1, 2, 3, 4, 8):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 11):
         run = ops.small_linear_kblock(rows, p, b, hint)
         assert run in (512, 1024)  # found for every shape here
         for seed in range(3):  # inputs the probe did not see
@@ -100,7 +100,7 @@ def _rollouts(actor, prompts, batch_size: int, temperature: float) -> list:
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_rollouts_with_small_products_are_onednns_to_the_bit(model, monkeypatch):
-    """bf16 rollouts at 1-4 sequences a batch, greedy and sampled, with the small products on and off:
+    """bf16 rollouts at 1-8 sequences a batch, greedy and sampled, with the small products on and off:
     the same tokens and log-probs, bit for bit. The op ran (a spy around the real op), on Llama's grouped
     q|k|v and gate|up and its lone products; Qwen2's q|k|v have biases and stay oneDNN's. The blocked copies
     are held with the packs and counted in ``nbytes``."""
@@ -109,9 +109,9 @@ def test_rollouts_with_small_products_are_onednns_to_the_bit(model, monkeypatch)
     calls = []
     real = ops.small_linear
     monkeypatch.setattr(ops, "small_linear", lambda x, b, r: calls.append(tuple(b.shape)) or real(x, b, r))
-    for batch_size in (1, 2, 4):
+    for batch_size in (1, 3, 8):
         for temperature in (0.0, 1.0):
-            monkeypatch.setattr(packed, "SMALL_ROWS", 4)
+            monkeypatch.setattr(packed, "SMALL_ROWS", 8)
             calls.clear()
             on, held_on = _rollouts(actor, prompts, batch_size, temperature)
             shapes = set(calls)

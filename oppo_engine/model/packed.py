@@ -26,7 +26,7 @@ declined and ``PackedLinears.ungrouped`` counts it), so the engine's numbers are
 a member with forward hooks (or global module hooks) runs alone, so its hooks run. The members keep their
 own packs (for any other caller): a group's stacked copy is memory on top, held only while grouping serves.
 
-**A few bf16 rows.** Up to ``SMALL_ROWS`` rows (a decode batch of one to four sequences: a drain's tail), a
+**A few bf16 rows.** Up to ``SMALL_ROWS`` rows (a decode batch of one to eight sequences: a drain's tail), a
 bias-free bf16 product runs as ``ops.small_linear`` over a second copy of the weight, blocked in 16-column
 panels (made at its first such product, held and dropped with the pack, counted in ``nbytes``), which reads
 each panel once for all the rows (oneDNN's kernels took up to 1.8x its time there: docs/benchmarks.md). It is
