@@ -377,11 +377,14 @@ SMALL_LINEAR_AVAILABLE: bool = bool(torch.ops.oppo.small_linear_available())
 # B = 1, 2, 4, 6 and 8 (bench/results/small_linear_zen5_2026-12-06.txt).
 SMALL_LINEAR_ROWS = 8
 # The runs of K over which oneDNN sums bf16 rows in float32 before adding the runs' sums (measured on
-# torch 2.13's oneDNN: 512 inputs below 4 rows or up to K = 576, else 1024); the probe picks among them.
+# torch 2.13's oneDNN: 512 inputs with one row and up to K = 1024; 1024 from two rows at K = 1536 and 2048);
+# the probe picks among them.
 _SMALL_LINEAR_RUNS = (512, 1024)
-# Elements compared per candidate run by the probe (a wrong run shows as a last-bit difference in ~1e-4 of
-# the outputs of mixed-scale rows).
+# Outputs compared per candidate run by the probe (a wrong order shows as a last-bit difference in ~3e-5 to
+# 2e-4 of the outputs of mixed-scale rows: an even-first pair order, the least, 18 expected here), and the
+# most draws it makes to get them: a product with fewer rows x columns is left to oneDNN.
 _SMALL_LINEAR_PROBE_ELEMENTS = 1 << 19
+_SMALL_LINEAR_PROBE_DRAWS = 8192
 
 
 def small_linear_supported(weight: torch.Tensor) -> bool:
@@ -400,11 +403,13 @@ def small_linear_supported(weight: torch.Tensor) -> bool:
 
 def block_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` bf16 as :func:`small_linear` reads it: ``[N / 16, K / 2, 16, 2]``, each 16-column
-    panel's input pairs interleaved (a copy)."""
+    panel's input pairs interleaved (a copy, never a view of ``weight``)."""
     n, k = weight.shape
     if n % 16 or k % 2:
         raise ValueError(f"block_linear_weight: needs N % 16 == 0 and K even, got [{n}, {k}]")
-    return weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    out = torch.empty((n // 16, k // 2, 16, 2), dtype=weight.dtype, device=weight.device)
+    out.copy_(weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3))
+    return out
 
 
 def small_linear(x: torch.Tensor, blocked: torch.Tensor, kblock: int) -> torch.Tensor:
@@ -416,27 +421,27 @@ def small_linear(x: torch.Tensor, blocked: torch.Tensor, kblock: int) -> torch.T
     return torch.ops.oppo.small_linear(x, blocked, int(kblock))
 
 
-def small_linear_kblock(
-    rows: int, packed: torch.Tensor, blocked: torch.Tensor, batch_hint: int, threads: int | None = None
-) -> int | None:
-    """The run of K for which :func:`small_linear` on ``blocked`` is bit for bit :func:`packed_linear` on
-    ``packed`` (the same weight, packed at ``batch_hint``) for ``rows``-row inputs at ``threads`` intra-op
-    threads (default torch's), or ``None`` where no candidate is.
+def small_linear_kblock(rows: int, k: int, n: int, batch_hint: int) -> int | None:
+    """The run of K for which :func:`small_linear` is bit for bit :func:`packed_linear` over a weight
+    ``[n, k]`` packed at ``batch_hint``, for ``rows``-row inputs at torch's intra-op thread count, or ``None``
+    where no candidate is, or where the probe cannot tell.
 
     oneDNN's order of summation depends on the shapes, the rows, the pack's layout and the threads, not on the
-    weights' values: the verdict is kept per (rows, K, N, batch hint, threads) and probed once, on this
-    weight, with random rows at scales from 0.05 to 20 until ``_SMALL_LINEAR_PROBE_ELEMENTS`` outputs were
-    compared for a candidate; any difference declines it."""
-    if not SMALL_LINEAR_AVAILABLE or rows < 1:
+    weights' values: the verdict is kept per (rows, K, N, batch hint, threads) and probed once, on a random
+    weight of that shape packed at that hint (not a model's: a zero weight would pass anything), with random
+    rows at scales from 0.05 to 20 until ``_SMALL_LINEAR_PROBE_ELEMENTS`` outputs were compared. The
+    candidates are the runs of ``_SMALL_LINEAR_RUNS`` shorter than K and one run over all of K; the verdict is
+    the one candidate that matched every bit, where every other one differed somewhere (so the probe could
+    tell them apart: not so where K is barely above a run's length, which is declined); a product too narrow
+    to compare that many outputs within ``_SMALL_LINEAR_PROBE_DRAWS`` draws is left to oneDNN."""
+    if not SMALL_LINEAR_AVAILABLE or rows < 1 or k < 2 or k % 2 or n < 16 or n % 16:
         return None
-    n, k = blocked.shape[0] * 16, blocked.shape[1] * 2
-    threads = torch.get_num_threads() if threads is None else threads
-    key = (rows, k, n, batch_hint, threads)
+    key = (rows, k, n, batch_hint, torch.get_num_threads())
     with _small_lock:
         known = key in _small_verdicts
         verdict = _small_verdicts.get(key)
     if not known:
-        verdict = _small_probe(rows, packed, blocked)
+        verdict = _small_probe(rows, k, n, batch_hint)
         with _small_lock:
             _small_verdicts[key] = verdict
     return verdict
@@ -446,23 +451,33 @@ _small_verdicts: dict[tuple, int | None] = {}
 _small_lock = threading.Lock()
 
 
-def _small_probe(rows: int, packed: torch.Tensor, blocked: torch.Tensor) -> int | None:
-    n, k = blocked.shape[0] * 16, blocked.shape[1] * 2
-    draws = max(1, min(4096, -(-_SMALL_LINEAR_PROBE_ELEMENTS // (rows * n))))
+def _small_probe(rows: int, k: int, n: int, batch_hint: int) -> int | None:
+    # The ops themselves, not this module's names: a caller may have wrapped those (the twin's calibration
+    # times the products through them), and the probe's calls are not a model's.
+    draws = -(-_SMALL_LINEAR_PROBE_ELEMENTS // (rows * n))
+    if draws > _SMALL_LINEAR_PROBE_DRAWS:
+        return None
     gen = torch.Generator().manual_seed(rows * 7919 + k * 31 + n)
-    xs = []
-    for _ in range(draws):
-        scale = 10.0 ** (torch.rand(rows, k, generator=gen) * 2.6 - 1.3)
-        xs.append((torch.randn(rows, k, generator=gen) * scale).to(torch.bfloat16))
+    weight = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+    blocked = block_linear_weight(weight)
+    runs = sorted({r for r in _SMALL_LINEAR_RUNS if r < k} | {k})  # k: one run over all of K
+    matches = set(runs)
     with torch.inference_mode():
-        want = [packed_linear(x, packed, None).view(torch.int16) for x in xs]
-        for run in _SMALL_LINEAR_RUNS:
-            if all(
-                torch.equal(small_linear(x, blocked, run).view(torch.int16), w)
-                for x, w in zip(xs, want, strict=True)
-            ):
-                return run
-    return None
+        for _ in range(draws):
+            scale = 10.0 ** (torch.rand(rows, k, generator=gen) * 2.6 - 1.3)
+            x = (torch.randn(rows, k, generator=gen) * scale).to(torch.bfloat16)
+            want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").view(torch.int16)
+            matches = {
+                r
+                for r in matches
+                if torch.equal(torch.ops.oppo.small_linear(x, blocked, r).view(torch.int16), want)
+            }
+            if not matches:
+                return None
+    # One candidate left: every other one differed from oneDNN somewhere, so the probe could tell them
+    # apart. Two left (K barely above a run's length: their sums differ too rarely to show): neither.
+    return matches.pop() if len(matches) == 1 else None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,8 @@ def test_small_linear_is_onednns_packed_product_to_the_bit(n, k, hint):
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05).bfloat16()
     p, b = ops.pack_linear_weight(w, hint), ops.block_linear_weight(w)
     for rows in (1, 2, 3, 4, 5, 7, 8, 11):
-        run = ops.small_linear_kblock(rows, p, b, hint)
-        assert run in (512, 1024)  # found for every shape here
+        run = ops.small_linear_kblock(rows, k, n, hint)
+        assert run in (512, 1024) or (run == k and k <= 512)  # found for every shape here
         for seed in range(3):  # inputs the probe did not see
             x = _rows(rows, k, 1000 + seed)
             assert torch.equal(
@@ -47,7 +47,7 @@ def test_the_run_decides_the_bits_so_a_wrong_one_is_declined():
     for n, k in ((576, 576), (576, 1536)):
         w = (torch.randn(n, k, generator=torch.Generator().manual_seed(k)) * 0.05).bfloat16()
         p, b = ops.pack_linear_weight(w, 4), ops.block_linear_weight(w)
-        run = ops.small_linear_kblock(4, p, b, 4)
+        run = ops.small_linear_kblock(4, k, n, 4)
         other = 1024 if run == 512 else 512
         x = _rows(256, k, 7)
         want = torch.cat([ops.packed_linear(x[i : i + 4], p, None) for i in range(0, 256, 4)])
@@ -157,3 +157,62 @@ def test_a_blocked_weight_at_any_offset_is_read_alike():
     assert shifted.data_ptr() % 64 != 0
     x = _rows(3, 576, 9)
     assert torch.equal(ops.small_linear(x, shifted, 512), ops.small_linear(x, b, 512))
+
+
+def test_the_verdict_is_probed_on_its_own_weight_so_a_zero_weight_first_poisons_nothing(monkeypatch):
+    """The verdict is kept per shape; it is probed on a random weight of that shape, not on the weight of the
+    first product that asks (an all-zero one, as some models initialise their output projections, passes any
+    run: before, it fixed run 512 for every later 576 x 1536 weight at 2-4 rows, where oneDNN sums runs of
+    1024, and 48-104 outputs in ~10^5 differed)."""
+    monkeypatch.setattr(ops, "_small_verdicts", {})
+
+    def linear(weight):
+        model = torch.nn.Sequential(torch.nn.Linear(1536, 576, bias=False)).to(torch.bfloat16)
+        with torch.no_grad():
+            model[0].weight.copy_(weight)
+        return model, packed.PackedLinears(model, 4)
+
+    zero, zero_packs = linear(torch.zeros(576, 1536))
+    real, real_packs = linear(torch.randn(576, 1536, generator=torch.Generator().manual_seed(11)) * 0.05)
+    pack = ops.pack_linear_weight(real[0].weight, 4)
+    with torch.inference_mode():
+        for rows in (2, 3, 4):
+            with zero_packs.applied():
+                assert not zero(_rows(rows, 1536, rows).view(1, rows, 1536)).any()  # asks first
+            with real_packs.applied():
+                for seed in range(20):
+                    x = _rows(rows, 1536, 100 + seed).view(1, rows, 1536)
+                    assert torch.equal(real(x), ops.packed_linear(x, pack, None))
+
+
+def test_a_write_past_the_version_counter_reaches_neither_copy_until_both_are_made_again():
+    """The blocked copy is made with the pack, from the same tensor: a write that bypasses ``_version``
+    (``param.data``, a fused optimizer step; ``update_policy`` drops the packs for those) leaves a 1-row
+    product equal to the same row among 16, as before small products (before: the copy was made at the first
+    small product, from the weight as it was then, and one row came out negated)."""
+    torch.manual_seed(0)
+    model, other = (
+        torch.nn.Sequential(torch.nn.Linear(576, 960, bias=False)).to(torch.bfloat16) for _ in "ab"
+    )
+    packs = packed.PackedLinears(model, 16)
+    x = _rows(16, 576, 1).view(1, 16, 576)
+    with torch.inference_mode(), packed.PackedLinears(other, 16).applied():
+        other(x[:, :1])  # another module of the shape has had its small products (their verdict is known)
+    with torch.inference_mode(), packs.applied():
+        many = model(x)
+    model[0].weight.data.mul_(-1)
+    with torch.inference_mode(), packs.applied():
+        one = model(x[:, :1])
+    assert torch.equal(one, many[:, :1])
+    packs.drop()  # update_policy's guarantee: both copies made again from the weight as it is
+    with torch.inference_mode(), packs.applied():
+        assert torch.equal(model(x[:, :1]), -many[:, :1])
+
+
+def test_a_product_too_narrow_to_probe_or_with_runs_too_alike_is_left_to_onednn():
+    """The probe needs 2^19 outputs within 8192 draws, and one candidate left: a 16-column product of one row
+    (8192 draws of 16 outputs: half) is declined, and so is K = 514, where a run of 512 and one run over all
+    of K differ too rarely to tell (both matched everything)."""
+    assert ops.small_linear_kblock(1, 64, 16, 1) is None
+    assert ops.small_linear_kblock(4, 64, 16, 4) == 64  # 4 x 16 outputs a draw: enough
+    assert ops.small_linear_kblock(1, 514, 576, 1) is None

@@ -28,7 +28,7 @@ own packs (for any other caller): a group's stacked copy is memory on top, held 
 
 **A few bf16 rows.** Up to ``SMALL_ROWS`` rows (a decode batch of one to eight sequences: a drain's tail), a
 bias-free bf16 product runs as ``ops.small_linear`` over a second copy of the weight, blocked in 16-column
-panels (made at its first such product, held and dropped with the pack, counted in ``nbytes``), which reads
+panels (made with the pack from the same tensor, held and dropped with it, counted in ``nbytes``), which reads
 each panel once for all the rows (oneDNN's kernels took up to 1.8x its time there: docs/benchmarks.md). It is
 used only where a probe found it bit for bit oneDNN's product for those rows, that shape, the pack's batch
 hint and the thread count (``ops.small_linear_kblock``, once per process): oneDNN sums an output in float32
@@ -74,9 +74,9 @@ class _Entry:
         self.version = -1
         self.packed: torch.Tensor | None = None
         self.forward = None
-        # The weight blocked for ops.small_linear, made at its first product of a few bf16 rows (None: not
-        # yet; False: not possible for this weight); dropped with the pack.
-        self.blocked: torch.Tensor | bool | None = None
+        # The weight blocked for ops.small_linear, made with the pack from the same weight (``_blocked``);
+        # None where the small products are off or not possible for this weight.
+        self.blocked: torch.Tensor | None = None
 
 
 # Attribute names of sibling projections that a fused forward calls on one input through ``grouped``, each
@@ -104,7 +104,7 @@ class _Group:
         self.packed: torch.Tensor | None = None
         self.widths = [e.module.out_features for e in entries]
         self.live = False
-        self.blocked: torch.Tensor | bool | None = None  # as _Entry.blocked, of the stacked weight
+        self.blocked: torch.Tensor | None = None  # as _Entry.blocked, of the stacked weight
 
 
 class PackedLinears:
@@ -186,7 +186,7 @@ class PackedLinears:
                 continue
             version = w._version
             if e.packed is None or e.weight is not w or e.version != version:
-                e.packed, e.blocked = ops.pack_linear_weight(w, self.batch_hint), None
+                e.packed, e.blocked = ops.pack_linear_weight(w, self.batch_hint), _blocked(w)
                 e.weight, e.version = w, version
                 e.forward = _packed_forward(self, e)
                 self.repacks += 1
@@ -225,6 +225,8 @@ class PackedLinears:
         if not _bitwise_grouped(g, biases, self.batch_hint):
             g.packed = None
             self.ungrouped += 1
+        elif all(b is None for b in biases):
+            g.blocked = _blocked(stacked)
 
     def grouped(self, modules: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
         """``[m(x) for m in modules]`` as one product over their stacked pack: each output a view of its
@@ -247,24 +249,13 @@ class PackedLinears:
         self, holder: _Entry | _Group, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The packed product of a few bf16 rows as ``ops.small_linear`` (up to ``SMALL_ROWS`` rows, without
-        a bias), where its probe found it bit for bit oneDNN's for these rows, this shape and the pack's batch
-        hint (``ops.small_linear_kblock``); ``None`` elsewhere (the caller runs oneDNN's product). The weight
-        is blocked at its first such product and held with the pack."""
-        k = x.shape[-1]
-        rows = x.numel() // k if k else 0
-        if bias is not None or x.dtype != torch.bfloat16 or not 1 <= rows <= SMALL_ROWS:
-            return None
+        a bias) over the copy blocked with the pack, where its probe found it bit for bit oneDNN's for these
+        rows, this shape and the pack's batch hint (``small_product``); ``None`` elsewhere (the caller runs
+        oneDNN's product)."""
         blocked = holder.blocked
-        if blocked is None:
-            if isinstance(holder, _Group):
-                weight = torch.cat([e.weight.detach() for e in holder.entries])
-            else:
-                weight = holder.weight
-            ok = weight is not None and ops.small_linear_supported(weight)
-            blocked = holder.blocked = ops.block_linear_weight(weight) if ok else False
-        if blocked is False:
+        if bias is not None or blocked is None:
             return None
-        return small_product(x, holder.packed, blocked, self._made_hint)
+        return small_product(x, blocked, self._made_hint)
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -295,25 +286,32 @@ def _packed_forward(packs: PackedLinears, entry: _Entry):
     def forward(x: torch.Tensor) -> torch.Tensor:
         if threading.get_ident() != packs._thread:
             return nn.Linear.forward(module, x)
-        y = packs._small(entry, x, module.bias) if entry.packed is packed else None
+        y = packs._small(entry, x, module.bias) if entry.packed is packed else None  # its own pack's copy
         return ops.packed_linear(x, packed, module.bias) if y is None else y
 
     return forward
 
 
-def small_product(
-    x: torch.Tensor, pack: torch.Tensor, blocked: torch.Tensor, batch_hint: int
-) -> torch.Tensor | None:
-    """``ops.packed_linear(x, pack, None)`` of a bf16 ``x`` as ``ops.small_linear`` over ``blocked`` (the same
-    weight, ``ops.block_linear_weight``), where that is bit for bit oneDNN's for ``x``'s rows (up to
-    ``SMALL_ROWS``), this shape and the pack's ``batch_hint`` (``ops.small_linear_kblock``); ``None``
-    elsewhere. The engine's packs and the twin's calibration (which times the products as the engine runs
-    them) both go through it."""
+def _blocked(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight blocked for ``ops.small_linear`` beside its pack, from the same tensor at the same moment
+    (a write that bypasses the version counter then reaches neither copy until both are made again), or
+    ``None`` where the small products are off or the weight does not qualify."""
+    if SMALL_ROWS < 1 or not ops.small_linear_supported(weight):
+        return None
+    return ops.block_linear_weight(weight)
+
+
+def small_product(x: torch.Tensor, blocked: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    """oneDNN's product of a bf16 ``x`` by a weight packed at ``batch_hint``, as ``ops.small_linear`` over
+    ``blocked`` (the same weight, ``ops.block_linear_weight``), where that is bit for bit oneDNN's for ``x``'s
+    rows (up to ``SMALL_ROWS``), this shape and hint (``ops.small_linear_kblock``); ``None`` elsewhere. The
+    engine's packs and the twin's calibration (which times the products as the engine runs them) both go
+    through it."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if x.dtype != torch.bfloat16 or not 1 <= rows <= SMALL_ROWS:
         return None
-    kblock = ops.small_linear_kblock(rows, pack, blocked, batch_hint)
+    kblock = ops.small_linear_kblock(rows, k, blocked.shape[0] * 16, batch_hint)
     if kblock is None:
         return None
     return ops.small_linear(x.reshape(rows, k).contiguous(), blocked, kblock).view(*x.shape[:-1], -1)

@@ -138,7 +138,7 @@ def _linear(w, packed: bool):
     blocked = ops.block_linear_weight(w)  # a few bf16 rows run as ops.small_linear where the engine's do
 
     def product(x):
-        y = small_product(x, p, blocked, PACK_HINT)
+        y = small_product(x, blocked, PACK_HINT)
         return ops.packed_linear(x, p, None) if y is None else y
 
     return product

@@ -246,16 +246,14 @@ def test_a_few_bf16_rows_are_timed_as_the_engine_multiplies_them():
     real = ops.small_linear
     product = _linear(w, packed=True)
     pack = ops.pack_linear_weight(w, PACK_HINT)
-    for rows in (1, 2, 3, 4):
-        product(torch.zeros(1, rows, 64).bfloat16())  # the probes (their own calls) before the spy
     try:
         ops.small_linear = lambda x, b, r: spy.append(x.shape[0]) or real(x, b, r)
-        for rows in (1, 3, 4, 5, 16):
+        for rows in (3, 8, 9, 16):
             x = torch.randn(1, rows, 64).bfloat16()
             assert torch.equal(product(x), ops.packed_linear(x, pack, None))
     finally:
         ops.small_linear = real
-    assert spy == [1, 3, 4]
+    assert spy == [3, 8]  # the probes' own products are not counted (they call the ops themselves)
 
     class Bench:  # a "forward" of two products: one of 2 rows (small_linear), one of 8 (oneDNN's)
         @staticmethod
