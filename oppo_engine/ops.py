@@ -436,14 +436,18 @@ def small_linear_kblock(rows: int, k: int, n: int, batch_hint: int) -> int | Non
     to compare that many outputs within ``_SMALL_LINEAR_PROBE_DRAWS`` draws is left to oneDNN."""
     if not SMALL_LINEAR_AVAILABLE or rows < 1 or k < 2 or k % 2 or n < 16 or n % 16:
         return None
-    key = (rows, k, n, batch_hint, torch.get_num_threads())
+    threads = torch.get_num_threads()
+    key = (rows, k, n, batch_hint, threads)
     with _small_lock:
         known = key in _small_verdicts
         verdict = _small_verdicts.get(key)
     if not known:
-        verdict = _small_probe(rows, k, n, batch_hint)
+        # Every row count up to SMALL_LINEAR_ROWS at once: one random weight packed for them all.
+        found = _small_probe(sorted({rows, *range(1, SMALL_LINEAR_ROWS + 1)}), k, n, batch_hint)
         with _small_lock:
-            _small_verdicts[key] = verdict
+            for r, v in found.items():
+                _small_verdicts.setdefault((r, k, n, batch_hint, threads), v)
+            verdict = _small_verdicts[key]
     return verdict
 
 
@@ -451,33 +455,35 @@ _small_verdicts: dict[tuple, int | None] = {}
 _small_lock = threading.Lock()
 
 
-def _small_probe(rows: int, k: int, n: int, batch_hint: int) -> int | None:
+def _small_probe(rows: list[int], k: int, n: int, batch_hint: int) -> dict[int, int | None]:
     # The ops themselves, not this module's names: a caller may have wrapped those (the twin's calibration
     # times the products through them), and the probe's calls are not a model's.
-    draws = -(-_SMALL_LINEAR_PROBE_ELEMENTS // (rows * n))
-    if draws > _SMALL_LINEAR_PROBE_DRAWS:
-        return None
-    gen = torch.Generator().manual_seed(rows * 7919 + k * 31 + n)
+    gen = torch.Generator().manual_seed(k * 31 + n)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
     blocked = block_linear_weight(weight)
-    runs = sorted({r for r in _SMALL_LINEAR_RUNS if r < k} | {k})  # k: one run over all of K
-    matches = set(runs)
+    candidates = sorted({r for r in _SMALL_LINEAR_RUNS if r < k} | {k})  # k: one run over all of K
+    verdicts: dict[int, int | None] = {}
     with torch.inference_mode():
-        for _ in range(draws):
-            scale = 10.0 ** (torch.rand(rows, k, generator=gen) * 2.6 - 1.3)
-            x = (torch.randn(rows, k, generator=gen) * scale).to(torch.bfloat16)
-            want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").view(torch.int16)
-            matches = {
-                r
-                for r in matches
-                if torch.equal(torch.ops.oppo.small_linear(x, blocked, r).view(torch.int16), want)
-            }
-            if not matches:
-                return None
-    # One candidate left: every other one differed from oneDNN somewhere, so the probe could tell them
-    # apart. Two left (K barely above a run's length: their sums differ too rarely to show): neither.
-    return matches.pop() if len(matches) == 1 else None
+        for m in rows:
+            draws = -(-_SMALL_LINEAR_PROBE_ELEMENTS // (m * n))
+            matches = set(candidates) if draws <= _SMALL_LINEAR_PROBE_DRAWS else set()
+            for _ in range(draws if matches else 0):
+                scale = 10.0 ** (torch.rand(m, k, generator=gen) * 2.6 - 1.3)
+                x = (torch.randn(m, k, generator=gen) * scale).to(torch.bfloat16)
+                want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").view(torch.int16)
+                matches = {
+                    r
+                    for r in matches
+                    if torch.equal(torch.ops.oppo.small_linear(x, blocked, r).view(torch.int16), want)
+                }
+                if not matches:
+                    break
+            # One candidate left: every other one differed from oneDNN somewhere, so the probe could tell
+            # them apart. Two left (K barely above a run's length: their sums differ too rarely to show):
+            # neither. None left, or too narrow to probe: oneDNN's product.
+            verdicts[m] = matches.pop() if len(matches) == 1 else None
+    return verdicts
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
