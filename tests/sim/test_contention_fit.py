@@ -137,6 +137,21 @@ def test_the_world_charges_the_hand_overs_within_a_process_only():
         assert ends["b"] == pytest.approx(b.alone_s * factor)
 
 
+@pytest.mark.parametrize("measured, cores", [(1.01, 2.0), (1.6, 1.25), (2.0, 1.0)])
+def test_the_bare_projections_pair_fixes_the_cores_and_the_forwards_pairs_the_rest(measured, cores):
+    """Two bare projections on two threads (``CORES_PAIR``: one interpreter acquisition per few ms of kernel)
+    show the cores alone; the forwards' pairs are then fitted at those cores, whatever cores they would
+    have taken on their own."""
+    product = Work(0.0, 0.0, ((4.8e-3, 0.0),), 1)
+    fitted = _fit_contention(_tiny_pairs(), TWO_CORES, CPU, [(product, product, measured, measured)])
+    assert fitted[0] == cores
+    one_core = Profile("test", "cpu", {}, HostCosts(0.0, 0.0, 0.0), 1.0, cores=1.0)
+    if cores == 1.0:  # the rest as fitted on a grid of that one core
+        assert fitted == _fit_contention(_tiny_pairs(), one_core, CPU)
+    else:
+        assert fitted[2] > 0.0  # the Python-bound pairs' slowdown past the cores: hand-overs
+
+
 def test_a_python_bound_pairs_slowdown_is_read_as_hand_overs_not_missing_cores():
     """``tiny``'s pairs slowed 1.3-3.3x on two cores that two processes of them shared without slowing. The
     rule without hand-overs explains that only at one core (which a ``tiny`` profile then charged a wide
