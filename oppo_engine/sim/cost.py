@@ -84,7 +84,7 @@ def handover_load(demand: float, others: float, handover: float) -> float:
     unit of the others' interpreter share. A thread of the engine takes the GIL back after each of its ops;
     when another thread holds it, it waits, and the holder, whose own ops are short, takes it back before the
     waiter wakes: the waits grow with the holder's share, from demand 0, long before the demands sum to one
-    (two lanes of ``tiny`` slowed each other 1.9-2.8x at demands summing to 0.7-1.3, on two cores that two
+    (two lanes of ``tiny`` slowed each other 1.3-3.7x at demands summing to 0.7-1.3, on two cores that two
     processes of them shared without slowing: docs/twin.md). With each lane's share of its own stretched
     time, ``python / (alone * g)``, two lanes ``A`` and ``B`` take ``g`` times their time alone, both the
     same ``g``, the root of ``g**2 - g = handover * a_A * a_B``; beside several threads ``others`` sums

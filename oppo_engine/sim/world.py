@@ -25,7 +25,7 @@ interpreter-bound threads of one process take ``penalty`` times longer together 
 demand of one, ``S_h = demand * (1 + (penalty - 1) * min(1, demand - 1))``. And a thread of a process
 waits for the interpreter at every op beside another thread of it, at any demand: a thread whose op ends
 takes the GIL back, and while another holds it, it waits; the holder's own ops are short, so it takes the
-GIL back before the waiter wakes (two lanes of a small model slowed each other 2-2.8x at demands summing
+GIL back before the waiter wakes (two lanes of a small model slowed each other 1.3-3.7x at demands summing
 to 0.7-1.3, where two processes of them did not slow each other). A work's time under the cores' and the
 bandwidth's sharing is then multiplied by ``g = (1 + sqrt(1 + 4 * handover * a_h * others)) / 2``,
 ``others`` the other works' ``a_h`` in its process (:func:`~oppo_engine.sim.cost.handover_load`;
