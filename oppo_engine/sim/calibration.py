@@ -16,9 +16,11 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
   copies' call them (``_time_packed_calls``: how much longer a product takes there than bare,
   ``_packed_in_forward``);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
-- pairs of its forwards run at once on two threads, each pair three times (the cores two lanes get,
-  ``_fit_contention``), and one streamed step (the interpreter penalty, ``_fit_interpreter``; on the CPU of
-  the models' one-layer shrunk copies, whose forwards are mostly Python: ``_interpreter_pair``);
+- pairs of its forwards run at once on two threads, each pair three times, and on the CPU pairs of its
+  one-layer shrunk copies' and a pair of bare projections (the cores two lanes get and the interpreter's
+  hand-overs between them, ``_fit_contention``), and one streamed step (the interpreter penalty,
+  ``_fit_interpreter``; on the CPU of the models' one-layer shrunk copies, whose forwards are mostly Python:
+  ``_interpreter_pair``);
 - one training step (forward, backward, AdamW) of the actor.
 
 The forwards are fitted, after the GEMMs' share is taken out, with non-negative least squares on relative
@@ -42,7 +44,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from oppo_engine.sim.cost import Batch, CostModel, HostCosts
+from oppo_engine.sim.cost import Batch, CostModel, HostCosts, Work
 from oppo_engine.sim.profile import FEATURES, Calibrated, Profile, ThreadCosts, local_device_id
 from oppo_engine.sim.shapes import ModelShape, attention_pairs
 
@@ -176,6 +178,18 @@ CONTENTION_PAIRS = (
     ((16, 1, 256), (16, 8, 256)),
     ((8, 1, 64), (8, 32, 64)),
 )
+# Pairs of the models' one-layer shrunk copies (CPU), run at once as above: forwards of short ops, mostly
+# Python, whose slowdown is the interpreter's hand-overs (``HostCosts.interpreter_handover``) and hardly the
+# cores; fitted with the models' pairs (``_fit_contention``).
+HANDOVER_PAIRS = (
+    ((1, 1, 16), (1, 4, 16)),
+    ((4, 1, 64), (4, 8, 64)),
+)
+# A pair of bare projections (CPU): ``F.linear`` of ``[1, rows, K]`` by ``[N, K]`` on each thread, a few ms
+# of kernel per interpreter acquisition, 4 MB of weights each (in the shared cache): what two lanes' kernels
+# get of the cores with next to no Python, so that a model whose forwards are all Python (``tiny``) has its
+# cores measured apart from its hand-overs (without it, its fits put them at 1-1.25 cores: docs/twin.md).
+CORES_PAIR = (256, 1024, 1024)
 # Per pair: repeats of (each alone, both at once), the median slowdown kept (a burst of other load moves one
 # repeat); at once, until each side has run this many calls wholly beside the other and at least this long.
 CONTENTION_REPEATS = 3
@@ -272,34 +286,51 @@ class _nothing:
 
 # The grid of the contention fit: cores in quarters from one to the machine's; the interpreter penalty over
 # the range ``_fit_interpreter`` chooses from (capped lower, a Python-bound pair's slowdown past the cap was
-# put on the cores instead).
+# put on the cores instead); the interpreter's hand-overs (``HostCosts.interpreter_handover``) from none to
+# past what the four matrix shapes' pairs showed (10-30 on this 2-core machine, 2026-12-06: docs/twin.md).
 CORES_STEP = 0.25
 PENALTY_GRID = tuple(1.0 + 0.25 * k for k in range(45))
+HANDOVER_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0, 20.0, 24.0,
+                 28.0, 32.0, 40.0, 48.0, 64.0)  # fmt: skip
 
 
-def _fit_contention(pairs, profile: Profile, device) -> tuple[float, float]:
-    """``(cores, penalty)`` under which the contention rule (``sim/world.py``) best predicts the measured
-    slowdowns of the ``pairs`` run at once: ``(work_a, work_b, slowdown_a, slowdown_b)``. A grid search on
-    log error. The cores are what the pairs' kernels show (a Python-bound pair's slowdown is mostly the
-    penalty's); the penalty is fitted with them so that it does not bias them, and fitted again from a
-    streamed step (``_fit_interpreter``). On a tie (a penalty no pair's Python shows) the lowest wins."""
+def _fit_contention(pairs, profile: Profile, device, bare=()) -> tuple[float, float, float]:
+    """``(cores, penalty, handover)`` under which the contention rule (``sim/world.py``) best predicts the
+    measured slowdowns of the ``pairs`` run at once: ``(work_a, work_b, slowdown_a, slowdown_b)``. A grid
+    search on log error. ``bare``: pairs of the same form whose works have next to no Python (two bare
+    projections, ``CORES_PAIR``): where given, the cores are fitted to them alone -- what two lanes' kernels
+    get of the cores --, and the rest to ``pairs`` at those cores; else everything to ``pairs``. The
+    interpreter's hand-overs (``handover``: ``HostCosts.interpreter_handover``) are what the pairs' Python
+    shows at any demand -- the pairs of the models' one-layer copies, mostly Python, show them most --; the
+    penalty what it shows past a demand of one, fitted with them so that it does not bias them, and fitted
+    again from a streamed step (``_fit_interpreter``). On a tie the most cores fitted to ``bare`` (the
+    fewest fitted to ``pairs``), the lowest penalty and the lowest hand-over win."""
     import math  # noqa: PLC0415
 
     from oppo_engine.sim.cost import contended_s  # noqa: PLC0415
 
-    best, best_err = (1.0, 1.0), math.inf
     cpu = device.type != "cuda"
+
+    def error(among, cores: float, penalty: float, handover: float) -> float:
+        err = 0.0
+        for a, b, s_a, s_b in among:
+            p_a = contended_s(a, [(b, True)], cores, penalty, cpu, handover) / a.alone_s
+            p_b = contended_s(b, [(a, True)], cores, penalty, cpu, handover) / b.alone_s
+            err += math.log(p_a / s_a) ** 2 + math.log(p_b / s_b) ** 2
+        return err
+
     # At least one core: a lane alone runs at its timed speed; slower than serial is the interpreter's doing.
     steps = int(round((float(profile.cores) - 1.0) / CORES_STEP)) if cpu else 0
-    for cores in [1.0 + CORES_STEP * k for k in range(steps + 1)]:
-        for penalty in PENALTY_GRID:
-            err = 0.0
-            for a, b, s_a, s_b in pairs:
-                p_a = contended_s(a, [(b, True)], cores, penalty, cpu) / a.alone_s
-                p_b = contended_s(b, [(a, True)], cores, penalty, cpu) / b.alone_s
-                err += math.log(p_a / s_a) ** 2 + math.log(p_b / s_b) ** 2
-            if err < best_err - 1e-12:
-                best, best_err = (cores, penalty), err
+    grid = [1.0 + CORES_STEP * k for k in range(steps + 1)]
+    if bare:
+        grid = [min(grid, key=lambda cores: (error(bare, cores, 1.0, 0.0), -cores))]
+    best, best_err = (grid[0], 1.0, 0.0), math.inf
+    for cores in grid:
+        for handover in HANDOVER_GRID:
+            for penalty in PENALTY_GRID:
+                err = error(pairs, cores, penalty, handover)
+                if err < best_err - 1e-12:
+                    best, best_err = (cores, penalty, handover), err
     return best
 
 
@@ -964,8 +995,29 @@ def calibrate(
             wa = cost.forward(shapes["actor"], _batch("actor", *a), packed=packs, actor=True)
             wb = cost.forward(shapes["reward"], _batch("reward", *b))
             pairs.append((wa, wb, s_a, s_b))
-        cores, penalty = _fit_contention(pairs, probe, device)
-        host = dataclasses.replace(host, interpreter_penalty=penalty)
+        if ("actor", 1) in shrunk and ("reward", 1) in shrunk:  # the copies' pairs: the hand-overs
+            grid = tuple(p for pair in HANDOVER_PAIRS for p in pair)
+            copy_a = _RoleBench("actor", shrunk["actor", 1], device, packed=packs, grid=grid)
+            copy_b = _RoleBench("reward", shrunk["reward", 1], device, grid=grid)
+            for a, b in HANDOVER_PAIRS:
+                s_a, s_b = _pair_slowdowns(copy_a.call(*a), copy_b.call(*b), timed, device)
+                wa = cost.forward(shrunk_shapes["actor", 1], _batch("actor", *a), packed=packs, actor=True)
+                wb = cost.forward(shrunk_shapes["reward", 1], _batch("reward", *b))
+                pairs.append((wa, wb, s_a, s_b))
+            del copy_a, copy_b
+        bare = []
+        if not gpu:  # the bare projections' pair: the cores, next to no Python
+            import torch.nn.functional as F  # noqa: N812, PLC0415
+
+            rows, k, n = CORES_PAIR
+            sides = [(torch.randn(1, rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)) for _ in range(2)]
+            fns = [lambda x=x, w=w: F.linear(x, w) for x, w in sides]
+            s_a, s_b = _pair_slowdowns(*fns, timed, device)
+            product = Work(0.0, 0.0, ((probe.costs_at(1).gemm_s(rows, k * n), 0.0),), 1)
+            bare = [(product, product, s_a, s_b)]
+            del sides, fns
+        cores, penalty, handover = _fit_contention(pairs, probe, device, bare)
+        host = dataclasses.replace(host, interpreter_penalty=penalty, interpreter_handover=handover)
         training = _time_training(actor, device, timed)
         say("calibrate: a streamed step of the engine, for its lanes' interpreter")
         profile = Profile(local_device_id(device), "gpu" if gpu else "cpu", per_thread, host, training,

@@ -57,12 +57,15 @@ class HostCosts:
     scheduler's pass, the sampler's bookkeeping, the runner's metadata), and ``handoff_s`` per hand-off of
     a chunk to the scorers. ``interpreter_penalty``: how much longer two interpreter-bound threads of one
     process take together than one after the other (the GIL's hand-overs; 1 would be a clean
-    serialisation)."""
+    serialisation). ``interpreter_handover``: the seconds a thread waits for the interpreter per second of
+    its own Python and per unit of the interpreter share of the other threads of its process running
+    beside it, at any demand (:func:`handover_load`; 0: none, as in a profile written before it)."""
 
     per_forward_s: float
     per_row_s: float
     handoff_s: float
     interpreter_penalty: float = 1.0
+    interpreter_handover: float = 0.0
 
 
 def interpreter_load(demand: float, penalty: float) -> float:
@@ -72,6 +75,24 @@ def interpreter_load(demand: float, penalty: float) -> float:
     if demand <= 1.0:
         return 1.0
     return demand * (1.0 + (penalty - 1.0) * min(1.0, demand - 1.0))
+
+
+def handover_load(demand: float, others: float, handover: float) -> float:
+    """How much longer a work takes for its waits on the interpreter (the rule of ``sim/world.py``), whose
+    interpreter ``demand`` (its Python over its time alone) runs beside other threads of its process of
+    total interpreter demand ``others``, at ``handover`` seconds of waiting per second of its Python and per
+    unit of the others' interpreter share. A thread of the engine takes the GIL back after each of its ops;
+    when another thread holds it, it waits, and the holder, whose own ops are short, takes it back before the
+    waiter wakes: the waits grow with the holder's share, from demand 0, long before the demands sum to one
+    (two lanes of ``tiny`` slowed each other 1.3-3.7x at demands summing to 0.7-1.3, on two cores that two
+    processes of them shared without slowing: docs/twin.md). With each lane's share of its own stretched
+    time, ``python / (alone * g)``, two lanes ``A`` and ``B`` take ``g`` times their time alone, both the
+    same ``g``, the root of ``g**2 - g = handover * a_A * a_B``; beside several threads ``others`` sums
+    theirs (the same root, exact for two)."""
+    x = handover * demand * others
+    if x <= 0.0:
+        return 1.0
+    return (1.0 + math.sqrt(1.0 + 4.0 * x)) / 2.0
 
 
 # Measured on the development machine (2 cores, Python 3.11) with the engine's real scheduler and runner
@@ -152,16 +173,20 @@ def contended_s(
     cores: float = 1.0,
     penalty: float = 1.0,
     cpu: bool = False,
+    handover: float = 0.0,
 ) -> float:
     """How long ``work`` takes while ``others`` run beside it on its device throughout: ``(work, same
     process)`` pairs (the contention rule of ``sim/world.py``)."""
-    a_f, a_m, a_h = demands(work, cores, cpu)
+    a_f, a_m, own = demands(work, cores, cpu)
+    a_h = own
     for other, same_process in others:
         f, m, h = demands(other, cores, cpu)
         a_f, a_m = a_f + f, a_m + m
         a_h += h if same_process else 0.0
-    s_f = max(1.0, a_f)
-    return work.duration(s_f, max(1.0, a_m), interpreter_load(a_h, penalty), s_f if cpu else 1.0)
+    s_f, s_m, cores_s = max(1.0, a_f), max(1.0, a_m), max(1.0, a_f) if cpu else 1.0
+    stretched = work.duration(s_f, s_m, interpreter_load(a_h, penalty), cores_s)
+    # The hand-overs' waits include the interpreter's serialisation past a demand of one: the larger one.
+    return max(stretched, work.duration(s_f, s_m, 1.0, cores_s) * handover_load(own, a_h - own, handover))
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,8 +67,10 @@ def predicted_profile(
     slowdown = {}
     for c in candidates:
         beside = [(prefill(r, c), True) for r in scorers if r in local]
-        penalty = cost.source.host.interpreter_penalty
-        slow = contended_s(decode, beside, cores, penalty, cpu=cost.kind == "cpu") / alone if beside else 1.0
+        host = cost.source.host
+        contended = contended_s(decode, beside, cores, host.interpreter_penalty, cost.kind == "cpu",
+                                host.interpreter_handover)  # fmt: skip
+        slow = contended / alone if beside else 1.0
         slowdown[c] = slow - 1.0
     return SwitchProfile(
         handoff_s=handoff,

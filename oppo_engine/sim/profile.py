@@ -32,9 +32,11 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # priced with the fixed costs of every role's copies together (``Profile.from_json`` warns). 6: how much
 # longer a packed product takes inside the actor's forward than its bare price (``packed_in_forward``); a
 # version 5 CPU profile loads without it, pricing the packed products at their bare, hot-loop time
-# (``Profile.from_json`` warns).
-VERSION = 6
-READS = (1, 2, 3, 4, 5, VERSION)
+# (``Profile.from_json`` warns). 7: the interpreter's hand-overs between two lanes of one process
+# (``HostCosts.interpreter_handover``, fitted with the cores); a version 6 CPU profile loads with none, its
+# cores fitted with the hand-overs read as missing cores (``Profile.from_json`` warns).
+VERSION = 7
+READS = (1, 2, 3, 4, 5, 6, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -278,6 +280,16 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+        if data["version"] == 6 and profile.kind == "cpu":
+            warnings.warn(
+                f"{where}: format version 6 measured no hand-overs of the interpreter between two lanes of "
+                "one process, and fitted its cores with them read as missing cores (two lanes of a small "
+                "model slowed each other 2-2.8x on two cores), so a streamed step of a wider model is priced "
+                "slow and one of a Python-bound model where its profile's cores are wider; calibrate again "
+                "(oppo-engine calibrate)",
+                UserWarning,
+                stacklevel=2,
+            )
         if data["version"] == 5 and profile.kind == "cpu" and any(c.packed for c in threads.values()):
             warnings.warn(
                 f"{where}: format version 5 priced the actor's packed products at their bare time in a loop "

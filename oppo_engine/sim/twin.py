@@ -204,7 +204,8 @@ class World:
         self.clock = SimClock()
         devices = {s.device_of(r): (s.cores if s.placement == "cpu" else 1) for r in range(s.ranks)}
         cpus = frozenset(devices) if s.placement == "cpu" else frozenset()
-        self.fabric = Fabric(devices, s.cost.source.host.interpreter_penalty, cpus)
+        host = s.cost.source.host
+        self.fabric = Fabric(devices, host.interpreter_penalty, cpus, host.interpreter_handover)
         remote = tuple(r for r in (REWARD, REFERENCE) if r in s.shapes and s.remote(r))
         self.service = ScorerService(self._price, remote) if remote else None
         handoff = s.cost.handoff()

@@ -22,7 +22,17 @@ demands on it)``, and each work progresses at the rate of taking
 by a resource stretches by that resource's oversubscription. The interpreter is worse than shared: two
 interpreter-bound threads of one process take ``penalty`` times longer together than one after the other
 (the GIL's hand-overs, measured by ``calibrate`` as ``HostCosts.interpreter_penalty``), so past a total
-demand of one, ``S_h = demand * (1 + (penalty - 1) * min(1, demand - 1))``. A CPU's ``cores`` are the cores
+demand of one, ``S_h = demand * (1 + (penalty - 1) * min(1, demand - 1))``. And a thread of a process
+waits for the interpreter at every op beside another thread of it, at any demand: a thread whose op ends
+takes the GIL back, and while another holds it, it waits; the holder's own ops are short, so it takes the
+GIL back before the waiter wakes (two lanes of a small model slowed each other 1.3-3.7x at demands summing
+to 0.7-1.3, where two processes of them did not slow each other). A work's time under the cores' and the
+bandwidth's sharing is then multiplied by ``g = (1 + sqrt(1 + 4 * handover * a_h * others)) / 2``,
+``others`` the other works' ``a_h`` in its process (:func:`~oppo_engine.sim.cost.handover_load`;
+``handover``: ``HostCosts.interpreter_handover``, measured by ``calibrate``): the seconds of waiting per
+second of Python are ``handover`` times the others' share of their own stretched time. Those waits include
+the interpreter's serialisation past a demand of one, so a work takes the larger of that and its time
+under ``S_h``, not both. A CPU's ``cores`` are the cores
 two busy lanes were measured to get (``Profile.cores``: fewer than the machine's when other work runs), and
 there a work's Python needs a core as much as its kernels do: ``a_f`` counts both, and its Python stretches
 by the larger of the cores' and the interpreter's oversubscription. A CPU kernel stalled on memory still
@@ -45,7 +55,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from oppo_engine.sim.cost import Batch, Work, demands, interpreter_load
+from oppo_engine.sim.cost import Batch, Work, demands, handover_load, interpreter_load
 from oppo_engine.sim.executor import RUN, WAIT, Policy, SimClock, SimDeadlock, SimExecutor
 
 _EPS = 1e-12
@@ -77,13 +87,18 @@ class _Item:
 class Fabric:
     """The devices whose lanes share them by the contention rule (module docstring). ``cores``: device name
     to its compute capacity (1 for a GPU, the cores for a CPU); ``penalty``: the interpreter's; ``cpus``:
-    the devices that are CPUs (their lanes' Python runs on their cores). ``busy_s`` accumulates, per
-    device, the seconds its kernels kept it busy (capped at one per second)."""
+    the devices that are CPUs (their lanes' Python runs on their cores); ``handover``: the interpreter's
+    hand-overs (``HostCosts.interpreter_handover``). ``busy_s`` accumulates, per device, the seconds its
+    kernels kept it busy (capped at one per second)."""
 
     def __init__(
-        self, cores: dict[str, float], penalty: float = 1.0, cpus: frozenset[str] = frozenset()
+        self,
+        cores: dict[str, float],
+        penalty: float = 1.0,
+        cpus: frozenset[str] = frozenset(),
+        handover: float = 0.0,
     ) -> None:
-        self.cores, self.penalty, self.cpus = dict(cores), penalty, cpus
+        self.cores, self.penalty, self.cpus, self.handover = dict(cores), penalty, cpus, handover
         self.items: list[_Item] = []
         self.t = 0.0
         self.busy_s = dict.fromkeys(cores, 0.0)
@@ -128,12 +143,15 @@ class Fabric:
             if it.device not in devices and it.group not in groups:
                 continue
             f, m, h = s_f[it.device], s_m[it.device], s_h[it.group]
+            waits = handover_load(it.a_h, h - it.a_h, self.handover)  # 1 alone in its process
             if f <= 1.0 and m <= 1.0 and h <= 1.0:  # nothing it uses is oversubscribed: its time alone
-                duration = it.solo
+                duration = it.solo * waits
             else:
                 cores = max(1.0, f)
                 python = cores if it.device in self.cpus else 1.0
+                shared = it.work.duration(cores, max(1.0, m), 1.0, python)
                 duration = it.work.duration(cores, max(1.0, m), interpreter_load(h, self.penalty), python)
+                duration = max(duration, shared * waits)
             if duration <= 0:
                 it.rate, it.end, it.progress, it.busy = 0.0, self.t, 1.0, 0.0
                 continue

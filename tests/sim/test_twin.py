@@ -479,10 +479,11 @@ def test_calibrate_writes_a_profile_of_this_device_that_prices_other_models(tmp_
     packs = calibration.packing(torch.device("cpu"), torch.float32)
     assert {b.role: b.runner.packed is not None for b in benches} == {"actor": packs, "reward": False}
     # The fixed costs were fitted from shrunk copies of both models, of their classes, at depths 1 and 4
-    # (the models' 2, twice), over the shrunk grid's small forwards, the actor's packed as the actor's are.
+    # (the models' 2, twice), over the shrunk grid's small forwards, the actor's packed as the actor's are;
+    # the one-layer copies ran again in pairs for the interpreter's hand-overs (``HANDOVER_PAIRS``).
     copies = [b for b in benches if b.model is not actor and b.model is not reward]
     assert sorted((b.role, b.model.config.num_hidden_layers) for b in copies) == [
-        ("actor", 1), ("actor", 4), ("reward", 1), ("reward", 4)
+        ("actor", 1), ("actor", 1), ("actor", 4), ("reward", 1), ("reward", 1), ("reward", 4)
     ]  # fmt: skip
     assert all(type(b.model) is type({"actor": actor, "reward": reward}[b.role]) for b in copies)
     assert all(b.model.config.hidden_size == 4 * calibration.SHRUNK_HEAD_DIM for b in copies)
@@ -501,7 +502,7 @@ def test_calibrate_writes_a_profile_of_this_device_that_prices_other_models(tmp_
     # fit of two noisy points (the fit clips a negative part to 0 on a loaded machine).
     host = profile.host
     assert min(host.per_forward_s, host.per_row_s) >= 0 and host.per_forward_s + 4 * host.per_row_s > 0
-    assert host.interpreter_penalty >= 1.0
+    assert host.interpreter_penalty >= 1.0 and host.interpreter_handover >= 0.0
     costs = profile.threads[1]
     # Every feature was in the timed forwards (a vocabulary head among them): nothing is unfitted, whatever
     # the fit made of the small terms under this machine's load (it zeroed pair_s at load 14).
