@@ -28,7 +28,8 @@ own packs (for any other caller): a group's stacked copy is memory on top, held 
 
 **A few bf16 rows.** Up to ``SMALL_ROWS`` rows (a decode batch of one to eight sequences: a drain's tail), a
 bias-free bf16 product runs as ``ops.small_linear`` over a second copy of the weight, blocked in 16-column
-panels (made with the pack from the same tensor, held and dropped with it, counted in ``nbytes``), which reads
+panels (made with the pack from the same tensor, held and dropped with it, counted in ``nbytes``; for a
+group's stacked weight and not its members' while the group serves), which reads
 each panel once for all the rows (oneDNN's kernels took up to 1.8x its time there: docs/benchmarks.md). It is
 used only where a probe found it bit for bit oneDNN's product for those rows, that shape, the pack's batch
 hint and the thread count (``ops.small_linear_kblock``, once per process): oneDNN sums an output in float32
@@ -227,6 +228,9 @@ class PackedLinears:
             self.ungrouped += 1
         elif all(b is None for b in biases):
             g.blocked = _blocked(stacked)
+            if g.blocked is not None:  # the group serves these rows: its members' own copies are not kept
+                for e in members:  # (alone, a member's product is then oneDNN's: the same bits)
+                    e.blocked = None
 
     def grouped(self, modules: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
         """``[m(x) for m in modules]`` as one product over their stacked pack: each output a view of its
