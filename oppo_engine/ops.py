@@ -352,6 +352,13 @@ def _silu_rule(rows: int, width: int, dtype: torch.dtype, threads: int) -> bool:
     return True
 
 
+def _mixed_scale(rows: int, cols: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """A probe's random ``[rows, cols]`` operand: normal values at scales from 0.05 to 20, so that sums
+    cancel and round at every magnitude (a last-bit difference of another order shows more often)."""
+    scale = 10.0 ** (torch.rand(rows, cols, generator=gen) * 2.6 - 1.3)
+    return (torch.randn(rows, cols, generator=gen) * scale).to(dtype)
+
+
 def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
     """The op against torch's two ops, bit for bit, on random halves of a ``[rows, 2 * width]`` product
     (values at scales from 0.05 to 20; several draws where the shape is small, so the few elements a loop's
@@ -359,8 +366,7 @@ def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(rows * 131 + width)
     as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for _ in range(1 if rows * width >= 4096 else 8):
-        scale = 10.0 ** (torch.rand(rows, 2 * width, generator=gen) * 2.6 - 1.3)
-        y = (torch.randn(rows, 2 * width, generator=gen) * scale).to(dtype)
+        y = _mixed_scale(rows, 2 * width, gen, dtype)
         gate, up = y.split(width, dim=-1)
         want = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
         got = torch.ops.oppo.silu_mul(gate, up)
@@ -469,8 +475,7 @@ def _small_probe(rows: list[int], k: int, n: int, batch_hint: int) -> dict[int, 
             draws = -(-_SMALL_LINEAR_PROBE_ELEMENTS // (m * n))
             matches = set(candidates) if draws <= _SMALL_LINEAR_PROBE_DRAWS else set()
             for _ in range(draws if matches else 0):
-                scale = 10.0 ** (torch.rand(m, k, generator=gen) * 2.6 - 1.3)
-                x = (torch.randn(m, k, generator=gen) * scale).to(torch.bfloat16)
+                x = _mixed_scale(m, k, gen, torch.bfloat16)
                 want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").view(torch.int16)
                 matches = {
                     r
