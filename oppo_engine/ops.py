@@ -377,11 +377,15 @@ def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
 
 # Whether small_linear runs here (the extension's AVX-512 BF16 routine on a CPU that has it).
 SMALL_LINEAR_AVAILABLE: bool = bool(torch.ops.oppo.small_linear_available())
-# Up to this many rows a packed bf16 product may run as small_linear (model/packed.py): measured on Zen 5
-# with two threads, SmolLM2-135M's products out of cache at 1-4 rows were 1.03-1.82x faster than oneDNN's,
-# at 5-8 rows 0.85-2.42x (most above 1), at 16 rows 0.63-1.39x; the decode step alone 1.07-1.22x faster at
-# B = 1, 2, 4, 6 and 8 (bench/results/small_linear_zen5_2026-12-06.txt).
-SMALL_LINEAR_ROWS = 8
+# Up to this many rows a packed bf16 product may run as small_linear (model/packed.py). Measured on Zen 5 with
+# two threads, SmolLM2-135M's five product shapes out of cache (passes of up to 16 rows, the weight
+# prefetched; bench/results/small_linear_zen5_2026-12-06f.txt): 1.14-1.82x faster than oneDNN's at 1, 2, 8,
+# 16, 17, 24 and 32 rows, 1.02-1.21x at 64 (oneDNN's kernels near the GEMM rate there). More rows: not
+# measured.
+SMALL_LINEAR_ROWS = 64
+# The row counts probed together (ops.small_linear_kblock): a process whose batches stay at 8 rows or fewer
+# pays only for the first band.
+_SMALL_LINEAR_BANDS = ((1, 8), (9, 16), (17, 32), (33, 64))
 # The runs of K over which oneDNN sums bf16 rows in float32 before adding the runs' sums (measured on
 # torch 2.13's oneDNN: 512 inputs with one row and up to K = 1024; 1024 from two rows at K = 1536 and 2048);
 # the probe picks among them.
@@ -448,8 +452,9 @@ def small_linear_kblock(rows: int, k: int, n: int, batch_hint: int) -> int | Non
         known = key in _small_verdicts
         verdict = _small_verdicts.get(key)
     if not known:
-        # Every row count up to SMALL_LINEAR_ROWS at once: one random weight packed for them all.
-        found = _small_probe(sorted({rows, *range(1, SMALL_LINEAR_ROWS + 1)}), k, n, batch_hint)
+        # Every row count of the band at once: one random weight packed for them all.
+        band = next(((lo, hi) for lo, hi in _SMALL_LINEAR_BANDS if lo <= rows <= hi), (rows, rows))
+        found = _small_probe(list(range(band[0], band[1] + 1)), k, n, batch_hint)
         with _small_lock:
             for r, v in found.items():
                 _small_verdicts.setdefault((r, k, n, batch_hint, threads), v)

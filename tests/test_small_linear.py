@@ -2,7 +2,8 @@
 product wherever the engine uses it. oneDNN sums an output over runs of K inputs in float32 (``vdpbf16ps``
 pairs in order) and adds the runs' sums; the op does the same, the run chosen per (rows, shape, batch hint,
 threads) by a probe against oneDNN's product (``ops.small_linear_kblock``). The packs use it up to
-``packed.SMALL_ROWS`` rows (8): the rollouts are those of oneDNN's products to the bit."""
+``packed.SMALL_ROWS`` rows (64), in passes of up to 16 rows a panel: the rollouts are those of oneDNN's
+products to the bit."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _rows(rows: int, k: int, seed: int) -> torch.Tensor:
 def test_small_linear_is_onednns_packed_product_to_the_bit(n, k, hint):
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)) * 0.05).bfloat16()
     p, b = ops.pack_linear_weight(w, hint), ops.block_linear_weight(w)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 11):
+    for rows in (1, 2, 3, 4, 5, 7, 8, 11, 16, 17, 24, 40, 64):  # one pass, two (9 + 8), ..., four
         run = ops.small_linear_kblock(rows, k, n, hint)
         assert run in (512, 1024) or (run == k and k <= 512)  # found for every shape here
         for seed in range(3):  # inputs the probe did not see
@@ -100,18 +101,18 @@ def _rollouts(actor, prompts, batch_size: int, temperature: float) -> list:
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_rollouts_with_small_products_are_onednns_to_the_bit(model, monkeypatch):
-    """bf16 rollouts at 1-8 sequences a batch, greedy and sampled, with the small products on and off:
-    the same tokens and log-probs, bit for bit. The op ran (a spy around the real op), on Llama's grouped
-    q|k|v and gate|up and its lone products; Qwen2's q|k|v have biases and stay oneDNN's. The blocked copies
-    are held with the packs and counted in ``nbytes``."""
+    """bf16 rollouts at 1-20 sequences a batch (one pass of the op and two), greedy and sampled, with the
+    small products on and off: the same tokens and log-probs, bit for bit. The op ran (a spy around the real
+    op), on Llama's grouped q|k|v and gate|up and its lone products; Qwen2's q|k|v have biases and stay
+    oneDNN's. The blocked copies are held with the packs and counted in ``nbytes``."""
     actor = _llama() if model == "llama" else make_actor().to(torch.bfloat16)
-    prompts = random_prompts(5, seed=2)
+    prompts = random_prompts(20, seed=2)
     calls = []
     real = ops.small_linear
     monkeypatch.setattr(ops, "small_linear", lambda x, b, r: calls.append(tuple(b.shape)) or real(x, b, r))
-    for batch_size in (1, 3, 8):
+    for batch_size in (1, 3, 8, 20):
         for temperature in (0.0, 1.0):
-            monkeypatch.setattr(packed, "SMALL_ROWS", 8)
+            monkeypatch.setattr(packed, "SMALL_ROWS", 64)
             calls.clear()
             on, held_on = _rollouts(actor, prompts, batch_size, temperature)
             shapes = set(calls)
@@ -188,15 +189,17 @@ def test_the_verdict_is_probed_on_its_own_weight_so_a_zero_weight_first_poisons_
 def test_a_write_past_the_version_counter_reaches_neither_copy_until_both_are_made_again():
     """The blocked copy is made with the pack, from the same tensor: a write that bypasses ``_version``
     (``param.data``, a fused optimizer step; ``update_policy`` drops the packs for those) leaves a 1-row
-    product equal to the same row among 16, as before small products (before: the copy was made at the first
-    small product, from the weight as it was then, and one row came out negated)."""
+    product (``small_linear``) equal to the same row among 80 (oneDNN's), as before small products (before:
+    the copy was made at the first small product, from the weight as it was then, and one row came out
+    negated)."""
     torch.manual_seed(0)
     model, other = (
         torch.nn.Sequential(torch.nn.Linear(576, 960, bias=False)).to(torch.bfloat16) for _ in "ab"
     )
-    packs = packed.PackedLinears(model, 16)
-    x = _rows(16, 576, 1).view(1, 16, 576)
-    with torch.inference_mode(), packed.PackedLinears(other, 16).applied():
+    rows = packed.SMALL_ROWS + 16
+    packs = packed.PackedLinears(model, rows)
+    x = _rows(rows, 576, 1).view(1, rows, 576)
+    with torch.inference_mode(), packed.PackedLinears(other, rows).applied():
         other(x[:, :1])  # another module of the shape has had its small products (their verdict is known)
     with torch.inference_mode(), packs.applied():
         many = model(x)
@@ -216,3 +219,14 @@ def test_a_product_too_narrow_to_probe_or_with_runs_too_alike_is_left_to_onednn(
     assert ops.small_linear_kblock(1, 64, 16, 1) is None
     assert ops.small_linear_kblock(4, 64, 16, 4) == 64  # 4 x 16 outputs a draw: enough
     assert ops.small_linear_kblock(1, 514, 576, 1) is None
+
+
+def test_the_probe_runs_the_band_of_rows_asked_for(monkeypatch):
+    """Verdicts are probed a band of row counts at a time (1-8, 9-16, 17-32, 33-64): a process whose
+    batches never pass 8 rows pays for the first band only; rows past ``SMALL_LINEAR_ROWS`` run as asked."""
+    monkeypatch.setattr(ops, "_small_verdicts", {})
+    ops.small_linear_kblock(12, 576, 576, 16)
+    assert sorted(key[0] for key in ops._small_verdicts) == list(range(9, 17))
+    ops.small_linear_kblock(3, 576, 576, 16)
+    assert sorted(key[0] for key in ops._small_verdicts) == list(range(1, 17))
+    assert packed.SMALL_ROWS == ops.SMALL_LINEAR_ROWS == ops._SMALL_LINEAR_BANDS[-1][1]
