@@ -239,8 +239,9 @@ def test_the_scaled_price_never_falls_with_more_rows():
 
 @pytest.mark.skipif(not ops.SMALL_LINEAR_AVAILABLE, reason="needs a CPU with AVX-512 BF16")
 def test_a_few_bf16_rows_are_timed_as_the_engine_multiplies_them():
-    """The engine's packs multiply 1-4 bf16 rows with ``ops.small_linear`` (bitwise oneDNN's product, faster):
-    the calibration's bare products do the same, and its in-forward timing records those calls too."""
+    """The engine's packs multiply up to ``packed.SMALL_ROWS`` (64) bf16 rows with ``ops.small_linear``
+    (bitwise oneDNN's product, faster), more with oneDNN's: the calibration's bare products do the same, and
+    its in-forward timing records those calls too."""
     w = (torch.randn(96, 64, generator=torch.Generator().manual_seed(0)) * 0.1).bfloat16()
     spy = []
     real = ops.small_linear
@@ -248,14 +249,15 @@ def test_a_few_bf16_rows_are_timed_as_the_engine_multiplies_them():
     pack = ops.pack_linear_weight(w, PACK_HINT)
     try:
         ops.small_linear = lambda x, b, r: spy.append(x.shape[0]) or real(x, b, r)
-        for rows in (3, 8, 9, 16):
+        for rows in (3, 8, 16, 40, 80):
             x = torch.randn(1, rows, 64).bfloat16()
             assert torch.equal(product(x), ops.packed_linear(x, pack, None))
     finally:
         ops.small_linear = real
-    assert spy == [3, 8]  # the probes' own products are not counted (they call the ops themselves)
+    # 80 rows: oneDNN's; the probes' own products are not counted (they call the ops themselves)
+    assert spy == [3, 8, 16, 40]
 
-    class Bench:  # a "forward" of two products: one of 2 rows (small_linear), one of 8 (oneDNN's)
+    class Bench:  # a "forward" of two products: one of 2 rows, one of 8 (both small_linear)
         @staticmethod
         def call(rows):
             x = torch.randn(1, rows, 64).bfloat16()
