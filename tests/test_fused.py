@@ -154,11 +154,11 @@ def rollouts(actor, batch, *, temperature: float) -> list[tuple[list[int], list[
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, dtype, monkeypatch):
     """Mixed prefills and decodes (6 prompts of 2-16 tokens, batch 4), greedy and sampled: the engine's
-    tokens and log-probs are the same floats with the fused norms, attention and MLPs (their grouped
-    products included) as with HF's own modules."""
+    tokens and log-probs are the same floats with the fused norms, attention, MLPs (their grouped products
+    included) and decoder layers as with HF's own modules."""
     batch = prompts((2, 5, 8, 11, 13, 16), seed=5)
     actor = build_actor(name, dtype=dtype)
-    calls = {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0}
+    calls = {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0, "layer": 0}
 
     def counted(op, real):
         def call(*args):
@@ -177,6 +177,14 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
         return out
 
     monkeypatch.setattr(packed.PackedLinears, "grouped", grouped)
+    real_plain = fused._plain_calls
+
+    def plain(modules):  # asked only by the fused decoder layer, right before it takes its parts' forwards
+        out = real_plain(modules)
+        calls["layer"] += out
+        return out
+
+    monkeypatch.setattr(fused, "_plain_calls", plain)
     for temperature in (0.0, 0.8):
         with_fusion = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
         assert calls["rms_norm"], "the fused norm never ran"
@@ -185,13 +193,15 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
         # Their MLPs' 96 columns: every float32 product and the even-row bf16 ones take the fused SiLU (the
         # odd-row bf16 ones are torch's two ops: silu_mul_exact), so both paths run here.
         assert calls["silu_mul"] or not ops.SILU_MUL_AVAILABLE, "the fused SiLU and product never ran"
-        calls.update(rms_norm=0, rotary_and_cache=0, grouped=0, silu_mul=0)
+        assert calls["layer"], "the fused decoder layer never ran"
+        calls.update(rms_norm=0, rotary_and_cache=0, grouped=0, silu_mul=0, layer=0)
         with monkeypatch.context() as m:
             m.setattr(fused, "is_llama_rms_norm", lambda module: False)
             m.setattr(fused, "is_llama_attention", lambda module: False)
             m.setattr(fused, "is_llama_mlp", lambda module: False)
+            m.setattr(fused, "is_llama_decoder_layer", lambda module: False)
             without = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
-        assert calls == {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0}
+        assert calls == {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0, "layer": 0}
         assert with_fusion == without
 
 
@@ -477,3 +487,85 @@ def test_a_modules_own_instance_forward_is_kept_and_runs():
         assert mlp.__dict__["forward"] is own
         mlp(torch.randn(1, 3, model.config.hidden_size))
     assert calls == [1] and mlp.__dict__["forward"] is own
+
+
+# -- The decoder layer ------------------------------------------------------------------------------------
+
+
+def test_decoder_layers_of_the_llama_form_are_fused():
+    """Every layer of a family whose decoder layer reads as Llama's (whatever its parts: Gemma's norms are
+    not fused, and its layer still is); none of a family whose layer reads otherwise."""
+    model = build_actor("llama")
+    assert len(fused.FusedModules(model).layers) == model.config.num_hidden_layers
+    for name in ("gemma2", "phi3", "olmo2", "granite", "mixtral"):
+        if name in FAMILIES:
+            assert not fused.FusedModules(build_actor(name)).layers, name
+
+
+@pytest.mark.parametrize(
+    "hook",
+    ["forward", "forward_pre", "global_forward", "compiled"],
+)
+def test_a_layer_whose_part_is_hooked_runs_the_hook_as_hf_does(hook, monkeypatch):
+    """The fused layer enters its parts through their forwards only where torch's module call would do
+    nothing else: a forward hook that doubles the post-attention norm's output, a pre-hook that halves its
+    input, a global forward hook, a compiled call (a stand-in here) on one layer's part: the rollouts equal
+    those with every fusion off (the hook ran as many times), and differ from the unhooked model's."""
+    batch = prompts((3, 6, 9), seed=2)
+    base = build_actor("llama", dtype=torch.float32)
+    plain = rollouts(copy.deepcopy(base), batch, temperature=0.0)
+    runs = []
+
+    def hooked_rollouts():
+        model = copy.deepcopy(base)
+        part = model.model.layers[1].post_attention_layernorm
+        handle = None
+        if hook == "forward":
+            part.register_forward_hook(lambda m, args, out: runs.append(1) or out * 2)
+        elif hook == "forward_pre":
+            part.register_forward_pre_hook(lambda m, args: runs.append(1) or (args[0] * 0.5,))
+        elif hook == "global_forward":
+            target = part
+
+            def doubled(m, args, out):
+                if m is target:
+                    runs.append(1)
+                    return out * 2
+                return None
+
+            handle = torch.nn.modules.module.register_module_forward_hook(doubled)
+        else:  # a module whose call torch.compile replaced: its compiled call runs, not its forward
+
+            def compiled(*args, **kwargs):
+                runs.append(1)
+                return type(part).forward(part, *args, **kwargs) * 2
+
+            part._compiled_call_impl = compiled
+        try:
+            return rollouts(model, batch, temperature=0.0)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    with_fusion = hooked_rollouts()
+    fused_runs, runs[:] = len(runs), []
+    with monkeypatch.context() as m:
+        for name in ("is_llama_rms_norm", "is_llama_attention", "is_llama_mlp", "is_llama_decoder_layer"):
+            m.setattr(fused, name, lambda module: False)
+        without = hooked_rollouts()
+    assert fused_runs and fused_runs == len(runs)
+    assert with_fusion == without
+    assert with_fusion != plain
+
+
+def test_a_layer_class_with_another_forward_is_not_fused(monkeypatch):
+    """A decoder layer class whose forward was replaced (a monkeypatch, a subclass) is read again: not
+    fused."""
+    model = build_actor("llama")
+    layer_cls = type(model.model.layers[0])
+
+    def forward(self, hidden_states, **kwargs):
+        return hidden_states
+
+    monkeypatch.setattr(layer_cls, "forward", forward)
+    assert not fused.FusedModules(model).layers
