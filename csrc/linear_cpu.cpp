@@ -1,4 +1,4 @@
-// CPU linear of a few bf16 rows (a decode batch of 1 to a few sequences), bitwise oneDNN's product.
+// CPU linear of up to a few dozen bf16 rows (a decode batch of up to 64 sequences), bitwise oneDNN's product.
 //
 // oneDNN (torch's mkldnn linear over a packed weight) multiplies bf16 rows with vdpbf16ps: per output, the
 // inputs' pairs (2i, 2i+1) in order into a float32 sum, one sum per run of K (512 or 1024 inputs, by shape and

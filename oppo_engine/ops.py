@@ -379,7 +379,7 @@ def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
 SMALL_LINEAR_AVAILABLE: bool = bool(torch.ops.oppo.small_linear_available())
 # Up to this many rows a packed bf16 product may run as small_linear (model/packed.py). Measured on Zen 5 with
 # two threads, SmolLM2-135M's five product shapes out of cache (passes of up to 16 rows, the weight
-# prefetched; bench/results/small_linear_zen5_2026-12-06f.txt): 1.14-1.82x faster than oneDNN's at 1, 2, 8,
+# prefetched; bench/results/small_linear_zen5_2026-12-06f.txt): 1.12-1.82x faster than oneDNN's at 1, 2, 8,
 # 16, 17, 24 and 32 rows, 1.02-1.21x at 64 (oneDNN's kernels near the GEMM rate there). More rows: not
 # measured.
 SMALL_LINEAR_ROWS = 64

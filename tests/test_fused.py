@@ -3,8 +3,10 @@ engine (tokens and log-probs with fusion equal those without, to the bit)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
+import warnings
 
 import pytest
 import torch
@@ -495,8 +497,10 @@ def test_a_modules_own_instance_forward_is_kept_and_runs():
 def test_decoder_layers_of_the_llama_form_are_fused():
     """Every layer of a family whose decoder layer reads as Llama's (whatever its parts: Gemma's norms are
     not fused, and its layer still is); none of a family whose layer reads otherwise."""
-    model = build_actor("llama")
-    assert len(fused.FusedModules(model).layers) == model.config.num_hidden_layers
+    for name in ("llama", "qwen2", "gemma"):
+        if name in FAMILIES:
+            model = build_actor(name)
+            assert len(fused.FusedModules(model).layers) == model.config.num_hidden_layers, name
     for name in ("gemma2", "phi3", "olmo2", "granite", "mixtral"):
         if name in FAMILIES:
             assert not fused.FusedModules(build_actor(name)).layers, name
@@ -504,7 +508,7 @@ def test_decoder_layers_of_the_llama_form_are_fused():
 
 @pytest.mark.parametrize(
     "hook",
-    ["forward", "forward_pre", "global_forward", "compiled"],
+    ["forward", "forward_pre", "global_forward", "global_forward_pre", "compiled", "call_impl", "class_call"],
 )
 def test_a_layer_whose_part_is_hooked_runs_the_hook_as_hf_does(hook, monkeypatch):
     """The fused layer enters its parts through their forwards only where torch's module call would do
@@ -534,6 +538,31 @@ def test_a_layer_whose_part_is_hooked_runs_the_hook_as_hf_does(hook, monkeypatch
                 return None
 
             handle = torch.nn.modules.module.register_module_forward_hook(doubled)
+        elif hook == "global_forward_pre":
+            target = part
+
+            def halved(m, args):
+                if m is target:
+                    runs.append(1)
+                    return (args[0] * 0.5,)
+                return None
+
+            handle = torch.nn.modules.module.register_module_forward_pre_hook(halved)
+        elif hook == "call_impl":  # a _call_impl set on the instance: torch's __call__ looks it up there
+
+            def call_impl(*args, **kwargs):
+                runs.append(1)
+                return type(part).forward(part, *args, **kwargs) * 2
+
+            part._call_impl = call_impl
+        elif hook == "class_call":  # a subclass whose __call__ does more than call forward
+
+            class Doubling(type(part)):
+                def __call__(self, *args, **kwargs):
+                    runs.append(1)
+                    return super().__call__(*args, **kwargs) * 2
+
+            part.__class__ = Doubling
         else:  # a module whose call torch.compile replaced: its compiled call runs, not its forward
 
             def compiled(*args, **kwargs):
@@ -569,3 +598,37 @@ def test_a_layer_class_with_another_forward_is_not_fused(monkeypatch):
 
     monkeypatch.setattr(layer_cls, "forward", forward)
     assert not fused.FusedModules(model).layers
+
+
+def test_a_layer_called_with_past_key_values_gets_hfs_renaming(monkeypatch):
+    """A caller passing the deprecated ``past_key_values`` keyword (another thread's code, a trainer) while
+    the fused forward is installed: HF's wrappers rename it to ``cache`` as they do without fusion (before:
+    the fallback passed ``cache=None`` beside it, HF kept the ``None`` and the cache stayed empty)."""
+    from transformers import DynamicCache
+
+    model = build_actor("llama", dtype=torch.float32)
+    layer = model.model.layers[0]
+    x = random_rows((1, 3, model.config.hidden_size), torch.float32, 4)
+    ids = torch.arange(3).view(1, 3)
+    position_embeddings = model.model.rotary_emb(x, position_ids=ids)
+
+    def cached_tokens(fusion: bool) -> tuple[int, torch.Tensor]:
+        cache = DynamicCache(config=model.config)
+        mods = fused.FusedModules(model)
+        with torch.no_grad(), mods.applied() if fusion else contextlib.nullcontext():
+            assert (layer.__dict__.get("forward") is not None) == fusion
+            out = layer(
+                x,
+                position_embeddings=position_embeddings,
+                position_ids=ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        return cache.get_seq_length(0), out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        fused_len, fused_out = cached_tokens(True)
+        hf_len, hf_out = cached_tokens(False)
+    assert hf_len == 3 and fused_len == 3
+    assert torch.equal(fused_out, hf_out)

@@ -269,9 +269,9 @@ _MODULE_CALL_IMPL = nn.Module._call_impl
 
 def _plain_calls(modules) -> bool:
     """Whether calling each of ``modules`` runs exactly its ``forward`` and nothing else: torch's own module
-    call (``__call__``, ``_call_impl``), not compiled, no forward or backward hooks of the module's nor
-    global ones, not under JIT tracing (the fast path of ``Module._call_impl``, which calls ``forward``
-    alone)."""
+    call (``__call__``, ``_call_impl``, neither replaced on the class nor ``_call_impl`` on the instance), not
+    compiled, no forward or backward hooks of the module's nor global ones, not under JIT tracing (the fast
+    path of ``Module._call_impl``, which calls ``forward`` alone)."""
     if (
         torch_module._global_forward_hooks
         or torch_module._global_forward_pre_hooks
@@ -285,6 +285,7 @@ def _plain_calls(modules) -> bool:
         if (
             cls.__call__ is not _MODULE_CALL
             or cls._call_impl is not _MODULE_CALL_IMPL
+            or "_call_impl" in m.__dict__
             or m._compiled_call_impl is not None
             or m._forward_hooks
             or m._forward_pre_hooks
@@ -480,15 +481,7 @@ def _fused_layer_forward(fused: FusedModules, module: nn.Module):
     own = type(module).forward
     parts = module._modules
 
-    def forward(
-        hidden_states,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        use_cache=False,
-        position_embeddings=None,
-        **kwargs,
-    ):
+    def forward(*args, **kwargs):
         # The sub-modules are looked up at every call (a wrapper may have replaced them since).
         norm, attn, post_norm, mlp = (parts.get(n) for n in _LAYER_PARTS)
         if (
@@ -497,34 +490,45 @@ def _fused_layer_forward(fused: FusedModules, module: nn.Module):
             or "past_key_values" in kwargs
             or not _plain_calls((norm, attn, post_norm, mlp))
         ):
-            return own(
-                module,
-                hidden_states,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
-                **kwargs,
-            )
-        residual = hidden_states
-        hidden_states = norm.forward(hidden_states)
-        hidden_states, _ = attn.forward(
-            hidden_states=hidden_states,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = post_norm.forward(hidden_states)
-        hidden_states = mlp.forward(hidden_states)
-        return residual + hidden_states
+            # HF's forward with the arguments exactly as given: its wrappers rename ``past_key_values`` and
+            # act on ``cache`` only where the caller passed them.
+            return own(module, *args, **kwargs)
+        return _layer_body(norm, attn, post_norm, mlp, *args, **kwargs)
 
     return forward
+
+
+def _layer_body(
+    norm,
+    attn,
+    post_norm,
+    mlp,
+    hidden_states,
+    attention_mask=None,
+    position_ids=None,
+    cache=None,
+    use_cache=False,
+    position_embeddings=None,
+    **kwargs,
+):
+    """``LLAMA_DECODER_LAYER_FORWARD``'s body (its parameters and defaults), each part entered through its
+    ``forward``."""
+    residual = hidden_states
+    hidden_states = norm.forward(hidden_states)
+    hidden_states, _ = attn.forward(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = post_norm.forward(hidden_states)
+    hidden_states = mlp.forward(hidden_states)
+    return residual + hidden_states
 
 
 _by_model: weakref.WeakKeyDictionary[nn.Module, FusedModules] = weakref.WeakKeyDictionary()

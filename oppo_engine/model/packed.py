@@ -26,17 +26,16 @@ declined and ``PackedLinears.ungrouped`` counts it), so the engine's numbers are
 a member with forward hooks (or global module hooks) runs alone, so its hooks run. The members keep their
 own packs (for any other caller): a group's stacked copy is memory on top, held only while grouping serves.
 
-**A few bf16 rows.** Up to ``SMALL_ROWS`` rows (a decode batch of up to 32 sequences: a drain's tail, a small
-batch), a
-bias-free bf16 product runs as ``ops.small_linear`` over a second copy of the weight, blocked in 16-column
-panels (made with the pack from the same tensor, held and dropped with it, counted in ``nbytes``; for a
-group's stacked weight and not its members' while the group serves), which reads
-each panel once for all the rows (oneDNN's kernels took 1.15-1.8x its time there: docs/benchmarks.md). It is
-used only where a probe found it bit for bit oneDNN's product for those rows, that shape, the pack's batch
-hint and the thread count (``ops.small_linear_kblock``, once per process and band of rows): oneDNN sums an
-output in float32 over runs of 512 or 1024 inputs and adds the runs' sums, and the op does the same. So the
-rollouts are those of oneDNN's products to the bit (tests/test_small_linear.py); a product with a bias, in
-fp32, or of more rows is oneDNN's.
+**A few bf16 rows.** Up to ``SMALL_ROWS`` rows (a decode batch of up to 64 sequences), a bias-free bf16
+product runs as ``ops.small_linear`` over a second copy of the weight, blocked in 16-column panels (made with
+the pack from the same tensor, held and dropped with it, counted in ``nbytes``; for a group's stacked weight
+and not its members' while the group serves), which reads each panel once for up to 16 rows a pass (oneDNN's
+kernels took 1.02-1.82x its time there, 1.02-1.21x at 64 rows: docs/benchmarks.md). It is used only where a
+probe found it bit for bit oneDNN's product for those rows, that shape, the pack's batch hint and the thread
+count (``ops.small_linear_kblock``, once per process and band of rows): oneDNN sums an output in float32 over
+runs of 512 or 1024 inputs and adds the runs' sums, and the op does the same. So the rollouts are those of
+oneDNN's products to the bit (tests/test_small_linear.py); a product with a bias, in fp32, or of more rows
+is oneDNN's.
 
 The packed copies live beside the model's weights (one more copy of every ``nn.Linear`` weight: the
 actor's only) and are swapped in for the duration of the runner's forward: each module's ``forward`` is
