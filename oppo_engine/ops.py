@@ -362,17 +362,45 @@ def _mixed_scale(rows: int, cols: int, gen: torch.Generator, dtype: torch.dtype)
 def _silu_probe(rows: int, width: int, dtype: torch.dtype) -> bool:
     """The op against torch's two ops, bit for bit, on random halves of a ``[rows, 2 * width]`` product
     (values at scales from 0.05 to 20; several draws where the shape is small, so the few elements a loop's
-    scalar tail would take are drawn often enough to show a last-bit difference)."""
-    gen = torch.Generator().manual_seed(rows * 131 + width)
+    scalar tail would take are drawn often enough to show a last-bit difference). The operands are views of
+    one random pool per dtype (``_silu_pool``), drawn once and grown as larger shapes ask: drawing them
+    afresh took 17-44 ms of a 37-58 ms probe of a prefill's 913-1,760 rows, and a process probes every new
+    row count."""
     as_int = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    for _ in range(1 if rows * width >= 4096 else 8):
-        y = _mixed_scale(rows, 2 * width, gen, dtype)
+    draws = 1 if rows * width >= 4096 else 8
+    numel = rows * 2 * width
+    pool = _silu_pool(dtype, draws * numel)
+    for d in range(draws):
+        y = pool[d * numel : (d + 1) * numel].view(rows, 2 * width)
         gate, up = y.split(width, dim=-1)
         want = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
         got = torch.ops.oppo.silu_mul(gate, up)
         if not torch.equal(got.view(as_int), want.view(as_int)):
             return False
     return True
+
+
+# The probes' random operands by dtype (``_silu_pool``), and the most elements kept (32 MB of float32; a
+# prefill of 2,048 rows of SmolLM2's 2 x 1,536 is 6.3M): a larger probe draws its own.
+_silu_pools: dict[torch.dtype, torch.Tensor] = {}
+_SILU_POOL_MAX = 1 << 23
+
+
+def _silu_pool(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """At least ``numel`` random elements of ``dtype`` at mixed scales (``_mixed_scale``), flat: the kept pool
+    where it is large enough, else a new one, kept where ``numel`` is at most ``_SILU_POOL_MAX`` (twice the
+    old pool's size, up to that bound, so a run of growing prefills draws a few times, not at each)."""
+    pool = _silu_pools.get(dtype)
+    if pool is not None and pool.numel() >= numel:
+        return pool
+    keep = numel <= _SILU_POOL_MAX
+    size = max(numel, min(_SILU_POOL_MAX, 2 * (0 if pool is None else pool.numel()))) if keep else numel
+    gen = torch.Generator().manual_seed(size)
+    pool = _mixed_scale(1, size, gen, dtype).view(-1)
+    if keep:
+        with _silu_lock:
+            _silu_pools[dtype] = pool  # another thread's probe holds its own reference to an older one
+    return pool
 
 
 # Whether small_linear runs here (the extension's AVX-512 BF16 routine on a CPU that has it).
