@@ -460,7 +460,7 @@ def phases(args) -> int:
     (its steps of every round but the first: the matrix's real figure is the median of its rounds, whose
     first meets every forward's row count for the first time) beside the twin's prediction of the same
     workload from ``--phases-profile`` (a profile written by ``--matrix`` or ``calibrate``); medians over
-    the steps (and the real mean beside). ``--phases-dump FILE`` appends every measured step's spans, real and predicted."""
+    the steps (the real mean beside). ``--phases-dump FILE`` appends every measured step's spans."""
     import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
