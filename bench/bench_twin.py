@@ -259,19 +259,24 @@ def matrix(args) -> int:
     for shape in shapes:
         t0 = time.perf_counter()
         actor, reward = _models(shape, 0)
-        profiles[shape] = calibrate(actor, reward, path=args.out / f"profile_{shape}.json", threads=(1,))
-        print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}")
+        with OtherCPU() as other:
+            profiles[shape] = calibrate(actor, reward, path=args.out / f"profile_{shape}.json", threads=(1,))
+        p = profiles[shape]
+        print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}, "
+              f"{_other(other)}; cores {p.cores}, penalty {p.host.interpreter_penalty}, hand-overs "
+              f"{p.host.interpreter_handover}")  # fmt: skip
     real = {}
     for shape in shapes:
         for w in matrix_workloads(shape):
             shares = [{} for _ in range(args.rounds)]
-            rounds = [measure(w, args.warmup, args.steps, MATRIX_ARMS, s) for s in shares]
+            with OtherCPU() as other:
+                rounds = [measure(w, args.warmup, args.steps, MATRIX_ARMS, s) for s in shares]
             real[w] = {arm: statistics.median(r[arm][0] for r in rounds) for arm in MATRIX_ARMS}
             # the sequential arm's CPU share: below ~0.95 its one lane waited for a core (other load)
             share = statistics.median(s[MATRIX_ARMS[0]] for s in shares if MATRIX_ARMS[0] in s)
             print(f"measured {w.name}: " + ", ".join(f"{a[0]} {t:.3f}s" for a, t in real[w].items())
-                  + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}, sequential's CPU "
-                  f"share {share:.2f}")  # fmt: skip
+                  + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}, {_other(other)}, "
+                  f"sequential's CPU share {share:.2f}")  # fmt: skip
     print("\ncalibrated on (row) -> predicting (column): median / worst signed s/step error (twin / real "
           "- 1; the twin's numbers are predictions)")  # fmt: skip
     print(f"{'':<10}" + "".join(f"{c:>16}" for c in shapes))
@@ -324,6 +329,10 @@ class OtherCPU:
 
         ticks = (busy - self._busy) - (_own_ticks() - self._own)
         self.cores = max(0.0, ticks / os.sysconf("SC_CLK_TCK") / max(1e-9, time.perf_counter() - self._t))
+
+
+def _other(other: OtherCPU) -> str:
+    return "other processes ?" if other.cores is None else f"other processes {other.cores:.2f} cores"
 
 
 def _busy_ticks() -> int | None:
