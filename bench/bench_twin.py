@@ -7,6 +7,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --published  # the twin against public GPU measurements (bench/published.py)
     python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
     python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
+    python -m bench.bench_twin --phases-profile P --phases-shape S   # one matrix cell's step by phase
     python -m bench.bench_twin --drain      # inter vs oppo with chunk_size="auto" on a long-tail drain
     python -m bench.bench_twin --drain --drain-workloads   # ... and on drains of the workloads below
     python -m bench.bench_twin --trl-check  # the TRL-like arm's generation and forwards vs HF on this CPU
