@@ -44,6 +44,7 @@ from oppo_engine.control import ChunkControl
 from oppo_engine.model.roles import ACTOR
 from oppo_engine.presets import EOS_TOKEN_ID, PAD_TOKEN_ID, build_models
 from oppo_engine.sim import Profile, calibrate, plan
+from oppo_engine.sim.calibration import OtherCPU
 from oppo_engine.sim.lengths import parse_lengths
 from oppo_engine.sim.planner import _setting
 from oppo_engine.sim.twin import World
@@ -312,44 +313,8 @@ def matrix(args) -> int:
 # -- where a matrix cell's time goes -------------------------------------------------------------------------
 
 
-class OtherCPU:
-    """Over a ``with`` block: the CPU seconds per wall second that processes other than this one used
-    (``/proc/stat`` less this process's own time; None where ``/proc/stat`` is not there). The load average
-    counts this process's threads too; this is what a neighbour took from the machine meanwhile."""
-
-    def __enter__(self) -> OtherCPU:
-        self.cores: float | None = None
-        self._t, self._busy, self._own = time.perf_counter(), _busy_ticks(), _own_ticks()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        busy = _busy_ticks()
-        if busy is None or self._busy is None:
-            return
-        import os  # noqa: PLC0415
-
-        ticks = (busy - self._busy) - (_own_ticks() - self._own)
-        self.cores = max(0.0, ticks / os.sysconf("SC_CLK_TCK") / max(1e-9, time.perf_counter() - self._t))
-
-
 def _other(other: OtherCPU) -> str:
     return "other processes ?" if other.cores is None else f"other processes {other.cores:.2f} cores"
-
-
-def _busy_ticks() -> int | None:
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return None
-    return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
-
-
-def _own_ticks() -> float:
-    import os  # noqa: PLC0415
-
-    t = os.times()
-    return (t.user + t.system) * os.sysconf("SC_CLK_TCK")
 
 
 def phase_sums(spans: list[tuple], wall: float, rows: int) -> dict[str, float]:

@@ -1,8 +1,10 @@
-"""``bench_twin.phase_sums``: a step's seconds by phase, from its lane spans (the ``--phases`` diagnosis)."""
+"""``bench_twin.phase_sums``: a step's seconds by phase, from its lane spans (the ``--phases`` diagnosis); the
+neighbour's CPU that ``calibrate`` and the matrix report (``OtherCPU``, ``neighbour_warning``)."""
 
 import pytest
 
-from bench.bench_twin import OtherCPU, phase_sums
+from bench.bench_twin import phase_sums
+from oppo_engine.sim.calibration import NEIGHBOUR_CORES, OtherCPU, neighbour_warning
 
 
 def test_phase_sums_splits_forwards_by_kind_and_overlap():
@@ -28,3 +30,11 @@ def test_other_cpu_excludes_this_process():
     with OtherCPU() as other:
         sum(i * i for i in range(200_000))  # this process's own work is not counted
     assert other.cores is None or 0.0 <= other.cores
+
+
+def test_calibrate_warns_of_a_neighbour_above_the_threshold():
+    assert neighbour_warning(None) is None  # /proc/stat not there: nothing to say
+    assert neighbour_warning(0.0) is None
+    assert neighbour_warning(NEIGHBOUR_CORES) is None
+    message = neighbour_warning(0.8)
+    assert message is not None and "0.80 cores" in message and "hand-overs" in message
