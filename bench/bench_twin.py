@@ -7,6 +7,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --published  # the twin against public GPU measurements (bench/published.py)
     python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
     python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
+    python -m bench.bench_twin --phases-profile P --phases-shape S   # one matrix cell's step by phase
     python -m bench.bench_twin --drain      # inter vs oppo with chunk_size="auto" on a long-tail drain
     python -m bench.bench_twin --drain --drain-workloads   # ... and on drains of the workloads below
     python -m bench.bench_twin --trl-check  # the TRL-like arm's generation and forwards vs HF on this CPU
@@ -31,6 +32,7 @@ import gc
 import random
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +41,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams
 from oppo_engine.control import ChunkControl
+from oppo_engine.model.roles import ACTOR
 from oppo_engine.presets import EOS_TOKEN_ID, PAD_TOKEN_ID, build_models
 from oppo_engine.sim import Profile, calibrate, plan
+from oppo_engine.sim.calibration import OtherCPU
 from oppo_engine.sim.lengths import parse_lengths
 from oppo_engine.sim.planner import _setting
 from oppo_engine.sim.twin import World
@@ -257,19 +261,24 @@ def matrix(args) -> int:
     for shape in shapes:
         t0 = time.perf_counter()
         actor, reward = _models(shape, 0)
-        profiles[shape] = calibrate(actor, reward, path=args.out / f"profile_{shape}.json", threads=(1,))
-        print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}")
+        with OtherCPU() as other:
+            profiles[shape] = calibrate(actor, reward, path=args.out / f"profile_{shape}.json", threads=(1,))
+        p = profiles[shape]
+        print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}, "
+              f"{_other(other)}; cores {p.cores}, penalty {p.host.interpreter_penalty}, hand-overs "
+              f"{p.host.interpreter_handover}")  # fmt: skip
     real = {}
     for shape in shapes:
         for w in matrix_workloads(shape):
             shares = [{} for _ in range(args.rounds)]
-            rounds = [measure(w, args.warmup, args.steps, MATRIX_ARMS, s) for s in shares]
+            with OtherCPU() as other:
+                rounds = [measure(w, args.warmup, args.steps, MATRIX_ARMS, s) for s in shares]
             real[w] = {arm: statistics.median(r[arm][0] for r in rounds) for arm in MATRIX_ARMS}
             # the sequential arm's CPU share: below ~0.95 its one lane waited for a core (other load)
             share = statistics.median(s[MATRIX_ARMS[0]] for s in shares if MATRIX_ARMS[0] in s)
             print(f"measured {w.name}: " + ", ".join(f"{a[0]} {t:.3f}s" for a, t in real[w].items())
-                  + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}, sequential's CPU "
-                  f"share {share:.2f}")  # fmt: skip
+                  + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}, {_other(other)}, "
+                  f"sequential's CPU share {share:.2f}")  # fmt: skip
     print("\ncalibrated on (row) -> predicting (column): median / worst signed s/step error (twin / real "
           "- 1; the twin's numbers are predictions)")  # fmt: skip
     print(f"{'':<10}" + "".join(f"{c:>16}" for c in shapes))
@@ -298,6 +307,195 @@ def matrix(args) -> int:
         print(f"{cal:<10}" + "".join(f"{c:>16}" for c in cells) + f"   load {os.getloadavg()[0]:.1f}")
     print("\nper arm, base / pareto (row -> column):")
     print("\n".join(per_arm))
+    return 0
+
+
+# -- where a matrix cell's time goes -------------------------------------------------------------------------
+
+
+def _other(other: OtherCPU) -> str:
+    return "other processes ?" if other.cores is None else f"other processes {other.cores:.2f} cores"
+
+
+def phase_sums(spans: list[tuple], wall: float, rows: int) -> dict[str, float]:
+    """One step's seconds by phase from its lane spans ``(lane, name, start, end, tokens)``: the actor's
+    decode forwards (at most ``rows`` tokens) and its other forwards (those with prompts), and each scorer
+    lane's spans by name, each counted ``beside`` where over half of it overlaps the other side's spans
+    (the actor's for a scorer's, the scorers' for the actor's), else ``alone``; ``host`` is the step's
+    ``wall`` outside every span. A key ending in ``" n"`` is a count: forwards, or ``tokens n`` tokens."""
+    out: dict[str, float] = {}
+    actor = [s for s in spans if s[0] == ACTOR]
+    scorers = [s for s in spans if s[0] != ACTOR]
+
+    def add(key: str, seconds: float, tokens: int | None) -> None:
+        out[key] = out.get(key, 0.0) + seconds
+        out[key + " n"] = out.get(key + " n", 0) + 1
+        out[key + " tokens n"] = out.get(key + " tokens n", 0) + (tokens or 0)
+
+    def side(t0: float, t1: float, other: list[tuple]) -> str:
+        overlap = sum(max(0.0, min(t1, o[3]) - max(t0, o[2])) for o in other)
+        return "beside" if overlap > (t1 - t0) / 2 else "alone"
+
+    for _, _, t0, t1, tokens in actor:
+        kind = "decode" if tokens is not None and tokens <= rows else "prompt fwd"
+        add(f"actor {kind} {side(t0, t1, scorers)}", t1 - t0, tokens)
+    for lane, name, t0, t1, tokens in scorers:
+        add(f"{lane} {name} {side(t0, t1, actor)}", t1 - t0, tokens)
+    busy, end = 0.0, float("-inf")
+    for t0, t1 in sorted((s[2], s[3]) for s in spans):
+        if t1 > end:
+            busy += t1 - max(t0, end)
+            end = t1
+    out["host (outside spans)"] = wall - busy
+    out["step"] = wall
+    return out
+
+
+def _dump(path: Path | None, title: str, spans: list[tuple], wall: float) -> None:
+    if path is None or not spans:
+        return
+    t0 = min(sp[2] for sp in spans)
+    with open(path, "a") as f:
+        f.write(f"== {title}: wall {wall * 1e3:.1f} ms (lane, what, start, end, duration, tokens)\n")
+        for lane, name, a, b, tokens in sorted(spans, key=lambda sp: sp[2]):
+            f.write(f"  {lane:<8}{name:<9}{(a - t0) * 1e3:8.1f} {(b - t0) * 1e3:8.1f} {(b - a) * 1e3:7.2f} ms"
+                    f"  {tokens}\n")  # fmt: skip
+
+
+def _spans(engine) -> list[tuple]:
+    return [(s.lane, s.name, s.start_s, s.end_s, s.args.get("tokens")) for s in engine.timeline.spans()]
+
+
+@contextmanager
+def _timing(owner, name: str, into: list[float]):
+    """``owner.name`` wrapped to append each call's seconds to ``into`` while the block runs."""
+    fn = getattr(owner, name)
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, fn)
+
+
+def _phase_round(w: Workload, arms, models, draws, warmup: int, steps: int, dump: Path | None) -> dict:
+    """One round of real steps of ``arms``, interleaved as ``measure`` runs them: per arm, per measured
+    step, its ``phase_sums`` with two of the engine's own costs inside its actor's forwards beside them --
+    the packs' refreshes (the repacking after ``update_policy()`` is the longest) and ``silu_mul``'s
+    bitwise probes (``ops.silu_mul_exact``: once per process for each new row count of a fused MLP)."""
+    from oppo_engine import ops  # noqa: PLC0415
+    from oppo_engine.model import packed  # noqa: PLC0415
+
+    actor, reward = models
+    lengths, prompts = draws
+    max_len = max(map(len, prompts)) + max(lengths)
+    real: dict[tuple, list[dict]] = {a: [] for a in arms}
+    engines = {}
+    for arm in arms:
+        engine = RolloutEngine(
+            actor=actor, reward=reward, config=_config(w, *arm, max_len), eos_token_id=EOS_TOKEN_ID,
+            sampling=SamplingParams(max_new_tokens=max(lengths), ignore_eos=True, seed=0),
+        )  # fmt: skip
+        engine.add_prompts(
+            prompts, sampling=[SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+        )
+        engines[arm] = engine
+    refreshes: list[float] = []
+    probes: list[float] = []
+    try:
+        with _timing(packed.PackedLinears, "_refresh", refreshes), _timing(ops, "_silu_probe", probes):
+            for k in range(steps):
+                for arm in arms[k % len(arms) :] + arms[: k % len(arms)]:
+                    refreshes.clear()
+                    probes.clear()
+                    result = engines[arm].step()
+                    spans = _spans(engines[arm])
+                    engines[arm].update_policy()
+                    if k >= warmup:
+                        _dump(dump, f"real {arm[0]} step {k}", spans, result.metrics.wall_s)
+                        sums = phase_sums(spans, result.metrics.wall_s, 2 * w.batch_size)
+                        sums["  packs' repacking (the longest refresh)"] = max(refreshes, default=0.0)
+                        sums["  silu_mul probes (engine)"] = sum(probes)
+                        real[arm].append(sums)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return real
+
+
+def phases(args) -> int:
+    """Where one matrix cell's time goes: per phase (``phase_sums``), the real engine's seconds per step
+    (its steps of every round but the first: the matrix's real figure is the median of its rounds, whose
+    first meets every forward's row count for the first time) beside the twin's prediction of the same
+    workload from ``--phases-profile`` (a profile written by ``--matrix`` or ``calibrate``); medians over
+    the steps (the real mean beside). ``--phases-dump FILE`` appends every measured step's spans."""
+    import os  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    profile = Profile.load(args.phases_profile)
+    w = {x.name.split()[1]: x for x in matrix_workloads(args.phases_shape)}[args.phases_workload]
+    arms = [a for a in MATRIX_ARMS if a[0] in args.phases_modes.split(",")]
+    steps = args.warmup + args.steps
+    models = _models(w.model, 0)
+    lengths, prompt_lens = _draws(w, (steps + 2) * (w.batch_size * 3 // 2))
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, models[0].config.vocab_size) for _ in range(n)] for n in prompt_lens]
+    real: dict[tuple, list[dict]] = {a: [] for a in arms}
+    with OtherCPU() as other:
+        for r in range(args.rounds):
+            got = _phase_round(w, arms, models, (lengths, prompts), args.warmup, steps, args.phases_dump)
+            for arm in arms:
+                real[arm] += got[arm] if r or args.rounds == 1 else []
+    twin: dict[tuple, list[dict]] = {}
+    source = _shape_source(w.model, SHAPES.get(w.model))
+    for arm in arms:
+        mode, chunk, delta = arm
+        config = _config(w, mode, chunk, delta, max(prompt_lens) + max(lengths))
+        setting, _ = _setting(
+            source, source, None, None, device=profile, gpus=1, placement="cpu", batch_size=w.batch_size,
+            lengths=lengths, prompt_lengths=prompt_lens, config=config, reward_curve=None, epochs=2,
+            minibatch_size=8, weight_bytes=4, grad_bytes=4, optimizer_bytes=8, checkpointing=False,
+            fsdp=False, seed=0,
+        )  # fmt: skip
+        repack = setting.cost.repack(setting.shapes[ACTOR]).alone_s if setting.actor_packed else 0.0
+        world = World(
+            setting, mode, chunk_size=chunk, delta=config.overcommit if delta else None, steps=steps
+        )
+        twin[arm] = []
+        try:
+            for k in range(steps):
+                (record,) = world.run(1)
+                spans = _spans(world.engines[0])
+                if k >= args.warmup:
+                    _dump(args.phases_dump, f"twin {arm[0]} step {k}", spans, record.rollout_s)
+                    twin[arm].append(phase_sums(spans, record.rollout_s, 2 * w.batch_size))
+                    twin[arm][-1]["  packs' repacking (the longest refresh)"] = repack
+        finally:
+            world.close()
+    busy = "?" if other.cores is None else f"{other.cores:.2f}"
+    print(f"{w.name} predicted from {args.phases_profile} (cores {profile.cores}, penalty "
+          f"{profile.host.interpreter_penalty}, hand-overs {profile.host.interpreter_handover}); other "
+          f"processes' CPU during the real steps {busy} cores, load {os.getloadavg()[0]:.1f}; medians "
+          f"over {len(next(iter(real.values())))} real steps and {args.steps} predicted (seconds; n: "
+          f"counts)")  # fmt: skip
+    for arm in arms:
+        print(f"  {arm[0]}:")
+        for key in sorted({k for d in real[arm] + twin[arm] for k in d}):
+            r = statistics.median(d.get(key, 0.0) for d in real[arm])
+            t = statistics.median(d.get(key, 0.0) for d in twin[arm])
+            mean = statistics.fmean(d.get(key, 0.0) for d in real[arm])
+            if key.endswith(" n"):
+                print(f"    {key:<42} real {r:>6.0f}   twin {t:>6.0f}")
+            else:
+                err = f"{t / r - 1:+5.0%}" if r > 0 else "     "
+                print(f"    {key:<42} real {r:>8.4f}  twin {t:>8.4f}  {err}   (real mean {mean:.4f})")
     return 0
 
 
@@ -817,6 +1015,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-workloads", action="store_true", help="--drain: bench_twin's workloads too")
     p.add_argument("--trl-check", action="store_true", help="the TRL-like arm's terms vs HF on this CPU")
     p.add_argument("--matrix-shapes", default=",".join(MATRIX_SHAPES), help="the matrix's shapes (--matrix)")
+    p.add_argument("--phases-profile", type=Path, default=None,
+                   help="where a matrix cell's time goes, predicted from this profile")  # fmt: skip
+    p.add_argument("--phases-shape", default="small", help="--phases: the shape whose workload runs")
+    p.add_argument("--phases-workload", default="base", help="--phases: base or pareto")
+    p.add_argument("--phases-modes", default="sequential,inter,oppo", help="--phases: the arms")
+    p.add_argument("--phases-dump", type=Path, default=None, help="--phases: append every step's spans here")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--matrix, --drain)")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
@@ -842,6 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
         return long_reasoning(args)
     if args.matrix:
         return matrix(args)
+    if args.phases_profile is not None:
+        return phases(args)
     if args.drain:
         return drain(args)
     if args.trl_check:

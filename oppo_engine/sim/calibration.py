@@ -264,6 +264,57 @@ def _overlapped(spans: list[list[tuple[float, float]]]) -> list[list[float]]:
     return out
 
 
+# Other processes' CPU (cores) above which ``calibrate`` warns that the contention pairs ran beside a
+# neighbour: the fitted cores, penalty and hand-overs then describe the machine shared with it (measured:
+# ``tiny`` fitted 1.0 cores while other processes took 0.6-1.0 cores, 2.0 with them idle; docs/twin.md).
+NEIGHBOUR_CORES = 0.25
+
+
+class OtherCPU:
+    """Over a ``with`` block: the CPU seconds per wall second that other processes used (``/proc/stat``'s
+    busy time, the hypervisor's steal included, less this process's own; ``cores`` None where
+    ``/proc/stat`` is not there). The load average counts this process's threads too; this is what a
+    neighbour took from the machine meanwhile."""
+
+    def __enter__(self) -> OtherCPU:
+        self.cores: float | None = None
+        self._t, self._busy, self._own = time.perf_counter(), _busy_ticks(), _own_ticks()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy = _busy_ticks()
+        if busy is None or self._busy is None:
+            return
+        ticks = (busy - self._busy) - (_own_ticks() - self._own)
+        self.cores = max(0.0, ticks / os.sysconf("SC_CLK_TCK") / max(1e-9, time.perf_counter() - self._t))
+
+
+def _busy_ticks() -> int | None:
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+
+
+def _own_ticks() -> float:
+    t = os.times()
+    return (t.user + t.system) * os.sysconf("SC_CLK_TCK")
+
+
+def neighbour_warning(cores: float | None) -> str | None:
+    """What ``calibrate`` warns when other processes took ``cores`` of CPU while its contention pairs ran
+    (``OtherCPU``), or None below ``NEIGHBOUR_CORES`` (or where it could not be read)."""
+    if cores is None or cores <= NEIGHBOUR_CORES:
+        return None
+    return (
+        f"calibrate: other processes took {cores:.2f} cores while the contention pairs ran; the fitted "
+        "cores, interpreter penalty and hand-overs describe the machine shared with them (calibrate again "
+        "when it is quiet, or where the engine will run beside the same load)"
+    )
+
+
 def _pair_slowdowns(fa, fb, timed, device) -> tuple[float, float]:
     """How much longer each of ``fa`` and ``fb`` takes beside the other than alone: per repeat, each timed
     alone, then both at once; the median over ``CONTENTION_REPEATS`` repeats."""
@@ -990,32 +1041,41 @@ def calibrate(
                         cores=float(os.cpu_count() or 1))  # fmt: skip
         cost = CostModel(Calibrated(probe))
         pairs = []
-        for a, b in CONTENTION_PAIRS:
-            s_a, s_b = _pair_slowdowns(benches["actor"].call(*a), benches["reward"].call(*b), timed, device)
-            wa = cost.forward(shapes["actor"], _batch("actor", *a), packed=packs, actor=True)
-            wb = cost.forward(shapes["reward"], _batch("reward", *b))
-            pairs.append((wa, wb, s_a, s_b))
-        if ("actor", 1) in shrunk and ("reward", 1) in shrunk:  # the copies' pairs: the hand-overs
-            grid = tuple(p for pair in HANDOVER_PAIRS for p in pair)
-            copy_a = _RoleBench("actor", shrunk["actor", 1], device, packed=packs, grid=grid)
-            copy_b = _RoleBench("reward", shrunk["reward", 1], device, grid=grid)
-            for a, b in HANDOVER_PAIRS:
-                s_a, s_b = _pair_slowdowns(copy_a.call(*a), copy_b.call(*b), timed, device)
-                wa = cost.forward(shrunk_shapes["actor", 1], _batch("actor", *a), packed=packs, actor=True)
-                wb = cost.forward(shrunk_shapes["reward", 1], _batch("reward", *b))
+        with OtherCPU() as neighbour:  # a neighbour's load moves every pair (NEIGHBOUR_CORES)
+            for a, b in CONTENTION_PAIRS:
+                s_a, s_b = _pair_slowdowns(
+                    benches["actor"].call(*a), benches["reward"].call(*b), timed, device
+                )
+                wa = cost.forward(shapes["actor"], _batch("actor", *a), packed=packs, actor=True)
+                wb = cost.forward(shapes["reward"], _batch("reward", *b))
                 pairs.append((wa, wb, s_a, s_b))
-            del copy_a, copy_b
-        bare = []
-        if not gpu:  # the bare projections' pair: the cores, next to no Python
-            import torch.nn.functional as F  # noqa: N812, PLC0415
+            if ("actor", 1) in shrunk and ("reward", 1) in shrunk:  # the copies' pairs: the hand-overs
+                grid = tuple(p for pair in HANDOVER_PAIRS for p in pair)
+                copy_a = _RoleBench("actor", shrunk["actor", 1], device, packed=packs, grid=grid)
+                copy_b = _RoleBench("reward", shrunk["reward", 1], device, grid=grid)
+                for a, b in HANDOVER_PAIRS:
+                    s_a, s_b = _pair_slowdowns(copy_a.call(*a), copy_b.call(*b), timed, device)
+                    wa = cost.forward(
+                        shrunk_shapes["actor", 1], _batch("actor", *a), packed=packs, actor=True
+                    )
+                    wb = cost.forward(shrunk_shapes["reward", 1], _batch("reward", *b))
+                    pairs.append((wa, wb, s_a, s_b))
+                del copy_a, copy_b
+            bare = []
+            if not gpu:  # the bare projections' pair: the cores, next to no Python
+                import torch.nn.functional as F  # noqa: N812, PLC0415
 
-            rows, k, n = CORES_PAIR
-            sides = [(torch.randn(1, rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)) for _ in range(2)]
-            fns = [lambda x=x, w=w: F.linear(x, w) for x, w in sides]
-            s_a, s_b = _pair_slowdowns(*fns, timed, device)
-            product = Work(0.0, 0.0, ((probe.costs_at(1).gemm_s(rows, k * n), 0.0),), 1)
-            bare = [(product, product, s_a, s_b)]
-            del sides, fns
+                rows, k, n = CORES_PAIR
+                sides = [
+                    (torch.randn(1, rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)) for _ in range(2)
+                ]
+                fns = [lambda x=x, w=w: F.linear(x, w) for x, w in sides]
+                s_a, s_b = _pair_slowdowns(*fns, timed, device)
+                product = Work(0.0, 0.0, ((probe.costs_at(1).gemm_s(rows, k * n), 0.0),), 1)
+                bare = [(product, product, s_a, s_b)]
+                del sides, fns
+        if not gpu and (message := neighbour_warning(neighbour.cores)):
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         cores, penalty, handover = _fit_contention(pairs, probe, device, bare)
         host = dataclasses.replace(host, interpreter_penalty=penalty, interpreter_handover=handover)
         training = _time_training(actor, device, timed)

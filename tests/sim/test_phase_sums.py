@@ -1,0 +1,40 @@
+"""``bench_twin.phase_sums``: a step's seconds by phase, from its lane spans (the ``--phases`` diagnosis); the
+neighbour's CPU that ``calibrate`` and the matrix report (``OtherCPU``, ``neighbour_warning``)."""
+
+import pytest
+
+from bench.bench_twin import phase_sums
+from oppo_engine.sim.calibration import NEIGHBOUR_CORES, OtherCPU, neighbour_warning
+
+
+def test_phase_sums_splits_forwards_by_kind_and_overlap():
+    spans = [
+        ("actor", "forward", 0.0, 10.0, 40),  # a prompt forward (40 tokens > 8 rows), beside the reward's
+        ("reward", "prefill", 2.0, 9.0, 30),  # overlaps the actor for 7 of its 7: beside
+        ("actor", "forward", 10.0, 12.0, 8),  # a decode, alone
+        ("actor", "forward", 12.0, 14.0, 8),  # a decode, beside for 1.5 of its 2
+        ("reward", "prefill", 12.5, 16.0, 16),  # beside for 1.5 of its 3.5: alone
+    ]
+    out = phase_sums(spans, wall=17.0, rows=8)
+    assert out["actor prompt fwd beside"] == 10.0 and out["actor prompt fwd beside tokens n"] == 40
+    assert out["actor decode alone"] == 2.0 and out["actor decode alone n"] == 1
+    assert out["actor decode beside"] == 2.0 and out["actor decode beside n"] == 1
+    assert out["reward prefill beside"] == 7.0 and out["reward prefill beside tokens n"] == 30
+    assert out["reward prefill alone"] == 3.5 and out["reward prefill alone n"] == 1
+    # the spans cover [0, 16]: one second of the 17 outside them
+    assert out["host (outside spans)"] == pytest.approx(1.0)
+    assert out["step"] == 17.0
+
+
+def test_other_cpu_excludes_this_process():
+    with OtherCPU() as other:
+        sum(i * i for i in range(200_000))  # this process's own work is not counted
+    assert other.cores is None or 0.0 <= other.cores
+
+
+def test_calibrate_warns_of_a_neighbour_above_the_threshold():
+    assert neighbour_warning(None) is None  # /proc/stat not there: nothing to say
+    assert neighbour_warning(0.0) is None
+    assert neighbour_warning(NEIGHBOUR_CORES) is None
+    message = neighbour_warning(0.8)
+    assert message is not None and "0.80 cores" in message and "hand-overs" in message
