@@ -149,6 +149,20 @@ def measure(
     return {arm: (median(t for t, _ in v), median(x for _, x in v)) for arm, v in times.items()}
 
 
+def _arm_setting(w: Workload, profile: Profile, source, arm: tuple, lengths, prompt_lens):
+    """The twin's setting of ``w``'s arm (mode, chunk, delta) on the CPU, its actor and reward ``source``'s
+    shape, and the engine config it runs: (setting, config)."""
+    mode, chunk, delta = arm
+    config = _config(w, mode, chunk, delta, max(prompt_lens) + max(lengths))
+    setting, _ = _setting(
+        source, source, None, None, device=profile, gpus=1, placement="cpu", batch_size=w.batch_size,
+        lengths=lengths, prompt_lengths=prompt_lens, config=config, reward_curve=None, epochs=2,
+        minibatch_size=8, weight_bytes=4, grad_bytes=4, optimizer_bytes=8, checkpointing=False,
+        fsdp=False, seed=0,
+    )  # fmt: skip
+    return setting, config
+
+
 def predict(
     w: Workload, profile: Profile, warmup: int, steps: int, arms=ARMS
 ) -> dict[tuple, tuple[float, float]]:
@@ -159,13 +173,7 @@ def predict(
     out = {}
     for arm in arms:
         mode, chunk, delta = arm
-        config = _config(w, mode, chunk, delta, max(prompt_lens) + max(lengths))
-        setting, _ = _setting(
-            actor, actor, None, None, device=profile, gpus=1, placement="cpu", batch_size=w.batch_size,
-            lengths=lengths, prompt_lengths=prompt_lens, config=config, reward_curve=None, epochs=2,
-            minibatch_size=8, weight_bytes=4, grad_bytes=4, optimizer_bytes=8, checkpointing=False,
-            fsdp=False, seed=0,
-        )  # fmt: skip
+        setting, config = _arm_setting(w, profile, actor, arm, lengths, prompt_lens)
         world = World(setting, mode, chunk_size=chunk, delta=config.overcommit if delta else None,
                       steps=warmup + steps)  # fmt: skip
         try:
@@ -457,13 +465,7 @@ def phases(args) -> int:
     source = _shape_source(w.model, SHAPES.get(w.model))
     for arm in arms:
         mode, chunk, delta = arm
-        config = _config(w, mode, chunk, delta, max(prompt_lens) + max(lengths))
-        setting, _ = _setting(
-            source, source, None, None, device=profile, gpus=1, placement="cpu", batch_size=w.batch_size,
-            lengths=lengths, prompt_lengths=prompt_lens, config=config, reward_curve=None, epochs=2,
-            minibatch_size=8, weight_bytes=4, grad_bytes=4, optimizer_bytes=8, checkpointing=False,
-            fsdp=False, seed=0,
-        )  # fmt: skip
+        setting, config = _arm_setting(w, profile, source, arm, lengths, prompt_lens)
         repack = setting.cost.repack(setting.shapes[ACTOR]).alone_s if setting.actor_packed else 0.0
         world = World(
             setting, mode, chunk_size=chunk, delta=config.overcommit if delta else None, steps=steps
