@@ -104,6 +104,16 @@ def _draws(w: Workload, count: int) -> tuple[list[int], list[int]]:
     return [lengths[i] for i in range(count)], [prompts[i] for i in range(count)]
 
 
+def _arm_engine(w: Workload, arm: tuple, actor, reward, prompts, lengths, max_len: int) -> RolloutEngine:
+    """The real engine of ``w``'s arm (mode, chunk, delta), ``prompts`` queued with their forced lengths."""
+    engine = RolloutEngine(
+        actor=actor, reward=reward, config=_config(w, *arm, max_len), eos_token_id=EOS_TOKEN_ID,
+        sampling=SamplingParams(max_new_tokens=max(lengths), ignore_eos=True, seed=0),
+    )  # fmt: skip
+    engine.add_prompts(prompts, sampling=[SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths])
+    return engine
+
+
 def measure(
     w: Workload, warmup: int, steps: int, arms=ARMS, cpu_share: dict | None = None
 ) -> dict[tuple, tuple[float, float]]:
@@ -117,15 +127,7 @@ def measure(
     rng = random.Random(5)
     prompts = [[rng.randrange(4, actor.config.vocab_size) for _ in range(n)] for n in prompt_lens]
     max_len = max(prompt_lens) + max(lengths)
-    engines = {}
-    for arm in arms:
-        engine = RolloutEngine(
-            actor=actor, reward=reward, config=_config(w, *arm, max_len), eos_token_id=EOS_TOKEN_ID,
-            sampling=SamplingParams(max_new_tokens=max(lengths), ignore_eos=True, seed=0),
-        )  # fmt: skip
-        per_prompt = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
-        engine.add_prompts(prompts, sampling=per_prompt)
-        engines[arm] = engine
+    engines = {arm: _arm_engine(w, arm, actor, reward, prompts, lengths, max_len) for arm in arms}
     times: dict[tuple, list[tuple[float, float]]] = {arm: [] for arm in arms}
     shares: dict[tuple, list[float]] = {arm: [] for arm in arms}
     order = list(arms)
@@ -405,16 +407,7 @@ def _phase_round(w: Workload, arms, models, draws, warmup: int, steps: int, dump
     lengths, prompts = draws
     max_len = max(map(len, prompts)) + max(lengths)
     real: dict[tuple, list[dict]] = {a: [] for a in arms}
-    engines = {}
-    for arm in arms:
-        engine = RolloutEngine(
-            actor=actor, reward=reward, config=_config(w, *arm, max_len), eos_token_id=EOS_TOKEN_ID,
-            sampling=SamplingParams(max_new_tokens=max(lengths), ignore_eos=True, seed=0),
-        )  # fmt: skip
-        engine.add_prompts(
-            prompts, sampling=[SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
-        )
-        engines[arm] = engine
+    engines = {arm: _arm_engine(w, arm, actor, reward, prompts, lengths, max_len) for arm in arms}
     refreshes: list[float] = []
     probes: list[float] = []
     try:
