@@ -54,6 +54,7 @@ from bench.baselines import hf_generate
 from bench.workloads import PAD_TOKEN_ID, build_models
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
 from oppo_engine.cache import KVArena, KVCacheManager, KVSpec
+from oppo_engine.model import fused as fused_module
 from oppo_engine.model import packed as packed_module
 from oppo_engine.model.runner import ModelRunner, SeqChunk
 
@@ -362,7 +363,8 @@ def bench_smollm2(
     weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``; "unfused_silu": the MLPs'
     SiLU and product as torch's two ops on copies of the halves (``ops.silu_mul`` off); "onednn_small":
     every product of a few bf16 rows as oneDNN's (``ops.small_linear`` off, ``packed.SMALL_ROWS = 0``);
-    "ungrouped": every projection alone, ``PackedLinears.grouping`` off), all alternating: tok/s
+    "ungrouped": every projection alone, ``PackedLinears.grouping`` off; "unlayered": each decoder layer's
+    calls one by one, not as ``ops.llama_decode_layer``, ``fused.DECODE_LAYERS`` off), all alternating: tok/s
     from the fastest of ``repeats`` rounds, the step time beside the roofline."""
     from oppo_engine.pretrained import load_pretrained
 
@@ -401,6 +403,8 @@ def bench_smollm2(
                     # "onednn_small": a few bf16 rows' products as oneDNN's (ops.small_linear off)
                     packed_module.SMALL_ROWS = 0 if name.startswith("onednn_small") else small_rows
                     grouping = not name.startswith("ungrouped")  # "ungrouped": PackedLinears.grouping off
+                    # "unlayered": each decoder layer's calls one by one (fused.DECODE_LAYERS off)
+                    fused_module.DECODE_LAYERS = not name.startswith("unlayered")
                     if packs is not None and packs.grouping != grouping:
                         packs.grouping = grouping
                         with torch.inference_mode(), packs.applied():
@@ -417,6 +421,7 @@ def bench_smollm2(
                 loads.append(os.getloadavg()[0])
         finally:
             ops.SILU_MUL_AVAILABLE, packed_module.SMALL_ROWS = silu_mul, small_rows
+            fused_module.DECODE_LAYERS = True
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
         measured = measure_roofline(dtype)
@@ -504,7 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument(
         "--arms",
         nargs="*",
-        choices=["unpacked", "unfused", "unfused_silu", "onednn_small", "ungrouped"],
+        choices=["unpacked", "unfused", "unfused_silu", "onednn_small", "ungrouped", "unlayered"],
         default=["unpacked"],
         help="--model: the engine variants run beside the engine and HF",
     )

@@ -5,6 +5,7 @@
 #include "act_ops.h"
 #include "attention.h"
 #include "cache_ops.h"
+#include "layer_ops.h"
 #include "linear_ops.h"
 #include "norm_ops.h"
 #include "rope_ops.h"
@@ -52,6 +53,16 @@ TORCH_LIBRARY(oppo, m) {
   m.def("small_linear(Tensor x, Tensor blocked, int kblock) -> Tensor");
   // Whether this build and CPU run small_linear (AVX-512 BF16).
   m.def("small_linear_available() -> bool", &oppo::small_linear_available);
+  // One Llama-form decoder layer of a few bf16 rows (layer_cpu.cpp): rms_norm, small_linear of the grouped
+  // q|k|v (blocked weight, run), rotary_and_cache, paged_attention (no window, no softcap), small_linear of
+  // o, the residual add, rms_norm, small_linear of the grouped gate|up, silu_mul, small_linear of down, the
+  // residual add: bit for bit those ops called one by one as oppo_engine/model/fused.py calls them.
+  m.def(
+      "llama_decode_layer(Tensor hidden, Tensor input_norm, float input_eps, Tensor qkv, int qkv_kblock, "
+      "int[] qkv_widths, int head_dim, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "int layer, Tensor block_tables, Tensor context_lens, Tensor cu_seqlens_q, float scale, Tensor o, "
+      "int o_kblock, Tensor post_norm, float post_eps, Tensor gate_up, int gate_up_kblock, "
+      "int[] gate_up_widths, Tensor down, int down_kblock) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
@@ -63,6 +74,7 @@ TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("rotary_and_cache", &oppo::rotary_and_cache_cpu);
   m.impl("silu_mul", &oppo::silu_mul_cpu);
   m.impl("small_linear", &oppo::small_linear_cpu);
+  m.impl("llama_decode_layer", &oppo::llama_decode_layer_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA

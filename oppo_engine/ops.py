@@ -60,6 +60,12 @@ def triton_on_cpu() -> Iterator[None]:
         _triton_on_cpu = saved
 
 
+def triton_on_cpu_active() -> bool:
+    """Whether CPU tensors take the Triton kernels (under :func:`triton_on_cpu` or ``OPPO_TRITON_ON_CPU=1``)
+    rather than the C++ ops."""
+    return _triton_on_cpu
+
+
 @torch.library.register_fake("oppo::reshape_and_cache")
 def _reshape_and_cache_fake(key, value, kv_cache, slot_mapping, layer):  # noqa: ARG001
     return None
@@ -96,6 +102,11 @@ def _silu_mul_fake(gate, up):  # noqa: ARG001
 @torch.library.register_fake("oppo::small_linear")
 def _small_linear_fake(x, blocked, kblock):  # noqa: ARG001
     return torch.empty((x.shape[0], blocked.shape[0] * 16), dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("oppo::llama_decode_layer")
+def _llama_decode_layer_fake(hidden, *args):  # noqa: ARG001
+    return torch.empty_like(hidden)
 
 
 @torch.library.register_fake("oppo::rotary_and_cache")
@@ -476,10 +487,8 @@ def small_linear_kblock(rows: int, k: int, n: int, batch_hint: int) -> int | Non
         return None
     threads = torch.get_num_threads()
     key = (rows, k, n, batch_hint, threads)
-    with _small_lock:
-        known = key in _small_verdicts
-        verdict = _small_verdicts.get(key)
-    if not known:
+    verdict = _small_verdicts.get(key, _UNPROBED)  # a verdict never changes once set: read without the lock
+    if verdict is _UNPROBED:
         # Every row count of the band at once: one random weight packed for them all.
         band = next(((lo, hi) for lo, hi in _SMALL_LINEAR_BANDS if lo <= rows <= hi), (rows, rows))
         found = _small_probe(list(range(band[0], band[1] + 1)), k, n, batch_hint)
@@ -491,6 +500,7 @@ def small_linear_kblock(rows: int, k: int, n: int, batch_hint: int) -> int | Non
 
 
 _small_verdicts: dict[tuple, int | None] = {}
+_UNPROBED = object()
 _small_lock = threading.Lock()
 
 
@@ -542,3 +552,37 @@ def sample(
     if logits.is_cuda or _triton_on_cpu:
         return _sample.sample(logits, temperature, seeds, positions)
     return torch.ops.oppo.sample(logits, temperature, seeds, positions)
+
+
+def llama_decode_layer(
+    hidden: torch.Tensor,
+    input_norm: tuple[torch.Tensor, float],
+    qkv: tuple[torch.Tensor, int, list[int]],
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    o: tuple[torch.Tensor, int],
+    post_norm: tuple[torch.Tensor, float],
+    gate_up: tuple[torch.Tensor, int, list[int]],
+    down: tuple[torch.Tensor, int],
+) -> torch.Tensor:
+    """One Llama-form decoder layer over ``hidden [1, T, H]`` (bf16, CPU) in one C++ op: :func:`rms_norm`
+    (``input_norm``: weight, eps), the grouped q|k|v product as :func:`small_linear` (``qkv``: blocked weight,
+    run, the three widths), :func:`rotary_and_cache` into ``kv_cache``, :func:`paged_attention` (no window,
+    no softcap), the output projection (``o``: blocked weight, run), the residual add, :func:`rms_norm`
+    (``post_norm``), the grouped gate|up product (``gate_up``), :func:`silu_mul`, the down projection
+    (``down``) and the residual add. Bit for bit those calls made one by one; the caller checks that each is
+    what the layer would run (``oppo_engine/model/fused.py``: each product's run probed, SiLU exact). No
+    autograd."""
+    return torch.ops.oppo.llama_decode_layer(
+        hidden, input_norm[0], input_norm[1], qkv[0], int(qkv[1]), qkv[2], head_dim, cos, sin, kv_cache,
+        slot_mapping, layer, block_tables, context_lens, cu_seqlens_q, scale, o[0], int(o[1]), post_norm[0],
+        post_norm[1], gate_up[0], int(gate_up[1]), gate_up[2], down[0], int(down[1]),
+    )  # fmt: skip

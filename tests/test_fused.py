@@ -188,7 +188,11 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
 
     monkeypatch.setattr(fused, "_plain_calls", plain)
     for temperature in (0.0, 0.8):
-        with_fusion = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
+        # Each fused module's call through ops' names, where the spies are (a bf16 Llama layer of up to 64
+        # rows otherwise runs as one op: ``ops.llama_decode_layer``, compared below and in its own tests).
+        with monkeypatch.context() as m:
+            m.setattr(fused, "DECODE_LAYERS", False)
+            with_fusion = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
         assert calls["rms_norm"], "the fused norm never ran"
         assert calls["rotary_and_cache"] or name != "llama", "the fused attention never ran"
         assert calls["grouped"], "no grouped product ran (the MLPs' gate and up, Llama's q, k and v)"
@@ -205,6 +209,7 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
             without = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
         assert calls == {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0, "layer": 0}
         assert with_fusion == without
+        assert rollouts(copy.deepcopy(actor), batch, temperature=temperature) == without  # with the layer op
 
 
 # -- The MLP's SiLU and product in one op ---------------------------------------------------------------
@@ -654,3 +659,147 @@ def test_a_layer_called_with_past_key_values_gets_hfs_renaming(monkeypatch):
         hf_len, hf_out = cached_tokens(False)
     assert hf_len == 3 and fused_len == 3
     assert torch.equal(fused_out, hf_out)
+
+
+# -- A decoder layer of a few bf16 rows as one op -------------------------------------------------------
+
+needs_layer_op = pytest.mark.skipif(
+    not (ops.SMALL_LINEAR_AVAILABLE and ops.SILU_MUL_AVAILABLE),
+    reason="the layer op runs small_linear (AVX-512 BF16) and silu_mul (torch's AVX-512 kernels)",
+)
+
+
+def _small_llama(bias: bool = False) -> torch.nn.Module:
+    """A bf16 Llama whose every product qualifies for small_linear (widths multiples of 16, no bias) and
+    whose MLP width takes silu_mul at any row count; ``bias``: its attention's projections have biases."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attention_bias=bias,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+def _layer_rollouts(actor, batch, *, batch_size: int, temperature: float, layers: bool, monkeypatch) -> list:
+    monkeypatch.setattr(fused, "DECODE_LAYERS", layers)
+    engine = RolloutEngine(
+        actor=actor,
+        reward=lambda p, r: 0.0,
+        config=EngineConfig(batch_size=batch_size, mode="sequential", max_model_len=128, page_size=8),
+        sampling=SamplingParams(temperature=temperature, max_new_tokens=10, seed=3, ignore_eos=True),
+    )
+    try:
+        engine.add_prompts(batch)
+        done = []
+        while result := engine.step().rollouts:
+            done += result
+    finally:
+        engine.close()
+    return sorted((tuple(r.prompt_ids), tuple(r.response_ids), tuple(r.logprobs)) for r in done)
+
+
+def _spy_layer_op(monkeypatch) -> list[int]:
+    calls = []
+    real = ops.llama_decode_layer
+
+    def spy(hidden, *args):
+        calls.append(hidden.shape[1])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(ops, "llama_decode_layer", spy)
+    return calls
+
+
+@needs_layer_op
+@pytest.mark.parametrize("batch_size", [1, 3, 8, 20])
+def test_a_decoder_layer_of_a_few_bf16_rows_as_one_op_is_its_calls_bit_for_bit(batch_size, monkeypatch):
+    """bf16 rollouts (20 prompts of 2-16 tokens, greedy and sampled) with each decoder layer of up to 64 rows
+    as ``ops.llama_decode_layer`` and with its calls one by one: the same tokens and log-probs, to the bit.
+    The op ran, on every layer of the decode forwards and of the prefills of up to 64 tokens, and on no
+    forward of more rows (oneDNN's products there)."""
+    actor = _small_llama()
+    batch = prompts(tuple(2 + (7 * i) % 15 for i in range(20)), seed=4)
+    calls = _spy_layer_op(monkeypatch)
+    for temperature in (0.0, 0.9):
+        calls.clear()
+        on = _layer_rollouts(actor, batch, batch_size=batch_size, temperature=temperature, layers=True,
+                             monkeypatch=monkeypatch)  # fmt: skip
+        assert calls and max(calls) <= packed.SMALL_ROWS
+        assert len(calls) % actor.config.num_hidden_layers == 0
+        assert min(calls) == 1 if batch_size == 1 else True
+        calls.clear()
+        off = _layer_rollouts(actor, batch, batch_size=batch_size, temperature=temperature, layers=False,
+                              monkeypatch=monkeypatch)  # fmt: skip
+        assert not calls
+        assert on == off
+
+
+@needs_layer_op
+@pytest.mark.parametrize("where", ["o_proj", "q_proj", "down_proj", "act_fn"])
+def test_a_layer_with_a_hooked_product_runs_its_calls_and_the_hook(where, monkeypatch):
+    """A forward hook (doubling the output) on one layer's output projection, one of its grouped q|k|v
+    members, its down projection or its activation: that layer runs its calls one by one, so the hook runs
+    as often as with the layer op off and the rollouts are the same; the other layers still run the op."""
+    batch = prompts((3, 6, 9), seed=2)
+    base = _small_llama()
+    plain = _layer_rollouts(copy.deepcopy(base), batch, batch_size=3, temperature=0.0, layers=True,
+                            monkeypatch=monkeypatch)  # fmt: skip
+    runs = []
+
+    def hooked(layers: bool) -> list:
+        model = copy.deepcopy(base)
+        layer = model.model.layers[1]
+        part = layer.mlp if where in ("down_proj", "act_fn") else layer.self_attn
+        getattr(part, where).register_forward_hook(lambda m, args, out: runs.append(1) or out * 2)
+        return _layer_rollouts(
+            model, batch, batch_size=3, temperature=0.0, layers=layers, monkeypatch=monkeypatch
+        )
+
+    calls = _spy_layer_op(monkeypatch)
+    on = hooked(True)
+    runs_on, runs[:] = len(runs), []
+    assert calls and all(rows <= packed.SMALL_ROWS for rows in calls)
+    assert len(calls) % (base.config.num_hidden_layers - 1) == 0  # every forward: the two unhooked layers
+    off = hooked(False)
+    assert runs_on and runs_on == len(runs)
+    assert on == off
+    assert on != plain
+
+
+@needs_layer_op
+def test_a_layer_whose_projections_have_biases_runs_its_calls(monkeypatch):
+    """q|k|v with biases take oneDNN's product (small_linear has no bias), so no layer runs as one op."""
+    calls = _spy_layer_op(monkeypatch)
+    out = _layer_rollouts(_small_llama(bias=True), prompts((3, 5), seed=1), batch_size=2, temperature=0.0,
+                          layers=True, monkeypatch=monkeypatch)  # fmt: skip
+    assert out and not calls
+
+
+@needs_layer_op
+def test_the_layer_op_passes_opcheck():
+    """The op's schema (its in-place cache write declared) and fake kernel, on one layer's operands."""
+    actor = _small_llama()
+    layer = actor.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    g = torch.Generator().manual_seed(0)
+    tokens, pages, page = 3, 4, 8
+    hidden = (torch.randn(1, tokens, 64, generator=g) * 0.5).to(torch.bfloat16)
+    kv_cache = torch.zeros(pages, actor.config.num_hidden_layers, 2, page, 2, 16, dtype=torch.bfloat16)
+    cos = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
+    sin = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
+
+    def blocked(*mods):
+        w = torch.cat([m.weight.detach() for m in mods])
+        return ops.block_linear_weight(w), 512 if w.shape[1] > 512 else w.shape[1]
+
+    args = (
+        hidden, layer.input_layernorm.weight.detach(), 1e-6, *blocked(attn.q_proj, attn.k_proj, attn.v_proj),
+        [64, 32, 32], 16, cos, sin, kv_cache, torch.arange(tokens, dtype=torch.int64), 0,
+        torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32),
+        torch.tensor([0, tokens], dtype=torch.int32), 0.25, *blocked(attn.o_proj),
+        layer.post_attention_layernorm.weight.detach(), 1e-6, *blocked(mlp.gate_proj, mlp.up_proj),
+        [1536, 1536], *blocked(mlp.down_proj),
+    )  # fmt: skip
+    torch.library.opcheck(torch.ops.oppo.llama_decode_layer.default, args)

@@ -13,7 +13,7 @@ from engine_models import EOS, VOCAB, make_actor, random_prompts
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
-from oppo_engine.model import packed
+from oppo_engine.model import fused, packed
 
 pytestmark = pytest.mark.skipif(not ops.SMALL_LINEAR_AVAILABLE, reason="needs a CPU with AVX-512 BF16")
 
@@ -107,6 +107,7 @@ def test_rollouts_with_small_products_are_onednns_to_the_bit(model, monkeypatch)
     oneDNN's. The blocked copies are held with the packs and counted in ``nbytes``."""
     actor = _llama() if model == "llama" else make_actor().to(torch.bfloat16)
     prompts = random_prompts(20, seed=2)
+    monkeypatch.setattr(fused, "DECODE_LAYERS", False)  # each product through ops' name, where the spy is
     calls = []
     real = ops.small_linear
     monkeypatch.setattr(ops, "small_linear", lambda x, b, r: calls.append(tuple(b.shape)) or real(x, b, r))

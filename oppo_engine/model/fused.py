@@ -38,6 +38,13 @@ log-probs are those of HF's modules (``tests/test_fused.py``).
   own ``__call__``); HF's own forward elsewhere. The module calls and attribute lookups it skips: 0.1-0.3 ms
   of a SmolLM2 bf16 decode step at B = 1 and 16 (1-3%), nothing measurable at 64
   (``bench/results/small_linear_zen5_2026-12-06f.txt``).
+- **A decoder layer of a few bf16 rows as one op** (``ops.llama_decode_layer``, ``_decode_layer``): where
+  every call of that layer body would be one of the C++ ops (both norms fused, the attention's C++ path,
+  each of its four products ``ops.small_linear`` with its probed run, SiLU-and-product ``ops.silu_mul``; up
+  to ``packed.SMALL_ROWS`` rows: a decode step's, a short prefill's), the layer runs as one op making those
+  calls, in that order, on the same operands: bit for bit the calls made one by one (tests/test_fused.py).
+  What it saves is the Python between them (the packs' and fused modules' per-call checks, module calls,
+  closures; the checks it makes instead cost ~25 us a layer). ``DECODE_LAYERS = False`` turns it off.
 
 The replacements are installed for the duration of the runner's forward as instance attributes (as the
 packed weights are, ``model/packed.py``) and act only on the threads running such a forward: the same
@@ -340,6 +347,12 @@ class FusedModules:
         self._installs += [(m, _fused_attention_forward(self, m)) for m in self.attentions]
         self._installs += [(m, _fused_mlp_forward(self, m)) for m in self.mlps]
         self._installs += [(m, _fused_layer_forward(self, m)) for m in self.layers]
+        # Each fused module's forward, by module: ``_decode_layer`` runs a layer in one op only where its
+        # parts run these (installed by ``applied``, not a wrapper's own).
+        self._forward_of = {id(m): fwd for m, fwd in self._installs}
+        self._norms = {id(m) for m in self.norms}
+        self._attention_constants = {id(m): (m.layer_idx, m.head_dim, m.scaling) for m in self.attentions}
+        self._mlps = {id(m) for m in self.mlps}
         self._lock = threading.Lock()
         self._threads: Counter[int] = Counter()  # threads inside applied(), with their depth
         self._installed: list = []  # what applied() installed: (module, forward), where it had no own forward
@@ -493,7 +506,8 @@ def _fused_layer_forward(fused: FusedModules, module: nn.Module):
             # HF's forward with the arguments exactly as given: its wrappers rename ``past_key_values`` and
             # act on ``cache`` only where the caller passed them.
             return own(module, *args, **kwargs)
-        return _layer_body(norm, attn, post_norm, mlp, *args, **kwargs)
+        out = _decode_layer(fused, norm, attn, post_norm, mlp, *args, **kwargs)
+        return _layer_body(norm, attn, post_norm, mlp, *args, **kwargs) if out is None else out
 
     return forward
 
@@ -529,6 +543,115 @@ def _layer_body(
     hidden_states = post_norm.forward(hidden_states)
     hidden_states = mlp.forward(hidden_states)
     return residual + hidden_states
+
+
+def _decode_layer(
+    fused: FusedModules,
+    norm,
+    attn,
+    post_norm,
+    mlp,
+    hidden_states,
+    attention_mask=None,
+    position_ids=None,  # noqa: ARG001 (the fused attention does not read it either)
+    cache=None,
+    use_cache=False,  # noqa: ARG001
+    position_embeddings=None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """``_layer_body``'s result in one op (``ops.llama_decode_layer``), where every call the body would make
+    is one that op makes, on the same operands: each of the four parts runs its fused forward (installed by
+    ``applied``), both norms ``ops.rms_norm``, the attention its C++ path (every condition of
+    ``_fused_attention_forward``), each of the four products ``ops.small_linear`` with its probed run
+    (``packed.small_operands``: the grouped q|k|v and gate|up, the output and down projections, each entered
+    through a plain module call), and the MLP's SiLU and product ``ops.silu_mul``; ``None`` elsewhere (the
+    caller runs the body). Only bf16 (the small products' dtype). The op's result is bit for bit the body's
+    (tests/test_fused.py). Sub-modules and parameters are read from the modules' own tables (``_modules``,
+    ``_parameters``: what attribute access returns for these exact classes, without ``Module.__getattr__``),
+    since these checks run for every layer of every decode forward."""
+    meta = attention.bound()
+    if (
+        not DECODE_LAYERS
+        or meta is None
+        or attention_mask is not None
+        or cache is not None
+        or position_embeddings is None
+        or (kwargs and kwargs.get("past_key_values") is not None)
+        or hidden_states.dtype != _BF16
+        or hidden_states.dim() != 3
+        or hidden_states.shape[0] != 1
+        or hidden_states.device.type != "cpu"
+        or not hidden_states.is_contiguous()
+        or meta.kv_cache.dtype != _BF16
+        or meta.kv_cache.device.type != "cpu"
+        or position_embeddings[0].dtype != _BF16
+        or attn.training
+        or torch.is_autocast_enabled("cpu")
+        or ops.triton_on_cpu_active()
+    ):
+        return None
+    ours = fused._forward_of
+    for m in (norm, attn, post_norm, mlp):
+        own = ours.get(id(m))
+        if own is None or m.__dict__.get("forward") is not own:
+            return None
+    constants = fused._attention_constants.get(id(attn))
+    if constants is None or id(mlp) not in fused._mlps or id(norm) not in fused._norms:
+        return None
+    if id(post_norm) not in fused._norms:
+        return None
+    weights = (norm._parameters.get("weight"), post_norm._parameters.get("weight"))
+    for w in weights:
+        if w is None or w.dtype != _BF16 or w.device.type != "cpu" or not w.is_contiguous():
+            return None
+    am, mm = attn._modules, mlp._modules
+    q, k, v, o = am.get("q_proj"), am.get("k_proj"), am.get("v_proj"), am.get("o_proj")
+    gate, up, down = mm.get("gate_proj"), mm.get("up_proj"), mm.get("down_proj")
+    if o is None or down is None or gate is None or up is None or not _plain_calls((o, down)):
+        return None
+    if not is_silu(mm.get("act_fn")):
+        return None
+    packs = packed.applied_packs()
+    if packs is None:
+        return None
+    rows = hidden_states.shape[1]
+    qkv = packs.small_operands((q, k, v), rows)
+    o_op = packs.small_operands((o,), rows)
+    gate_up = packs.small_operands((gate, up), rows)
+    down_op = packs.small_operands((down,), rows)
+    if qkv is None or o_op is None or gate_up is None or down_op is None:
+        return None
+    gate_width = gate.out_features
+    if not ops.silu_mul_exact(rows, gate_width, _BF16):
+        return None
+    layer, head_dim, scaling = constants
+    cos, sin = position_embeddings
+    return ops.llama_decode_layer(
+        hidden_states,
+        (weights[0], norm.variance_epsilon),
+        (*qkv, [q.out_features, k.out_features, v.out_features]),
+        head_dim,
+        cos[0],
+        sin[0],
+        meta.kv_cache,
+        meta.slot_mapping,
+        layer,
+        meta.block_tables,
+        meta.context_lens,
+        meta.cu_seqlens_q,
+        scaling,
+        o_op,
+        (weights[1], post_norm.variance_epsilon),
+        (*gate_up, [gate_width, up.out_features]),
+        down_op,
+    )
+
+
+_BF16 = torch.bfloat16
+# Whether a Llama-form decoder layer of a few bf16 rows may run as one op (``_decode_layer``); off, each of
+# its calls runs one by one (for comparisons, and for the twin's calibration, which times each product as the
+# forward calls it: ``sim/calibration.py``'s ``_time_packed_calls``).
+DECODE_LAYERS = True
 
 
 _by_model: weakref.WeakKeyDictionary[nn.Module, FusedModules] = weakref.WeakKeyDictionary()

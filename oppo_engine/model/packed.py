@@ -123,7 +123,7 @@ class PackedLinears:
     def __init__(self, model: nn.Module, batch_hint: int) -> None:
         self.batch_hint = max(1, int(batch_hint))
         self._entries = [_Entry(m) for m in model.modules() if type(m) is nn.Linear]
-        by_module = {id(e.module): e for e in self._entries}
+        self._by_module = by_module = {id(e.module): e for e in self._entries}
         self._groups: dict[tuple[int, ...], _Group] = {}
         for m in model.modules():  # only the groups a fused forward calls ``grouped`` for: nothing held idle
             for names, form in GROUPS:
@@ -261,6 +261,43 @@ class PackedLinears:
             return None
         return small_product(x, blocked, self._made_hint)
 
+    def small_operands(self, modules: tuple[nn.Module, ...], rows: int) -> tuple[torch.Tensor, int] | None:
+        """``(blocked weight, run)`` where the product of ``rows`` bf16 rows that this thread's forward would
+        run for ``modules`` now -- ``grouped(modules, x)`` for several, the module's installed packed forward
+        for one -- is ``ops.small_linear`` over that copy with that run; ``None`` where it would be anything
+        else (oneDNN's product, the members alone, the module's own forward, a bias, another thread). The
+        caller runs the product itself (``ops.llama_decode_layer``), so these are ``grouped``'s and
+        ``_packed_forward``'s conditions, in full; the caller checks that a lone module's call would run only
+        its ``forward``. The modules are exact ``nn.Linear``s (every entry is), whose ``bias`` is always in
+        ``_parameters``: read there, without ``Module.__getattr__`` (this runs four times a layer)."""
+        if threading.get_ident() != self._thread:
+            return None
+        if len(modules) > 1:
+            g = self._groups.get(tuple(map(id, modules)))
+            if g is None or not g.live or g.packed is None:
+                return None
+            if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+                return None
+            for m in modules:
+                if m._forward_hooks or m._forward_pre_hooks:
+                    return None
+            blocked = g.blocked
+        else:
+            m = modules[0]
+            e = self._by_module.get(id(m))
+            # Its packed forward installed for this forward (made with its current pack: ``_refresh`` makes a
+            # new one at every packing), not a wrapper's.
+            if e is None or e.forward is None or m.__dict__.get("forward") is not e.forward:
+                return None
+            blocked = e.blocked
+        if blocked is None:
+            return None
+        for m in modules:
+            if m._parameters.get("bias") is not None:
+                return None
+        kblock = _small_kblock(rows, blocked, self._made_hint)
+        return None if kblock is None else (blocked, kblock)
+
     @contextmanager
     def applied(self) -> Iterator[None]:
         """Inside the block, each packed module's forward is the packed product (packing first what is
@@ -313,12 +350,23 @@ def small_product(x: torch.Tensor, blocked: torch.Tensor, batch_hint: int) -> to
     through it."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if x.dtype != torch.bfloat16 or not 1 <= rows <= SMALL_ROWS:
-        return None
-    kblock = ops.small_linear_kblock(rows, k, blocked.shape[0] * 16, batch_hint)
+    kblock = _small_kblock(rows, blocked, batch_hint) if x.dtype == torch.bfloat16 else None
     if kblock is None:
         return None
     return ops.small_linear(x.reshape(rows, k).contiguous(), blocked, kblock).view(*x.shape[:-1], -1)
+
+
+def _small_kblock(rows: int, blocked: torch.Tensor, batch_hint: int) -> int | None:
+    """The run with which ``ops.small_linear`` over ``blocked`` is oneDNN's product of ``rows`` bf16 rows (a
+    weight packed at ``batch_hint``), or ``None`` (more than ``SMALL_ROWS`` rows, or no run found)."""
+    if not 1 <= rows <= SMALL_ROWS:
+        return None
+    return ops.small_linear_kblock(rows, blocked.shape[1] * 2, blocked.shape[0] * 16, batch_hint)
+
+
+def applied_packs() -> PackedLinears | None:
+    """The packs whose ``applied()`` block this thread is in, or ``None``."""
+    return getattr(_applied, "packs", None)
 
 
 _applied = threading.local()  # .packs: the PackedLinears whose applied() block this thread is in
