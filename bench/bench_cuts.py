@@ -8,10 +8,13 @@ same engine, weights, cache and prompts. Each round runs one engine step per arm
 ``--new-tokens`` greedy with ``ignore_eos``, prefill included) and records per generated token: the
 calling thread's CPU time (``time.thread_time``; the figure a loaded machine moves least), the process's
 CPU time and the wall time; the fastest of ``--rounds`` is reported, with ``os.getloadavg()`` beside it.
-Both arms' tokens and log-probs are compared: they must be equal to the bit.
+Both arms' tokens and log-probs are compared: they must be equal to the bit. Both arms run each decoder
+layer's calls one by one (``fused.DECODE_LAYERS`` off: a layer as one op would run the cut's ops in C++, and
+the "off" arm's layers would then differ by that too), so the figure is the cut's alone.
 
 ``--breakdown`` instead splits one step's thread CPU time by subtraction: the step as it runs, the same
-step with every linear layer's product replaced by a ready zero tensor of its shape ("no GEMM"), and with
+step with every linear layer's product (oneDNN's and ``small_linear``'s) replaced by a ready zero tensor of
+its shape ("no GEMM"), and with
 the paged attention replaced too ("no GEMM, no attention"), the three alternating, fastest of
 ``--rounds``; then the calling thread's CPU time per Python function (``cProfile`` timed by
 ``time.thread_time``) of one step without GEMMs and attention, the top entries printed.
@@ -41,7 +44,11 @@ def breakdown(engine, prompts, new_tokens: int, rounds: int, top: int = 25) -> d
 
     from oppo_engine import ops
 
-    real = {"packed_linear": ops.packed_linear, "paged_attention": ops.paged_attention}
+    real = {
+        "packed_linear": ops.packed_linear,
+        "small_linear": ops.small_linear,
+        "paged_attention": ops.paged_attention,
+    }
     zeros: dict[tuple, torch.Tensor] = {}
 
     def no_linear(x, packed, bias):
@@ -50,13 +57,20 @@ def breakdown(engine, prompts, new_tokens: int, rounds: int, top: int = 25) -> d
             zeros[key] = torch.zeros_like(real["packed_linear"](x, packed, bias))
         return zeros[key]
 
+    def no_small(x, blocked, kblock):
+        key = (tuple(x.shape), id(blocked))
+        if key not in zeros:
+            zeros[key] = torch.zeros_like(real["small_linear"](x, blocked, kblock))
+        return zeros[key]
+
     def no_attention(q, *args, **kwargs):
         return torch.zeros_like(q)
 
+    no_gemm = {"packed_linear": no_linear, "small_linear": no_small}
     arms = {
         "step": dict(real),
-        "no GEMM": {"packed_linear": no_linear, "paged_attention": real["paged_attention"]},
-        "no GEMM, no attention": {"packed_linear": no_linear, "paged_attention": no_attention},
+        "no GEMM": {**no_gemm, "paged_attention": real["paged_attention"]},
+        "no GEMM, no attention": {**no_gemm, "paged_attention": no_attention},
     }
 
     def step(patch) -> float:
@@ -96,6 +110,15 @@ def breakdown(engine, prompts, new_tokens: int, rounds: int, top: int = 25) -> d
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    # Every op through ops' names, where the arms' patches and cuts act (see above).
+    layers, fused.DECODE_LAYERS = fused.DECODE_LAYERS, False
+    try:
+        return _main(argv)
+    finally:
+        fused.DECODE_LAYERS = layers
+
+
+def _main(argv: list[str] | None) -> dict[str, dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--batch-size", type=int, default=16)

@@ -391,6 +391,7 @@ def bench_smollm2(
             run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
         run_hf(actor, prompts[:2], 4)
         silu_mul, small_rows = ops.SILU_MUL_AVAILABLE, packed_module.SMALL_ROWS
+        layers = fused_module.DECODE_LAYERS
         times: dict[str, list[float]] = {name: [] for name in (*engines, "hf")}
         cpu: dict[str, list[float]] = {name: [] for name in times}
         loads = []
@@ -404,7 +405,7 @@ def bench_smollm2(
                     packed_module.SMALL_ROWS = 0 if name.startswith("onednn_small") else small_rows
                     grouping = not name.startswith("ungrouped")  # "ungrouped": PackedLinears.grouping off
                     # "unlayered": each decoder layer's calls one by one (fused.DECODE_LAYERS off)
-                    fused_module.DECODE_LAYERS = not name.startswith("unlayered")
+                    fused_module.DECODE_LAYERS = layers and not name.startswith("unlayered")
                     if packs is not None and packs.grouping != grouping:
                         packs.grouping = grouping
                         with torch.inference_mode(), packs.applied():
@@ -421,7 +422,7 @@ def bench_smollm2(
                 loads.append(os.getloadavg()[0])
         finally:
             ops.SILU_MUL_AVAILABLE, packed_module.SMALL_ROWS = silu_mul, small_rows
-            fused_module.DECODE_LAYERS = True
+            fused_module.DECODE_LAYERS = layers
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
         measured = measure_roofline(dtype)

@@ -803,3 +803,86 @@ def test_the_layer_op_passes_opcheck():
         [1536, 1536], *blocked(mlp.down_proj),
     )  # fmt: skip
     torch.library.opcheck(torch.ops.oppo.llama_decode_layer.default, args)
+
+
+@needs_layer_op
+@pytest.mark.parametrize(
+    "change", ["o_bias", "down_bias", "o_replaced", "o_instance_forward", "gelu", "grouping_off", "autocast"]
+)
+def test_a_layer_the_op_cannot_run_exactly_runs_its_calls(change, monkeypatch):
+    """One layer changed so that some call of its body is not one of the op's (a bias on its output or down
+    projection, its output projection wrapped by another module or by an instance ``forward``, a GELU in
+    place of SiLU), or every layer so (grouping off: the members' own products; under autocast: HF's
+    modules): that layer runs its calls one by one, the other layers still run the op, and the rollouts
+    equal those with the layer op off, where they differ from the unchanged model's."""
+    batch = prompts((3, 6, 9), seed=2)
+    base = _small_llama()
+    plain = _layer_rollouts(copy.deepcopy(base), batch, batch_size=3, temperature=0.0, layers=True,
+                            monkeypatch=monkeypatch)  # fmt: skip
+
+    class Doubled(torch.nn.Module):  # an adapter-like wrapper: its own module around the projection
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    def changed(layers: bool) -> list:
+        model = copy.deepcopy(base)
+        layer = model.model.layers[1]
+        attn, mlp = layer.self_attn, layer.mlp
+        if change in ("o_bias", "down_bias"):
+            proj = attn.o_proj if change == "o_bias" else mlp.down_proj
+            bias = torch.randn(proj.out_features, generator=torch.Generator().manual_seed(1)) * 0.5
+            proj.bias = torch.nn.Parameter(bias.to(torch.bfloat16))
+        elif change == "o_replaced":
+            attn.o_proj = Doubled(attn.o_proj)
+        elif change == "o_instance_forward":
+            inner = attn.o_proj.forward
+            attn.o_proj.forward = lambda x: inner(x) * 2
+        elif change == "gelu":
+            mlp.act_fn = torch.nn.GELU()
+        elif change == "grouping_off":
+            packed.for_model(model, 3).grouping = False
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if change == "autocast" else None
+        with autocast or contextlib.nullcontext():
+            return _layer_rollouts(
+                model, batch, batch_size=3, temperature=0.0, layers=layers, monkeypatch=monkeypatch
+            )
+
+    calls = _spy_layer_op(monkeypatch)
+    on = changed(True)
+    if change in ("grouping_off", "autocast"):
+        assert not calls
+    else:
+        layers = base.config.num_hidden_layers
+        assert calls and len(calls) % (layers - 1) == 0 and len(calls) // (layers - 1) >= 10  # 2 a forward
+    calls.clear()
+    off = changed(False)
+    assert not calls
+    assert on == off
+    assert on != plain or change in ("grouping_off", "autocast")
+
+
+@needs_layer_op
+def test_a_layer_runs_as_one_op_only_at_row_counts_where_silu_mul_is_exact(monkeypatch):
+    """An MLP 96 wide: SiLU-and-product is bit for bit torch's only where the rows' elements split into
+    whole vector steps (``ops.silu_mul_exact``: 2 rows of 96, not 1 or 3), so at 3 sequences a decode
+    forward runs its calls one by one and the 2-row ones run the op; the rollouts equal the calls'."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    actor = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    assert not ops.silu_mul_exact(3, 96, torch.bfloat16) and ops.silu_mul_exact(2, 96, torch.bfloat16)
+    calls = _spy_layer_op(monkeypatch)
+    batch = prompts((2, 4, 6, 8, 10), seed=3)
+    on = _layer_rollouts(actor, batch, batch_size=3, temperature=0.0, layers=True, monkeypatch=monkeypatch)
+    assert calls and all(ops.silu_mul_exact(rows, 96, torch.bfloat16) for rows in calls)
+    assert 3 not in calls
+    off = _layer_rollouts(actor, batch, batch_size=3, temperature=0.0, layers=False, monkeypatch=monkeypatch)
+    assert on == off

@@ -616,10 +616,10 @@ def _decode_layer(
         return None
     rows = hidden_states.shape[1]
     qkv = packs.small_operands((q, k, v), rows)
-    o_op = packs.small_operands((o,), rows)
-    gate_up = packs.small_operands((gate, up), rows)
-    down_op = packs.small_operands((down,), rows)
-    if qkv is None or o_op is None or gate_up is None or down_op is None:
+    o_op = qkv and packs.small_operands((o,), rows)
+    gate_up = o_op and packs.small_operands((gate, up), rows)
+    down_op = gate_up and packs.small_operands((down,), rows)
+    if down_op is None:
         return None
     gate_width = gate.out_features
     if not ops.silu_mul_exact(rows, gate_width, _BF16):
