@@ -10,10 +10,12 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
 - the engine's own forwards of each given model (its runner and, for the actor, its sampler and its packed
   weights where the engine packs them; the scorers' reward, reference and critic paths) over a grid of
   rows x new tokens x context; on the CPU also those of each model's shrunk copies (``shrunk_config``) at
-  two depths (``shrunk_depths``), over a few small points (``SHRUNK_GRID``);
+  two depths (``shrunk_depths``), over a few small points (``SHRUNK_GRID``), and of each model's narrow
+  copy (its width ladder's first rung, ``ladder_head_dims``: the model at its depth, head_dim 16) over the
+  models' grid;
 - where the actor is packed, packing its weights again (``_time_repack``: after every weight update the engine
-  drops the packs and its next forward makes them), and its packed products as its forwards and its
-  copies' call them (``_time_packed_calls``: how much longer a product takes there than bare,
+  drops the packs and its next forward makes them), and its packed products as its forwards, its copies'
+  and its width ladder's call them (``_time_packed_calls``: how much longer a product takes there than bare,
   ``_packed_in_forward``);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times, and on the CPU pairs of its
@@ -29,7 +31,9 @@ per KV byte read, elementwise work per token and hidden unit, and logit post-pro
 them belongs to a model, so the profile prices models it was not calibrated on. On the CPU the two fixed
 costs are fitted from the forwards of shrunk copies of each model (its class, random weights, every width
 cut down) at two depths, where they are almost the whole forward and do not move in proportion, and the rest
-from the models' own forwards with those two held (``_fit``, ``_fixed_costs``).
+from the models' own forwards and their narrow copies' with those two held (``_fit``, ``_fixed_costs``): a
+wide model's forwards barely determine its per-token constants, and its narrow copy's, where that work is a
+larger share, carry them to narrower models.
 """
 
 from __future__ import annotations
@@ -616,7 +620,7 @@ class _RoleBench:
 
         self.role, self.model = role, model
         spec = KVSpec.from_hf_config(model.config, model.dtype)
-        need = max(r * (n + c) for r, n, c in grid)
+        need = max(r * (n + c) for r, n, c in grid) + sum({c for _, _, c in grid})  # and the contexts (below)
         self.arena = KVArena({role: spec}, page_size=16, num_pages=need // 16 + 64, device=device)
         # NOTE: the timed forwards attend over ``ctx`` slots that nothing wrote: zeroed, they read finite
         # keys and values (uninitialised bytes may be NaN, which the engine's finiteness checks refuse).
@@ -635,9 +639,27 @@ class _RoleBench:
         self.scorer = scorers[role](runner) if role != "actor" else None
         self.vocab = model.config.vocab_size
         self._torch = torch
+        self._contexts: dict[int, tuple] = {}  # ctx -> the sequence holding ctx cached tokens, forked per row
+
+    def _context(self, ctx: int) -> tuple:
+        """The sequence whose first ``ctx`` tokens every timed row shares (``KVCacheManager.fork``), made
+        once.
+
+        Why: the engine's rows come to a forward with their context cached; appending ``ctx`` slots to each
+        row in the timed call (``append_slots``, a Python list of the slots) cost 48-52 ns per row and
+        context token on every shape (timed apart, 2026-12-07), which the fit put in ``kv_byte_s`` per
+        layer and KV byte: two thirds of ``tiny``'s per-context cost, and on gqa8's narrow copy (2 layers of
+        128-byte KV rows) ``kv_byte_s`` 1.9-2.0e-10 against 8-9e-11 on ``small`` and ``mid``. A fork shares
+        the context's pages: a reference per page, no per-token work."""
+        sid = self._contexts.get(ctx)
+        if sid is None:
+            sid = self._contexts[ctx] = ("context", ctx)
+            self.cache.append_slots(sid, ctx)
+        return sid
 
     def call(self, rows: int, new: int, ctx: int) -> Callable[[], object]:
-        """A function running one forward of ``rows`` chunks of ``new`` tokens after ``ctx`` cached ones."""
+        """A function running one forward of ``rows`` chunks of ``new`` tokens after ``ctx`` cached ones (a
+        context of whole pages shared with ``_context``'s sequence; another appended to each row)."""
         from oppo_engine.model.runner import SeqChunk  # noqa: PLC0415
         from oppo_engine.model.sampler import SampleBatch  # noqa: PLC0415
 
@@ -648,7 +670,9 @@ class _RoleBench:
             ids = [(counter[0], i) for i in range(rows)]
             chunks = []
             for sid in ids:
-                if ctx:
+                if ctx and ctx % self.cache.page_size == 0:  # new tokens start a page: nothing is copied
+                    self.cache.fork(self._context(ctx), sid, ctx)
+                elif ctx:
                     self.cache.append_slots(sid, ctx)
                 slots = self.cache.append_slots(sid, new)
                 chunks.append(SeqChunk(sid, [5 + (j % (self.vocab - 5)) for j in range(new)], slots))
