@@ -726,7 +726,7 @@ def ladder_head_dims(head_dim: int) -> tuple[int, ...]:
       1024, 2 layers, 93% projections) fitted ``token_hidden_s`` at 0.2-3.3e-9 s (six calibrations, 2026-12-06
       and -07) against 4.3-12.7e-9 on the narrower shapes, and its profile priced ``small``'s and ``mid``'s
       steps 11-14% fast. With the narrow copies the constants are fitted over the two widths and carry to
-      the narrower ones (bench/results/twin_matrix_zen5_narrow_*; docs/twin.md).
+      the narrower ones (bench/results/twin_matrix_zen5_narrowfork_*_2026-12-07.txt; docs/twin.md).
     - every rung, of the packed actor: their packed products as their forwards call them, beside the
       actor's and its shrunk copies' (``ThreadCosts.packed_in_forward``). A wide actor's decode products are
       bound by their weights' streaming and so not measured; its profile held every narrower model's
