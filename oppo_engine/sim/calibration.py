@@ -10,10 +10,12 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
 - the engine's own forwards of each given model (its runner and, for the actor, its sampler and its packed
   weights where the engine packs them; the scorers' reward, reference and critic paths) over a grid of
   rows x new tokens x context; on the CPU also those of each model's shrunk copies (``shrunk_config``) at
-  two depths (``shrunk_depths``), over a few small points (``SHRUNK_GRID``);
+  two depths (``shrunk_depths``), over a few small points (``SHRUNK_GRID``), and of each model's narrow
+  copy (its width ladder's first rung, ``ladder_head_dims``: the model at its depth, head_dim 16) over the
+  models' grid;
 - where the actor is packed, packing its weights again (``_time_repack``: after every weight update the engine
-  drops the packs and its next forward makes them), and its packed products as its forwards and its
-  copies' call them (``_time_packed_calls``: how much longer a product takes there than bare,
+  drops the packs and its next forward makes them), and its packed products as its forwards, its copies'
+  and its width ladder's call them (``_time_packed_calls``: how much longer a product takes there than bare,
   ``_packed_in_forward``);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times, and on the CPU pairs of its
@@ -29,7 +31,9 @@ per KV byte read, elementwise work per token and hidden unit, and logit post-pro
 them belongs to a model, so the profile prices models it was not calibrated on. On the CPU the two fixed
 costs are fitted from the forwards of shrunk copies of each model (its class, random weights, every width
 cut down) at two depths, where they are almost the whole forward and do not move in proportion, and the rest
-from the models' own forwards with those two held (``_fit``, ``_fixed_costs``).
+from the models' own forwards and their narrow copies' with those two held (``_fit``, ``_fixed_costs``): a
+wide model's forwards barely determine its per-token constants, and its narrow copy's, where that work is a
+larger share, carry them to narrower models.
 """
 
 from __future__ import annotations
@@ -623,7 +627,7 @@ class _RoleBench:
 
         self.role, self.model = role, model
         spec = KVSpec.from_hf_config(model.config, model.dtype)
-        need = max(r * (n + c) for r, n, c in grid)
+        need = max(r * (n + c) for r, n, c in grid) + sum({c for _, _, c in grid})  # and the contexts (below)
         self.arena = KVArena({role: spec}, page_size=16, num_pages=need // 16 + 64, device=device)
         # NOTE: the timed forwards attend over ``ctx`` slots that nothing wrote: zeroed, they read finite
         # keys and values (uninitialised bytes may be NaN, which the engine's finiteness checks refuse).
@@ -642,9 +646,27 @@ class _RoleBench:
         self.scorer = scorers[role](runner) if role != "actor" else None
         self.vocab = model.config.vocab_size
         self._torch = torch
+        self._contexts: dict[int, tuple] = {}  # ctx -> the sequence holding ctx cached tokens, forked per row
+
+    def _context(self, ctx: int) -> tuple:
+        """The sequence whose first ``ctx`` tokens every timed row shares (``KVCacheManager.fork``), made
+        once.
+
+        Why: the engine's rows come to a forward with their context cached; appending ``ctx`` slots to each
+        row in the timed call (``append_slots``, a Python list of the slots) cost 48-52 ns per row and
+        context token on every shape (timed apart, 2026-12-07), which the fit put in ``kv_byte_s`` per
+        layer and KV byte: two thirds of ``tiny``'s per-context cost, and on gqa8's narrow copy (2 layers of
+        128-byte KV rows) ``kv_byte_s`` 1.9-2.0e-10 against 8-9e-11 on ``small`` and ``mid``. A fork shares
+        the context's pages: a reference per page, no per-token work."""
+        sid = self._contexts.get(ctx)
+        if sid is None:
+            sid = self._contexts[ctx] = ("context", ctx)
+            self.cache.append_slots(sid, ctx)
+        return sid
 
     def call(self, rows: int, new: int, ctx: int) -> Callable[[], object]:
-        """A function running one forward of ``rows`` chunks of ``new`` tokens after ``ctx`` cached ones."""
+        """A function running one forward of ``rows`` chunks of ``new`` tokens after ``ctx`` cached ones (a
+        context of whole pages shared with ``_context``'s sequence; another appended to each row)."""
         from oppo_engine.model.runner import SeqChunk  # noqa: PLC0415
         from oppo_engine.model.sampler import SampleBatch  # noqa: PLC0415
 
@@ -655,7 +677,9 @@ class _RoleBench:
             ids = [(counter[0], i) for i in range(rows)]
             chunks = []
             for sid in ids:
-                if ctx:
+                if ctx and ctx % self.cache.page_size == 0:  # new tokens start a page: nothing is copied
+                    self.cache.fork(self._context(ctx), sid, ctx)
+                elif ctx:
                     self.cache.append_slots(sid, ctx)
                 slots = self.cache.append_slots(sid, new)
                 chunks.append(SeqChunk(sid, [5 + (j % (self.vocab - 5)) for j in range(new)], slots))
@@ -694,6 +718,62 @@ SHRUNK_GRID = ((1, 1, 0), (1, 1, 1), (1, 2, 0))
 PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
 
 
+def ladder_head_dims(head_dim: int) -> tuple[int, ...]:
+    """The head_dims of a model's width ladder: ``SHRUNK_HEAD_DIM``, doubling, while below the model's own
+    ``head_dim`` (none for a model no wider than its shrunk copies). Its copies (``shrunk_copy`` at the
+    model's depth and each of these head_dims: the model narrowed) serve two fits (``calibrate``):
+
+    - the first rung, of every role (the *narrow copies*): their forwards over ``FORWARD_GRID`` join the
+      models' in the fit of the per-token constants (``pair_s``, ``kv_byte_s``, ``token_hidden_s``,
+      ``logit_s``: ``_fit``'s ``narrow``). A wide model's forwards are mostly its projections, so they
+      barely determine those constants; and the columns ``1 x layers x tokens x hidden`` and the like scale
+      each kind of per-token work by one width where the work is several (RMSNorms and residuals over the
+      hidden size, the MLP's activation over the intermediate, RoPE and the KV writes over the heads, a
+      cost per token besides): a constant fitted at one width prices that width. gqa8's forwards (hidden
+      1024, 2 layers, 93% projections) fitted ``token_hidden_s`` at 0.2-3.3e-9 s (six calibrations, 2026-12-06
+      and -07) against 4.3-12.7e-9 on the narrower shapes, and its profile priced ``small``'s and ``mid``'s
+      steps 11-14% fast. With the narrow copies the constants are fitted over the two widths and carry to
+      the narrower ones (bench/results/twin_matrix_zen5_narrowfork_*_2026-12-07.txt; docs/twin.md).
+    - every rung, of the packed actor: their packed products as their forwards call them, beside the
+      actor's and its shrunk copies' (``ThreadCosts.packed_in_forward``). A wide actor's decode products are
+      bound by their weights' streaming and so not measured; its profile held every narrower model's
+      products at few rows at its shrunk copies' ratios (1.0-1.4x at 2K-33K weights), where ``small``'s own
+      measured 1.3-2.0x at its 33K-360K. The ladder's products span the sizes between, their weights in
+      cache."""
+    dims, d = [], SHRUNK_HEAD_DIM
+    while d < head_dim:
+        dims.append(d)
+        d *= 2
+    return tuple(dims)
+
+
+def _ladder_copies(models: dict, packs: bool, say: Callable[[str], None]) -> dict:
+    """``{(role, head_dim): copy}``: each model's width ladder (``ladder_head_dims``) at its own depth, the
+    first rung for every role and every rung for the actor where it packs (``packs``); none, with a
+    warning, where one cannot be made (``shrunk_copy``'s ``ValueError``): the per-token constants are then
+    fitted from the models' own forwards."""
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+
+    copies = {}
+    try:
+        for role, model in models.items():
+            own = model_shape(model, dtype_bytes=None)
+            dims = ladder_head_dims(own.head_dim)
+            for d in dims if role == "actor" and packs else dims[:1]:
+                copies[role, d] = shrunk_copy(model, own.layers, d)
+    except ValueError as e:
+        warnings.warn(
+            f"{e}; the per-token constants are fitted from the models' own forwards (a wide model's barely "
+            "determine them) and the packed products measured at the actor's and its copies' sizes only",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return {}
+    if copies:
+        say(f"calibrate: width ladders {sorted(copies)}")
+    return copies
+
+
 def shrunk_depths(layers: int) -> tuple[int, int]:
     """The two depths of a model's shrunk copies: 1, where a forward is the fixed cost per forward and one
     layer's, and twice the model's own, so that the fitted line spans its depth (interpolated, not
@@ -709,9 +789,10 @@ def _module_layout(model) -> set[str]:
     return {re.sub(r"\.\d+(\.|$)", r".N\1", name) for name, _ in model.named_modules()}
 
 
-def shrunk_config(config, layers: int):
+def shrunk_config(config, layers: int, head_dim: int = SHRUNK_HEAD_DIM):
     """A copy of the HF decoder ``config`` with ``layers`` layers and every width cut down: its query and
-    KV head counts kept (the GQA layout), head_dim ``SHRUNK_HEAD_DIM`` (the model's own where smaller),
+    KV head counts kept (the GQA layout), head_dim ``head_dim`` (``SHRUNK_HEAD_DIM`` unless a width ladder's
+    copy asks for more: ``ladder_head_dims``; the model's own where smaller),
     hidden size heads x head_dim, every MLP width (and OPT's embedding width) the hidden size, a vocabulary of
     ``SHRUNK_VOCAB`` tokens (special token ids past it moved to its last), per-layer lists
     (``PER_LAYER_KEYS``) tiled to the new depth. ``ValueError`` naming what it cannot shrink (a multimodal
@@ -725,7 +806,7 @@ def shrunk_config(config, layers: int):
         raise ValueError(f"calibrate: cannot shrink {name}: no hidden_size and num_attention_heads")
     heads = cfg["num_attention_heads"]
     own = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    head_dim = min(SHRUNK_HEAD_DIM, own - own % 2) or own
+    head_dim = min(head_dim, own - own % 2) or own
     hidden = heads * head_dim
     depth = cfg.get("num_hidden_layers")
     cfg.update(hidden_size=hidden, vocab_size=SHRUNK_VOCAB, num_hidden_layers=layers)
@@ -750,17 +831,17 @@ def shrunk_config(config, layers: int):
         raise ValueError(f"calibrate: cannot shrink {name} ({e!r})") from e
 
 
-def shrunk_copy(model, layers: int):
+def shrunk_copy(model, layers: int, head_dim: int = SHRUNK_HEAD_DIM):
     """A model of ``model``'s architecture class and dtype, on its device, in eval mode, with random
-    weights (``from_config``) and :func:`shrunk_config`'s shape at ``layers`` layers. ``ValueError`` where
-    the copy does not come out so (another class, other head counts, another depth)."""
+    weights (``from_config``) and :func:`shrunk_config`'s shape at ``layers`` layers and ``head_dim``.
+    ``ValueError`` where the copy does not come out so (another class, other head counts, another depth)."""
     import torch  # noqa: PLC0415
 
     from oppo_engine.model.runner import unwrap_model  # noqa: PLC0415
     from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
 
     base = unwrap_model(model)
-    config = shrunk_config(base.config, layers)
+    config = shrunk_config(base.config, layers, head_dim)
     device, dtype = next(base.parameters()).device, next(base.parameters()).dtype
     try:
         with torch.device(device):
@@ -778,12 +859,12 @@ def shrunk_copy(model, layers: int):
     if (
         type(copy) is not type(base)
         or (got.layers, got.heads, got.kv_heads) != (layers, own.heads, own.kv_heads)
-        or got.head_dim > SHRUNK_HEAD_DIM
+        or got.head_dim > max(head_dim, SHRUNK_HEAD_DIM)
     ):
         raise ValueError(
             f"calibrate: the shrunk copy of {type(base).__name__} came out as {type(copy).__name__} with "
             f"(layers, heads, KV heads, head_dim) {(got.layers, got.heads, got.kv_heads, got.head_dim)}, "
-            f"not {(layers, own.heads, own.kv_heads)} and head_dim <= {SHRUNK_HEAD_DIM}"
+            f"not {(layers, own.heads, own.kv_heads)} and head_dim <= {max(head_dim, SHRUNK_HEAD_DIM)}"
         )
     return copy
 
@@ -804,7 +885,9 @@ CONSTANTS = ("forward_s", "layer_s", "pair_s", "kv_byte_s", "token_hidden_s", "l
 FIXED = CONSTANTS[:2]
 
 
-def _fit(points: list[Point], ts: ThreadCosts, shrunk: list[Point] | None = None) -> ThreadCosts:
+def _fit(
+    points: list[Point], ts: ThreadCosts, shrunk: list[Point] | None = None, narrow: list[Point] | None = None
+) -> ThreadCosts:
     """Fit the per-forward constants to the timed forwards, the GEMMs' share as the bare GEMMs
     (``ts.gemm``, ``ts.streaming``) price it taken out. Where that leaves the fit poor (a median error
     over ``POOR_FIT``: the projections inside a forward do not run as the bare ones did, say two threads
@@ -820,7 +903,13 @@ def _fit(points: list[Point], ts: ThreadCosts, shrunk: list[Point] | None = None
     Python, 77% fast); a shrunk copy's forward is almost all fixed cost. And models of one depth ``L`` have
     the columns 1 and ``L`` in proportion: the fit sees only ``forward_s + L * layer_s`` and splits it as
     ``lstsq``'s minimum norm does, for a model of another depth to inherit; the copies have two depths.
-    None: every constant from ``points`` (a GPU's calibration)."""
+    None: every constant from ``points`` (a GPU's calibration).
+
+    ``narrow``: the forwards of the models' narrow copies (``ladder_head_dims``' first rung: each model at its
+    own depth, every width cut down) over ``FORWARD_GRID``: the constants fitted here are fitted to them and
+    ``points`` together (``fit_error`` and the ``unfitted`` marks still ``points``' alone). Why: a wide
+    model's forwards are mostly its projections and barely determine its per-token constants, and each
+    column scales its kind of work by one width; fitted over two widths they carry to narrower models."""
     fit = CONSTANTS
     if shrunk:
         fixed = _fixed_costs(shrunk, ts)
@@ -832,10 +921,17 @@ def _fit(points: list[Point], ts: ThreadCosts, shrunk: list[Point] | None = None
             actor_layer_s=fixed.actor_layer_s,
         )
         fit = CONSTANTS[2:]
-    fixed = _fit_with(points, ts, free_scale=False, fit=fit)
+    both = points + list(narrow or ())
+
+    def fitted(free_scale: bool) -> ThreadCosts:
+        got = _fit_with(both, ts, free_scale=free_scale, fit=fit)
+        # its error and unfitted marks over the models' own forwards (nothing fitted again: ``fit=()``)
+        return _fit_with(points, got, free_scale=False, fit=()) if narrow else got
+
+    fixed = fitted(False)
     if fixed.fit_error <= POOR_FIT:
         return fixed
-    free = _fit_with(points, ts, free_scale=True, fit=fit)
+    free = fitted(True)
     return free if free.fit_error < fixed.fit_error else fixed
 
 
@@ -989,9 +1085,17 @@ def calibrate(
     # every timed projection of a real model; and a GPU's decode forwards are launch-bound themselves, so
     # its own models show the fixed costs. The GPU keeps the one-depth fit (untested here: no GPU).
     shrunk = {} if gpu else _shrunk_copies(models, say)
+    # The models' width ladders (CPU, where their copies could be made; ``ladder_head_dims``): the narrow
+    # copies' forwards for the per-token constants, the packed actor's rungs for its products in forward.
+    ladder = _ladder_copies(models, packs, say) if shrunk else {}
+    narrow = {key: m for key, m in ladder.items() if key[1] == SHRUNK_HEAD_DIM}
     shrunk_shapes = {
         (role, depth): model_shape(m, head=heads[role], dtype_bytes=dtype.itemsize, name=f"{role}@{depth}")
         for (role, depth), m in shrunk.items()
+    }
+    ladder_shapes = {
+        (role, d): model_shape(m, head=heads[role], dtype_bytes=dtype.itemsize, name=f"{role}@hd{d}")
+        for (role, d), m in ladder.items()
     }
     saved = torch.get_num_threads()
     per_thread: dict[int, ThreadCosts] = {}
@@ -1014,8 +1118,11 @@ def calibrate(
             copies = {(role, depth): _RoleBench(role, m, device, packed=packs and role == "actor",
                                                 grid=SHRUNK_GRID)
                       for (role, depth), m in shrunk.items()}  # fmt: skip
+            rungs = {key: _RoleBench(key[0], m, device, packed=packs and key[0] == "actor")
+                     for key, m in ladder.items()}  # fmt: skip
             runs = [(role, bench, FORWARD_GRID) for role, bench in benches.items()]
             runs += [(key, bench, SHRUNK_GRID) for key, bench in copies.items()]
+            runs += [(("narrow", key), rungs[key], FORWARD_GRID) for key in narrow]
             best: dict = {}
             # NOTE: rounds over the whole grid, the fastest of each point kept: a burst of other load on
             # the machine then slows one round of a point, not all of them.
@@ -1027,10 +1134,15 @@ def calibrate(
             points = [(shapes[key], key, point, s) for (key, point), s in best.items() if key in benches]
             shrunk_points = [(shrunk_shapes[key], key[0], point, s)
                              for (key, point), s in best.items() if key in copies]  # fmt: skip
+            narrow_points = [(ladder_shapes[key[1]], key[1][0], point, s)
+                             for (key, point), s in best.items() if key[0] == "narrow"]  # fmt: skip
             if packs:  # the actor's packed products as its forwards call them (ThreadCosts.packed_in_forward)
                 calls = [(benches["actor"], shapes["actor"].weight_bytes, FORWARD_GRID)]
                 calls += [(b, shrunk_shapes[key].weight_bytes, SHRUNK_GRID)
                           for key, b in copies.items() if key[0] == "actor"]  # fmt: skip
+                # and its width ladder's (``ladder_head_dims``): the sizes between its copies' and its own
+                calls += [(b, ladder_shapes[key].weight_bytes, FORWARD_GRID)
+                          for key, b in rungs.items() if key[0] == "actor"]  # fmt: skip
                 ratios = _packed_in_forward(_time_packed_calls(calls), ts, dtype.itemsize)
                 ts = dataclasses.replace(ts, packed_in_forward=ratios)
             if packs:  # the actor's packs made again, as after every weight update (update_policy)
@@ -1038,8 +1150,8 @@ def calibrate(
                 actor_packs += [b.runner.packed for (role, _), b in copies.items() if role == "actor"]
                 per_pack, per_byte = _fit_repack([_time_repack(p, timed) for p in actor_packs])
                 ts = dataclasses.replace(ts, repack_s=per_pack, repack_byte_s=per_byte)
-            per_thread[count] = _fit(points, ts, shrunk_points)
-            del copies
+            per_thread[count] = _fit(points, ts, shrunk_points, narrow_points)
+            del copies, rungs
         say("calibrate: host time per iteration, two lanes at once, and the update")
         host = measure_host_costs()
         if not gpu:
