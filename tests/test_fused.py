@@ -134,12 +134,15 @@ def test_fused_forward_falls_back_off_thread_and_under_autograd(monkeypatch):
         assert calls == [1]
 
 
-def rollouts(actor, batch, *, temperature: float) -> list[tuple[list[int], list[float]]]:
+def drained(actor, batch, *, batch_size: int, temperature: float, max_new_tokens: int, seed: int) -> list:
+    """Every rollout of ``batch`` on a ``sequential`` engine over ``actor``, stepped until it drains."""
     engine = RolloutEngine(
         actor=actor,
         reward=lambda p, r: 0.0,
-        config=EngineConfig(batch_size=4, mode="sequential", max_model_len=128, page_size=8),
-        sampling=SamplingParams(temperature=temperature, max_new_tokens=12, seed=7, ignore_eos=True),
+        config=EngineConfig(batch_size=batch_size, mode="sequential", max_model_len=128, page_size=8),
+        sampling=SamplingParams(
+            temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True
+        ),
     )
     try:
         engine.add_prompts(batch)
@@ -148,6 +151,11 @@ def rollouts(actor, batch, *, temperature: float) -> list[tuple[list[int], list[
             done += result
     finally:
         engine.close()
+    return done
+
+
+def rollouts(actor, batch, *, temperature: float) -> list[tuple[list[int], list[float]]]:
+    done = drained(actor, batch, batch_size=4, temperature=temperature, max_new_tokens=12, seed=7)
     by_prompt = {tuple(r.prompt_ids): (r.response_ids, r.logprobs) for r in done}
     return [by_prompt[tuple(p)] for p in batch]
 
@@ -684,19 +692,7 @@ def _small_llama(bias: bool = False) -> torch.nn.Module:
 
 def _layer_rollouts(actor, batch, *, batch_size: int, temperature: float, layers: bool, monkeypatch) -> list:
     monkeypatch.setattr(fused, "DECODE_LAYERS", layers)
-    engine = RolloutEngine(
-        actor=actor,
-        reward=lambda p, r: 0.0,
-        config=EngineConfig(batch_size=batch_size, mode="sequential", max_model_len=128, page_size=8),
-        sampling=SamplingParams(temperature=temperature, max_new_tokens=10, seed=3, ignore_eos=True),
-    )
-    try:
-        engine.add_prompts(batch)
-        done = []
-        while result := engine.step().rollouts:
-            done += result
-    finally:
-        engine.close()
+    done = drained(actor, batch, batch_size=batch_size, temperature=temperature, max_new_tokens=10, seed=3)
     return sorted((tuple(r.prompt_ids), tuple(r.response_ids), tuple(r.logprobs)) for r in done)
 
 
