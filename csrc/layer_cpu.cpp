@@ -66,4 +66,27 @@ at::Tensor llama_decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& in
   return at::add(residual2, product(silu_mul_cpu(halves[0], halves[1]), down, down_kblock));
 }
 
+at::Tensor llama_decode_layers_cpu(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef ints,
+                                   at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
+                                   at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                   const at::Tensor& context_lens, const at::Tensor& cu_seqlens_q) {
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kLayerWeights;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(weights.size()) == layers * kLayerWeights &&
+                        static_cast<int64_t>(ints.size()) == layers * kLayerInts &&
+                        static_cast<int64_t>(floats.size()) == layers * kLayerFloats,
+                    "llama_decode_layers: ", kLayerWeights, " tensors, ", kLayerInts, " ints and ", kLayerFloats,
+                    " floats a layer, got ", weights.size(), ", ", ints.size(), " and ", floats.size());
+  at::Tensor h = hidden;
+  for (int64_t n = 0; n < layers; ++n) {
+    const at::Tensor* w = weights.data() + n * kLayerWeights;
+    const int64_t* i = ints.data() + n * kLayerInts;
+    const double* f = floats.data() + n * kLayerFloats;
+    // The layer's operands, in ops.llama_decode_layers' order (oppo_engine/ops.py).
+    h = llama_decode_layer_cpu(h, w[0], f[0], w[1], i[0], at::IntArrayRef(i + 1, 3), i[4], cos, sin, kv_cache,
+                               slot_mapping, i[5], block_tables, context_lens, cu_seqlens_q, f[1], w[2], i[6], w[3],
+                               f[2], w[4], i[7], at::IntArrayRef(i + 8, 2), w[5], i[10]);
+  }
+  return h;
+}
+
 }  // namespace oppo

@@ -16,4 +16,14 @@ at::Tensor llama_decode_layer_cpu(const at::Tensor& hidden, const at::Tensor& in
                                   const at::Tensor& gate_up, int64_t gate_up_kblock, at::IntArrayRef gate_up_widths,
                                   const at::Tensor& down, int64_t down_kblock);
 
+// Several such layers in order, each one llama_decode_layer_cpu call (so bit for bit the layers called one by
+// one): per layer kLayerWeights tensors (input norm, q|k|v blocked, o blocked, post norm, gate|up blocked, down
+// blocked), kLayerInts ints (q|k|v run, the three widths, head_dim, layer, o run, gate|up run, the two widths,
+// down run) and kLayerFloats floats (input eps, scale, post eps), concatenated layer after layer.
+constexpr int64_t kLayerWeights = 6, kLayerInts = 11, kLayerFloats = 3;
+at::Tensor llama_decode_layers_cpu(const at::Tensor& hidden, at::TensorList weights, at::IntArrayRef ints,
+                                   at::ArrayRef<double> floats, const at::Tensor& cos, const at::Tensor& sin,
+                                   at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                   const at::Tensor& context_lens, const at::Tensor& cu_seqlens_q);
+
 }  // namespace oppo

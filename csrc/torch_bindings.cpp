@@ -63,6 +63,12 @@ TORCH_LIBRARY(oppo, m) {
       "int layer, Tensor block_tables, Tensor context_lens, Tensor cu_seqlens_q, float scale, Tensor o, "
       "int o_kblock, Tensor post_norm, float post_eps, Tensor gate_up, int gate_up_kblock, "
       "int[] gate_up_widths, Tensor down, int down_kblock) -> Tensor");
+  // Llama-form decoder layers in order, each as llama_decode_layer (layer_cpu.cpp): per layer 6 tensors, 11
+  // ints and 3 floats (layer_ops.h), concatenated; one op for a model's layers.
+  m.def(
+      "llama_decode_layers(Tensor hidden, Tensor[] weights, int[] ints, float[] floats, Tensor cos, Tensor sin, "
+      "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor cu_seqlens_q) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(oppo, CPU, m) {
@@ -75,6 +81,7 @@ TORCH_LIBRARY_IMPL(oppo, CPU, m) {
   m.impl("silu_mul", &oppo::silu_mul_cpu);
   m.impl("small_linear", &oppo::small_linear_cpu);
   m.impl("llama_decode_layer", &oppo::llama_decode_layer_cpu);
+  m.impl("llama_decode_layers", &oppo::llama_decode_layers_cpu);
 }
 
 #ifdef OPPO_WITH_CUDA

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -106,6 +107,11 @@ def _small_linear_fake(x, blocked, kblock):  # noqa: ARG001
 
 @torch.library.register_fake("oppo::llama_decode_layer")
 def _llama_decode_layer_fake(hidden, *args):  # noqa: ARG001
+    return torch.empty_like(hidden)
+
+
+@torch.library.register_fake("oppo::llama_decode_layers")
+def _llama_decode_layers_fake(hidden, *args):  # noqa: ARG001
     return torch.empty_like(hidden)
 
 
@@ -586,3 +592,51 @@ def llama_decode_layer(
         slot_mapping, layer, block_tables, context_lens, cu_seqlens_q, scale, o[0], int(o[1]), post_norm[0],
         post_norm[1], gate_up[0], int(gate_up[1]), gate_up[2], down[0], int(down[1]),
     )  # fmt: skip
+
+
+class DecodeLayer(NamedTuple):
+    """One Llama-form decoder layer's operands for :func:`llama_decode_layers` (those of
+    :func:`llama_decode_layer` that differ from layer to layer)."""
+
+    input_norm: tuple[torch.Tensor, float]  # weight, eps
+    qkv: tuple[torch.Tensor, int, list[int]]  # blocked weight, run, the three widths
+    head_dim: int
+    layer: int  # the layer's index in kv_cache
+    scale: float
+    o: tuple[torch.Tensor, int]
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: tuple[torch.Tensor, int, list[int]]
+    down: tuple[torch.Tensor, int]
+
+
+def llama_decode_layers(
+    hidden: torch.Tensor,
+    layers: Sequence[DecodeLayer],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+) -> torch.Tensor:
+    """``layers`` one after the other over ``hidden [1, T, H]`` in one C++ op: each exactly
+    :func:`llama_decode_layer` with its :class:`DecodeLayer` operands and the shared rotary tables and
+    attention metadata, so bit for bit those calls made one by one. What it saves is a model's Python between
+    its layers (``oppo_engine/model/fused.py``'s ``decode_logits``). No autograd."""
+    weights: list[torch.Tensor] = []
+    ints: list[int] = []
+    floats: list[float] = []
+    for d in layers:
+        if len(d.qkv[2]) != 3 or len(d.gate_up[2]) != 2:
+            raise ValueError(
+                f"llama_decode_layers: three q|k|v widths and two gate|up widths a layer, got {d.qkv[2]} and "
+                f"{d.gate_up[2]}"
+            )
+        weights += (d.input_norm[0], d.qkv[0], d.o[0], d.post_norm[0], d.gate_up[0], d.down[0])
+        ints += (int(d.qkv[1]), *d.qkv[2], d.head_dim, d.layer, int(d.o[1]), int(d.gate_up[1]), *d.gate_up[2])
+        ints.append(int(d.down[1]))
+        floats += (d.input_norm[1], d.scale, d.post_norm[1])
+    return torch.ops.oppo.llama_decode_layers(
+        hidden, weights, ints, floats, cos, sin, kv_cache, slot_mapping, block_tables, context_lens, cu_seqlens_q
+    )

@@ -214,10 +214,12 @@ def test_engine_tokens_and_logprobs_with_fusion_equal_without_to_the_bit(name, d
             m.setattr(fused, "is_llama_attention", lambda module: False)
             m.setattr(fused, "is_llama_mlp", lambda module: False)
             m.setattr(fused, "is_llama_decoder_layer", lambda module: False)
+            m.setattr(fused, "DECODE_MODEL", False)  # the model's own call
             without = rollouts(copy.deepcopy(actor), batch, temperature=temperature)
         assert calls == {"rms_norm": 0, "rotary_and_cache": 0, "grouped": 0, "silu_mul": 0, "layer": 0}
         assert with_fusion == without
-        assert rollouts(copy.deepcopy(actor), batch, temperature=temperature) == without  # with the layer op
+        # With the layer op, and with the model's statements run by decode_logits (its layers as one op)
+        assert rollouts(copy.deepcopy(actor), batch, temperature=temperature) == without
 
 
 # -- The MLP's SiLU and product in one op ---------------------------------------------------------------
@@ -696,15 +698,24 @@ def _layer_rollouts(actor, batch, *, batch_size: int, temperature: float, layers
     return sorted((tuple(r.prompt_ids), tuple(r.response_ids), tuple(r.logprobs)) for r in done)
 
 
-def _spy_layer_op(monkeypatch) -> list[int]:
+def _spy_layer_op(monkeypatch, model_calls: list[int] | None = None) -> list[int]:
+    """The row count of every layer run as one op: by ``ops.llama_decode_layer``, or as one of the layers of
+    an ``ops.llama_decode_layers`` (whose calls' layer counts go to ``model_calls``)."""
     calls = []
-    real = ops.llama_decode_layer
+    real, real_layers = ops.llama_decode_layer, ops.llama_decode_layers
 
     def spy(hidden, *args):
         calls.append(hidden.shape[1])
         return real(hidden, *args)
 
+    def spy_layers(hidden, layers, *args):
+        calls.extend([hidden.shape[1]] * len(layers))
+        if model_calls is not None:
+            model_calls.append(len(layers))
+        return real_layers(hidden, layers, *args)
+
     monkeypatch.setattr(ops, "llama_decode_layer", spy)
+    monkeypatch.setattr(ops, "llama_decode_layers", spy_layers)
     return calls
 
 
@@ -882,3 +893,181 @@ def test_a_layer_runs_as_one_op_only_at_row_counts_where_silu_mul_is_exact(monke
     assert 3 not in calls
     off = _layer_rollouts(actor, batch, batch_size=3, temperature=0.0, layers=False, monkeypatch=monkeypatch)
     assert on == off
+
+
+# -- A Llama causal LM's decode forward with its layers as one op (decode_logits) -----------------------------
+
+
+def test_llamas_model_forwards_have_the_reference_form():
+    """transformers' LlamaModel and LlamaForCausalLM forwards read as the statements ``decode_logits`` runs
+    (a change upstream turns it off rather than making it wrong); Qwen3's base model, whose forward differs,
+    does not qualify."""
+    from transformers.models.llama import modeling_llama  # noqa: PLC0415
+    from transformers.models.qwen3 import modeling_qwen3  # noqa: PLC0415
+
+    assert fused._reads_as_normalised("llama_model", modeling_llama.LlamaModel, fused.LLAMA_MODEL_FORWARD)
+    assert fused._reads_as_normalised(
+        "causal_lm", modeling_llama.LlamaForCausalLM, fused.LLAMA_CAUSAL_LM_FORWARD
+    )
+    assert not fused._reads_as_normalised("llama_model", modeling_qwen3.Qwen3Model, fused.LLAMA_MODEL_FORWARD)
+
+    class Other(modeling_llama.LlamaModel):
+        def forward(self, input_ids=None, **kwargs):
+            return super().forward(input_ids=input_ids, **kwargs)
+
+    assert not fused._reads_as_normalised("llama_model", Other, fused.LLAMA_MODEL_FORWARD)
+
+
+def _model_rollouts(actor, batch, *, batch_size: int, temperature: float, model: bool, monkeypatch) -> list:
+    monkeypatch.setattr(fused, "DECODE_MODEL", model)
+    return _layer_rollouts(actor, batch, batch_size=batch_size, temperature=temperature, layers=True,
+                           monkeypatch=monkeypatch)  # fmt: skip
+
+
+@needs_layer_op
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_a_llama_decode_forward_with_its_layers_as_one_op_is_the_models_call_bit_for_bit(batch_size, monkeypatch):
+    """bf16 rollouts (12 prompts of 2-16 tokens, greedy and sampled) through ``decode_logits`` (every layer of
+    a decode forward in one ``ops.llama_decode_layers``) and through the model's own call (each layer its own
+    op): the same tokens and log-probs, to the bit. Every decode forward ran its three layers as one op."""
+    actor = _small_llama()
+    batch = prompts(tuple(2 + (5 * i) % 15 for i in range(12)), seed=6)
+    model_calls: list[int] = []
+    calls = _spy_layer_op(monkeypatch, model_calls)
+    for temperature in (0.0, 0.9):
+        model_calls.clear()
+        on = _model_rollouts(actor, batch, batch_size=batch_size, temperature=temperature, model=True,
+                             monkeypatch=monkeypatch)  # fmt: skip
+        assert len(model_calls) >= 9 and set(model_calls) == {actor.config.num_hidden_layers}
+        calls.clear()
+        off = _model_rollouts(actor, batch, batch_size=batch_size, temperature=temperature, model=False,
+                              monkeypatch=monkeypatch)  # fmt: skip
+        assert len(model_calls) >= 9 and calls  # no more model calls: each layer its own op
+        assert on == off
+
+
+@needs_layer_op
+@pytest.mark.parametrize("where", ["model", "base", "layer", "lm_head", "norm", "embed_tokens"])
+def test_a_hooked_llama_runs_its_hooks_as_the_models_call_does(where, monkeypatch):
+    """A forward hook (adding to the output) on the causal LM, its base model, one decoder layer, the LM
+    head, the final norm or the embedding: the hook runs as often as through the model's own call, and the
+    rollouts are the same. A hook on either model turns ``decode_logits`` off (the model's call runs it); on a
+    layer, the layers run HF's loop (the others each as their own op); on the head, the norm or the
+    embedding, their module calls run it and the layers still run as one op."""
+    batch = prompts((3, 6, 9), seed=2)
+    base = _small_llama()
+    plain = _model_rollouts(copy.deepcopy(base), batch, batch_size=3, temperature=0.0, model=True,
+                            monkeypatch=monkeypatch)  # fmt: skip
+    runs = []
+
+    def bumped(m, args, out):
+        runs.append(1)
+        if isinstance(out, torch.Tensor):
+            return out + 1
+        out.logits = out.logits + 1  # the causal LM's output
+        return out
+
+    def hooked(model_path: bool) -> list:
+        model = copy.deepcopy(base)
+        target = {
+            "model": model, "base": model.model, "layer": model.model.layers[1], "lm_head": model.lm_head,
+            "norm": model.model.norm, "embed_tokens": model.model.embed_tokens,
+        }[where]  # fmt: skip
+        target.register_forward_hook(bumped)
+        return _model_rollouts(model, batch, batch_size=3, temperature=0.0, model=model_path,
+                               monkeypatch=monkeypatch)  # fmt: skip
+
+    model_calls: list[int] = []
+    _spy_layer_op(monkeypatch, model_calls)
+    on = hooked(True)
+    runs_on, runs[:] = len(runs), []
+    if where in ("lm_head", "norm", "embed_tokens"):
+        assert model_calls, "decode_logits did not run its layers as one op"
+    else:
+        assert not model_calls
+    off = hooked(False)
+    assert runs_on and runs_on == len(runs)
+    assert on == off
+    assert on != plain
+
+
+@needs_layer_op
+def test_a_config_asking_for_hidden_states_turns_the_model_path_off(monkeypatch):
+    """``output_hidden_states`` in the config: the model's own call runs (its wrappers capture them), and the
+    rollouts are the same."""
+    actor = _small_llama()
+    actor.config.output_hidden_states = True
+    model_calls: list[int] = []
+    _spy_layer_op(monkeypatch, model_calls)
+    batch = prompts((3, 6), seed=1)
+    on = _model_rollouts(actor, batch, batch_size=2, temperature=0.0, model=True, monkeypatch=monkeypatch)
+    assert not model_calls
+    off = _model_rollouts(actor, batch, batch_size=2, temperature=0.0, model=False, monkeypatch=monkeypatch)
+    assert on == off
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_llama_forward_the_layer_op_cannot_run_is_hfs_loop_bit_for_bit(dtype, monkeypatch):
+    """float32 (no layer op), and bf16 prefills of more than ``packed.SMALL_ROWS`` rows: ``decode_logits``
+    runs HF's layer loop, to the bit the model's own call (prompts of up to 70 tokens, batch 2)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    actor = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model_calls: list[int] = []
+    _spy_layer_op(monkeypatch, model_calls)
+    ran = []
+    real = fused.decode_logits
+
+    def spy(*args):
+        out = real(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "decode_logits", spy)
+    batch = prompts((70, 40, 3), seed=9)
+    on = _model_rollouts(actor, batch, batch_size=2, temperature=0.0, model=True, monkeypatch=monkeypatch)
+    assert ran and all(ran)
+    assert not model_calls if dtype == torch.float32 else True
+    off = _model_rollouts(actor, batch, batch_size=2, temperature=0.0, model=False, monkeypatch=monkeypatch)
+    assert on == off
+
+
+@needs_layer_op
+def test_the_layers_op_passes_opcheck_and_refuses_miscounted_operands():
+    """The op's schema (its in-place cache write declared) and fake kernel, on two layers' operands; operand
+    lists that do not split into whole layers are refused."""
+    actor = _small_llama()
+    g = torch.Generator().manual_seed(0)
+    tokens, pages, page = 3, 4, 8
+    hidden = (torch.randn(1, tokens, 64, generator=g) * 0.5).to(torch.bfloat16)
+    kv_cache = torch.zeros(pages, actor.config.num_hidden_layers, 2, page, 2, 16, dtype=torch.bfloat16)
+    cos = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
+    sin = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
+
+    def blocked(*mods):
+        w = torch.cat([m.weight.detach() for m in mods])
+        return ops.block_linear_weight(w), 512 if w.shape[1] > 512 else w.shape[1]
+
+    weights, ints, floats = [], [], []
+    for n in (0, 1):
+        layer = actor.model.layers[n]
+        attn, mlp = layer.self_attn, layer.mlp
+        (qkv, qkv_run), (o, o_run) = blocked(attn.q_proj, attn.k_proj, attn.v_proj), blocked(attn.o_proj)
+        (gate_up, gate_up_run), (down, down_run) = blocked(mlp.gate_proj, mlp.up_proj), blocked(mlp.down_proj)
+        weights += [layer.input_layernorm.weight.detach(), qkv, o, layer.post_attention_layernorm.weight.detach(),
+                    gate_up, down]  # fmt: skip
+        ints += [qkv_run, 64, 32, 32, 16, n, o_run, gate_up_run, 1536, 1536, down_run]
+        floats += [1e-6, 0.25, 1e-6]
+    meta = (
+        kv_cache, torch.arange(tokens, dtype=torch.int64), torch.tensor([[0, 1]], dtype=torch.int32),
+        torch.tensor([tokens], dtype=torch.int32), torch.tensor([0, tokens], dtype=torch.int32),
+    )  # fmt: skip
+    op = torch.ops.oppo.llama_decode_layers.default
+    torch.library.opcheck(op, (hidden, weights, ints, floats, cos, sin, *meta))
+    with pytest.raises(ValueError, match="a layer"):
+        op(hidden, weights, ints[:-1], floats, cos, sin, *meta)

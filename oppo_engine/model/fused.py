@@ -45,6 +45,16 @@ log-probs are those of HF's modules (``tests/test_fused.py``).
   calls, in that order, on the same operands: bit for bit the calls made one by one (tests/test_fused.py).
   What it saves is the Python between them (the packs' and fused modules' per-call checks, module calls,
   closures; the checks it makes instead cost ~25 us a layer). ``DECODE_LAYERS = False`` turns it off.
+- **A Llama causal LM's decode forward with its layers as one op** (``decode_logits``, which the runner
+  calls in place of the model's own call): transformers' ``LlamaForCausalLM`` and ``LlamaModel`` forwards'
+  statements for the runner's call (``LLAMA_CAUSAL_LM_FORWARD``, ``LLAMA_MODEL_FORWARD``; any class whose
+  forwards read the same qualifies), their sub-modules entered through their own module calls, except the
+  decoder layers: where every layer would run as ``ops.llama_decode_layer``, all of them run as one
+  ``ops.llama_decode_layers`` (bit for bit the same calls); HF's layer loop elsewhere. It skips the two
+  models' module calls and their wrappers (``capture_outputs``, ``merge_with_config_defaults``,
+  ``can_return_tuple``), and each layer's module call and Python around its op. Only where those do nothing
+  for this call: no hooks on either model, no output capture asked for by the config, ``return_dict`` on.
+  ``DECODE_MODEL = False`` turns it off.
 
 The replacements are installed for the duration of the runner's forward as instance attributes (as the
 packed weights are, ``model/packed.py``) and act only on the threads running such a forward: the same
@@ -54,6 +64,7 @@ at every call, so they follow every update.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import textwrap
 import threading
@@ -560,23 +571,50 @@ def _decode_layer(
     **kwargs,
 ) -> torch.Tensor | None:
     """``_layer_body``'s result in one op (``ops.llama_decode_layer``), where every call the body would make
-    is one that op makes, on the same operands: each of the four parts runs its fused forward (installed by
-    ``applied``), both norms ``ops.rms_norm``, the attention its C++ path (every condition of
-    ``_fused_attention_forward``), each of the four products ``ops.small_linear`` with its probed run
-    (``packed.small_operands``: the grouped q|k|v and gate|up, the output and down projections, each entered
-    through a plain module call), and the MLP's SiLU and product ``ops.silu_mul``; ``None`` elsewhere (the
-    caller runs the body). Only bf16 (the small products' dtype). The op's result is bit for bit the body's
-    (tests/test_fused.py). Sub-modules and parameters are read from the modules' own tables (``_modules``,
-    ``_parameters``: what attribute access returns for these exact classes, without ``Module.__getattr__``),
-    since these checks run for every layer of every decode forward."""
+    is one that op makes, on the same operands (``_decode_ready`` and ``_layer_operands``); ``None`` elsewhere
+    (the caller runs the body). The op's result is bit for bit the body's (tests/test_fused.py)."""
     meta = attention.bound()
     if (
+        attention_mask is not None
+        or cache is not None
+        or (kwargs and kwargs.get("past_key_values") is not None)
+        or not _decode_ready(meta, hidden_states, position_embeddings)
+    ):
+        return None
+    packs = packed.applied_packs()
+    d = None if packs is None else _layer_operands(fused, norm, attn, post_norm, mlp, hidden_states.shape[1], packs)
+    if d is None:
+        return None
+    cos, sin = position_embeddings
+    return ops.llama_decode_layer(
+        hidden_states,
+        d.input_norm,
+        d.qkv,
+        d.head_dim,
+        cos[0],
+        sin[0],
+        meta.kv_cache,
+        meta.slot_mapping,
+        d.layer,
+        meta.block_tables,
+        meta.context_lens,
+        meta.cu_seqlens_q,
+        d.scale,
+        d.o,
+        d.post_norm,
+        d.gate_up,
+        d.down,
+    )
+
+
+def _decode_ready(meta, hidden_states: torch.Tensor, position_embeddings) -> bool:
+    """The conditions of ``_decode_layer`` that do not depend on the layer: the layer op on, the attention's
+    C++ path bound (``_fused_attention_forward``'s: a CPU cache of the hidden states' dtype, rotary tables of
+    that dtype, no autocast, Triton not standing in for the C++ ops), bf16 hidden states ``[1, T, H]``."""
+    return not (
         not DECODE_LAYERS
         or meta is None
-        or attention_mask is not None
-        or cache is not None
         or position_embeddings is None
-        or (kwargs and kwargs.get("past_key_values") is not None)
         or hidden_states.dtype != _BF16
         or hidden_states.dim() != 3
         or hidden_states.shape[0] != 1
@@ -585,10 +623,24 @@ def _decode_layer(
         or meta.kv_cache.dtype != _BF16
         or meta.kv_cache.device.type != "cpu"
         or position_embeddings[0].dtype != _BF16
-        or attn.training
         or torch.is_autocast_enabled("cpu")
         or ops.triton_on_cpu_active()
-    ):
+    )
+
+
+def _layer_operands(
+    fused: FusedModules, norm, attn, post_norm, mlp, rows: int, packs: packed.PackedLinears
+) -> ops.DecodeLayer | None:
+    """A layer's operands for ``ops.llama_decode_layer(s)`` (``_decode_ready`` holding, inside ``applied`` on
+    this thread, outside autograd), where every call the layer body would make over ``rows`` bf16 rows is one
+    that op makes: each of the four parts runs its fused forward (installed by ``applied``), both norms
+    ``ops.rms_norm``, the attention its C++ path, each of the four products ``ops.small_linear`` with its
+    probed run (``packed.small_operands``: the grouped q|k|v and gate|up, the output and down projections,
+    each entered through a plain module call), and the MLP's SiLU and product ``ops.silu_mul``; ``None``
+    elsewhere. Sub-modules and parameters are read from the modules' own tables (``_modules``,
+    ``_parameters``: what attribute access returns for these exact classes, without
+    ``Module.__getattr__``), since these checks run for every layer of every decode forward."""
+    if attn.training:
         return None
     ours = fused._forward_of
     for m in (norm, attn, post_norm, mlp):
@@ -611,10 +663,6 @@ def _decode_layer(
         return None
     if not is_silu(mm.get("act_fn")):
         return None
-    packs = packed.applied_packs()
-    if packs is None:
-        return None
-    rows = hidden_states.shape[1]
     qkv = packs.small_operands((q, k, v), rows)
     o_op = qkv and packs.small_operands((o,), rows)
     gate_up = o_op and packs.small_operands((gate, up), rows)
@@ -625,20 +673,11 @@ def _decode_layer(
     if not ops.silu_mul_exact(rows, gate_width, _BF16):
         return None
     layer, head_dim, scaling = constants
-    cos, sin = position_embeddings
-    return ops.llama_decode_layer(
-        hidden_states,
+    return ops.DecodeLayer(
         (weights[0], norm.variance_epsilon),
         (*qkv, [q.out_features, k.out_features, v.out_features]),
         head_dim,
-        cos[0],
-        sin[0],
-        meta.kv_cache,
-        meta.slot_mapping,
         layer,
-        meta.block_tables,
-        meta.context_lens,
-        meta.cu_seqlens_q,
         scaling,
         o_op,
         (weights[1], post_norm.variance_epsilon),
@@ -647,11 +686,207 @@ def _decode_layer(
     )
 
 
+# transformers' LlamaModel and LlamaForCausalLM forwards (as of 5.x), normalised (``ast.unparse``, the
+# docstring dropped): ``decode_logits`` runs their statements for the runner's call, so a class qualifies
+# only where its forwards read exactly so, decorators included.
+LLAMA_MODEL_FORWARD = """\
+@deprecate_kwarg('past_key_values', '5.40.0', new_name='cache')
+@merge_with_config_defaults
+@capture_outputs
+@auto_docstring
+def forward(self, input_ids: torch.LongTensor | None=None, attention_mask: torch.Tensor | None=None, \
+position_ids: torch.LongTensor | None=None, cache: Cache | None=None, inputs_embeds: torch.Tensor | None=None, \
+use_cache: bool | None=None, **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPast:
+    if (input_ids is None) ^ (inputs_embeds is not None):
+        raise ValueError('You must specify exactly one of input_ids or inputs_embeds')
+    if inputs_embeds is None:
+        inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
+    if use_cache and cache is None:
+        cache = DynamicCache(config=self.config)
+    if position_ids is None:
+        past_seen_tokens = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+        position_ids = position_ids.unsqueeze(0)
+    causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, \
+attention_mask=attention_mask, cache=cache, position_ids=position_ids)
+    hidden_states = inputs_embeds
+    position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+    for decoder_layer in self.layers[:self.config.num_hidden_layers]:
+        hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask, \
+position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache, **kwargs)
+    hidden_states = self.norm(hidden_states)
+    return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)"""
+LLAMA_CAUSAL_LM_FORWARD = """\
+@deprecate_kwarg('past_key_values', '5.40.0', new_name='cache')
+@can_return_tuple
+@auto_docstring
+def forward(self, input_ids: torch.LongTensor | None=None, attention_mask: torch.Tensor | None=None, \
+position_ids: torch.LongTensor | None=None, cache: Cache | None=None, inputs_embeds: torch.Tensor | None=None, \
+labels: torch.LongTensor | None=None, use_cache: bool | None=None, logits_to_keep: int | torch.Tensor=0, \
+**kwargs: Unpack[TransformersKwargs]) -> CausalLMOutputWithPast:
+    outputs: BaseModelOutputWithPast = self.model(input_ids=input_ids, attention_mask=attention_mask, \
+position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden_states = outputs.last_hidden_state
+    hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)
+    logits = self.lm_head(hidden_states)
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, cache=outputs.cache, \
+hidden_states=outputs.hidden_states, attentions=outputs.attentions)"""
+_MODEL_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def _normalised_source(function) -> str:
+    """``function``'s source (through its wrappers, decorators included) as ``ast.unparse`` writes it, without
+    its docstring; ``""`` where it cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return ""
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef):
+        return ""
+    node = tree.body[0]
+    first = node.body[0] if node.body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        node.body = node.body[1:]
+    return ast.unparse(node)
+
+
+def _reads_as_normalised(kind: str, cls: type, forward: str) -> bool:
+    """Whether ``cls``'s forward reads as ``forward`` (``_normalised_source``), read once per (kind, class,
+    forward)."""
+    key = (kind, cls, getattr(cls, "forward", None))
+    with _forms_lock:
+        form = _forms.get(key)
+        if form is None:
+            form = _forms[key] = _normalised_source(cls.forward) == forward
+    return form
+
+
+def _output_capture_asked(config) -> bool:
+    """Whether ``config`` asks the model's wrappers for anything beyond the logits: captured outputs
+    (``output_attentions``, ``output_hidden_states``, any other ``output_*`` flag), a tuple
+    (``return_dict`` off), a causal flag the wrappers pass to every layer (``is_causal``)."""
+    if getattr(config, "return_dict", True) is not True or getattr(config, "is_causal", None) is not None:
+        return True
+    if getattr(config, "output_attentions", False) or getattr(config, "output_hidden_states", False):
+        return True
+    return any(k.startswith("output_") and v for k, v in vars(config).items())
+
+
+def decode_logits(
+    fused: FusedModules,
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logits_to_keep: int | torch.Tensor,
+) -> torch.Tensor | None:
+    """``model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+    logits_to_keep=logits_to_keep).logits`` for a causal LM whose forward and whose base model's read as
+    transformers' Llama ones (``LLAMA_CAUSAL_LM_FORWARD``, ``LLAMA_MODEL_FORWARD``): their statements for this
+    call, each sub-module entered through its own module call (the embedding, the rotary embedding, the
+    final norm, the LM head: their hooks run), except the decoder layers, which run as one
+    ``ops.llama_decode_layers`` where each would run as ``ops.llama_decode_layer`` (``_layer_operands``), and
+    through HF's loop elsewhere. ``None`` (nothing run: the caller calls the model) where the two models'
+    calls and wrappers would do more than their statements: a hook on either, a wrapper's instance forward,
+    output capture or a tuple asked for by a config, autograd, outside ``applied`` on this thread."""
+    if not (DECODE_MODEL and DECODE_LAYERS) or not fused.active() or torch.is_grad_enabled():
+        return None
+    base = model._modules.get("model")
+    if base is None or not _reads_as_normalised("causal_lm", type(model), LLAMA_CAUSAL_LM_FORWARD):
+        return None
+    if not _reads_as_normalised("llama_model", type(base), LLAMA_MODEL_FORWARD):
+        return None
+    if "forward" in model.__dict__ or "forward" in base.__dict__ or not _plain_calls((model, base)):
+        return None
+    config = base.__dict__.get("config")
+    if config is None or _output_capture_asked(config) or _output_capture_asked(model.__dict__.get("config")):
+        return None
+    parts = base._modules
+    embed, layers, norm, rotary = (parts.get(n) for n in _MODEL_PARTS)
+    lm_head = model._modules.get("lm_head")
+    if embed is None or layers is None or norm is None or rotary is None or lm_head is None:
+        return None
+    head_names = inspect.unwrap(type(model).forward).__globals__
+    names = inspect.unwrap(type(base).forward).__globals__
+    # LlamaModel.forward's statements for (input_ids, position_ids, use_cache=False), then LlamaForCausalLM's.
+    inputs_embeds = embed(input_ids)
+    causal_mask = names["create_causal_mask"](
+        config=config, inputs_embeds=inputs_embeds, attention_mask=None, cache=None, position_ids=position_ids
+    )
+    hidden_states = inputs_embeds
+    position_embeddings = rotary(hidden_states, position_ids=position_ids)
+    stack = layers[: config.num_hidden_layers]
+    operands = _model_operands(fused, stack, hidden_states, causal_mask, position_embeddings)
+    if operands is None:
+        for decoder_layer in stack:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=None,
+                use_cache=False,
+            )
+    else:
+        meta = attention.bound()
+        cos, sin = position_embeddings
+        hidden_states = ops.llama_decode_layers(
+            hidden_states,
+            operands,
+            cos[0],
+            sin[0],
+            meta.kv_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.context_lens,
+            meta.cu_seqlens_q,
+        )
+    hidden_states = norm(hidden_states)
+    hidden_states = head_names["slice_logits_to_keep"](hidden_states, logits_to_keep)
+    return lm_head(hidden_states)
+
+
+def _model_operands(
+    fused: FusedModules, stack, hidden_states: torch.Tensor, causal_mask, position_embeddings
+) -> list[ops.DecodeLayer] | None:
+    """Each layer's ``_layer_operands`` where every layer of ``stack`` called as HF's loop calls it would run
+    as ``ops.llama_decode_layer``: the call enters the fused layer forward installed by ``applied``
+    (``_plain_calls``), which passes to ``_decode_layer`` (its four parts' calls plain, no mask), which takes
+    the op; ``None`` where any would not."""
+    meta = attention.bound()
+    if causal_mask is not None or not _decode_ready(meta, hidden_states, position_embeddings):
+        return None
+    packs = packed.applied_packs()
+    if packs is None or not _plain_calls(stack):
+        return None
+    rows = hidden_states.shape[1]
+    ours = fused._forward_of
+    out = []
+    for layer in stack:
+        own = ours.get(id(layer))
+        if own is None or layer.__dict__.get("forward") is not own:
+            return None
+        parts = layer._modules
+        norm, attn, post_norm, mlp = (parts.get(n) for n in _LAYER_PARTS)
+        if not _plain_calls((norm, attn, post_norm, mlp)):
+            return None
+        d = _layer_operands(fused, norm, attn, post_norm, mlp, rows, packs)
+        if d is None:
+            return None
+        out.append(d)
+    return out
+
+
 _BF16 = torch.bfloat16
 # Whether a Llama-form decoder layer of a few bf16 rows may run as one op (``_decode_layer``); off, each of
 # its calls runs one by one (for comparisons, and for the twin's calibration, which times each product as the
 # forward calls it: ``sim/calibration.py``'s ``_time_packed_calls``).
 DECODE_LAYERS = True
+# Whether a Llama causal LM's forward may run its layers as one op (``decode_logits``; with ``DECODE_LAYERS``):
+# off, the runner calls the model (each layer then runs as ``_decode_layer`` decides).
+DECODE_MODEL = True
 
 
 _by_model: weakref.WeakKeyDictionary[nn.Module, FusedModules] = weakref.WeakKeyDictionary()

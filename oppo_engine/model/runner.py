@@ -178,10 +178,16 @@ class ModelRunner:
         keep = rows if rows is not None and self.keeps_logits else 0
         kwargs = {"logits_to_keep": keep} if self.keeps_logits else {}
         with paged_attention_enabled(self.model), bound_metadata(batch.meta), self._packed(), self._fused():
-            out = self.model(
-                input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs
-            )
-        logits = out.logits[0]
+            # The model's own call, or its statements with the decoder layers as one op where that is the
+            # same arithmetic (model/fused.py's decode_logits; None where it does not apply).
+            logits = None
+            if self.fused is not None and self.keeps_logits:
+                logits = fused.decode_logits(self.fused, self.model, batch.input_ids, batch.positions, keep)
+            if logits is None:
+                logits = self.model(
+                    input_ids=batch.input_ids, position_ids=batch.positions, use_cache=False, **kwargs
+                ).logits
+        logits = logits[0]
         if rows is not None and not self.keeps_logits:
             logits = logits.index_select(0, rows)
         return logits.float() if float32 else logits
