@@ -177,7 +177,7 @@ class PackedLinears:
         out = []
         supported: dict[tuple, bool] = {}
         for e in self._entries:
-            w = e.module.weight
+            w = _attribute(e.module, "weight")
             key = (w.dtype, w.device, w.dim(), w.layout)
             ok = supported.get(key)
             if ok is None:
@@ -201,22 +201,35 @@ class PackedLinears:
         """``g`` is live when ``grouping`` is on and its members are all packed for this forward, in one
         dtype and input width, with biases on all or none; its stacked pack is made again when a member's
         pack was, and kept only where its product is bitwise the members' (``_bitwise_grouped``)."""
+        # NOTE: loops and the modules' own tables rather than generators and ``Module.__getattr__``: this runs
+        # for every group (60 on SmolLM2) before every forward.
         members = g.entries
-        biases = [e.module.bias for e in members]
-        g.live = (
-            self.grouping
-            and all(id(e) in installed for e in members)
-            and len({(e.weight.dtype, e.weight.shape[1]) for e in members}) == 1
-            and (all(b is None for b in biases) or all(b is not None for b in biases))
-        )
-        if not g.live:
+        biases = [_attribute(e.module, "bias") for e in members]
+        live = self.grouping
+        for e in members:
+            if id(e) not in installed:  # not packed for this forward (its weight may be None)
+                live = False
+                break
+        if live:
+            first = members[0].weight
+            dtype, width, unbiased = first.dtype, first.shape[1], biases[0] is None
+            for e, bias in zip(members, biases, strict=True):
+                w = e.weight
+                if w.dtype != dtype or w.shape[1] != width or (bias is None) != unbiased:
+                    live = False
+                    break
+        g.live = live
+        if not live:
             g.made_from, g.packed, g.blocked = None, None, None  # nothing held that no forward uses
             return
+        made = g.made_from
+        if made is not None:
+            for (w, version), e in zip(made, members, strict=True):
+                if w is not e.weight or version != e.version:
+                    break
+            else:
+                return
         made_from = tuple((e.weight, e.version) for e in members)
-        if g.made_from is not None and all(
-            a is b and u == v for (a, u), (b, v) in zip(g.made_from, made_from, strict=True)
-        ):
-            return
         g.made_from, g.packed, g.blocked = made_from, None, None
         if _verdicts.get(_verdict_key(g, biases, self.batch_hint)) is False:  # declined before: not packed
             self.ungrouped += 1
@@ -331,6 +344,14 @@ def _packed_forward(packs: PackedLinears, entry: _Entry):
         return ops.packed_linear(x, packed, module.bias) if y is None else y
 
     return forward
+
+
+def _attribute(module: nn.Linear, name: str):
+    """``getattr(module, name)`` for a parameter of an exact ``nn.Linear`` (``weight``, ``bias``): from the
+    module's ``_parameters`` where it is registered there (what attribute access returns then: torch keeps a
+    parameter's name out of the instance ``__dict__``), without ``Module.__getattr__``."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
 
 
 def _blocked(weight: torch.Tensor) -> torch.Tensor | None:
