@@ -363,7 +363,8 @@ def bench_smollm2(
     weights; "unfused": without the fused modules of ``oppo_engine/model/fused.py``; "unfused_silu": the MLPs'
     SiLU and product as torch's two ops on copies of the halves (``ops.silu_mul`` off); "onednn_small":
     every product of a few bf16 rows as oneDNN's (``ops.small_linear`` off, ``packed.SMALL_ROWS = 0``);
-    "ungrouped": every projection alone, ``PackedLinears.grouping`` off; "unlayered": each decoder layer's
+    "ungrouped": every projection alone, ``PackedLinears.grouping`` off; "unmodelled": the model's own call,
+    each decoder layer its own op (``fused.DECODE_MODEL`` off); "unlayered": each decoder layer's
     calls one by one, not as ``ops.llama_decode_layer``, ``fused.DECODE_LAYERS`` off), all alternating: tok/s
     from the fastest of ``repeats`` rounds, the step time beside the roofline."""
     from oppo_engine.pretrained import load_pretrained
@@ -391,7 +392,7 @@ def bench_smollm2(
             run_engine(engine, prompts)  # warm-up (the packed engine packs its weights here)
         run_hf(actor, prompts[:2], 4)
         silu_mul, small_rows = ops.SILU_MUL_AVAILABLE, packed_module.SMALL_ROWS
-        layers = fused_module.DECODE_LAYERS
+        layers, model_path = fused_module.DECODE_LAYERS, fused_module.DECODE_MODEL
         times: dict[str, list[float]] = {name: [] for name in (*engines, "hf")}
         cpu: dict[str, list[float]] = {name: [] for name in times}
         loads = []
@@ -406,6 +407,8 @@ def bench_smollm2(
                     grouping = not name.startswith("ungrouped")  # "ungrouped": PackedLinears.grouping off
                     # "unlayered": each decoder layer's calls one by one (fused.DECODE_LAYERS off)
                     fused_module.DECODE_LAYERS = layers and not name.startswith("unlayered")
+                    # "unmodelled": the model's own call, each layer its own op (fused.DECODE_MODEL off)
+                    fused_module.DECODE_MODEL = model_path and not name.startswith("unmodelled")
                     if packs is not None and packs.grouping != grouping:
                         packs.grouping = grouping
                         with torch.inference_mode(), packs.applied():
@@ -422,7 +425,7 @@ def bench_smollm2(
                 loads.append(os.getloadavg()[0])
         finally:
             ops.SILU_MUL_AVAILABLE, packed_module.SMALL_ROWS = silu_mul, small_rows
-            fused_module.DECODE_LAYERS = layers
+            fused_module.DECODE_LAYERS, fused_module.DECODE_MODEL = layers, model_path
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
         measured = measure_roofline(dtype)
@@ -510,7 +513,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument(
         "--arms",
         nargs="*",
-        choices=["unpacked", "unfused", "unfused_silu", "onednn_small", "ungrouped", "unlayered"],
+        choices=[
+            "unpacked",
+            "unfused",
+            "unfused_silu",
+            "onednn_small",
+            "ungrouped",
+            "unmodelled",
+            "unlayered",
+        ],
         default=["unpacked"],
         help="--model: the engine variants run beside the engine and HF",
     )

@@ -76,6 +76,9 @@ at::Tensor llama_decode_layers_cpu(const at::Tensor& hidden, at::TensorList weig
                         static_cast<int64_t>(floats.size()) == layers * kLayerFloats,
                     "llama_decode_layers: ", kLayerWeights, " tensors, ", kLayerInts, " ints and ", kLayerFloats,
                     " floats a layer, got ", weights.size(), ", ", ints.size(), " and ", floats.size());
+  if (layers == 0) {
+    return hidden.clone();  // the schema's result is a new tensor, not an alias of hidden
+  }
   at::Tensor h = hidden;
   for (int64_t n = 0; n < layers; ++n) {
     const at::Tensor* w = weights.data() + n * kLayerWeights;

@@ -638,5 +638,15 @@ def llama_decode_layers(
         ints.append(int(d.down[1]))
         floats += (d.input_norm[1], d.scale, d.post_norm[1])
     return torch.ops.oppo.llama_decode_layers(
-        hidden, weights, ints, floats, cos, sin, kv_cache, slot_mapping, block_tables, context_lens, cu_seqlens_q
+        hidden,
+        weights,
+        ints,
+        floats,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        cu_seqlens_q,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import threading
 import warnings
 
@@ -895,7 +896,7 @@ def test_a_layer_runs_as_one_op_only_at_row_counts_where_silu_mul_is_exact(monke
     assert on == off
 
 
-# -- A Llama causal LM's decode forward with its layers as one op (decode_logits) -----------------------------
+# -- A Llama causal LM's decode forward with its layers as one op (decode_logits) --------------------------
 
 
 def test_llamas_model_forwards_have_the_reference_form():
@@ -905,17 +906,40 @@ def test_llamas_model_forwards_have_the_reference_form():
     from transformers.models.llama import modeling_llama  # noqa: PLC0415
     from transformers.models.qwen3 import modeling_qwen3  # noqa: PLC0415
 
-    assert fused._reads_as_normalised("llama_model", modeling_llama.LlamaModel, fused.LLAMA_MODEL_FORWARD)
+    model, head = fused._MODEL_WRAPPERS, fused._CAUSAL_LM_WRAPPERS
     assert fused._reads_as_normalised(
-        "causal_lm", modeling_llama.LlamaForCausalLM, fused.LLAMA_CAUSAL_LM_FORWARD
+        "llama_model", modeling_llama.LlamaModel, fused.LLAMA_MODEL_FORWARD, model
     )
-    assert not fused._reads_as_normalised("llama_model", modeling_qwen3.Qwen3Model, fused.LLAMA_MODEL_FORWARD)
+    assert fused._reads_as_normalised(
+        "causal_lm", modeling_llama.LlamaForCausalLM, fused.LLAMA_CAUSAL_LM_FORWARD, head
+    )
+    assert not fused._reads_as_normalised(
+        "llama_model", modeling_qwen3.Qwen3Model, fused.LLAMA_MODEL_FORWARD, model
+    )
 
     class Other(modeling_llama.LlamaModel):
         def forward(self, input_ids=None, **kwargs):
             return super().forward(input_ids=input_ids, **kwargs)
 
-    assert not fused._reads_as_normalised("llama_model", Other, fused.LLAMA_MODEL_FORWARD)
+    class Inherited(modeling_llama.LlamaForCausalLM):
+        pass
+
+    class Wrapped(modeling_llama.LlamaForCausalLM):  # the same source read through a wrapper of its own
+        pass
+
+    inner = modeling_llama.LlamaForCausalLM.forward
+
+    @functools.wraps(inner)
+    def doubled(self, *args, **kwargs):
+        out = inner(self, *args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    Wrapped.forward = doubled
+    assert not fused._reads_as_normalised("llama_model", Other, fused.LLAMA_MODEL_FORWARD, model)
+    assert fused._reads_as_normalised("causal_lm", Inherited, fused.LLAMA_CAUSAL_LM_FORWARD, head)
+    assert fused._normalised_source(Wrapped.forward) == fused.LLAMA_CAUSAL_LM_FORWARD
+    assert not fused._reads_as_normalised("causal_lm", Wrapped, fused.LLAMA_CAUSAL_LM_FORWARD, head)
 
 
 def _model_rollouts(actor, batch, *, batch_size: int, temperature: float, model: bool, monkeypatch) -> list:
@@ -926,11 +950,20 @@ def _model_rollouts(actor, batch, *, batch_size: int, temperature: float, model:
 
 @needs_layer_op
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_a_llama_decode_forward_with_its_layers_as_one_op_is_the_models_call_bit_for_bit(batch_size, monkeypatch):
+def test_a_llama_decode_forward_with_its_layers_as_one_op_is_the_models_call_bit_for_bit(
+    batch_size, monkeypatch
+):
     """bf16 rollouts (12 prompts of 2-16 tokens, greedy and sampled) through ``decode_logits`` (every layer of
     a decode forward in one ``ops.llama_decode_layers``) and through the model's own call (each layer its own
-    op): the same tokens and log-probs, to the bit. Every decode forward ran its three layers as one op."""
+    op): the same tokens and log-probs, to the bit. Every decode forward ran its three layers as one op. Each
+    norm has its own weights and eps, so operands passed to the wrong layer or part would show."""
     actor = _small_llama()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, layer in enumerate(actor.model.layers):
+            for k, norm in enumerate((layer.input_layernorm, layer.post_attention_layernorm)):
+                norm.weight.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+                norm.variance_epsilon = 1e-6 * (1 + n + 3 * k)
     batch = prompts(tuple(2 + (5 * i) % 15 for i in range(12)), seed=6)
     model_calls: list[int] = []
     calls = _spy_layer_op(monkeypatch, model_calls)
@@ -940,9 +973,10 @@ def test_a_llama_decode_forward_with_its_layers_as_one_op_is_the_models_call_bit
                              monkeypatch=monkeypatch)  # fmt: skip
         assert len(model_calls) >= 9 and set(model_calls) == {actor.config.num_hidden_layers}
         calls.clear()
+        made = len(model_calls)
         off = _model_rollouts(actor, batch, batch_size=batch_size, temperature=temperature, model=False,
                               monkeypatch=monkeypatch)  # fmt: skip
-        assert len(model_calls) >= 9 and calls  # no more model calls: each layer its own op
+        assert len(model_calls) == made and calls  # no more model calls: each layer its own op
         assert on == off
 
 
@@ -985,7 +1019,9 @@ def test_a_hooked_llama_runs_its_hooks_as_the_models_call_does(where, monkeypatc
         assert model_calls, "decode_logits did not run its layers as one op"
     else:
         assert not model_calls
+    made = len(model_calls)
     off = hooked(False)
+    assert len(model_calls) == made
     assert runs_on and runs_on == len(runs)
     assert on == off
     assert on != plain
@@ -1003,6 +1039,7 @@ def test_a_config_asking_for_hidden_states_turns_the_model_path_off(monkeypatch)
     on = _model_rollouts(actor, batch, batch_size=2, temperature=0.0, model=True, monkeypatch=monkeypatch)
     assert not model_calls
     off = _model_rollouts(actor, batch, batch_size=2, temperature=0.0, model=False, monkeypatch=monkeypatch)
+    assert not model_calls
     assert on == off
 
 
@@ -1059,7 +1096,8 @@ def test_the_layers_op_passes_opcheck_and_refuses_miscounted_operands():
         attn, mlp = layer.self_attn, layer.mlp
         (qkv, qkv_run), (o, o_run) = blocked(attn.q_proj, attn.k_proj, attn.v_proj), blocked(attn.o_proj)
         (gate_up, gate_up_run), (down, down_run) = blocked(mlp.gate_proj, mlp.up_proj), blocked(mlp.down_proj)
-        weights += [layer.input_layernorm.weight.detach(), qkv, o, layer.post_attention_layernorm.weight.detach(),
+        norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+        weights += [norms[0], qkv, o, norms[1],
                     gate_up, down]  # fmt: skip
         ints += [qkv_run, 64, 32, 32, 16, n, o_run, gate_up_run, 1536, 1536, down_run]
         floats += [1e-6, 0.25, 1e-6]
@@ -1071,3 +1109,116 @@ def test_the_layers_op_passes_opcheck_and_refuses_miscounted_operands():
     torch.library.opcheck(op, (hidden, weights, ints, floats, cos, sin, *meta))
     with pytest.raises(ValueError, match="a layer"):
         op(hidden, weights, ints[:-1], floats, cos, sin, *meta)
+
+
+@needs_layer_op
+def test_the_layers_op_is_its_layers_one_by_one_on_distinct_operands():
+    """Two layers whose every operand differs from its neighbours' (random norm weights, each norm its own
+    eps, q 128 wide over a 64-wide model so that q|k|v, o and gate|up have different widths and runs, each
+    layer its own cache layer and scale): ``ops.llama_decode_layers`` gives the hidden states and writes the
+    cache of ``ops.llama_decode_layer`` called layer after layer, to the bit."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+    actor = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    tokens, pages, page = 5, 4, 8
+
+    def blocked(*mods):
+        w = torch.cat([m.weight.detach() for m in mods])
+        return ops.block_linear_weight(w), 512 if w.shape[1] > 512 else w.shape[1]
+
+    layers = []
+    for n, layer in enumerate(actor.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = [(torch.rand(64, generator=g) + 0.5).to(torch.bfloat16) for _ in range(2)]
+        layers.append(
+            ops.DecodeLayer(
+                (norms[0], 1e-6 * (n + 1)),
+                (*blocked(attn.q_proj, attn.k_proj, attn.v_proj), [128, 64, 64]),
+                32,
+                n,
+                0.17 + 0.01 * n,
+                blocked(attn.o_proj),
+                (norms[1], 1e-5 * (n + 2)),
+                (*blocked(mlp.gate_proj, mlp.up_proj), [1536, 1536]),
+                blocked(mlp.down_proj),
+            )  # fmt: skip
+        )
+    assert len({d.qkv[1] for d in layers} | {d.o[1] for d in layers} | {d.down[1] for d in layers}) > 1
+    hidden = (torch.randn(1, tokens, 64, generator=g) * 0.5).to(torch.bfloat16)
+    cos = torch.randn(tokens, 32, generator=g).to(torch.bfloat16)
+    sin = torch.randn(tokens, 32, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([0, 1, 2, 8, 9], dtype=torch.int64)
+    meta = (
+        torch.tensor([[0, 1], [1, 2]], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32),
+        torch.tensor([0, 3, 5], dtype=torch.int32),
+    )  # fmt: skip
+    caches = [torch.zeros(pages, 2, 2, page, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+    one_by_one = hidden
+    for d in layers:
+        one_by_one = ops.llama_decode_layer(
+            one_by_one, d.input_norm, d.qkv, d.head_dim, cos, sin, caches[0], slots, d.layer, *meta, d.scale,
+            d.o,
+            d.post_norm, d.gate_up, d.down,
+        )  # fmt: skip
+    together = ops.llama_decode_layers(hidden, layers, cos, sin, caches[1], slots, *meta)
+    assert bits(together).equal(bits(one_by_one))
+    assert bits(caches[1]).equal(bits(caches[0])) and caches[0].any()
+    empty = ops.llama_decode_layers(hidden, [], cos, sin, caches[1], slots, *meta)
+    assert empty.equal(hidden) and empty.data_ptr() != hidden.data_ptr()
+
+
+@needs_layer_op
+@pytest.mark.parametrize(
+    "change", ["model_instance_forward", "base_instance_forward", "is_causal", "captured"]
+)
+def test_a_llama_whose_call_does_more_than_its_statements_runs_the_models_call(change, monkeypatch):
+    """An instance ``forward`` on the causal LM or its base model (an accelerate-style wrapper adding to the
+    logits or hidden states), ``is_causal`` in the config (which the wrappers pass to every layer), or
+    transformers' output-capture hooks installed by an earlier call that asked for hidden states: the model's
+    own call runs, and the rollouts equal those with ``decode_logits`` off."""
+    batch = prompts((3, 6), seed=4)
+    base = _small_llama()
+
+    def changed(model_path: bool) -> list:
+        model = copy.deepcopy(base)
+        if change == "model_instance_forward":
+            inner = model.forward
+
+            def forward(*args, **kwargs):
+                out = inner(*args, **kwargs)
+                out.logits = out.logits + 1
+                return out
+
+            model.forward = forward
+        elif change == "base_instance_forward":
+            inner_base = model.model.forward
+
+            def base_forward(*args, **kwargs):
+                out = inner_base(*args, **kwargs)
+                out.last_hidden_state = out.last_hidden_state * 2
+                return out
+
+            model.model.forward = base_forward
+        elif change == "is_causal":
+            model.config.is_causal = True
+        else:
+            with torch.no_grad():
+                model(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+            assert model.model.__dict__.get("_output_capturing_hooks_installed") or model.__dict__.get(
+                "_output_capturing_hooks_installed"
+            )
+        return _model_rollouts(model, batch, batch_size=2, temperature=0.0, model=model_path,
+                               monkeypatch=monkeypatch)  # fmt: skip
+
+    model_calls: list[int] = []
+    _spy_layer_op(monkeypatch, model_calls)
+    on = changed(True)
+    assert not model_calls
+    off = changed(False)
+    assert on == off

@@ -47,8 +47,9 @@ log-probs are those of HF's modules (``tests/test_fused.py``).
   closures; the checks it makes instead cost ~25 us a layer). ``DECODE_LAYERS = False`` turns it off.
 - **A Llama causal LM's decode forward with its layers as one op** (``decode_logits``, which the runner
   calls in place of the model's own call): transformers' ``LlamaForCausalLM`` and ``LlamaModel`` forwards'
-  statements for the runner's call (``LLAMA_CAUSAL_LM_FORWARD``, ``LLAMA_MODEL_FORWARD``; any class whose
-  forwards read the same qualifies), their sub-modules entered through their own module calls, except the
+  statements for the runner's call (``LLAMA_CAUSAL_LM_FORWARD``, ``LLAMA_MODEL_FORWARD``: transformers' own
+  forwards, with their own wrappers, on the class or inherited unchanged), their sub-modules entered
+  through their own module calls, except the
   decoder layers: where every layer would run as ``ops.llama_decode_layer``, all of them run as one
   ``ops.llama_decode_layers`` (bit for bit the same calls); HF's layer loop elsewhere. It skips the two
   models' module calls and their wrappers (``capture_outputs``, ``merge_with_config_defaults``,
@@ -582,7 +583,11 @@ def _decode_layer(
     ):
         return None
     packs = packed.applied_packs()
-    d = None if packs is None else _layer_operands(fused, norm, attn, post_norm, mlp, hidden_states.shape[1], packs)
+    d = (
+        None
+        if packs is None
+        else _layer_operands(fused, norm, attn, post_norm, mlp, hidden_states.shape[1], packs)
+    )
     if d is None:
         return None
     cos, sin = position_embeddings
@@ -695,8 +700,9 @@ LLAMA_MODEL_FORWARD = """\
 @capture_outputs
 @auto_docstring
 def forward(self, input_ids: torch.LongTensor | None=None, attention_mask: torch.Tensor | None=None, \
-position_ids: torch.LongTensor | None=None, cache: Cache | None=None, inputs_embeds: torch.Tensor | None=None, \
-use_cache: bool | None=None, **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPast:
+position_ids: torch.LongTensor | None=None, cache: Cache | None=None, \
+inputs_embeds: torch.Tensor | None=None, use_cache: bool | None=None, \
+**kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPast:
     if (input_ids is None) ^ (inputs_embeds is not None):
         raise ValueError('You must specify exactly one of input_ids or inputs_embeds')
     if inputs_embeds is None:
@@ -713,7 +719,8 @@ attention_mask=attention_mask, cache=cache, position_ids=position_ids)
     position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
     for decoder_layer in self.layers[:self.config.num_hidden_layers]:
         hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask, \
-position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache, **kwargs)
+position_embeddings=position_embeddings, position_ids=position_ids, cache=cache, use_cache=use_cache, \
+**kwargs)
     hidden_states = self.norm(hidden_states)
     return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)"""
 LLAMA_CAUSAL_LM_FORWARD = """\
@@ -721,8 +728,9 @@ LLAMA_CAUSAL_LM_FORWARD = """\
 @can_return_tuple
 @auto_docstring
 def forward(self, input_ids: torch.LongTensor | None=None, attention_mask: torch.Tensor | None=None, \
-position_ids: torch.LongTensor | None=None, cache: Cache | None=None, inputs_embeds: torch.Tensor | None=None, \
-labels: torch.LongTensor | None=None, use_cache: bool | None=None, logits_to_keep: int | torch.Tensor=0, \
+position_ids: torch.LongTensor | None=None, cache: Cache | None=None, \
+inputs_embeds: torch.Tensor | None=None, labels: torch.LongTensor | None=None, use_cache: bool | None=None, \
+logits_to_keep: int | torch.Tensor=0, \
 **kwargs: Unpack[TransformersKwargs]) -> CausalLMOutputWithPast:
     outputs: BaseModelOutputWithPast = self.model(input_ids=input_ids, attention_mask=attention_mask, \
 position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -748,20 +756,88 @@ def _normalised_source(function) -> str:
         return ""
     node = tree.body[0]
     first = node.body[0] if node.body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
         node.body = node.body[1:]
     return ast.unparse(node)
 
 
-def _reads_as_normalised(kind: str, cls: type, forward: str) -> bool:
-    """Whether ``cls``'s forward reads as ``forward`` (``_normalised_source``), read once per (kind, class,
-    forward)."""
-    key = (kind, cls, getattr(cls, "forward", None))
+def _reads_as_normalised(kind: str, cls: type, forward: str, wrappers: tuple[str, ...] = ()) -> bool:
+    """Whether ``cls``'s forward reads as ``forward`` (``_normalised_source``) and is wrapped by exactly
+    ``wrappers`` (``_WRAPPERS``' names, outermost first) around a function of transformers' Llama module: the
+    source read through the wrappers is the innermost function's, so the chain itself is checked too (a
+    wrapper patched on over it, or a copy with wrappers of its own, does not read so). Read once per (kind,
+    class, forward)."""
+    key = (kind, cls, getattr(cls, "forward", None), wrappers)
     with _forms_lock:
         form = _forms.get(key)
         if form is None:
-            form = _forms[key] = _normalised_source(cls.forward) == forward
+            form = _forms[key] = (
+                _wrapped_as(cls.forward, wrappers) and _normalised_source(cls.forward) == forward
+            )
     return form
+
+
+def _wrapped_as(function, wrappers: tuple[str, ...]) -> bool:
+    """Whether ``function`` is ``wrappers`` (by their code: transformers' own decorators') around a function
+    defined in transformers' ``modeling_llama`` module."""
+    import sys  # noqa: PLC0415
+
+    codes = _wrapper_codes()
+    for name in wrappers:
+        code = getattr(function, "__code__", None)
+        if code is None or code is not codes.get(name):
+            return False
+        function = getattr(function, "__wrapped__", None)
+    llama = sys.modules.get(_LLAMA_MODULE)
+    code = getattr(function, "__code__", None)
+    return (
+        llama is not None
+        and code is not None
+        and not hasattr(function, "__wrapped__")
+        and code.co_filename == getattr(llama, "__file__", None)
+    )
+
+
+_wrapper_code_cache: dict[str, object] = {}
+_wrapper_code_lock = threading.Lock()
+
+
+def _wrapper_codes() -> dict[str, object]:
+    """The code of the wrapper each of transformers' decorators makes (``_WRAPPERS``), by name; empty where
+    transformers lacks one (nothing then reads as a form that names it)."""
+    with _wrapper_code_lock:  # not _forms_lock: _reads_as_normalised holds that one while calling here
+        if _wrapper_code_cache:
+            return _wrapper_code_cache
+    codes = {}
+    try:
+        from transformers.utils.deprecation import deprecate_kwarg  # noqa: PLC0415
+        from transformers.utils.generic import can_return_tuple, merge_with_config_defaults  # noqa: PLC0415
+        from transformers.utils.output_capturing import capture_outputs  # noqa: PLC0415
+
+        def probe(self):  # noqa: ARG001
+            return None
+
+        codes = {
+            "deprecate_kwarg": deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(probe).__code__,
+            "merge_with_config_defaults": merge_with_config_defaults(probe).__code__,
+            "capture_outputs": capture_outputs(probe).__code__,
+            "can_return_tuple": can_return_tuple(probe).__code__,
+        }
+    except (ImportError, AttributeError, TypeError):
+        codes = {"": None}  # cached: no form naming a wrapper qualifies
+    with _wrapper_code_lock:
+        _wrapper_code_cache.update(codes)
+        return _wrapper_code_cache
+
+
+# The wrappers transformers' LlamaModel and LlamaForCausalLM forwards carry (as of 5.x), outermost first
+# (``auto_docstring`` returns the function itself).
+_MODEL_WRAPPERS = ("deprecate_kwarg", "merge_with_config_defaults", "capture_outputs")
+_CAUSAL_LM_WRAPPERS = ("deprecate_kwarg", "can_return_tuple")
 
 
 def _output_capture_asked(config) -> bool:
@@ -794,19 +870,35 @@ def decode_logits(
     if not (DECODE_MODEL and DECODE_LAYERS) or not fused.active() or torch.is_grad_enabled():
         return None
     base = model._modules.get("model")
-    if base is None or not _reads_as_normalised("causal_lm", type(model), LLAMA_CAUSAL_LM_FORWARD):
+    if base is None or not _reads_as_normalised(
+        "causal_lm", type(model), LLAMA_CAUSAL_LM_FORWARD, _CAUSAL_LM_WRAPPERS
+    ):
         return None
-    if not _reads_as_normalised("llama_model", type(base), LLAMA_MODEL_FORWARD):
+    if not _reads_as_normalised("llama_model", type(base), LLAMA_MODEL_FORWARD, _MODEL_WRAPPERS):
         return None
     if "forward" in model.__dict__ or "forward" in base.__dict__ or not _plain_calls((model, base)):
         return None
-    config = base.__dict__.get("config")
-    if config is None or _output_capture_asked(config) or _output_capture_asked(model.__dict__.get("config")):
+    config, head_config = base.__dict__.get("config"), model.__dict__.get("config")
+    if (
+        config is None
+        or head_config is None
+        or _output_capture_asked(config)
+        or _output_capture_asked(head_config)
+    ):
+        return None
+    # transformers' output-capture hooks, once installed, record into the collector its wrapper sets for
+    # the model's call: that call runs them.
+    if model.__dict__.get("_output_capturing_hooks_installed") or base.__dict__.get(
+        "_output_capturing_hooks_installed"
+    ):
         return None
     parts = base._modules
     embed, layers, norm, rotary = (parts.get(n) for n in _MODEL_PARTS)
     lm_head = model._modules.get("lm_head")
     if embed is None or layers is None or norm is None or rotary is None or lm_head is None:
+        return None
+    stack = layers[: config.num_hidden_layers]
+    if not len(stack) or not _plain_calls(stack):  # a hooked layer: the model's call
         return None
     head_names = inspect.unwrap(type(model).forward).__globals__
     names = inspect.unwrap(type(base).forward).__globals__
@@ -817,7 +909,6 @@ def decode_logits(
     )
     hidden_states = inputs_embeds
     position_embeddings = rotary(hidden_states, position_ids=position_ids)
-    stack = layers[: config.num_hidden_layers]
     operands = _model_operands(fused, stack, hidden_states, causal_mask, position_embeddings)
     if operands is None:
         for decoder_layer in stack:
@@ -852,14 +943,15 @@ def _model_operands(
     fused: FusedModules, stack, hidden_states: torch.Tensor, causal_mask, position_embeddings
 ) -> list[ops.DecodeLayer] | None:
     """Each layer's ``_layer_operands`` where every layer of ``stack`` called as HF's loop calls it would run
-    as ``ops.llama_decode_layer``: the call enters the fused layer forward installed by ``applied``
-    (``_plain_calls``), which passes to ``_decode_layer`` (its four parts' calls plain, no mask), which takes
+    as ``ops.llama_decode_layer``: the call (plain: ``decode_logits`` checked) enters the fused layer forward
+    installed by ``applied``, which passes to ``_decode_layer`` (its four parts' calls plain, no mask), which
+    takes
     the op; ``None`` where any would not."""
     meta = attention.bound()
     if causal_mask is not None or not _decode_ready(meta, hidden_states, position_embeddings):
         return None
     packs = packed.applied_packs()
-    if packs is None or not _plain_calls(stack):
+    if packs is None:
         return None
     rows = hidden_states.shape[1]
     ours = fused._forward_of
@@ -884,7 +976,8 @@ _BF16 = torch.bfloat16
 # its calls runs one by one (for comparisons, and for the twin's calibration, which times each product as the
 # forward calls it: ``sim/calibration.py``'s ``_time_packed_calls``).
 DECODE_LAYERS = True
-# Whether a Llama causal LM's forward may run its layers as one op (``decode_logits``; with ``DECODE_LAYERS``):
+# Whether a Llama causal LM's forward may run its layers as one op (``decode_logits``, with
+# ``DECODE_LAYERS``):
 # off, the runner calls the model (each layer then runs as ``_decode_layer`` decides).
 DECODE_MODEL = True
 
