@@ -220,6 +220,9 @@ def _reads_as(kind: str, cls: type, forward: str) -> bool:
     """Whether ``cls``'s forward's source is ``forward`` verbatim (dedented), read once per (kind, class,
     forward)."""
     key = (kind, cls, getattr(cls, "forward", None))
+    form = _forms.get(key)  # a verdict never changes once set: read without the lock (per layer, per forward)
+    if form is not None:
+        return form
     with _forms_lock:
         form = _forms.get(key)
         if form is None:
@@ -772,6 +775,9 @@ def _reads_as_normalised(kind: str, cls: type, forward: str, wrappers: tuple[str
     wrapper patched on over it, or a copy with wrappers of its own, does not read so). Read once per (kind,
     class, forward)."""
     key = (kind, cls, getattr(cls, "forward", None), wrappers)
+    form = _forms.get(key)  # read without the lock, as in _reads_as
+    if form is not None:
+        return form
     with _forms_lock:
         form = _forms.get(key)
         if form is None:
