@@ -399,3 +399,27 @@ def test_a_raised_batch_hint_repacks_everything_at_it():
         pass
     assert packs.repacks == 2 * first and packs.held == held
     assert all(g.packed is not None for g in packs._groups.values())
+
+
+def test_packs_follow_weights_swapped_under_the_same_tensor():
+    """``param.data = t`` keeps the Parameter and its version counter: the packs see its new address, so the
+    packed engine's next rollouts are the unpacked engine's on the new weights, without ``update_policy()``
+    (a member of a group included: the group is packed again with it)."""
+    actor = llama_actor(torch.float32, False)
+    prompts = random_prompts(4, seed=3)
+    engines = {p: make_engine(actor, p) for p in (True, False)}
+
+    def both():
+        got = {p: rollouts(e, prompts) for p, e in engines.items()}
+        assert_same(got[True], got[False])
+        return got[True]
+
+    before = both()
+    mlp = actor.model.layers[0].mlp
+    weight, version = mlp.up_proj.weight, mlp.up_proj.weight._version
+    weight.data = weight.detach() * 3  # a new tensor under the same Parameter, no version bump
+    assert mlp.up_proj.weight is weight and weight._version == version
+    after = both()
+    assert [r.logprobs for r in after] != [r.logprobs for r in before]
+    for e in engines.values():
+        e.close()

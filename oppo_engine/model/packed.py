@@ -42,8 +42,10 @@ actor's only) and are swapped in for the duration of the runner's forward: each 
 set on the instance, then removed, so the trainer's forwards and backwards never see them (a module that
 already has an instance ``forward``, such as accelerate's hooks, keeps it and is not packed). They follow the
 weights: before every forward a module whose weight tensor was replaced or written in place (its
-``_version``, which most in-place ops bump: torch's default optimizer steps, ``copy_``, ``load_state_dict``)
-is packed again, and ``update_policy()`` drops every pack of the actor and critic (``drop``), which covers
+``_version``, which most in-place ops bump: torch's default optimizer steps, ``copy_``, ``load_state_dict``),
+or whose data was swapped under it (``param.data = t``, ``module.to(dtype)``: the same tensor and version at
+another address; the old storage is held until then, so its address cannot come back), is packed again,
+and ``update_policy()`` drops every pack of the actor and critic (``drop``), which covers
 writes that bypass the version counter (``param.data.copy_``, and torch's fused optimizer kernels, which
 ``PPOTrainer`` uses: they leave ``_version`` as it was). ``update_policy()`` is the guarantee; the version
 check catches the in-place writes of a user's own code between two of them. ``release_memory`` drops them too.
@@ -67,12 +69,16 @@ class _Entry:
     """One module's pack: the weight tensor it was made from, that tensor's version then, and the forward
     that runs it (made once per pack, not once per model forward)."""
 
-    __slots__ = ("module", "weight", "version", "packed", "forward", "blocked")
+    __slots__ = ("module", "weight", "version", "address", "storage", "packed", "forward", "blocked")
 
     def __init__(self, module: nn.Linear) -> None:
         self.module = module
         self.weight: torch.Tensor | None = None
         self.version = -1
+        # The weight's data address when packed, and its storage, held so that the address cannot be reused:
+        # ``param.data = t`` and ``module.to(dtype)`` keep the tensor and its version but not the address.
+        self.address = 0
+        self.storage = None
         self.packed: torch.Tensor | None = None
         self.forward = None
         # The weight blocked for ops.small_linear, made with the pack from the same weight (``_blocked``);
@@ -161,6 +167,7 @@ class PackedLinears:
         # The caller holds the lock.
         for e in self._entries:
             e.weight, e.version, e.packed, e.forward, e.blocked = None, -1, None, None, None
+            e.address, e.storage = 0, None
         for g in self._groups.values():
             g.made_from, g.packed, g.live, g.blocked = None, None, False, None
 
@@ -184,11 +191,13 @@ class PackedLinears:
                 ok = supported[key] = ops.packed_linear_supported(w)
             if not ok or w.is_inference() or "forward" in e.module.__dict__:
                 e.weight, e.version, e.packed, e.forward, e.blocked = None, -1, None, None, None
+                e.address, e.storage = 0, None
                 continue
             version = w._version
-            if e.packed is None or e.weight is not w or e.version != version:
+            if e.packed is None or e.weight is not w or e.version != version or e.address != w.data_ptr():
                 e.packed, e.blocked = ops.pack_linear_weight(w, self.batch_hint), _blocked(w)
                 e.weight, e.version = w, version
+                e.address, e.storage = w.data_ptr(), w.untyped_storage()
                 e.forward = _packed_forward(self, e)
                 self.repacks += 1
             out.append(e)
@@ -224,12 +233,12 @@ class PackedLinears:
             return
         made = g.made_from
         if made is not None:
-            for (w, version), e in zip(made, members, strict=True):
-                if w is not e.weight or version != e.version:
+            for (w, version, pack), e in zip(made, members, strict=True):
+                if w is not e.weight or version != e.version or pack is not e.packed:
                     break
             else:
                 return
-        made_from = tuple((e.weight, e.version) for e in members)
+        made_from = tuple((e.weight, e.version, e.packed) for e in members)  # a member packed again: stale
         g.made_from, g.packed, g.blocked = made_from, None, None
         if _verdicts.get(_verdict_key(g, biases, self.batch_hint)) is False:  # declined before: not packed
             self.ungrouped += 1
