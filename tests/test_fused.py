@@ -693,6 +693,23 @@ def _small_llama(bias: bool = False) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
+def _blocked(*mods) -> tuple[torch.Tensor, int]:
+    """The modules' stacked weight blocked for ``small_linear``, and a run (all of K up to 512)."""
+    w = torch.cat([m.weight.detach() for m in mods])
+    return ops.block_linear_weight(w), 512 if w.shape[1] > 512 else w.shape[1]
+
+
+def _layer_op_inputs(layers: int, tokens: int, *, head_dim: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Hidden states ``[1, tokens, 64]``, an empty cache of 4 pages of 8 for ``layers`` layers and 2 KV heads,
+    and rotary tables, all bf16 (the layer op's inputs besides the layers' own)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(1, tokens, 64, generator=g) * 0.5).to(torch.bfloat16)
+    kv_cache = torch.zeros(4, layers, 2, 8, 2, head_dim, dtype=torch.bfloat16)
+    cos = torch.randn(tokens, head_dim, generator=g).to(torch.bfloat16)
+    sin = torch.randn(tokens, head_dim, generator=g).to(torch.bfloat16)
+    return hidden, kv_cache, cos, sin
+
+
 def _layer_rollouts(actor, batch, *, batch_size: int, temperature: float, layers: bool, monkeypatch) -> list:
     monkeypatch.setattr(fused, "DECODE_LAYERS", layers)
     done = drained(actor, batch, batch_size=batch_size, temperature=temperature, max_new_tokens=10, seed=3)
@@ -791,24 +808,16 @@ def test_the_layer_op_passes_opcheck():
     actor = _small_llama()
     layer = actor.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
-    g = torch.Generator().manual_seed(0)
-    tokens, pages, page = 3, 4, 8
-    hidden = (torch.randn(1, tokens, 64, generator=g) * 0.5).to(torch.bfloat16)
-    kv_cache = torch.zeros(pages, actor.config.num_hidden_layers, 2, page, 2, 16, dtype=torch.bfloat16)
-    cos = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
-    sin = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
-
-    def blocked(*mods):
-        w = torch.cat([m.weight.detach() for m in mods])
-        return ops.block_linear_weight(w), 512 if w.shape[1] > 512 else w.shape[1]
+    tokens = 3
+    hidden, kv_cache, cos, sin = _layer_op_inputs(actor.config.num_hidden_layers, tokens, head_dim=16)
 
     args = (
-        hidden, layer.input_layernorm.weight.detach(), 1e-6, *blocked(attn.q_proj, attn.k_proj, attn.v_proj),
+        hidden, layer.input_layernorm.weight.detach(), 1e-6, *_blocked(attn.q_proj, attn.k_proj, attn.v_proj),
         [64, 32, 32], 16, cos, sin, kv_cache, torch.arange(tokens, dtype=torch.int64), 0,
         torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32),
-        torch.tensor([0, tokens], dtype=torch.int32), 0.25, *blocked(attn.o_proj),
-        layer.post_attention_layernorm.weight.detach(), 1e-6, *blocked(mlp.gate_proj, mlp.up_proj),
-        [1536, 1536], *blocked(mlp.down_proj),
+        torch.tensor([0, tokens], dtype=torch.int32), 0.25, *_blocked(attn.o_proj),
+        layer.post_attention_layernorm.weight.detach(), 1e-6, *_blocked(mlp.gate_proj, mlp.up_proj),
+        [1536, 1536], *_blocked(mlp.down_proj),
     )  # fmt: skip
     torch.library.opcheck(torch.ops.oppo.llama_decode_layer.default, args)
 
@@ -1079,23 +1088,18 @@ def test_the_layers_op_passes_opcheck_and_refuses_miscounted_operands():
     """The op's schema (its in-place cache write declared) and fake kernel, on two layers' operands; operand
     lists that do not split into whole layers are refused."""
     actor = _small_llama()
-    g = torch.Generator().manual_seed(0)
-    tokens, pages, page = 3, 4, 8
-    hidden = (torch.randn(1, tokens, 64, generator=g) * 0.5).to(torch.bfloat16)
-    kv_cache = torch.zeros(pages, actor.config.num_hidden_layers, 2, page, 2, 16, dtype=torch.bfloat16)
-    cos = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
-    sin = torch.randn(tokens, 16, generator=g).to(torch.bfloat16)
-
-    def blocked(*mods):
-        w = torch.cat([m.weight.detach() for m in mods])
-        return ops.block_linear_weight(w), 512 if w.shape[1] > 512 else w.shape[1]
+    tokens = 3
+    hidden, kv_cache, cos, sin = _layer_op_inputs(actor.config.num_hidden_layers, tokens, head_dim=16)
 
     weights, ints, floats = [], [], []
     for n in (0, 1):
         layer = actor.model.layers[n]
         attn, mlp = layer.self_attn, layer.mlp
-        (qkv, qkv_run), (o, o_run) = blocked(attn.q_proj, attn.k_proj, attn.v_proj), blocked(attn.o_proj)
-        (gate_up, gate_up_run), (down, down_run) = blocked(mlp.gate_proj, mlp.up_proj), blocked(mlp.down_proj)
+        (qkv, qkv_run), (o, o_run) = _blocked(attn.q_proj, attn.k_proj, attn.v_proj), _blocked(attn.o_proj)
+        (gate_up, gate_up_run), (down, down_run) = (
+            _blocked(mlp.gate_proj, mlp.up_proj),
+            _blocked(mlp.down_proj),
+        )
         norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
         weights += [norms[0], qkv, o, norms[1],
                     gate_up, down]  # fmt: skip
@@ -1126,12 +1130,7 @@ def test_the_layers_op_is_its_layers_one_by_one_on_distinct_operands():
     )  # fmt: skip
     actor = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(1)
-    tokens, pages, page = 5, 4, 8
-
-    def blocked(*mods):
-        w = torch.cat([m.weight.detach() for m in mods])
-        return ops.block_linear_weight(w), 512 if w.shape[1] > 512 else w.shape[1]
-
+    tokens = 5
     layers = []
     for n, layer in enumerate(actor.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -1139,32 +1138,29 @@ def test_the_layers_op_is_its_layers_one_by_one_on_distinct_operands():
         layers.append(
             ops.DecodeLayer(
                 (norms[0], 1e-6 * (n + 1)),
-                (*blocked(attn.q_proj, attn.k_proj, attn.v_proj), [128, 64, 64]),
+                (*_blocked(attn.q_proj, attn.k_proj, attn.v_proj), [128, 64, 64]),
                 32,
                 n,
                 0.17 + 0.01 * n,
-                blocked(attn.o_proj),
+                _blocked(attn.o_proj),
                 (norms[1], 1e-5 * (n + 2)),
-                (*blocked(mlp.gate_proj, mlp.up_proj), [1536, 1536]),
-                blocked(mlp.down_proj),
+                (*_blocked(mlp.gate_proj, mlp.up_proj), [1536, 1536]),
+                _blocked(mlp.down_proj),
             )  # fmt: skip
         )
     assert len({d.qkv[1] for d in layers} | {d.o[1] for d in layers} | {d.down[1] for d in layers}) > 1
-    hidden = (torch.randn(1, tokens, 64, generator=g) * 0.5).to(torch.bfloat16)
-    cos = torch.randn(tokens, 32, generator=g).to(torch.bfloat16)
-    sin = torch.randn(tokens, 32, generator=g).to(torch.bfloat16)
+    hidden, cache, cos, sin = _layer_op_inputs(2, tokens, head_dim=32, seed=1)
     slots = torch.tensor([0, 1, 2, 8, 9], dtype=torch.int64)
     meta = (
         torch.tensor([[0, 1], [1, 2]], dtype=torch.int32), torch.tensor([3, 2], dtype=torch.int32),
         torch.tensor([0, 3, 5], dtype=torch.int32),
     )  # fmt: skip
-    caches = [torch.zeros(pages, 2, 2, page, 2, 32, dtype=torch.bfloat16) for _ in range(2)]
+    caches = [cache, cache.clone()]
     one_by_one = hidden
     for d in layers:
         one_by_one = ops.llama_decode_layer(
             one_by_one, d.input_norm, d.qkv, d.head_dim, cos, sin, caches[0], slots, d.layer, *meta, d.scale,
-            d.o,
-            d.post_norm, d.gate_up, d.down,
+            d.o, d.post_norm, d.gate_up, d.down,
         )  # fmt: skip
     together = ops.llama_decode_layers(hidden, layers, cos, sin, caches[1], slots, *meta)
     assert bits(together).equal(bits(one_by_one))

@@ -68,6 +68,13 @@ def test_packed_linear_is_f_linear(dtype, rows):
         torch.testing.assert_close(ops.packed_linear(strided, p, bias), F.linear(strided, w, bias), **tol)
 
 
+def packed_and_unpacked(engines: dict, prompts) -> list:
+    """The packed engine's rollouts (``engines[True]``), checked equal to the unpacked engine's."""
+    got = {p: rollouts(e, prompts) for p, e in engines.items()}
+    assert_same(got[True], got[False])
+    return got[True]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_packed_rollouts_equal_unpacked_and_leave_the_model_as_it_was(temperature):
     actor = make_actor()
@@ -97,9 +104,7 @@ def test_packs_follow_in_place_updates_replaced_weights_and_update_policy():
     engines = {p: make_engine(actor, p) for p in (True, False)}
 
     def both():
-        got = {p: rollouts(e, prompts) for p, e in engines.items()}
-        assert_same(got[True], got[False])
-        return got[True]
+        return packed_and_unpacked(engines, prompts)
 
     before = both()
     packs = engines[True]._loop.actor.runner.packed
@@ -410,9 +415,7 @@ def test_packs_follow_weights_swapped_under_the_same_tensor():
     engines = {p: make_engine(actor, p) for p in (True, False)}
 
     def both():
-        got = {p: rollouts(e, prompts) for p, e in engines.items()}
-        assert_same(got[True], got[False])
-        return got[True]
+        return packed_and_unpacked(engines, prompts)
 
     before = both()
     mlp = actor.model.layers[0].mlp
