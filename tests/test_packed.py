@@ -407,9 +407,10 @@ def test_a_raised_batch_hint_repacks_everything_at_it():
 
 
 def test_packs_follow_weights_swapped_under_the_same_tensor():
-    """``param.data = t`` keeps the Parameter and its version counter: the packs see its new address, so the
-    packed engine's next rollouts are the unpacked engine's on the new weights, without ``update_policy()``
-    (a member of a group included: the group is packed again with it)."""
+    """``param.data = t`` keeps the Parameter and its version counter: the packs see its new address (or, for
+    a square weight transposed in place of itself, its new strides), so the packed engine's next rollouts are
+    the unpacked engine's on the new weights, without ``update_policy()`` (a member of a group included: the
+    group is packed again with it)."""
     actor = llama_actor(torch.float32, False)
     prompts = random_prompts(4, seed=3)
     engines = {p: make_engine(actor, p) for p in (True, False)}
@@ -424,5 +425,11 @@ def test_packs_follow_weights_swapped_under_the_same_tensor():
     assert mlp.up_proj.weight is weight and weight._version == version
     after = both()
     assert [r.logprobs for r in after] != [r.logprobs for r in before]
+    q = actor.model.layers[0].self_attn.q_proj.weight  # square: transposed, it keeps its address
+    address = q.data_ptr()
+    q.data = q.detach().t()
+    assert q.data_ptr() == address
+    transposed = both()
+    assert [r.logprobs for r in transposed] != [r.logprobs for r in after]
     for e in engines.values():
         e.close()

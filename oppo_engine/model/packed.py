@@ -44,11 +44,14 @@ already has an instance ``forward``, such as accelerate's hooks, keeps it and is
 weights: before every forward a module whose weight tensor was replaced or written in place (its
 ``_version``, which most in-place ops bump: torch's default optimizer steps, ``copy_``, ``load_state_dict``),
 or whose data was swapped under it (``param.data = t``, ``module.to(dtype)``: the same tensor and version at
-another address; the old storage is held until then, so its address cannot come back), is packed again,
-and ``update_policy()`` drops every pack of the actor and critic (``drop``), which covers
-writes that bypass the version counter (``param.data.copy_``, and torch's fused optimizer kernels, which
-``PPOTrainer`` uses: they leave ``_version`` as it was). ``update_policy()`` is the guarantee; the version
-check catches the in-place writes of a user's own code between two of them. ``release_memory`` drops them too.
+another address or with other strides; the old storage is held until then, so its address cannot come back
+while it stays allocated), is packed again, and ``update_policy()`` drops every pack of the actor and
+critic (``drop``), which covers writes that bypass the version counter (``param.data.copy_``, and torch's
+fused optimizer kernels, which ``PPOTrainer`` uses: they leave ``_version`` as it was), and swaps to data at
+the same address with the same strides (``vector_to_parameters`` of a vector updated in place since, a held
+storage freed and allocated again under the same object). ``update_policy()`` is the guarantee; the checks
+catch the in-place writes and swaps of a user's own code between two of them.
+``release_memory(weights=True)`` drops them too.
 """
 
 from __future__ import annotations
@@ -69,15 +72,27 @@ class _Entry:
     """One module's pack: the weight tensor it was made from, that tensor's version then, and the forward
     that runs it (made once per pack, not once per model forward)."""
 
-    __slots__ = ("module", "weight", "version", "address", "storage", "packed", "forward", "blocked")
+    __slots__ = (
+        "module",
+        "weight",
+        "version",
+        "address",
+        "strides",
+        "storage",
+        "packed",
+        "forward",
+        "blocked",
+    )
 
     def __init__(self, module: nn.Linear) -> None:
         self.module = module
         self.weight: torch.Tensor | None = None
         self.version = -1
-        # The weight's data address when packed, and its storage, held so that the address cannot be reused:
-        # ``param.data = t`` and ``module.to(dtype)`` keep the tensor and its version but not the address.
+        # The weight's data address and strides when packed, and its storage, held so that the address cannot
+        # be reused: ``param.data = t`` and ``module.to(dtype)`` keep the tensor and its version, not the
+        # address (``w.data = w.data.t()`` keeps the address of a square weight, not its strides).
         self.address = 0
+        self.strides: tuple[int, ...] = ()
         self.storage = None
         self.packed: torch.Tensor | None = None
         self.forward = None
@@ -99,8 +114,8 @@ PROBE_ROWS = (1, 3, 8, 17, 64, 100, 256, 1000)
 
 
 class _Group:
-    """Sibling modules packed as one stacked weight: their entries, the members' (weight, version) the pack
-    was made from, the pack (``None`` where the stacked product is not bitwise the members'), each
+    """Sibling modules packed as one stacked weight: their entries, the members' (weight, version, pack) the
+    pack was made from, the pack (``None`` where the stacked product is not bitwise the members'), each
     member's output width, and whether every member is packed for the current forward (``live``)."""
 
     __slots__ = ("entries", "made_from", "packed", "widths", "live", "blocked")
@@ -167,7 +182,7 @@ class PackedLinears:
         # The caller holds the lock.
         for e in self._entries:
             e.weight, e.version, e.packed, e.forward, e.blocked = None, -1, None, None, None
-            e.address, e.storage = 0, None
+            e.address, e.strides, e.storage = 0, (), None
         for g in self._groups.values():
             g.made_from, g.packed, g.live, g.blocked = None, None, False, None
 
@@ -191,13 +206,19 @@ class PackedLinears:
                 ok = supported[key] = ops.packed_linear_supported(w)
             if not ok or w.is_inference() or "forward" in e.module.__dict__:
                 e.weight, e.version, e.packed, e.forward, e.blocked = None, -1, None, None, None
-                e.address, e.storage = 0, None
+                e.address, e.strides, e.storage = 0, (), None
                 continue
             version = w._version
-            if e.packed is None or e.weight is not w or e.version != version or e.address != w.data_ptr():
+            if (
+                e.packed is None
+                or e.weight is not w
+                or e.version != version
+                or e.address != w.data_ptr()
+                or e.strides != w.stride()
+            ):
                 e.packed, e.blocked = ops.pack_linear_weight(w, self.batch_hint), _blocked(w)
                 e.weight, e.version = w, version
-                e.address, e.storage = w.data_ptr(), w.untyped_storage()
+                e.address, e.strides, e.storage = w.data_ptr(), w.stride(), w.untyped_storage()
                 e.forward = _packed_forward(self, e)
                 self.repacks += 1
             out.append(e)
