@@ -49,9 +49,9 @@ log-probs are those of HF's modules (``tests/test_fused.py``).
   calls in place of the model's own call): transformers' ``LlamaForCausalLM`` and ``LlamaModel`` forwards'
   statements for the runner's call (``LLAMA_CAUSAL_LM_FORWARD``, ``LLAMA_MODEL_FORWARD``: transformers' own
   forwards, with their own wrappers, on the class or inherited unchanged), their sub-modules entered
-  through their own module calls, except the
-  decoder layers: where every layer would run as ``ops.llama_decode_layer``, all of them run as one
-  ``ops.llama_decode_layers`` (bit for bit the same calls); HF's layer loop elsewhere. It skips the two
+  through their own module calls, except the decoder layers: where every layer would run as
+  ``ops.llama_decode_layer``, all of them run as one ``ops.llama_decode_layers`` (bit for bit the same
+  calls); HF's layer loop elsewhere. It skips the two
   models' module calls and their wrappers (``capture_outputs``, ``merge_with_config_defaults``,
   ``can_return_tuple``), and each layer's module call and Python around its op. Only where those do nothing
   for this call: no hooks on either model, no output capture asked for by the config, ``return_dict`` on.
@@ -951,8 +951,7 @@ def _model_operands(
     """Each layer's ``_layer_operands`` where every layer of ``stack`` called as HF's loop calls it would run
     as ``ops.llama_decode_layer``: the call (plain: ``decode_logits`` checked) enters the fused layer forward
     installed by ``applied``, which passes to ``_decode_layer`` (its four parts' calls plain, no mask), which
-    takes
-    the op; ``None`` where any would not."""
+    takes the op; ``None`` where any would not."""
     meta = attention.bound()
     if causal_mask is not None or not _decode_ready(meta, hidden_states, position_embeddings):
         return None
