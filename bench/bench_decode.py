@@ -32,8 +32,9 @@ random preset: the engine eager (with and without ``packed_weights``) against HF
 in wall time and in the process's CPU time (which the other processes of a loaded machine move less; with
 one thread it is the work done),
 with ``os.getloadavg()`` beside every figure, and the step time against this machine's roofline (the
-weights' bytes over the bandwidth, the GEMM FLOPs over the GEMM rate; ``--bandwidth`` and ``--gemm-rate``,
-the measured defaults below). ``--profile`` adds a ``torch.profiler`` table of one engine step per cell:
+weights' bytes over the bandwidth, the GEMM FLOPs over the GEMM rate of a 2048^3 ``matmul`` and over
+torch's rate at the step's own product shape, all measured in the run: ``measure_roofline``).
+``--profile`` adds a ``torch.profiler`` table of one engine step per cell:
 
     python -m bench.bench_decode --model smollm2 --dtype fp32 --batches 16 64 --new-tokens 48 --profile
 """
@@ -280,12 +281,20 @@ def cpu_identity() -> str:
     )
 
 
-def measure_roofline(dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
+def measure_roofline(
+    dtype: torch.dtype, repeats: int = 5, step_shape: tuple[int, int, int] | None = None
+) -> dict[str, float]:
     """This machine's roofline, measured in the run at the process's thread count: the read bandwidth (the
     fastest ``sum`` over 512 MB of ``dtype``) and the GEMM rate (the fastest 2048^3 ``matmul`` in ``dtype``).
-    Both are the best the machine does on a large, simple case: a decode step's floor, not its expectation."""
+    Both are the best the machine does on a large, simple case: a decode step's floor, not its expectation.
 
-    def best(fn) -> float:
+    With ``step_shape=(rows, in_features, out_features)``, also ``linear_rate``: the fastest
+    ``torch.nn.functional.linear`` of ``rows`` rows by an ``out_features x in_features`` weight in ``dtype``
+    (the weight in cache, as repeated calls leave it): the rate torch itself reaches at a decode step's own
+    product shape, the yardstick issue 35 measured (a 16 x 576 x 1536 linear) and priced the step's GEMMs
+    by."""
+
+    def best(fn, repeats: int = repeats) -> float:
         fn()
         times = []
         for _ in range(repeats):
@@ -299,18 +308,43 @@ def measure_roofline(dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
     del big
     n = 2048
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    rate = 2 * n**3 / best(lambda: a @ b)
-    return {"bandwidth": bandwidth, "gemm_rate": rate}
+    out = {"bandwidth": bandwidth, "gemm_rate": 2 * n**3 / best(lambda: a @ b)}
+    if step_shape is not None:
+        rows, k, m = step_shape
+        x, w = torch.randn(rows, k).to(dtype), torch.randn(m, k).to(dtype)
+        # One timing is 50 calls (a single call of a few rows is too short for the clock), the fastest of
+        # 20 timings: a small product's rate swings by up to 1.7x from one timing to the next on a shared
+        # machine, so the best of many is this shape's rate, as the 2048^3 product's best is the GEMM rate.
+        calls = 50
+        with torch.inference_mode():
+
+            def linears() -> None:
+                for _ in range(calls):
+                    torch.nn.functional.linear(x, w)
+
+            out["linear_rate"] = calls * 2 * rows * k * m / best(linears, repeats=max(repeats, 20))
+    return out
 
 
 def roofline(actor, batch: int, measured: dict[str, float]) -> dict[str, float]:
     """One decode step's floor in seconds: every linear layer's weights (the LM head's included) read once
     at the measured bandwidth (``bytes_s``), and their ``2 * B * params`` FLOPs at the measured GEMM rate
-    (``gemm_s``); ``measured`` is :func:`measure_roofline`'s."""
+    (``gemm_s``), and at torch's rate for the step's own product shape where ``measured`` has it
+    (``linear_gemm_s``); ``measured`` is :func:`measure_roofline`'s."""
     linears = [m for m in actor.modules() if isinstance(m, torch.nn.Linear)]
     params = sum(m.weight.numel() for m in linears)
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    return {"bytes_s": nbytes / measured["bandwidth"], "gemm_s": 2 * batch * params / measured["gemm_rate"]}
+    out = {"bytes_s": nbytes / measured["bandwidth"], "gemm_s": 2 * batch * params / measured["gemm_rate"]}
+    if "linear_rate" in measured:
+        out["linear_gemm_s"] = 2 * batch * params / measured["linear_rate"]
+    return out
+
+
+def step_shape(actor, batch: int) -> tuple[int, int, int]:
+    """A decode step's product shape for :func:`measure_roofline`: ``batch`` rows by the MLP's up
+    projection (hidden x intermediate; 576 x 1536 for SmolLM2)."""
+    config = actor.config
+    return batch, config.hidden_size, config.intermediate_size
 
 
 # Where a step's CPU time goes, by op name (self time): the first category whose pattern is in the name.
@@ -428,7 +462,7 @@ def bench_smollm2(
             fused_module.DECODE_LAYERS, fused_module.DECODE_MODEL = layers, model_path
         best = {name: min(ts) for name, ts in times.items()}
         best_cpu = {name: min(ts) for name, ts in cpu.items()}
-        measured = measure_roofline(dtype)
+        measured = measure_roofline(dtype, step_shape=step_shape(actor, batch))
         roof = roofline(actor, batch, measured)
         step_ms = 1e3 * best["engine"] / new_tokens  # prefill included, spread over the tokens
         # A decode step alone: the long run less the short one (the same prefill), over the extra tokens.
@@ -448,6 +482,8 @@ def bench_smollm2(
             "gemm_ms": 1e3 * roof["gemm_s"],
             "bandwidth_gb_s": measured["bandwidth"] / 1e9,
             "gemm_gflop_s": measured["gemm_rate"] / 1e9,
+            "linear_gemm_ms": 1e3 * roof["linear_gemm_s"],
+            "linear_gflop_s": measured["linear_rate"] / 1e9,
             "load": max(loads),
             "ratio": r["engine_tok_s"] / r["hf_tok_s"],
             "cpu_ratio": best_cpu["hf"] / best_cpu["engine"],
@@ -475,6 +511,13 @@ def bench_smollm2(
             f"{step_ms:.1f} ms = {step_ms / r['gemm_ms']:.2f}x GEMM (prefill included); a decode step alone "
             f"(the {new_tokens}-token run less a {short}-token one) {decode_ms:.1f} ms = "
             f"{decode_ms / r['gemm_ms']:.2f}x GEMM"
+        )
+        rows, k, m = step_shape(actor, batch)
+        print(
+            f"  at torch's rate for the step's own product shape ({rows} x {k} x {m} linear: "
+            f"{r['linear_gflop_s']:.0f} GFLOP/s), the GEMM time is {r['linear_gemm_ms']:.1f} ms: "
+            f"a decode step alone {decode_ms / r['linear_gemm_ms']:.2f}x; "
+            f"the weights' read {r['bytes_ms']:.1f} ms, {decode_ms / r['bytes_ms']:.2f}x"
         )
         if profile:
             r |= {f"profile:{k}": v for k, v in profile_step(engines["engine"], prompts).items()}
