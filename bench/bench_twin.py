@@ -8,6 +8,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
     python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
     python -m bench.bench_twin --phases-profile P --phases-shape S   # one matrix cell's step by phase
+    python -m bench.bench_twin --forward-terms tiny,mid   # an actor forward's terms, real vs priced
     python -m bench.bench_twin --drain      # inter vs oppo with chunk_size="auto" on a long-tail drain
     python -m bench.bench_twin --drain --drain-workloads   # ... and on drains of the workloads below
     python -m bench.bench_twin --trl-check  # the TRL-like arm's generation and forwards vs HF on this CPU
@@ -491,6 +492,68 @@ def phases(args) -> int:
             else:
                 err = f"{t / r - 1:+5.0%}" if r > 0 else "     "
                 print(f"    {key:<42} real {r:>8.4f}  twin {t:>8.4f}  {err}   (real mean {mean:.4f})")
+    return 0
+
+
+# -- one forward's terms, real against priced ----------------------------------------------------------
+
+FORWARD_TERM_POINTS = ((1, 1, 16), (8, 1, 64), (8, 64, 0))  # (rows, new tokens, context): decodes, a prefill
+
+
+def forward_terms(args) -> int:
+    """The actor's forward on each of ``--forward-terms``' shapes, term by term, real against priced: the
+    forward (the median of a point's timed calls, the fastest of 3 rounds, as ``calibrate`` times its grid),
+    its packed products timed call by call inside it (``calibration._time_packed_calls``; each product
+    shape's median call beside the profile's compute and memory terms, the price being their ``max``), and
+    the rest of the forward (the interpreter, the attention, the elementwise ops: the forward less its
+    products) against the rest of the price (mostly the fixed costs fitted from the shrunk copies). The
+    profile is ``--out``'s ``profile_<shape>.json`` (a ``--matrix`` run's) where it exists, else
+    calibrated here and written there. Every priced number is a prediction."""
+    import os  # noqa: PLC0415
+
+    from oppo_engine.sim import calibration as cal  # noqa: PLC0415
+    from oppo_engine.sim.cost import CostModel  # noqa: PLC0415
+    from oppo_engine.sim.profile import Calibrated  # noqa: PLC0415
+    from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    timed = cal._timer(device)
+    for shape in args.forward_terms.split(","):
+        if shape not in MATRIX_SHAPES:
+            raise SystemExit(f"--forward-terms: each one of {MATRIX_SHAPES}, got {shape!r}")
+        actor, reward = _models(shape, 0)
+        path = args.out / f"profile_{shape}.json"
+        if path.exists():
+            profile, how = Profile.load(path), f"loaded from {path}"
+        else:
+            profile, how = calibrate(actor, reward, path=path, threads=(1,)), f"calibrated here into {path}"
+        priced = Calibrated(profile)
+        cost = CostModel(priced)
+        actor_shape = model_shape(actor, head="lm", dtype_bytes=actor.dtype.itemsize, name="actor")
+        bench = cal._RoleBench("actor", actor, device, packed=profile.costs_at(1).packed)
+        print(f"{shape}: {actor_shape.layers} layers, {actor_shape.weight_bytes / 2**20:.1f} MB of weights; "
+              f"profile {how}; load {os.getloadavg()[0]:.1f}")  # fmt: skip
+        for point in FORWARD_TERM_POINTS:
+            packed = bench.runner.packed is not None
+            work = cost.forward(actor_shape, cal._batch("actor", *point), packed=packed, actor=True)
+            real = min(timed(bench.call(*point), 5) for _ in range(cal.ROUNDS))
+            calls = cal._time_packed_calls([(bench, actor_shape.weight_bytes, [point])])
+            real_products = priced_products = 0.0
+            lines = []
+            for (m, k, n), (working, seconds) in sorted(calls.items()):
+                compute, memory = priced.gemm(m, k, n, actor.dtype.itemsize, 1, working, True)
+                count = len(seconds) // cal.CALL_REPEATS
+                real_products += sum(seconds) / cal.CALL_REPEATS
+                priced_products += count * max(compute, memory)
+                lines.append(f"{m}x{k}x{n} x{count}: {statistics.median(seconds) * 1e6:.0f} us against "
+                             f"compute {compute * 1e6:.0f} / memory {memory * 1e6:.0f}")  # fmt: skip
+            rest, priced_rest = real - real_products, work.alone_s - priced_products
+            print(f"  {point}: forward real {real * 1e3:.3f} ms, priced {work.alone_s * 1e3:.3f} "
+                  f"({work.alone_s / real - 1:+.0%}); products {real_products * 1e3:.3f} against "
+                  f"{priced_products * 1e3:.3f}; the rest {rest * 1e3:.3f} against {priced_rest * 1e3:.3f} "
+                  f"(fixed costs {work.host_s * 1e3:.3f})")  # fmt: skip
+            print("    " + "; ".join(lines))
     return 0
 
 
@@ -1016,6 +1079,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases-workload", default="base", help="--phases: base or pareto")
     p.add_argument("--phases-modes", default="sequential,inter,oppo", help="--phases: the arms")
     p.add_argument("--phases-dump", type=Path, default=None, help="--phases: append every step's spans here")
+    p.add_argument(
+        "--forward-terms", default=None, help="shapes (comma-separated): a forward's terms, real vs priced"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--matrix, --drain)")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
@@ -1043,6 +1109,8 @@ def main(argv: list[str] | None = None) -> int:
         return matrix(args)
     if args.phases_profile is not None:
         return phases(args)
+    if args.forward_terms is not None:
+        return forward_terms(args)
     if args.drain:
         return drain(args)
     if args.trl_check:
