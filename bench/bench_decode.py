@@ -33,8 +33,8 @@ in wall time and in the process's CPU time (which the other processes of a loade
 one thread it is the work done),
 with ``os.getloadavg()`` beside every figure, and the step time against this machine's roofline (the
 weights' bytes over the bandwidth, the GEMM FLOPs over the GEMM rate of a 2048^3 ``matmul`` and over
-torch's rate at the step's own product shape, all measured in the run: ``measure_roofline``).
-``--profile`` adds a ``torch.profiler`` table of one engine step per cell:
+torch's rate at a decode product's shape (the MLP's up projection), all measured in the run:
+``measure_roofline``). ``--profile`` adds a ``torch.profiler`` table of one engine step per cell:
 
     python -m bench.bench_decode --model smollm2 --dtype fp32 --batches 16 64 --new-tokens 48 --profile
 """
@@ -290,9 +290,10 @@ def measure_roofline(
 
     With ``step_shape=(rows, in_features, out_features)``, also ``linear_rate``: the fastest
     ``torch.nn.functional.linear`` of ``rows`` rows by an ``out_features x in_features`` weight in ``dtype``
-    (the weight in cache, as repeated calls leave it): the rate torch itself reaches at a decode step's own
-    product shape, the yardstick issue 35 measured (a 16 x 576 x 1536 linear) and priced the step's GEMMs
-    by."""
+    (the weight in cache, as repeated calls leave it): the rate torch itself reaches at a decode product's
+    shape, the yardstick issue 35 measured (a 16 x 576 x 1536 linear) and priced the step's GEMMs by. On a
+    2-core Zen 5, oneDNN's bf16 product of 16 rows on two threads ran by spells at about one thread's rate
+    or at ~1.7x it (2026-12-07): the fastest of several processes is the yardstick."""
 
     def best(fn, repeats: int = repeats) -> float:
         fn()
@@ -329,7 +330,7 @@ def measure_roofline(
 def roofline(actor, batch: int, measured: dict[str, float]) -> dict[str, float]:
     """One decode step's floor in seconds: every linear layer's weights (the LM head's included) read once
     at the measured bandwidth (``bytes_s``), and their ``2 * B * params`` FLOPs at the measured GEMM rate
-    (``gemm_s``), and at torch's rate for the step's own product shape where ``measured`` has it
+    (``gemm_s``), and at torch's rate for the MLP up projection's shape where ``measured`` has it
     (``linear_gemm_s``); ``measured`` is :func:`measure_roofline`'s."""
     linears = [m for m in actor.modules() if isinstance(m, torch.nn.Linear)]
     params = sum(m.weight.numel() for m in linears)
@@ -514,7 +515,7 @@ def bench_smollm2(
         )
         rows, k, m = step_shape(actor, batch)
         print(
-            f"  at torch's rate for the step's own product shape ({rows} x {k} x {m} linear: "
+            f"  at torch's rate for the MLP up projection's shape ({rows} x {k} x {m} linear: "
             f"{r['linear_gflop_s']:.0f} GFLOP/s), the GEMM time is {r['linear_gemm_ms']:.1f} ms: "
             f"a decode step alone {decode_ms / r['linear_gemm_ms']:.2f}x; "
             f"the weights' read {r['bytes_ms']:.1f} ms, {decode_ms / r['bytes_ms']:.2f}x"

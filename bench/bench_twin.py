@@ -8,7 +8,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
     python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
     python -m bench.bench_twin --phases-profile P --phases-shape S   # one matrix cell's step by phase
-    python -m bench.bench_twin --forward-terms tiny,mid   # an actor forward's terms, real vs priced
+    python -m bench.bench_twin --forward-terms tiny,mid --out DIR  # a forward's terms, real vs priced
     python -m bench.bench_twin --drain      # inter vs oppo with chunk_size="auto" on a long-tail drain
     python -m bench.bench_twin --drain --drain-workloads   # ... and on drains of the workloads below
     python -m bench.bench_twin --trl-check  # the TRL-like arm's generation and forwards vs HF on this CPU
@@ -497,18 +497,21 @@ def phases(args) -> int:
 
 # -- one forward's terms, real against priced ----------------------------------------------------------
 
-FORWARD_TERM_POINTS = ((1, 1, 16), (8, 1, 64), (8, 64, 0))  # (rows, new tokens, context): decodes, a prefill
+FORWARD_TERM_POINTS = ((1, 1, 16), (1, 1, 48), (8, 1, 64), (8, 64, 0))  # (rows, new, context)
 
 
 def forward_terms(args) -> int:
     """The actor's forward on each of ``--forward-terms``' shapes, term by term, real against priced: the
     forward (the median of a point's timed calls, the fastest of 3 rounds, as ``calibrate`` times its grid),
-    its packed products timed call by call inside it (``calibration._time_packed_calls``; each product
-    shape's median call beside the profile's compute and memory terms, the price being their ``max``), and
-    the rest of the forward (the interpreter, the attention, the elementwise ops: the forward less its
-    products) against the rest of the price (mostly the fixed costs fitted from the shrunk copies). The
-    profile is ``--out``'s ``profile_<shape>.json`` (a ``--matrix`` run's) where it exists, else
-    calibrated here and written there. Every priced number is a prediction."""
+    its packed products timed call by call inside 5 more forwards (``calibration._time_packed_calls``; per
+    product shape the median call, times the calls a forward makes, beside the profile's compute and memory
+    terms, the price being their ``max``), and the rest of the forward (the interpreter, the attention, the
+    elementwise ops: the forward less its products) against the rest of the price (mostly the fixed costs
+    fitted from the shrunk copies). The priced forward leaves out the engine's scheduler time per forward
+    (``Calibrated.host_s``), which the timed calls do not run and ``calibrate``'s fit leaves out too. The
+    profile is ``--out``'s ``profile_<shape>.json`` (a ``--matrix`` run's) where it exists, else calibrated
+    here and written there. At a point of the calibration's grid (``FORWARD_GRID``: "fitted") the profile
+    was fitted to that forward among the others; elsewhere ("held out") its price is a prediction."""
     import os  # noqa: PLC0415
 
     from oppo_engine.sim import calibration as cal  # noqa: PLC0415
@@ -530,29 +533,33 @@ def forward_terms(args) -> int:
             profile, how = calibrate(actor, reward, path=path, threads=(1,)), f"calibrated here into {path}"
         priced = Calibrated(profile)
         cost = CostModel(priced)
-        actor_shape = model_shape(actor, head="lm", dtype_bytes=actor.dtype.itemsize, name="actor")
-        bench = cal._RoleBench("actor", actor, device, packed=profile.costs_at(1).packed)
-        print(f"{shape}: {actor_shape.layers} layers, {actor_shape.weight_bytes / 2**20:.1f} MB of weights; "
+        dtype_bytes = actor.dtype.itemsize
+        actor_shape = model_shape(actor, head="lm", dtype_bytes=dtype_bytes, name="actor")
+        packed = profile.costs_at(1).packed
+        bench = cal._RoleBench("actor", actor, device, packed=packed)
+        print(f"{shape}: {actor_shape.layers} layers, {actor_shape.weight_bytes / 2**20:.1f} MiB of weights; "
               f"profile {how}; load {os.getloadavg()[0]:.1f}")  # fmt: skip
         for point in FORWARD_TERM_POINTS:
-            packed = bench.runner.packed is not None
-            work = cost.forward(actor_shape, cal._batch("actor", *point), packed=packed, actor=True)
+            batch = cal._batch("actor", *point)
+            work = cost.forward(actor_shape, batch, packed=packed, actor=True)
+            scheduler = priced.host_s(len(batch.chunks))  # priced in every forward, run by no timed call
+            forward, fixed = work.alone_s - scheduler, work.host_s - scheduler
             real = min(timed(bench.call(*point), 5) for _ in range(cal.ROUNDS))
             calls = cal._time_packed_calls([(bench, actor_shape.weight_bytes, [point])])
             real_products = priced_products = 0.0
             lines = []
             for (m, k, n), (working, seconds) in sorted(calls.items()):
-                compute, memory = priced.gemm(m, k, n, actor.dtype.itemsize, 1, working, True)
+                compute, memory = priced.gemm(m, k, n, dtype_bytes, 1, working, packed)
                 count = len(seconds) // cal.CALL_REPEATS
-                real_products += sum(seconds) / cal.CALL_REPEATS
+                real_products += count * statistics.median(seconds)
                 priced_products += count * max(compute, memory)
                 lines.append(f"{m}x{k}x{n} x{count}: {statistics.median(seconds) * 1e6:.0f} us against "
                              f"compute {compute * 1e6:.0f} / memory {memory * 1e6:.0f}")  # fmt: skip
-            rest, priced_rest = real - real_products, work.alone_s - priced_products
-            print(f"  {point}: forward real {real * 1e3:.3f} ms, priced {work.alone_s * 1e3:.3f} "
-                  f"({work.alone_s / real - 1:+.0%}); products {real_products * 1e3:.3f} against "
-                  f"{priced_products * 1e3:.3f}; the rest {rest * 1e3:.3f} against {priced_rest * 1e3:.3f} "
-                  f"(fixed costs {work.host_s * 1e3:.3f})")  # fmt: skip
+            kind = "fitted" if point in cal.FORWARD_GRID else "held out"
+            print(f"  {point} ({kind}): forward real {real * 1e3:.3f} ms, priced {forward * 1e3:.3f} "
+                  f"({forward / real - 1:+.0%}); products {real_products * 1e3:.3f} against "
+                  f"{priced_products * 1e3:.3f}; the rest {(real - real_products) * 1e3:.3f} against "
+                  f"{(forward - priced_products) * 1e3:.3f} (fixed costs {fixed * 1e3:.3f})")  # fmt: skip
             print("    " + "; ".join(lines))
     return 0
 
