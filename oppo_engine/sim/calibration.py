@@ -423,6 +423,91 @@ def _time_streaming(device, dtype, timed, gpu: bool, packed: bool = False) -> li
     return out
 
 
+# The products of ``_time_streaming_products``: (K, N) of 0.56, 1.5, 4 and 16 MiB of float32 weights (a
+# 384-wide layer's square and widest products, a 1024-wide layer's square one, a 1024 x 4096 one), each swept
+# over a working set of ``PRODUCTS_WORKING_MB`` (far past any CPU's cache here: weights from memory).
+STREAMING_PRODUCTS = ((384, 384), (384, 1024), (1024, 1024), (1024, 4096))
+PRODUCTS_WORKING_MB = 128
+
+
+def _time_streaming_products(
+    device, dtype, timed, gpu: bool, packed: bool = False
+) -> list[tuple[float, int, float]]:
+    """``(product bytes, rows, bytes/s)``: how fast a sweep of products of one size reads their weights out
+    of memory (``ThreadCosts.streaming_products``). Why: ``_time_streaming`` sweeps a layer's mix of small
+    products, and a product of many megabytes streams about twice as fast at one row (measured 2026-12-07,
+    one thread, packed float32: 19 GB/s at 0.56 MiB, 30 at 1.5, 39-42 at 4-8, 40-44 at 16-32), which priced
+    gqa8's decode products 37-67% high. Empty on a GPU (not timed there)."""
+    import torch  # noqa: PLC0415
+
+    if gpu:
+        return []
+    out = []
+    for k, n in STREAMING_PRODUCTS:
+        size = k * n * dtype.itemsize
+        count = max(2, (PRODUCTS_WORKING_MB << 20) // size)
+        weights = [_linear(torch.randn(n, k, device=device, dtype=dtype), packed) for _ in range(count)]
+        for rows in STREAMING_ROWS:
+            x = torch.randn(1, rows, k, device=device, dtype=dtype)
+
+            def sweep(weights=weights, x=x) -> None:
+                for w in weights:
+                    w(x)
+
+            seconds = min(timed(sweep, 2) for _ in range(ROUNDS))
+            out.append((float(size), rows, count * size / seconds))
+        del weights
+    return out
+
+
+# The bytes streamed through the caches before each timed forward of ``_time_evicted``, and the calls per
+# timing (each after its own stream).
+EVICTED_MB = (1, 4, 16, 48, 128)
+EVICTED_CALLS = 7
+
+
+def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, float, float]]:
+    """``ThreadCosts.evicted``: ``(bytes, per forward s, per layer s)`` for each of ``EVICTED_MB``: how much
+    longer the actor's shrunk copies' one-token forwards take after that many bytes streamed through the
+    caches than back to back (the median of ``EVICTED_CALLS`` calls, each after its own stream, the fastest
+    of ``ROUNDS`` rounds), fitted as a cost per forward and per layer over the copies' two depths
+    (``benches``: depth -> bench). Why: the fixed costs are fitted on copies whose weights never leave a
+    core's caches, while a model's products stream its weights through them between its Python; measured on
+    ``tiny``, ``small``, ``mid`` and gqa8's copies alike (2026-12-07, one thread): +0.01 ms after 4 MiB,
+    +0.07-0.16 after 16, +0.26-0.45 after 48, +0.38-0.53 after 128, against a model's decode forward priced
+    0.02-0.08 ms low on ``tiny`` (0.5 MiB of weights), 0.19-0.39 on ``small`` (12 MiB), 0.31-0.51 on ``mid``
+    (38 MiB) and 0.43-0.63 on gqa8 (70 MiB) before. CPU only."""
+    import torch  # noqa: PLC0415
+
+    buffer = torch.ones((max(EVICTED_MB) << 20) // 4, device=device)
+
+    def median_after(fn, mib: int) -> float:
+        view = buffer[: (mib << 20) // 4] if mib else None
+        fn()
+        samples = []
+        for _ in range(EVICTED_CALLS):
+            if view is not None:
+                view.mul_(1.0)  # read and written: every line of it passes through the caches
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    (d1, b1), (d2, b2) = sorted(benches.items())
+    calls = {d1: b1.call(1, 1, 0), d2: b2.call(1, 1, 0)}
+    best = {
+        (d, mib): min(median_after(calls[d], mib) for _ in range(ROUNDS))
+        for d in calls
+        for mib in (0, *EVICTED_MB)
+    }
+    out = []
+    for mib in EVICTED_MB:
+        e1, e2 = best[d1, mib] - best[d1, 0], best[d2, mib] - best[d2, 0]
+        per_layer = (e2 - e1) / (d2 - d1)
+        out.append((float(mib << 20), e1 - per_layer * d1, per_layer))
+    return out
+
+
 # Forwards of each point the in-forward products are timed over (``_time_packed_calls``).
 CALL_REPEATS = 5
 
@@ -1010,6 +1095,7 @@ def _fit_with(points: list[Point], ts: ThreadCosts, *, free_scale: bool, fit=CON
         ]
         fixed_s = 0.0 if free_scale else gemm_s
         fixed_s += sum(getattr(ts, CONSTANTS[j - 1]) * cols[j] for j in held)
+        fixed_s += ts.evicted_s(weights, shape.layers)  # measured apart (_time_evicted), as priced
         if role == "actor":  # its own fixed costs beside the scorers' (held: fitted from its copies)
             fixed_s += ts.actor_forward_s + ts.actor_layer_s * shape.layers
         design.append([cols[j] / seconds for j in fitted])
@@ -1104,13 +1190,17 @@ def calibrate(
             if not gpu:
                 torch.set_num_threads(count)
             say(f"calibrate: GEMMs and bandwidth at {count} thread(s)")
+            products = _time_streaming_products(device, dtype, timed, gpu)
             ts = ThreadCosts(_time_gemms(device, dtype, timed, gpu), _time_bandwidth(device, timed),
-                             0, 0, 0, 0, 0, 0, 0, _time_streaming(device, dtype, timed, gpu))  # fmt: skip
+                             0, 0, 0, 0, 0, 0, 0, _time_streaming(device, dtype, timed, gpu),
+                             streaming_products=products)  # fmt: skip
             if packs:  # the engine's actor multiplies by packed weights here: time those products too
                 say(f"calibrate: packed GEMMs and streaming at {count} thread(s)")
                 gemm_packed = _time_gemms(device, dtype, timed, gpu, packed=True)
                 streaming_packed = _time_streaming(device, dtype, timed, gpu, packed=True)
-                ts = dataclasses.replace(ts, gemm_packed=gemm_packed, streaming_packed=streaming_packed)
+                products_packed = _time_streaming_products(device, dtype, timed, gpu, packed=True)
+                ts = dataclasses.replace(ts, gemm_packed=gemm_packed, streaming_packed=streaming_packed,
+                                         streaming_products_packed=products_packed)  # fmt: skip
             say(f"calibrate: forwards of {', '.join(models)} at {count} thread(s)")
             benches = {role: _RoleBench(role, model, device, packed=packs and role == "actor")
                        for role, model in models.items()}  # fmt: skip
@@ -1120,6 +1210,10 @@ def calibrate(
                       for (role, depth), m in shrunk.items()}  # fmt: skip
             rungs = {key: _RoleBench(key[0], m, device, packed=packs and key[0] == "actor")
                      for key, m in ladder.items()}  # fmt: skip
+            actor_copies = {depth: b for (role, depth), b in copies.items() if role == "actor"}
+            if len(actor_copies) == 2:  # the fixed costs after the weights stream (CPU: copies exist)
+                say(f"calibrate: the actor's copies after their caches are taken, at {count} thread(s)")
+                ts = dataclasses.replace(ts, evicted=_time_evicted(actor_copies, device))
             runs = [(role, bench, FORWARD_GRID) for role, bench in benches.items()]
             runs += [(key, bench, SHRUNK_GRID) for key, bench in copies.items()]
             runs += [(("narrow", key), rungs[key], FORWARD_GRID) for key in narrow]

@@ -34,9 +34,13 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # version 5 CPU profile loads without it, pricing the packed products at their bare, hot-loop time
 # (``Profile.from_json`` warns). 7: the interpreter's hand-overs between two lanes of one process
 # (``HostCosts.interpreter_handover``, fitted with the cores); a version 6 CPU profile loads with none, its
-# cores fitted with the hand-overs read as missing cores (``Profile.from_json`` warns).
-VERSION = 7
-READS = (1, 2, 3, 4, 5, 6, VERSION)
+# cores fitted with the hand-overs read as missing cores (``Profile.from_json`` warns). 8: the weights'
+# streaming by product size (``streaming_products``, ``streaming_products_packed``) and the fixed costs'
+# excess after a forward's weights stream through the caches (``evicted``); a version 7 CPU profile loads
+# without them, pricing large products' reads at the small ones' rate and the fixed costs hot
+# (``Profile.from_json`` warns).
+VERSION = 8
+READS = (1, 2, 3, 4, 5, 6, 7, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -56,6 +60,16 @@ FEATURES: dict[str, tuple[str, Callable[[ModelShape], float]]] = {
     "token_hidden_s": ("elementwise work per token (layers x hidden)", lambda s: s.layers * s.hidden),
     "logit_s": ("logit post-processing per row (vocabulary)", lambda s: s.vocab if s.head == "lm" else 0),
 }
+
+
+def _table_at(table: list[tuple[float, int, float]], size: float, rows: int) -> float:
+    """A ``[(size, rows, value), ...]`` table at ``size`` and ``rows``: interpolated in log size at each
+    timed row count, then in log rows; held flat past the ends."""
+    by_rows: dict[int, list[tuple[float, float]]] = {}
+    for at, r, value in table:
+        by_rows.setdefault(r, []).append((at, value))
+    at_rows = [(r, log_interp(sorted(points), max(1.0, size))) for r, points in sorted(by_rows.items())]
+    return log_interp(at_rows, max(1, rows))
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +105,17 @@ class ThreadCosts:
     forwards and its shrunk copies' where the bare price is the product's compute term
     (``calibration.py::_packed_in_forward``); it scales that term (linear in rows at a size, in log size
     across sizes, held flat past the ends). Empty where the calibration did not pack or in a profile written
-    before (version 5 and older): the bare price."""
+    before (version 5 and older): the bare price. ``streaming_products`` (``streaming_products_packed``:
+    packed once, as above): ``[(product bytes, rows, bytes/s), ...]``, the bandwidth at which a sweep of
+    products of one size and that many rows reads their weights out of a working set far larger than the
+    cache; a product streams at least that fast (``streaming_bandwidth``): the ``streaming`` tables sweep a
+    layer's mix of small products, and a product of many megabytes reads its weights about twice as fast
+    (measured 2026-12-07: 19 GB/s at 0.56 MiB, 40-44 at 16-32 MiB, one row, one thread). ``evicted``:
+    ``[(bytes, per forward s, per layer s), ...]``, how much longer the actor's shrunk copies' forwards take
+    (their fixed costs: the interpreter, dispatch) after that many bytes streamed through the caches than hot,
+    fitted over their two depths (``calibration.py::_time_evicted``); a forward's fixed costs are charged it
+    at its model's weight bytes (``evicted_s``): its products stream them between its Python. Empty where not
+    timed (a GPU; version 7 and older): nothing charged."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -112,6 +136,23 @@ class ThreadCosts:
     actor_forward_s: float = 0.0
     actor_layer_s: float = 0.0
     packed_in_forward: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    streaming_products: list[tuple[float, int, float]] = field(default_factory=list)
+    streaming_products_packed: list[tuple[float, int, float]] = field(default_factory=list)
+    evicted: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def evicted_s(self, weight_bytes: float, layers: int) -> float:
+        """The fixed costs' excess in a forward of ``layers`` layers whose products stream ``weight_bytes``
+        of weights (``evicted``: per forward and per layer, each interpolated in log bytes, held flat past the
+        largest; below the smallest, in proportion to the bytes; never negative). 0 where not measured."""
+        if not self.evicted or weight_bytes <= 0:
+            return 0.0
+        points = sorted(self.evicted)
+        first = points[0][0]
+        if weight_bytes < first:
+            return max(0.0, points[0][1] + points[0][2] * layers) * weight_bytes / first
+        per_forward = log_interp([(b, f) for b, f, _ in points], weight_bytes)
+        per_layer = log_interp([(b, lay) for b, _, lay in points], weight_bytes)
+        return max(0.0, per_forward + per_layer * layers)
 
     def in_forward(self, m: int, kn: int) -> float:
         """How much longer a packed ``[m, K] @ [K, N]`` product (``K * N = kn``) takes inside the actor's
@@ -148,18 +189,21 @@ class ThreadCosts:
         packed, as the engine runs them)."""
         return bool(self.gemm_packed)
 
-    def streaming_bandwidth(self, working_set: float, rows: int = 1, packed: bool = False) -> float:
+    def streaming_bandwidth(
+        self, working_set: float, rows: int = 1, packed: bool = False, product_bytes: float = 0.0
+    ) -> float:
         """Bytes/s at which projections of ``rows`` rows read weights out of a working set of
         ``working_set`` bytes (interpolated in log size and log rows); ``packed``: weights packed once
-        (the packed table where the calibration timed one)."""
+        (the packed table where the calibration timed one). ``product_bytes``: the product's own weight
+        bytes, which read at least as fast as a sweep of products of that size out of memory
+        (``streaming_products``, where timed)."""
         table = self.streaming_packed if packed and self.streaming_packed else self.streaming
-        if not table:
-            return self.bandwidth
-        by_rows: dict[int, list[tuple[float, float]]] = {}
-        for size, r, bps in table:
-            by_rows.setdefault(r, []).append((size, bps))
-        at = [(r, log_interp(sorted(points), max(1.0, working_set))) for r, points in sorted(by_rows.items())]
-        return log_interp(at, max(1, rows))
+        base = _table_at(table, working_set, rows) if table else self.bandwidth
+        sizes = self.streaming_products_packed if packed and self.streaming_products_packed else None
+        sizes = sizes or self.streaming_products
+        if product_bytes <= 0 or not sizes:
+            return base
+        return max(base, _table_at(sizes, product_bytes, rows))
 
     def gemm_s(self, m: int, kn: int, packed: bool = False) -> float:
         """Seconds of an ``[m, K] @ [K, N]`` GEMM with ``K * N = kn``: at each timed weight size, the timed
@@ -268,6 +312,13 @@ class Profile:
                             int(k): [(int(m), float(r)) for m, r in v]
                             for k, v in c.get("packed_in_forward", {}).items()
                         },
+                        "streaming_products": [
+                            (float(w), int(r), float(b)) for w, r, b in c.get("streaming_products", [])
+                        ],
+                        "streaming_products_packed": [
+                            (float(w), int(r), float(b)) for w, r, b in c.get("streaming_products_packed", [])
+                        ],
+                        "evicted": [(float(b), float(f), float(lay)) for b, f, lay in c.get("evicted", [])],
                     }
                 )
                 for t, c in data["threads"].items()
@@ -280,6 +331,15 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+        if data["version"] == 7 and profile.kind == "cpu":
+            warnings.warn(
+                f"{where}: format version 7 timed the weights' streaming on small products only and the "
+                "fixed costs with the caches hot, so a model of large products (their reads measured about "
+                "twice as fast) is priced slow and the fixed costs of a model whose weights pass the cache "
+                "(0.3-0.6 ms a forward measured) fast; calibrate again (oppo-engine calibrate)",
+                UserWarning,
+                stacklevel=2,
+            )
         if data["version"] == 6 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version 6 measured no hand-overs of the interpreter between two lanes of "
@@ -388,7 +448,7 @@ class Calibrated:
         # The timed GEMMs kept their weights in cache; a forward through ``working_set`` bytes of weights
         # reads them at the streaming bandwidth of that working set. ``packed``: the weights packed once,
         # as the engine's actor has them on the CPU (the packed tables, where the calibration timed them).
-        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set, m, packed)
+        moved = k * n * dtype_bytes / c.streaming_bandwidth(working_set, m, packed, k * n * dtype_bytes)
         if packed and c.packed and c.packed_in_forward:
             compute = self._in_forward_s(c, m, k * n)  # as the actor's forward calls it
         else:
@@ -446,9 +506,11 @@ class Calibrated:
         ``actor``'s own beside them (``ThreadCosts.actor_forward_s``, ``actor_layer_s``), timed on its copies
         as the engine runs the actor here: packed where the calibration packed, else as it is (where nothing
         packs, an actor asked ``packed`` runs unpacked, as timed). An actor run unpacked on a profile that
-        packed (``packed_weights=False``) is priced as a scorer's: its own costs were not timed."""
+        packed (``packed_weights=False``) is priced as a scorer's: its own costs were not timed. Every role's
+        forward also pays the fixed costs' excess after its weights stream through the caches
+        (``ThreadCosts.evicted_s`` at the model's weight bytes)."""
         c = self.profile.costs_at(threads)
-        fixed = c.forward_s + c.layer_s * shape.layers
+        fixed = c.forward_s + c.layer_s * shape.layers + c.evicted_s(shape.weight_bytes, shape.layers)
         if actor and (packed or not c.packed):
             fixed += c.actor_forward_s + c.actor_layer_s * shape.layers
         return fixed, 0.0

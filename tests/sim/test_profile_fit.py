@@ -97,9 +97,11 @@ def test_a_feature_no_timed_forward_had_is_marked_and_a_model_with_it_refused_na
 
 
 def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its_version(tmp_path):
-    """Profiles are format version 7 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
+    """Profiles are format version 8 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
     repacking since 4, the actor's own fixed costs since 5, the packed products' in-forward ratios since 6,
-    the interpreter's hand-overs since 7: a version-6 CPU one loads with none, and warns;
+    the interpreter's hand-overs since 7: a version-6 CPU one loads with none, and warns; the streaming by
+    product size and the fixed costs after the caches are taken since 8: a version-7 CPU one loads without
+    them, and warns;
     a version-5 file is checked in ``test_in_forward_products.py``): an older reader refuses them by version
     ("calibrate again") instead of failing on the new fields; version-1 and version-2 files still load, with
     no packed tables, and a CPU one warns that the engine's packed actor is priced unpacked; a version-3 CPU
@@ -107,8 +109,15 @@ def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its
     scorers', and warns."""
     profile = _profile(fitted())
     data = profile.to_json()
-    assert VERSION == 7 and data["version"] == 7
+    assert VERSION == 8 and data["version"] == 8
     path = tmp_path / "old.json"
+    # Version 7: no streaming by product size, no fixed costs after the caches are taken; loaded empty.
+    new = {"streaming_products", "streaming_products_packed", "evicted"}
+    v7 = {**data, "version": 7, "threads": {t: {k: v for k, v in c.items() if k not in new}
+                                            for t, c in data["threads"].items()}}  # fmt: skip
+    path.write_text(json.dumps(v7))
+    with pytest.warns(UserWarning, match="version 7 timed the weights' streaming on small products only"):
+        assert Profile.load(path) == profile
     # Version 6: no hand-overs of the interpreter (HostCosts.interpreter_handover), loaded as none.
     host = {k: v for k, v in data["host"].items() if k != "interpreter_handover"}
     path.write_text(json.dumps({**data, "version": 6, "host": host}))
