@@ -466,17 +466,17 @@ EVICTED_MB = (1, 4, 16, 48, 128)
 EVICTED_CALLS = 7
 
 
-def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, float, float]]:
-    """``ThreadCosts.evicted``: ``(bytes, per forward s, per layer s)`` for each of ``EVICTED_MB``: how much
-    longer the actor's shrunk copies' one-token forwards take after that many bytes streamed through the
-    caches than back to back (the median of ``EVICTED_CALLS`` calls, each after its own stream, the fastest
-    of ``ROUNDS`` rounds), fitted as a cost per forward and per layer over the copies' two depths
-    (``benches``: depth -> bench). Why: the fixed costs are fitted on copies whose weights never leave a
-    core's caches, while a model's products stream its weights through them between its Python; measured on
-    ``tiny``, ``small``, ``mid`` and gqa8's copies alike (2026-12-07, one thread): +0.01 ms after 4 MiB,
-    +0.07-0.16 after 16, +0.26-0.45 after 48, +0.38-0.53 after 128, against a model's decode forward priced
-    0.02-0.08 ms low on ``tiny`` (0.5 MiB of weights), 0.19-0.39 on ``small`` (12 MiB), 0.31-0.51 on ``mid``
-    (38 MiB) and 0.43-0.63 on gqa8 (70 MiB) before. CPU only."""
+def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, float, float, int]]:
+    """``ThreadCosts.evicted``: ``(bytes, per forward s, per layer s, deepest layers)`` for each of
+    ``EVICTED_MB``: how much longer the actor's shrunk copies' one-token forwards take after that many bytes
+    streamed through the caches than back to back (the median of ``EVICTED_CALLS`` calls, each after its own
+    stream, the fastest of ``ROUNDS`` rounds over every pair), fitted as a cost per forward and per layer over
+    the copies' two depths (``benches``: depth -> bench; ``_fit_evicted``). Why: the fixed costs are fitted on
+    copies whose weights never leave a core's caches, while a model's products stream its weights through them
+    between its Python; measured on ``tiny``, ``small``, ``mid`` and gqa8's copies alike (2026-12-07, one
+    thread): +0.00-0.05 ms after 4 MiB, +0.07-0.15 after 16, +0.26-0.45 after 48, +0.38-0.53 after 128,
+    against a model's decode forward priced 0.02-0.08 ms low on ``tiny`` (0.5 MiB of weights), 0.19-0.39 on
+    ``small`` (12 MiB), 0.31-0.51 on ``mid`` (38 MiB) and 0.43-0.63 on gqa8 (70 MiB) before. CPU only."""
     import torch  # noqa: PLC0415
 
     buffer = torch.ones((max(EVICTED_MB) << 20) // 4, device=device)
@@ -495,16 +495,33 @@ def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, f
 
     (d1, b1), (d2, b2) = sorted(benches.items())
     calls = {d1: b1.call(1, 1, 0), d2: b2.call(1, 1, 0)}
-    best = {
-        (d, mib): min(median_after(calls[d], mib) for _ in range(ROUNDS))
-        for d in calls
-        for mib in (0, *EVICTED_MB)
-    }
+    pairs = [(d, mib) for d in calls for mib in (0, *EVICTED_MB)]
+    best: dict[tuple[int, int], float] = {}
+    # NOTE: rounds over every (depth, bytes) pair, the fastest of each kept: the back-to-back reference and
+    # each streamed timing come from every moment of the run alike (one pair timed in a burst of other load
+    # would otherwise move a difference, not both of its terms).
+    for _ in range(ROUNDS):
+        for d, mib in pairs:
+            seconds = median_after(calls[d], mib)
+            best[d, mib] = min(seconds, best.get((d, mib), seconds))
+    return _fit_evicted(best, d1, d2)
+
+
+def _fit_evicted(
+    best: dict[tuple[int, int], float], d1: int, d2: int
+) -> list[tuple[float, float, float, int]]:
+    """``ThreadCosts.evicted`` from the copies' timings ``best[depth, MiB]`` (0 MiB: back to back) at the
+    depths ``d1 < d2``: at each streamed size, the excess over back to back split into a cost per forward
+    and per layer along the line through the two depths, the per-layer part at least 0 (a copy's layers do
+    not run faster after a stream: a negative slope is the two timings' noise, and the per-forward part is
+    then the two depths' mean excess), and ``d2``, the deepest layer count measured: a deeper model is
+    charged the per-layer part up to it only (``ThreadCosts.evicted_s``)."""
     out = []
     for mib in EVICTED_MB:
         e1, e2 = best[d1, mib] - best[d1, 0], best[d2, mib] - best[d2, 0]
-        per_layer = (e2 - e1) / (d2 - d1)
-        out.append((float(mib << 20), e1 - per_layer * d1, per_layer))
+        per_layer = max(0.0, (e2 - e1) / (d2 - d1))
+        per_forward = e1 - per_layer * d1 if per_layer > 0 else (e1 + e2) / 2
+        out.append((float(mib << 20), per_forward, per_layer, d2))
     return out
 
 

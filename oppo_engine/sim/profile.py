@@ -109,13 +109,16 @@ class ThreadCosts:
     packed once, as above): ``[(product bytes, rows, bytes/s), ...]``, the bandwidth at which a sweep of
     products of one size and that many rows reads their weights out of a working set far larger than the
     cache; a product streams at least that fast (``streaming_bandwidth``): the ``streaming`` tables sweep a
-    layer's mix of small products, and a product of many megabytes reads its weights about twice as fast
-    (measured 2026-12-07: 19 GB/s at 0.56 MiB, 40-44 at 16-32 MiB, one row, one thread). ``evicted``:
-    ``[(bytes, per forward s, per layer s), ...]``, how much longer the actor's shrunk copies' forwards take
+    layer's mix of small products, and a product of many megabytes reads its weights faster (measured
+    2026-12-07: 19 GB/s at 0.56 MiB, 40-44 at 16-32 MiB, one row, one thread). ``evicted``: ``[(bytes, per
+    forward s, per layer s, deepest layers), ...]``, how much longer the actor's shrunk copies' forwards take
     (their fixed costs: the interpreter, dispatch) after that many bytes streamed through the caches than hot,
     fitted over their two depths (``calibration.py::_time_evicted``); a forward's fixed costs are charged it
-    at its model's weight bytes (``evicted_s``): its products stream them between its Python. Empty where not
-    timed (a GPU; version 7 and older): nothing charged."""
+    at its model's weight bytes (``evicted_s``; the embedding's included, which a forward does not stream:
+    past the largest size timed, 128 MiB, the charge is flat anyway), since its products stream them between
+    its Python. Measured on the actor's copies and charged to every role's forward: the scorers' copies were
+    not timed after a stream (an assumption, stated). Empty where not timed (a GPU; version 7 and older):
+    nothing charged."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -138,21 +141,23 @@ class ThreadCosts:
     packed_in_forward: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     streaming_products: list[tuple[float, int, float]] = field(default_factory=list)
     streaming_products_packed: list[tuple[float, int, float]] = field(default_factory=list)
-    evicted: list[tuple[float, float, float]] = field(default_factory=list)
+    evicted: list[tuple[float, float, float, int]] = field(default_factory=list)
 
     def evicted_s(self, weight_bytes: float, layers: int) -> float:
         """The fixed costs' excess in a forward of ``layers`` layers whose products stream ``weight_bytes``
         of weights (``evicted``: per forward and per layer, each interpolated in log bytes, held flat past the
-        largest; below the smallest, in proportion to the bytes; never negative). 0 where not measured."""
+        largest; below the smallest, in proportion to the bytes; the per-layer part charged up to the
+        deepest copy measured, not extrapolated past it; never negative). 0 where not measured."""
         if not self.evicted or weight_bytes <= 0:
             return 0.0
         points = sorted(self.evicted)
-        first = points[0][0]
-        if weight_bytes < first:
-            return max(0.0, points[0][1] + points[0][2] * layers) * weight_bytes / first
-        per_forward = log_interp([(b, f) for b, f, _ in points], weight_bytes)
-        per_layer = log_interp([(b, lay) for b, _, lay in points], weight_bytes)
-        return max(0.0, per_forward + per_layer * layers)
+        charged = min(layers, min(depth for *_, depth in points))
+        if weight_bytes < points[0][0]:
+            _, per_forward, per_layer, _ = points[0]
+            return max(0.0, per_forward + per_layer * charged) * weight_bytes / points[0][0]
+        per_forward = log_interp([(b, f) for b, f, _, _ in points], weight_bytes)
+        per_layer = log_interp([(b, lay) for b, _, lay, _ in points], weight_bytes)
+        return max(0.0, per_forward + per_layer * charged)
 
     def in_forward(self, m: int, kn: int) -> float:
         """How much longer a packed ``[m, K] @ [K, N]`` product (``K * N = kn``) takes inside the actor's
@@ -196,13 +201,14 @@ class ThreadCosts:
         ``working_set`` bytes (interpolated in log size and log rows); ``packed``: weights packed once
         (the packed table where the calibration timed one). ``product_bytes``: the product's own weight
         bytes, which read at least as fast as a sweep of products of that size out of memory
-        (``streaming_products``, where timed)."""
+        (``streaming_products``, where timed, interpolated in log size and held flat past the largest; a
+        product smaller than the smallest timed reads at the working-set table's rate alone)."""
         table = self.streaming_packed if packed and self.streaming_packed else self.streaming
         base = _table_at(table, working_set, rows) if table else self.bandwidth
         sizes = self.streaming_products_packed if packed and self.streaming_products_packed else None
         sizes = sizes or self.streaming_products
-        if product_bytes <= 0 or not sizes:
-            return base
+        if not sizes or product_bytes < min(size for size, _, _ in sizes):
+            return base  # no sweep of its size or smaller was timed: the working-set table's
         return max(base, _table_at(sizes, product_bytes, rows))
 
     def gemm_s(self, m: int, kn: int, packed: bool = False) -> float:
@@ -318,7 +324,9 @@ class Profile:
                         "streaming_products_packed": [
                             (float(w), int(r), float(b)) for w, r, b in c.get("streaming_products_packed", [])
                         ],
-                        "evicted": [(float(b), float(f), float(lay)) for b, f, lay in c.get("evicted", [])],
+                        "evicted": [
+                            (float(b), float(f), float(lay), int(d)) for b, f, lay, d in c.get("evicted", [])
+                        ],
                     }
                 )
                 for t, c in data["threads"].items()
@@ -334,9 +342,10 @@ class Profile:
         if data["version"] == 7 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version 7 timed the weights' streaming on small products only and the "
-                "fixed costs with the caches hot, so a model of large products (their reads measured about "
-                "twice as fast) is priced slow and the fixed costs of a model whose weights pass the cache "
-                "(0.3-0.6 ms a forward measured) fast; calibrate again (oppo-engine calibrate)",
+                "fixed costs with the caches hot, so a model of large products (their reads measured "
+                "1.6-1.8x as fast as priced) is priced slow and the fixed costs of a model whose weights "
+                "pass the cache (0.3-0.6 ms a forward measured) fast; calibrate again (oppo-engine "
+                "calibrate)",
                 UserWarning,
                 stacklevel=2,
             )

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from oppo_engine.sim.calibration import FORWARD_GRID, _fit_with, _fixed_costs
+from oppo_engine.sim.calibration import EVICTED_MB, FORWARD_GRID, _fit_evicted, _fit_with, _fixed_costs
 from oppo_engine.sim.cost import HostCosts
 from oppo_engine.sim.profile import Calibrated, Profile, ThreadCosts
 from oppo_engine.sim.shapes import ModelShape, model_shape
@@ -28,7 +28,7 @@ MIB = float(1 << 20)
 # bench_twin's ``mid`` shape (6 layers, hidden 384, intermediate 1024, 6 heads over 2, vocabulary 512):
 # 37.5 MiB of float32 weights, past the 32 MiB cache where the excess is a few hundred microseconds.
 MID = ModelShape("mid", 6, 384, 6, 2, 64, 1024, 512, False, 4)
-EVICTED = [(1 * MIB, 1e-5, 1e-6), (16 * MIB, 1e-4, 2e-5), (128 * MIB, 4e-4, 1e-5)]
+EVICTED = [(1 * MIB, 1e-5, 1e-6, 12), (16 * MIB, 1e-4, 2e-5, 12), (128 * MIB, 4e-4, 1e-5, 12)]
 
 
 def costs(**fields) -> ThreadCosts:
@@ -47,7 +47,9 @@ def test_the_excess_after_the_caches_are_taken_interpolates_in_log_bytes():
     assert c.evicted_s(1024 * MIB, 4) == pytest.approx(4e-4 + 4 * 1e-5)  # held past the largest
     assert c.evicted_s(0.25 * MIB, 4) == pytest.approx((1e-5 + 4 * 1e-6) * 0.25)  # in proportion below
     assert c.evicted_s(0.0, 4) == 0.0
-    assert costs(evicted=[(MIB, -1e-4, 1e-6)]).evicted_s(MIB, 2) == 0.0  # never negative
+    assert costs(evicted=[(MIB, -1e-4, 1e-6, 12)]).evicted_s(MIB, 2) == 0.0  # never negative
+    # the per-layer part up to the deepest copy measured (12 layers), not extrapolated past it
+    assert c.evicted_s(16 * MIB, 30) == pytest.approx(1e-4 + 12 * 2e-5)
     assert costs().evicted_s(64 * MIB, 4) == 0.0  # not measured: nothing charged
 
 
@@ -72,6 +74,12 @@ def test_a_product_reads_at_least_as_fast_as_a_sweep_of_its_own_size():
     assert c.streaming_bandwidth(64 * MIB, 1) == pytest.approx(10e9)  # no product size: the table
     assert c.streaming_bandwidth(64 * MIB, 1, product_bytes=16 * MIB) == pytest.approx(40e9)
     assert c.streaming_bandwidth(64 * MIB, 1, product_bytes=0.5 * MIB) == pytest.approx(10e9)  # the table's
+    # smaller than any product swept: the working-set table's rate alone, not the smallest sweep's
+    slow = costs(
+        streaming=[(64 * MIB, 1, 5e9)], streaming_products=[(0.5 * MIB, 1, 8e9), (16 * MIB, 1, 40e9)]
+    )
+    assert slow.streaming_bandwidth(64 * MIB, 1, product_bytes=0.25 * MIB) == pytest.approx(5e9)
+    assert slow.streaming_bandwidth(64 * MIB, 1, product_bytes=0.5 * MIB) == pytest.approx(8e9)
     assert c.streaming_bandwidth(64 * MIB, 16, product_bytes=16 * MIB) == pytest.approx(20e9)
     assert c.streaming_bandwidth(64 * MIB, 1, product_bytes=64 * MIB) == pytest.approx(40e9)  # held
     packed = dataclasses.replace(c, streaming_packed=table, streaming_products_packed=[(16 * MIB, 1, 30e9)])
@@ -116,3 +124,32 @@ def test_the_shrunk_copies_fixed_costs_are_fitted_around_their_own_small_excess(
     got = _fixed_costs(points, ts)
     assert got.forward_s == pytest.approx(TRUE["forward_s"], rel=1e-6)
     assert got.layer_s == pytest.approx(TRUE["layer_s"], rel=1e-6)
+
+
+def test_the_excess_is_split_per_forward_and_per_layer_over_the_two_depths():
+    """Made-up timings of copies at depths 1 and 12: at each streamed size the excess over back to back is
+    0.3 ms + 20 us a layer; a negative slope (noise) keeps the per-layer part at 0 and the mean excess."""
+    best = {(d, 0): 1e-3 + 1e-4 * d for d in (1, 12)}
+    best |= {(d, mib): best[d, 0] + 3e-4 + 2e-5 * d for d in (1, 12) for mib in EVICTED_MB}
+    got = _fit_evicted(best, 1, 12)
+    assert [b for b, *_ in got] == [float(mib << 20) for mib in EVICTED_MB]
+    for _, per_forward, per_layer, deepest in got:
+        assert per_forward == pytest.approx(3e-4) and per_layer == pytest.approx(2e-5) and deepest == 12
+    best |= {(12, mib): best[12, 0] + 2e-4 for mib in EVICTED_MB}  # the deeper copy gains less
+    for _, per_forward, per_layer, _ in _fit_evicted(best, 1, 12):
+        assert per_layer == 0.0 and per_forward == pytest.approx((3.2e-4 + 2e-4) / 2)
+
+
+def test_a_version_8_profile_keeps_both_tables_through_a_save(tmp_path):
+    ts = costs(
+        streaming=[(64 * MIB, 1, 10e9)],
+        streaming_products=[(16 * MIB, 1, 40e9)],
+        streaming_products_packed=[(16 * MIB, 1, 30e9)],
+        evicted=EVICTED,
+    )
+    path = profile(ts).save(tmp_path / "v8.json")
+    loaded = Profile.load(path).costs_at(1)
+    assert loaded.streaming_products == ts.streaming_products
+    assert loaded.streaming_products_packed == ts.streaming_products_packed
+    assert loaded.evicted == ts.evicted
+    assert loaded.evicted_s(16 * MIB, 4) == ts.evicted_s(16 * MIB, 4)
