@@ -411,16 +411,25 @@ def _time_streaming(device, dtype, timed, gpu: bool, packed: bool = False) -> li
         weights = [(k, _linear(torch.randn(n, k, device=device, dtype=dtype), packed))
                    for _ in range(layers) for n, k in layer]  # fmt: skip
         for rows in STREAMING_ROWS:
-            xs = {k: torch.randn(1, rows, k, device=device, dtype=dtype) for _, k in layer}
-
-            def sweep(weights=weights, xs=xs) -> None:
-                for k, w in weights:
-                    w(xs[k])
-
-            seconds = min(timed(sweep, 2) for _ in range(ROUNDS))
-            out.append((float(layers * per_layer), rows, layers * per_layer / seconds))
+            rate = _swept_rate(weights, layers * per_layer, rows, device, dtype, timed)
+            out.append((float(layers * per_layer), rows, rate))
         del weights
     return out
+
+
+def _swept_rate(weights: list[tuple[int, Callable]], nbytes: int, rows: int, device, dtype, timed) -> float:
+    """Bytes/s of one sweep through ``weights`` (``(K, x -> product)`` pairs, ``nbytes`` of weights in all)
+    at ``rows`` rows: the fastest of ``ROUNDS`` of ``timed``'s timings (``_time_streaming``,
+    ``_time_streaming_products``)."""
+    import torch  # noqa: PLC0415
+
+    xs = {k: torch.randn(1, rows, k, device=device, dtype=dtype) for k, _ in weights}
+
+    def sweep() -> None:
+        for k, w in weights:
+            w(xs[k])
+
+    return nbytes / min(timed(sweep, 2) for _ in range(ROUNDS))
 
 
 # The products of ``_time_streaming_products``: (K, N) of 0.56, 1.5, 4 and 16 MiB of float32 weights (a
@@ -446,16 +455,9 @@ def _time_streaming_products(
     for k, n in STREAMING_PRODUCTS:
         size = k * n * dtype.itemsize
         count = max(2, (PRODUCTS_WORKING_MB << 20) // size)
-        weights = [_linear(torch.randn(n, k, device=device, dtype=dtype), packed) for _ in range(count)]
+        weights = [(k, _linear(torch.randn(n, k, device=device, dtype=dtype), packed)) for _ in range(count)]
         for rows in STREAMING_ROWS:
-            x = torch.randn(1, rows, k, device=device, dtype=dtype)
-
-            def sweep(weights=weights, x=x) -> None:
-                for w in weights:
-                    w(x)
-
-            seconds = min(timed(sweep, 2) for _ in range(ROUNDS))
-            out.append((float(size), rows, count * size / seconds))
+            out.append((float(size), rows, _swept_rate(weights, count * size, rows, device, dtype, timed)))
         del weights
     return out
 
