@@ -260,7 +260,13 @@ def matrix(args) -> int:
     diagonal, shapes it never timed), against the real engine measured here: per cell the median and worst
     signed s/step error over its workloads and arms (the goal of each cell: median <= 10%, worst <= 20%).
     Each real number is the median of ``--steps`` steps interleaved across the arms, ``--rounds`` times (the
-    median of the rounds); the load is printed beside each."""
+    median of the rounds); the load is printed beside each.
+
+    ``--runs`` whole runs, one after another (each calibrates every shape again and measures every workload
+    again, so the runs interleave the calibrations and the measurements): each run's table, then the
+    matrix of the medians over the runs -- per cell, each workload's and arm's error the median of the
+    runs' (the twin's prediction and the real figure both move from run to run: a calibration's fitted
+    hand-overs, the real steps' spells)."""
     import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
@@ -268,12 +274,45 @@ def matrix(args) -> int:
     bad = [s for s in shapes if s not in MATRIX_SHAPES]
     if bad:
         raise SystemExit(f"--matrix-shapes: each one of {MATRIX_SHAPES}, got {bad}")
+    if args.runs < 1:
+        raise SystemExit(f"--runs: at least 1, got {args.runs}")
+    runs: list[dict] = []
+    for run in range(args.runs):
+        if args.runs > 1:
+            print(f"\n## run {run + 1} of {args.runs}")
+        runs.append(_matrix_run(args, shapes, run))
+    if args.runs > 1:
+        print(f"\n## the medians of the {args.runs} runs, per cell, workload and arm")
+        _matrix_table(shapes, median_errors(runs), f"load {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+def median_errors(runs: list[dict]) -> dict:
+    """Per cell of ``runs`` (``_matrix_run``'s results), each workload's and arm's error the median over the
+    runs; a cell any run refused stays refused (``None``)."""
+    out = {}
+    for key in runs[0]:
+        if any(r[key] is None for r in runs):
+            out[key] = None
+        else:
+            out[key] = [statistics.median(r[key][i] for r in runs) for i in range(len(runs[0][key]))]
+    return out
+
+
+def _matrix_run(args, shapes: list[str], run: int) -> dict[tuple[str, str], list[float] | None]:
+    """One run of the matrix: every shape calibrated, every workload measured, the table printed; returns
+    ``{(calibrated on, predicted): errors}`` (per arm, each workload's signed error; ``None``: refused)."""
+    import os  # noqa: PLC0415
+
     profiles = {}
     for shape in shapes:
         t0 = time.perf_counter()
         actor, reward = _models(shape, 0)
+        # run 1 writes where one run always did (--forward-terms and --phases-profile read it)
+        name = f"profile_{shape}.json" if run == 0 else f"profile_{shape}_run{run + 1}.json"
+        path = args.out / name
         with OtherCPU() as other:
-            profiles[shape] = calibrate(actor, reward, path=args.out / f"profile_{shape}.json", threads=(1,))
+            profiles[shape] = calibrate(actor, reward, path=path, threads=(1,))
         p = profiles[shape]
         print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}, "
               f"{_other(other)}; cores {p.cores}, penalty {p.host.interpreter_penalty}, hand-overs "
@@ -290,35 +329,51 @@ def matrix(args) -> int:
             print(f"measured {w.name}: " + ", ".join(f"{a[0]} {t:.3f}s" for a, t in real[w].items())
                   + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}, {_other(other)}, "
                   f"sequential's CPU share {share:.2f}")  # fmt: skip
+    errors: dict[tuple[str, str], list[float] | None] = {}
+    for cal in shapes:
+        for target in shapes:
+            try:
+                errs: list[float] = []
+                for w in matrix_workloads(target):
+                    twin = predict(w, profiles[cal], args.warmup, args.steps, MATRIX_ARMS)
+                    errs += [twin[a][0] / real[w][a] - 1 for a in MATRIX_ARMS]
+                errors[cal, target] = errs
+            except ValueError as e:  # a profile too small for the shape: refused by name, not guessed
+                print(f"  {cal} -> {target}: refused: {e}")
+                errors[cal, target] = None
+    _matrix_table(shapes, errors, f"load {os.getloadavg()[0]:.1f}")
+    return errors
+
+
+def _matrix_table(shapes: list[str], errors: dict, load: str) -> None:
+    """The matrix of ``errors`` (``_matrix_run``'s): per cell the median / worst signed error, the cells
+    meeting the goal counted, then each cell's arms, base / pareto."""
     print("\ncalibrated on (row) -> predicting (column): median / worst signed s/step error (twin / real "
           "- 1; the twin's numbers are predictions)")  # fmt: skip
     print(f"{'':<10}" + "".join(f"{c:>16}" for c in shapes))
-    per_arm = []
+    per_arm, met = [], 0
     for cal in shapes:
         cells = []
         for target in shapes:
-            errors = []
-            try:
-                for w in matrix_workloads(target):
-                    twin = predict(w, profiles[cal], args.warmup, args.steps, MATRIX_ARMS)
-                    errors += [twin[a][0] / real[w][a] - 1 for a in MATRIX_ARMS]
-            except ValueError as e:  # a profile too small for the shape: refused by name, not guessed
-                print(f"  {cal} -> {target}: refused: {e}")
+            errs = errors[cal, target]
+            if errs is None:
                 cells.append("refused")
                 continue
-            worst = max(errors, key=abs)
-            cells.append(f"{statistics.median(errors):+.0%} / {worst:+.0%}")
+            worst = max(errs, key=abs)
+            median = statistics.median(errs)
+            met += abs(median) <= 0.10 and abs(worst) <= 0.20
+            cells.append(f"{median:+.0%} / {worst:+.0%}")
+            arms = len(MATRIX_ARMS)
             per_arm.append(
                 f"  {cal:>5} -> {target:<5} "
                 + "  ".join(
-                    f"{a[0]} {errors[i]:+.0%} / {errors[i + len(MATRIX_ARMS)]:+.0%}"
-                    for i, a in enumerate(MATRIX_ARMS)
+                    f"{a[0]} {errs[i]:+.0%} / {errs[i + arms]:+.0%}" for i, a in enumerate(MATRIX_ARMS)
                 )
             )
-        print(f"{cal:<10}" + "".join(f"{c:>16}" for c in cells) + f"   load {os.getloadavg()[0]:.1f}")
+        print(f"{cal:<10}" + "".join(f"{c:>16}" for c in cells) + f"   {load}")
+    print(f"cells meeting the goal (median <= 10%, worst <= 20%): {met} of {len(errors)}")
     print("\nper arm, base / pareto (row -> column):")
     print("\n".join(per_arm))
-    return 0
 
 
 # -- where a matrix cell's time goes -------------------------------------------------------------------------
@@ -1090,6 +1145,7 @@ def main(argv: list[str] | None = None) -> int:
         "--forward-terms", default=None, help="shapes (comma-separated): a forward's terms, real vs priced"
     )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--matrix, --drain)")
+    p.add_argument("--runs", type=int, default=3, help="--matrix: whole runs, the cells' medians over them")
     p.add_argument("--device-check", action="store_true", help="the twin against bench_e2e on this GPU")
     p.add_argument("--e2e", type=Path, default=Path("bench_out"), help="bench_e2e's --out (--device-check)")
     p.add_argument(

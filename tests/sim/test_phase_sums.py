@@ -1,9 +1,10 @@
 """``bench_twin.phase_sums``: a step's seconds by phase, from its lane spans (the ``--phases`` diagnosis); the
-neighbour's CPU that ``calibrate`` and the matrix report (``OtherCPU``, ``neighbour_warning``)."""
+neighbour's CPU that ``calibrate`` and the matrix report (``OtherCPU``, ``neighbour_warning``); the matrix's
+medians over its runs (``median_errors``)."""
 
 import pytest
 
-from bench.bench_twin import phase_sums
+from bench.bench_twin import median_errors, phase_sums
 from oppo_engine.sim.calibration import NEIGHBOUR_CORES, OtherCPU, neighbour_warning
 
 
@@ -38,3 +39,15 @@ def test_calibrate_warns_of_a_neighbour_above_the_threshold():
     assert neighbour_warning(NEIGHBOUR_CORES) is None
     message = neighbour_warning(0.8)
     assert message is not None and "0.80 cores" in message and "hand-overs" in message
+
+
+def test_median_errors_takes_each_workload_and_arm_over_the_runs():
+    runs = [
+        {("tiny", "small"): [0.1, -0.3, 0.0], ("small", "tiny"): [0.0, 0.0, 0.0]},
+        {("tiny", "small"): [0.3, -0.1, 0.2], ("small", "tiny"): None},  # refused in one run
+        {("tiny", "small"): [0.2, -0.2, -0.4], ("small", "tiny"): [0.0, 0.0, 0.0]},
+    ]
+    out = median_errors(runs)
+    # per position, not the median of the run's medians nor of its worst
+    assert out["tiny", "small"] == pytest.approx([0.2, -0.2, 0.0])
+    assert out["small", "tiny"] is None
