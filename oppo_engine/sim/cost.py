@@ -55,8 +55,10 @@ def elementwise_bytes(shape: ModelShape) -> int:
 class HostCosts:
     """The engine's host time per forward: ``per_forward_s`` plus ``per_row_s`` per sequence in it (the
     scheduler's pass, the sampler's bookkeeping, the runner's metadata), and ``handoff_s`` per hand-off of
-    a chunk to the scorers. ``interpreter_penalty``: how much longer two interpreter-bound threads of one
-    process take together than one after the other (the GIL's hand-overs; 1 would be a clean
+    a chunk to the scorers. ``per_step_s``: per step, outside its forwards (the step's start -- the
+    sequences' snapshots, the admissions, the models' attention switched -- and its commit and metrics; 0
+    in a profile written before it). ``interpreter_penalty``: how much longer two interpreter-bound threads
+    of one process take together than one after the other (the GIL's hand-overs; 1 would be a clean
     serialisation). ``interpreter_handover``: the seconds a thread waits for the interpreter per second of
     its own Python and per unit of the interpreter share of the other threads of its process running
     beside it, at any demand (:func:`handover_load`; 0: none, as in a profile written before it)."""
@@ -66,6 +68,7 @@ class HostCosts:
     handoff_s: float
     interpreter_penalty: float = 1.0
     interpreter_handover: float = 0.0
+    per_step_s: float = 0.0
 
 
 def interpreter_load(demand: float, penalty: float) -> float:

@@ -38,9 +38,12 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # streaming by product size (``streaming_products``, ``streaming_products_packed``) and the fixed costs'
 # excess after a forward's weights stream through the caches (``evicted``); a version 7 CPU profile loads
 # without them, pricing large products' reads at the small ones' rate and the fixed costs hot
-# (``Profile.from_json`` warns).
-VERSION = 8
-READS = (1, 2, 3, 4, 5, 6, 7, VERSION)
+# (``Profile.from_json`` warns). 9: the engine's host time per step outside its forwards
+# (``HostCosts.per_step_s``), the repacking timed after a weight update's stream through the caches, and
+# the cores fitted in twentieths; a version 8 CPU profile loads with no cost per step, its steps priced
+# short by it (``Profile.from_json`` warns).
+VERSION = 9
+READS = (1, 2, 3, 4, 5, 6, 7, 8, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -339,6 +342,14 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
+        if data["version"] <= 8 and profile.kind == "cpu":
+            warnings.warn(
+                f"{where}: format version {data['version']} measured no host time per step outside the "
+                "forwards (0.3-0.4 ms a step with forwards that cost nothing, measured), so a short step "
+                "is priced short by it; calibrate again (oppo-engine calibrate)",
+                UserWarning,
+                stacklevel=2,
+            )
         if data["version"] == 7 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version 7 timed the weights' streaming on small products only and the "

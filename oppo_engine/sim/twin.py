@@ -336,12 +336,15 @@ class World:
         results: list = [None] * ranks
         starts = [0.0] * ranks
         busy0 = [self._busy()]
+        per_step = s.cost.source.host.per_step_s
 
         def rank_main(r: int) -> None:
             ex.set_home(s.device_of(r), f"rank{r}")
             engine = self.engines[r]
             for _ in range(steps):
                 starts[r] = clock.now
+                if per_step > 0.0:  # the step's own host time, outside its forwards (HostCosts.per_step_s)
+                    ex.sleep(per_step)
                 results[r] = (engine.step(), clock.now - starts[r])
                 with cond:
                     state["arrived"] += 1
@@ -455,15 +458,24 @@ class World:
             engine.close()
 
 
-def measure_host_costs(rows: tuple[int, ...] = (4, 16), tokens: int = 96, repeats: int = 3) -> HostCosts:
-    """The engine's host time per forward and per row: real time of steps of the real engine, on OS threads
-    and the real clock, around stand-in forwards that cost nothing; and per hand-off, from a streamed step.
+def measure_host_costs(
+    rows: tuple[int, ...] = (4, 16), tokens: tuple[int, int] = (16, 96), repeats: int = 3
+) -> HostCosts:
+    """The engine's host time per step, per forward and per row: real time of steps of the real engine, on
+    OS threads and the real clock, around stand-in forwards that cost nothing; and per hand-off, from a
+    streamed step.
 
-    Each point is the fastest of ``repeats`` steps after a warm-up: other work on the machine only adds
-    time, and one slow step at the larger batch would tilt the fit to all per-row cost and no per-forward
-    cost (a loaded 2-core machine did, with one step per point)."""
+    The steps: sequential ones of ``tokens[1]`` response tokens at each of ``rows`` (the cost per row), one
+    of ``tokens[0]`` at ``rows[0]`` (a step's own cost, outside its forwards: the intercept against the
+    number of forwards at one row count; a long step alone spreads it over its forwards, and a short step,
+    ``inter``'s of a heavy tail, is then priced without most of it), and streamed ones of ``tokens[1]``
+    (the hand-offs). Each point is the fastest of ``repeats`` steps after a warm-up: other work on the
+    machine only adds time, and one slow step at the larger batch would tilt the fit to all per-row cost and
+    no per-forward cost (a loaded 2-core machine did, with one step per point)."""
     if repeats < 1:
         raise ValueError(f"measure_host_costs: repeats must be >= 1, got {repeats}")
+    if len(tokens) != 2 or not 0 < tokens[0] < tokens[1]:
+        raise ValueError(f"measure_host_costs: tokens must be (short, long), 0 < short < long, got {tokens}")
     from oppo_engine.sim.lengths import parse_lengths  # noqa: PLC0415
     from oppo_engine.sim.shapes import model_shape  # noqa: PLC0415
 
@@ -471,27 +483,49 @@ def measure_host_costs(rows: tuple[int, ...] = (4, 16), tokens: int = 96, repeat
     source.host = HostCosts(0.0, 0.0, 0.0)
     free = CostModel(source)
     shapes = {ACTOR: model_shape("tiny"), REWARD: model_shape("tiny", head="score")}
-    per_forward = []
-    for mode in ("sequential", "intra"):
-        for r in rows:
-            setting = Setting(
-                shapes=shapes, cost=free, placement="cpu", gpus=1, batch_size=r,
-                lengths=parse_lengths(tokens), prompt_lengths=parse_lengths(8), config=EngineConfig(),
-            )  # fmt: skip
-            chunk = 8 if mode == "intra" else None
-            world = _RealTimeWorld(setting, mode, chunk_size=chunk, steps=1 + repeats)
-            try:
-                world.step()  # warm-up
-                timed = [world.step() for _ in range(repeats)]
-            finally:
-                world.close()
-            seconds, forwards, handoffs = min(timed, key=lambda t: t[0] / t[1])
-            per_forward.append((mode, r, seconds / forwards, handoffs / forwards))
-    seq = {r: t for mode, r, t, _ in per_forward if mode == "sequential"}
-    per_row = max(0.0, (seq[rows[-1]] - seq[rows[0]]) / (rows[-1] - rows[0]))
-    base = max(0.0, seq[rows[0]] - per_row * rows[0])
-    streamed = [(t - seq[r]) / h for mode, r, t, h in per_forward if mode == "intra" and h > 0]
-    return HostCosts(base, per_row, max(0.0, statistics.median(streamed)) if streamed else 0.0)
+
+    def fastest(mode: str, r: int, n: int) -> tuple[float, int, int]:
+        setting = Setting(
+            shapes=shapes, cost=free, placement="cpu", gpus=1, batch_size=r,
+            lengths=parse_lengths(n), prompt_lengths=parse_lengths(8), config=EngineConfig(),
+        )  # fmt: skip
+        chunk = 8 if mode == "intra" else None
+        world = _RealTimeWorld(setting, mode, chunk_size=chunk, steps=1 + repeats)
+        try:
+            world.step()  # warm-up
+            timed = [world.step() for _ in range(repeats)]
+        finally:
+            world.close()
+        return min(timed, key=lambda t: t[0] / t[1])
+
+    short, long = tokens
+    seq = {r: fastest("sequential", r, long) for r in rows}
+    brief = fastest("sequential", rows[0], short)
+    intra = {r: fastest("intra", r, long) for r in rows}
+    return fit_host_costs(seq, brief, intra)
+
+
+def fit_host_costs(
+    seq: dict[int, tuple[float, int, int]],
+    brief: tuple[float, int, int],
+    intra: dict[int, tuple[float, int, int]],
+) -> HostCosts:
+    """``HostCosts`` from timed steps ``(seconds, forwards, hand-offs)``: ``seq``, long sequential steps by
+    row count; ``brief``, a short sequential step at the smallest row count; ``intra``, long streamed steps
+    by row count. A step takes ``per_step + forwards * (per_forward + per_row * rows)``, plus ``handoff``
+    per hand-off where it streams: the per-step cost is the intercept of the two steps at the smallest row
+    count against their forwards, and none of the others is found with it spread over the forwards."""
+    rows = sorted(seq)
+    (t_long, f_long, _), (t_short, f_short, _) = seq[rows[0]], brief
+    per_step = 0.0
+    if f_long > f_short:
+        per_step = max(0.0, t_short - f_short * (t_long - t_short) / (f_long - f_short))
+    per_forward = {r: (t - per_step) / f for r, (t, f, _) in seq.items()}
+    per_row = max(0.0, (per_forward[rows[-1]] - per_forward[rows[0]]) / (rows[-1] - rows[0]))
+    base = max(0.0, per_forward[rows[0]] - per_row * rows[0])
+    streamed = [((t - per_step) / f - per_forward[r]) / (h / f) for r, (t, f, h) in intra.items() if h > 0]
+    handoff = max(0.0, statistics.median(streamed)) if streamed else 0.0
+    return HostCosts(base, per_row, handoff, per_step_s=per_step)
 
 
 class _Free:

@@ -182,7 +182,10 @@ def test_a_cpu_decode_beside_a_prefill_streams_at_its_own_speed_on_two_cores_and
 
 
 def test_the_rule_explains_the_wide_models_measured_pairs_at_the_fitted_cores():
-    cores, penalty, handover = _fit_contention(GQA8_PAIRS, TWO_CORES, CPU)
+    # as calibrate fits them on the CPU: the cores from a bare projections' pair (here two idle cores'), the
+    # rest from the pairs at those cores
+    product = Work(0.0, 0.0, ((4.8e-3, 0.0),), 1)
+    cores, penalty, handover = _fit_contention(GQA8_PAIRS, TWO_CORES, CPU, [(product, product, 1.0, 1.0)])
     assert (cores, penalty) == (2.0, 1.0)  # no pair's Python shows a penalty: the lowest
     for a, b, s_a, s_b in GQA8_PAIRS:
         p_a = contended_s(a, [(b, True)], cores, penalty, True, handover) / a.alone_s

@@ -187,7 +187,7 @@ def test_calibrate_fits_with_the_narrow_copies_and_times_the_ladders_products(mo
     monkeypatch.setattr(calibration, "_time_gemms", lambda *a, **k: {2048: [(1, 1e9)]})
     monkeypatch.setattr(calibration, "_time_streaming", lambda *a, **k: [(1e6, 1, 1e9)])
     monkeypatch.setattr(calibration, "_time_bandwidth", lambda *a, **k: 1e10)
-    monkeypatch.setattr(calibration, "_time_repack", lambda packs, timed: (1, 1, 1e-6))
+    monkeypatch.setattr(calibration, "_time_repack", lambda packs, timed, stream=None: (1, 1, 1e-6))
     monkeypatch.setattr(calibration, "_timer", lambda device: lambda fn, reps: 1e-3)
     monkeypatch.setattr(calibration, "ROUNDS", 1)
     saved = torch.get_num_threads()

@@ -530,6 +530,8 @@ def test_measuring_host_costs_with_no_repeat_is_refused():
 
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         measure_host_costs(repeats=0)
+    with pytest.raises(ValueError, match="0 < short < long"):
+        measure_host_costs(tokens=(96, 16))
 
 
 def test_the_twins_prompts_share_no_prefix_as_the_benches_random_prompts_do():
@@ -547,3 +549,46 @@ def test_the_twins_prompts_share_no_prefix_as_the_benches_random_prompts_do():
     finally:
         world.close()
     assert forked == 0
+
+
+def test_the_host_fit_recovers_a_steps_own_cost_apart_from_its_forwards():
+    """Steps made from known costs: the fit finds each of them, the per-step cost not spread over the
+    forwards (a long step alone would price a short one without most of it)."""
+    from oppo_engine.sim.twin import fit_host_costs
+
+    per_step, base, per_row, handoff = 4e-4, 2e-5, 3e-6, 6e-6
+
+    def step(rows: int, forwards: int, handoffs: int = 0) -> tuple[float, int, int]:
+        return per_step + forwards * (base + per_row * rows) + handoffs * handoff, forwards, handoffs
+
+    seq = {4: step(4, 96), 16: step(16, 96)}
+    intra = {4: step(4, 96, 24), 16: step(16, 96, 30)}
+    got = fit_host_costs(seq, step(4, 16), intra)
+    assert got.per_step_s == pytest.approx(per_step)
+    assert got.per_forward_s == pytest.approx(base)
+    assert got.per_row_s == pytest.approx(per_row)
+    assert got.handoff_s == pytest.approx(handoff)
+    # no short step (or one as long): nothing per step, as before the term
+    assert fit_host_costs(seq, seq[4], intra).per_step_s == 0.0
+
+
+@pytest.mark.parametrize("mode", ["sequential", "inter", "oppo"])
+def test_the_twin_charges_a_steps_own_host_time_once_a_step(mode):
+    """``HostCosts.per_step_s`` adds itself to every step's rollout, once, in every mode; the steps' work is
+    otherwise the same (the clock moves before the step begins, where no lane has work)."""
+    rollouts = {}
+    for per_step in (0.0, 0.05):
+        profile = _cpu_profile()
+        profile = dataclasses.replace(profile, host=dataclasses.replace(profile.host, per_step_s=per_step))
+        setting = _setting(
+            shapes={"actor": model_shape("tiny"), "reward": model_shape("tiny", head="score")},
+            cost=CostModel(Calibrated(profile)), placement="cpu", gpus=1,
+        )  # fmt: skip
+        chunk = 16 if mode == "oppo" else None
+        world = World(setting, mode, chunk_size=chunk, delta=4 if mode != "sequential" else None, steps=3)
+        try:
+            rollouts[per_step] = [r.rollout_s for r in world.run(3)]
+        finally:
+            world.close()
+    for without, with_ in zip(rollouts[0.0], rollouts[0.05], strict=True):
+        assert with_ - without == pytest.approx(0.05, rel=1e-9, abs=1e-12)
