@@ -287,23 +287,27 @@ def matrix(args) -> int:
     return 0
 
 
-def reference_ms() -> float:
-    """The machine's speed now, for the matrix's printout: the fastest of 7 timings of one fixed piece of
-    work on this thread (20 products of 64 x 1024 by 1024 x 1024 and their Python), in ms. Neither the load
-    average nor other processes' CPU sees a virtual machine's host slowing it (a run whose real steps all
-    took ~15% longer than the same code's runs before and after, at load 1.1 and no other process,
-    2026-12-07); this does, when it moves between a calibration and the steps it predicts. Read only by
-    people: nothing is scaled by it."""
+def reference() -> str:
+    """The machine's speed now, for the matrix's printout: the fastest of 7 timings of two fixed pieces of
+    work on this thread -- 20 products of 64 x 1024 by 1024 x 1024 (in the caches: ms) and a sum over 256 MiB
+    (from memory: GB/s). Neither the load average nor other processes' CPU sees a virtual machine's host
+    slowing it (runs whose real steps all took ~15% longer than the same code's runs before and after, at
+    load 1.1 and no other process, 2026-12-07); this may, when it moves between a calibration and the
+    steps it predicts. Read only by people: nothing is scaled by it."""
     import torch.nn.functional as F  # noqa: N812, PLC0415
 
     x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
-    best = float("inf")
+    big = torch.ones((256 << 20) // 4)
+    product = stream = float("inf")
     for _ in range(7):
         t0 = time.perf_counter()
         for _ in range(20):
             F.linear(x, w)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+        t1 = time.perf_counter()
+        big.sum()
+        t2 = time.perf_counter()
+        product, stream = min(product, t1 - t0), min(stream, t2 - t1)
+    return f"reference {product * 1e3:.2f} ms, {big.numel() * 4 / stream / 1e9:.1f} GB/s"
 
 
 def median_errors(runs: list[dict]) -> dict:
@@ -334,7 +338,7 @@ def _matrix_run(args, shapes: list[str], run: int) -> dict[tuple[str, str], list
             profiles[shape] = calibrate(actor, reward, path=path, threads=(1,))
         p = profiles[shape]
         print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}, "
-              f"{_other(other)}, reference {reference_ms():.3f} ms; cores {p.cores}, penalty "
+              f"{_other(other)}, {reference()}; cores {p.cores}, penalty "
               f"{p.host.interpreter_penalty}, hand-overs {p.host.interpreter_handover}")  # fmt: skip
     real = {}
     for shape in shapes:
@@ -347,7 +351,7 @@ def _matrix_run(args, shapes: list[str], run: int) -> dict[tuple[str, str], list
             share = statistics.median(s[MATRIX_ARMS[0]] for s in shares if MATRIX_ARMS[0] in s)
             print(f"measured {w.name}: " + ", ".join(f"{a[0]} {t:.3f}s" for a, t in real[w].items())
                   + f" (median of {args.rounds} rounds), load {os.getloadavg()[0]:.1f}, {_other(other)}, "
-                  f"sequential's CPU share {share:.2f}, reference {reference_ms():.3f} ms")  # fmt: skip
+                  f"sequential's CPU share {share:.2f}, {reference()}")  # fmt: skip
     errors: dict[tuple[str, str], list[float] | None] = {}
     for cal in shapes:
         for target in shapes:
