@@ -288,17 +288,20 @@ def matrix(args) -> int:
 
 
 def reference() -> str:
-    """The machine's speed now, for the matrix's printout: the fastest of 7 timings of two fixed pieces of
-    work on this thread -- 20 products of 64 x 1024 by 1024 x 1024 (in the caches: ms) and a sum over 256 MiB
-    (from memory: GB/s). Neither the load average nor other processes' CPU sees a virtual machine's host
-    slowing it (runs whose real steps all took ~15% longer than the same code's runs before and after, at
-    load 1.1 and no other process, 2026-12-07); this may, when it moves between a calibration and the
-    steps it predicts. Read only by people: nothing is scaled by it."""
+    """The machine's speed now, for the matrix's printout: the fastest of 7 timings of three fixed pieces of
+    work on this thread -- 20 products of 64 x 1024 by 1024 x 1024 (in the caches: ms), a sum over 256 MiB
+    (from memory: GB/s) and 2,000 in-place adds on a 64 x 64 tensor (the interpreter and torch's dispatch,
+    which most of a small model's step is: us an op). Neither the load average nor other processes' CPU sees
+    a virtual machine's host slowing it (runs whose real steps all took 10-15% longer than the same code's
+    runs before and after, at load 1.1 and no other process, 2026-12-07, while the product and the sum
+    held); this may, when it moves between a calibration and the steps it predicts. Read only by people:
+    nothing is scaled by it."""
     import torch.nn.functional as F  # noqa: N812, PLC0415
 
     x, w = torch.randn(64, 1024), torch.randn(1024, 1024)
     big = torch.ones((256 << 20) // 4)
-    product = stream = float("inf")
+    small = torch.zeros(64, 64)
+    product = stream = ops = float("inf")
     for _ in range(7):
         t0 = time.perf_counter()
         for _ in range(20):
@@ -306,8 +309,12 @@ def reference() -> str:
         t1 = time.perf_counter()
         big.sum()
         t2 = time.perf_counter()
-        product, stream = min(product, t1 - t0), min(stream, t2 - t1)
-    return f"reference {product * 1e3:.2f} ms, {big.numel() * 4 / stream / 1e9:.1f} GB/s"
+        for _ in range(2000):
+            small.add_(1.0)
+        t3 = time.perf_counter()
+        product, stream, ops = min(product, t1 - t0), min(stream, t2 - t1), min(ops, t3 - t2)
+    return (f"reference {product * 1e3:.2f} ms, {big.numel() * 4 / stream / 1e9:.1f} GB/s, "
+            f"{ops / 2000 * 1e6:.2f} us an op")  # fmt: skip
 
 
 def median_errors(runs: list[dict]) -> dict:
