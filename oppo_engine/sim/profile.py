@@ -345,7 +345,7 @@ class Profile:
         if data["version"] <= 8 and profile.kind == "cpu":
             warnings.warn(
                 f"{where}: format version {data['version']} measured no host time per step outside the "
-                "forwards (0.3-0.4 ms a step with forwards that cost nothing, measured), so a short step "
+                "forwards (0.25-0.36 ms a step with forwards that cost nothing, measured), so a short step "
                 "is priced short by it; calibrate again (oppo-engine calibrate)",
                 UserWarning,
                 stacklevel=2,

@@ -500,7 +500,7 @@ def measure_host_costs(
 
     short, long = tokens
     seq = {r: fastest("sequential", r, long) for r in rows}
-    brief = fastest("sequential", rows[0], short)
+    brief = fastest("sequential", min(rows), short)  # at the smallest row count, as fit_host_costs reads it
     intra = {r: fastest("intra", r, long) for r in rows}
     return fit_host_costs(seq, brief, intra)
 
