@@ -466,12 +466,12 @@ def measure_host_costs(
     streamed step.
 
     The steps: sequential ones of ``tokens[1]`` response tokens at each of ``rows`` (the cost per row), one
-    of ``tokens[0]`` at ``rows[0]`` (a step's own cost, outside its forwards: the intercept against the
-    number of forwards at one row count; a long step alone spreads it over its forwards, and a short step,
-    ``inter``'s of a heavy tail, is then priced without most of it), and streamed ones of ``tokens[1]``
-    (the hand-offs). Each point is the fastest of ``repeats`` steps after a warm-up: other work on the
-    machine only adds time, and one slow step at the larger batch would tilt the fit to all per-row cost and
-    no per-forward cost (a loaded 2-core machine did, with one step per point)."""
+    of ``tokens[0]`` at the smallest of ``rows`` (a step's own cost, outside its forwards: the intercept
+    against the number of forwards at one row count; a long step alone spreads it over its forwards, and a
+    short step, ``inter``'s of a heavy tail, is then priced without most of it), and streamed ones of
+    ``tokens[1]`` (the hand-offs). Each point is the fastest of ``repeats`` steps after a warm-up: other
+    work on the machine only adds time, and one slow step at the larger batch would tilt the fit to all
+    per-row cost and no per-forward cost (a loaded 2-core machine did, with one step per point)."""
     if repeats < 1:
         raise ValueError(f"measure_host_costs: repeats must be >= 1, got {repeats}")
     if len(tokens) != 2 or not 0 < tokens[0] < tokens[1]:
