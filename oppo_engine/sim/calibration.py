@@ -469,6 +469,20 @@ EVICTED_MB = (1, 4, 16, 48, 128)
 EVICTED_CALLS = 7
 
 
+def _median_after_stream(fn, stream) -> float:
+    """The median of ``EVICTED_CALLS`` timed calls of ``fn`` after one untimed, each call after ``stream``
+    (a tensor, or None: back to back) has passed through the caches."""
+    fn()
+    samples = []
+    for _ in range(EVICTED_CALLS):
+        if stream is not None:
+            stream.mul_(1.0)  # read and written: every line of it passes through the caches
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
 def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, float, float, int]]:
     """``ThreadCosts.evicted``: ``(bytes, per forward s, per layer s, deepest layers)`` for each of
     ``EVICTED_MB``: how much longer the actor's shrunk copies' one-token forwards take after that many bytes
@@ -485,16 +499,7 @@ def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, f
     buffer = torch.ones((max(EVICTED_MB) << 20) // 4, device=device)
 
     def median_after(fn, mib: int) -> float:
-        view = buffer[: (mib << 20) // 4] if mib else None
-        fn()
-        samples = []
-        for _ in range(EVICTED_CALLS):
-            if view is not None:
-                view.mul_(1.0)  # read and written: every line of it passes through the caches
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+        return _median_after_stream(fn, buffer[: (mib << 20) // 4] if mib else None)
 
     (d1, b1), (d2, b2) = sorted(benches.items())
     calls = {d1: b1.call(1, 1, 0), d2: b2.call(1, 1, 0)}
@@ -635,17 +640,9 @@ def _time_repack(packs, timed, stream=None) -> tuple[int, int, float]:
     if stream is None:
         seconds = min(timed(repack, 3) for _ in range(ROUNDS))
         return packs.held, packs.nbytes, seconds
-    repack()  # the warm-up: the bitwise probes
-    best = math.inf
-    for _ in range(ROUNDS):
-        samples = []
-        for _ in range(EVICTED_CALLS):
-            stream.mul_(1.0)  # read and written: every line of it passes through the caches
-            t0 = time.perf_counter()
-            repack()
-            samples.append(time.perf_counter() - t0)
-        best = min(best, statistics.median(samples))
-    return packs.held, packs.nbytes, best
+    # each round's first call untimed (the first of all: the bitwise probes)
+    seconds = min(_median_after_stream(repack, stream) for _ in range(ROUNDS))
+    return packs.held, packs.nbytes, seconds
 
 
 def _fit_repack(points: list[tuple[int, int, float]]) -> tuple[float, float]:

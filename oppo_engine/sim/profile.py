@@ -342,68 +342,12 @@ class Profile:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a profile written by oppo-engine calibrate ({e!r})") from None
-        if data["version"] <= 8 and profile.kind == "cpu":
-            warnings.warn(
-                f"{where}: format version {data['version']} measured no host time per step outside the "
-                "forwards (0.25-0.36 ms a step with forwards that cost nothing, measured), so a short step "
-                "is priced short by it; calibrate again (oppo-engine calibrate)",
-                UserWarning,
-                stacklevel=2,
-            )
-        if data["version"] == 7 and profile.kind == "cpu":
-            warnings.warn(
-                f"{where}: format version 7 timed the weights' streaming on small products only and the "
-                "fixed costs with the caches hot, so a model of large products (their reads measured "
-                "1.6-1.8x as fast as priced) is priced slow and the fixed costs of a model whose weights "
-                "pass the cache (0.3-0.6 ms a forward measured) fast; calibrate again (oppo-engine "
-                "calibrate)",
-                UserWarning,
-                stacklevel=2,
-            )
-        if data["version"] == 6 and profile.kind == "cpu":
-            warnings.warn(
-                f"{where}: format version 6 measured no hand-overs of the interpreter between two lanes of "
-                "one process, and fitted its cores with them read as missing cores (two lanes of a small "
-                "model slowed each other 2-2.8x on two cores), so a streamed step of a wider model is priced "
-                "slow and one of a Python-bound model where its profile's cores are wider; calibrate again "
-                "(oppo-engine calibrate)",
-                UserWarning,
-                stacklevel=2,
-            )
-        if data["version"] == 5 and profile.kind == "cpu" and any(c.packed for c in threads.values()):
-            warnings.warn(
-                f"{where}: format version 5 priced the actor's packed products at their bare time in a loop "
-                "of one product, which inside a forward they exceed (the interpreter's work between them "
-                "takes the caches: 1-19 us a product on the small models here), so the actor's forwards "
-                "are priced low; calibrate again (oppo-engine calibrate)",
-                UserWarning,
-                stacklevel=2,
-            )
-        if data["version"] == 4 and profile.kind == "cpu":
-            warnings.warn(
-                f"{where}: format version 4 fitted one fixed cost per forward and per layer to every role, "
-                "so the actor's forwards (its packed products' bookkeeping, its sampler: some 100 us a "
-                "forward and 35-90 us a layer more than a scorer's on the small models here) are priced low; "
-                "calibrate again (oppo-engine calibrate)",
-                UserWarning,
-                stacklevel=2,
-            )
-        if data["version"] == 3 and profile.kind == "cpu":
-            warnings.warn(
-                f"{where}: format version 3 timed no repacking of the actor's packed weights after a weight "
-                "update and fitted its forwards around ungrouped products, so the twin prices no repacking "
-                "and the grouped products with the old fit; calibrate again (oppo-engine calibrate)",
-                UserWarning,
-                stacklevel=2,
-            )
-        if data["version"] < 3 and profile.kind == "cpu":
-            warnings.warn(
-                f"{where}: format version {data['version']} timed no packed weights, so the engine's actor "
-                "(packed on the CPU: EngineConfig.packed_weights) is priced as unpacked, high where its "
-                "weights bind it; calibrate again (oppo-engine calibrate)",
-                UserWarning,
-                stacklevel=2,
-            )
+        if profile.kind == "cpu":  # what an older CPU profile prices differently, newest change first
+            packed = any(c.packed for c in threads.values())
+            for message in _older_cpu_profile(data["version"], packed):
+                warnings.warn(
+                    f"{where}: {message}; calibrate again (oppo-engine calibrate)", UserWarning, stacklevel=2
+                )
         return profile
 
     def save(self, path: str | Path) -> Path:
@@ -578,3 +522,52 @@ def default_profile_path(device_id: str) -> Path:
     root = os.environ.get("OPPO_ENGINE_PROFILES") or Path.home() / ".cache" / "oppo_engine" / "profiles"
     slug = "".join(c if c.isalnum() else "-" for c in device_id).strip("-").lower()
     return Path(root) / f"{slug}.json"
+
+
+def _older_cpu_profile(version: int, packed: bool) -> list[str]:
+    """What a CPU profile of format ``version`` measured that this one does differently, one message per
+    change since (``packed``: the profile has packed tables), newest first."""
+    out = []
+    if version <= 8:
+        out.append(
+            f"format version {version} measured no host time per step outside the forwards (0.25-0.36 ms a "
+            "step with forwards that cost nothing, measured), so a short step is priced short by it"
+        )
+    if version == 7:
+        out.append(
+            "format version 7 timed the weights' streaming on small products only and the fixed costs with "
+            "the caches hot, so a model of large products (their reads measured 1.6-1.8x as fast as priced)"
+            " is priced slow and the fixed costs of a model whose weights pass the cache (0.3-0.6 ms a "
+            "forward measured) fast"
+        )
+    if version == 6:
+        out.append(
+            "format version 6 measured no hand-overs of the interpreter between two lanes of one process, "
+            "and fitted its cores with them read as missing cores (two lanes of a small model slowed each "
+            "other 2-2.8x on two cores), so a streamed step of a wider model is priced slow and one of a "
+            "Python-bound model where its profile's cores are wider"
+        )
+    if version == 5 and packed:
+        out.append(
+            "format version 5 priced the actor's packed products at their bare time in a loop of one "
+            "product, which inside a forward they exceed (the interpreter's work between them takes the "
+            "caches: 1-19 us a product on the small models here), so the actor's forwards are priced low"
+        )
+    if version == 4:
+        out.append(
+            "format version 4 fitted one fixed cost per forward and per layer to every role, so the actor's"
+            " forwards (its packed products' bookkeeping, its sampler: some 100 us a forward and 35-90 us a"
+            " layer more than a scorer's on the small models here) are priced low"
+        )
+    if version == 3:
+        out.append(
+            "format version 3 timed no repacking of the actor's packed weights after a weight update and "
+            "fitted its forwards around ungrouped products, so the twin prices no repacking and the grouped"
+            " products with the old fit"
+        )
+    if version < 3:
+        out.append(
+            f"format version {version} timed no packed weights, so the engine's actor (packed on the CPU: "
+            "EngineConfig.packed_weights) is priced as unpacked, high where its weights bind it"
+        )
+    return out
