@@ -17,6 +17,9 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
   drops the packs and its next forward makes them), and its packed products as its forwards, its copies'
   and its width ladder's call them (``_time_packed_calls``: how much longer a product takes there than bare,
   ``_packed_in_forward``);
+- on the CPU, sweeps of a decode's products over 4, 16 and 32 MiB of weights right after sweeps over as many
+  other bytes, against back to back (``_time_switch``: a forward after another model's, as ``intra`` and
+  ``oppo`` alternate the models on the shared cache);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times, and on the CPU pairs of its
   one-layer shrunk copies' and a pair of bare projections (the cores two lanes get and the interpreter's
@@ -320,6 +323,24 @@ def neighbour_warning(cores: float | None) -> str | None:
     )
 
 
+def _alternating(
+    cost: CostModel, wa: Work, wb: Work, a: ModelShape, b: ModelShape, s_a: float, s_b: float
+) -> tuple[Work, Work, float, float]:
+    """A contention pair as ``_fit_contention`` reads it: the forwards ``wa`` and ``wb`` (of the models of
+    shapes ``a`` and ``b``) as the pair loops them at once on one device's shared cache, and their measured
+    slowdowns ``s_a`` and ``s_b`` against those forwards' time alone. A call follows another model's start
+    (``CostModel.switched``) in the share of its calls during whose predecessor the other started one,
+    about ``min(1, its time / the other's)`` (a decode beside a chunk three times its length: a third of the
+    decodes, every chunk). Alone, each was timed back to back: the slowdowns are scaled to the switched
+    forwards' time alone (the rule's ``contended_s / alone_s``)."""
+    ta, tb = wa.alone_s, wb.alone_s
+    if ta <= 0.0 or tb <= 0.0:
+        return wa, wb, s_a, s_b
+    ca = cost.switched(wa, a, share=min(1.0, ta / tb))
+    cb = cost.switched(wb, b, share=min(1.0, tb / ta))
+    return ca, cb, s_a * ta / ca.alone_s, s_b * tb / cb.alone_s
+
+
 def _pair_slowdowns(fa, fb, timed, device) -> tuple[float, float]:
     """How much longer each of ``fa`` and ``fb`` takes beside the other than alone: per repeat, each timed
     alone, then both at once; the median over ``CONTENTION_REPEATS`` repeats."""
@@ -481,6 +502,57 @@ def _median_after_stream(fn, stream) -> float:
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+# The weights of ``_time_switch``'s sweeps (MiB, one set; the other model's set as large), their products'
+# rows (a decode's) and each sweep's timed calls per order.
+SWITCH_MB = (4, 16, 32)
+SWITCH_ROWS = 8
+SWITCH_REPEATS = 9
+
+
+def _time_switch(device, dtype) -> list[tuple[float, float]]:
+    """``ThreadCosts.switched``: ``(bytes, seconds)`` for each of ``SWITCH_MB``: how much longer a sweep of
+    ``SWITCH_ROWS``-row products over that many bytes of weights (2 MiB products) takes right after a
+    sweep over as many other bytes than back to back (the median of ``SWITCH_REPEATS`` calls of each order,
+    interleaved; never below 0). Why: in ``intra`` and ``oppo`` two models' forwards alternate on one
+    device's shared cache, and every forward the calibration times runs back to back. Bare sweeps, not the
+    calibration's models: a model's own forwards would give it at one size only, and ``tiny``'s 0.5 MiB show
+    nothing but noise (its fitted rate per byte, 0 in one calibration and 53 ps in the next, priced a
+    switch of a 38 MiB model at 1.8 ms). Measured 2026-12-07, one thread: the models' forwards after the other
+    model's, the actor's 8-row decode and the reward's 8 x 16-token chunk averaged per byte, 12-15 ps a byte
+    on ``small`` (12 MiB: 0.15-0.18 ms) and ``mid`` (38 MiB, 32 of them in the cache: 0.4 ms), 6 on gqa8
+    (70 MiB: 0.19 ms); bare sweeps 0.03 ms at 2-4 MiB, 0.13-0.21 ms at 8-32 MiB (the 32 MiB cache does not
+    hold two sets), and nothing measurable at 48-64 MiB, where back to back reads from memory too, held flat
+    past 32 MiB all the same: a model's forward has more in the cache than its weights (its code,
+    activations and KV), and gqa8's own measured 0.19 ms. CPU only."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: N812, PLC0415
+
+    out = []
+    x = torch.randn(SWITCH_ROWS, 1024, dtype=dtype, device=device)
+    for mib in SWITCH_MB:
+        sets = [[torch.randn(512, 1024, dtype=dtype, device=device) for _ in range(max(1, mib // 2))]
+                for _ in range(2)]  # fmt: skip
+        sweeps = [lambda ws=ws: [F.linear(x, w) for w in ws] for ws in sets]
+        nbytes = float(sum(w.numel() * w.element_size() for w in sets[0]))
+        out.append((nbytes, _switch_excess(*sweeps, SWITCH_REPEATS)))
+        del sets, sweeps
+    return out
+
+
+def _switch_excess(own: Callable[[], object], other: Callable[[], object], repeats: int) -> float:
+    """How much longer ``own`` takes right after ``other`` than right after itself: the medians of
+    ``repeats`` timed calls of each order, interleaved, after one untimed call; never below 0."""
+    own()
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for after, before in enumerate((own, other)):
+            before()
+            t0 = time.perf_counter()
+            own()
+            samples[after].append(time.perf_counter() - t0)
+    return max(0.0, statistics.median(samples[1]) - statistics.median(samples[0]))
 
 
 def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, float, float, int]]:
@@ -1278,6 +1350,10 @@ def calibrate(
                 del stream
                 ts = dataclasses.replace(ts, repack_s=per_pack, repack_byte_s=per_byte)
             per_thread[count] = _fit(points, ts, shrunk_points, narrow_points)
+            if not gpu:  # two models' forwards alternating on the shared cache (intra, oppo)
+                say(f"calibrate: weights read after another model's, at {count} thread(s)")
+                switched = _time_switch(device, dtype)
+                per_thread[count] = dataclasses.replace(per_thread[count], switched=switched)
             del copies, rungs
         say("calibrate: host time per iteration, two lanes at once, and the update")
         host = measure_host_costs()
@@ -1294,7 +1370,7 @@ def calibrate(
                 )
                 wa = cost.forward(shapes["actor"], _batch("actor", *a), packed=packs, actor=True)
                 wb = cost.forward(shapes["reward"], _batch("reward", *b))
-                pairs.append((wa, wb, s_a, s_b))
+                pairs.append(_alternating(cost, wa, wb, shapes["actor"], shapes["reward"], s_a, s_b))
             if ("actor", 1) in shrunk and ("reward", 1) in shrunk:  # the copies' pairs: the hand-overs
                 grid = tuple(p for pair in HANDOVER_PAIRS for p in pair)
                 copy_a = _RoleBench("actor", shrunk["actor", 1], device, packed=packs, grid=grid)
@@ -1305,7 +1381,8 @@ def calibrate(
                         shrunk_shapes["actor", 1], _batch("actor", *a), packed=packs, actor=True
                     )
                     wb = cost.forward(shrunk_shapes["reward", 1], _batch("reward", *b))
-                    pairs.append((wa, wb, s_a, s_b))
+                    pairs.append(_alternating(cost, wa, wb, shrunk_shapes["actor", 1],
+                                              shrunk_shapes["reward", 1], s_a, s_b))  # fmt: skip
                 del copy_a, copy_b
             bare = []
             if not gpu:  # the bare projections' pair: the cores, next to no Python

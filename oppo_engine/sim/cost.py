@@ -302,6 +302,11 @@ class Roofline:
         """Nothing: a GPU's actor multiplies by its own weights (the engine packs on the CPU only)."""
         return 0.0
 
+    def switched_s(self, shape: ModelShape, threads: int = 1) -> float:
+        """Nothing: a GPU streams a decode's weights from its memory whichever model ran before (its L2, 50 MB
+        on an H100, holds no 7B model's weights; a small model's refill after another's is not priced)."""
+        return 0.0
+
     def training_s(self, flops: float) -> float:
         return flops / (self.device.bf16_flops * self.device.fractions.training_mfu)
 
@@ -368,6 +373,16 @@ class CostModel:
         """Packing the actor's weights again at its first forward after a weight update, where the engine
         packs them (the CPU: ``model/packed.py``): a memory-bound reorder on the actor's threads."""
         return Work(0.0, 0.0, ((0.0, self.source.repack_s(shape, threads)),), threads)
+
+    def switched(self, work: Work, shape: ModelShape, threads: int = 1, share: float = 1.0) -> Work:
+        """``work``, a forward of ``shape``, when another model's forward started on its device since the
+        last forward of ``shape``'s model did: its weights are read again from memory, not the cache
+        (``ThreadCosts.switched_s``), a memory-bound part of its kernels. ``share``: the expected share of
+        such calls, where a loop of them runs beside another model's (``calibration.py::_alternating``)."""
+        seconds = share * self.source.switched_s(shape, threads)
+        if seconds <= 0.0:
+            return work
+        return Work(work.host_s, work.launch_s, (*work.phases, (0.0, seconds)), work.threads)
 
     def handoff(self) -> Work:
         """The actor's host time for one hand-off of a chunk to the scorers."""

@@ -89,7 +89,9 @@ class TwinActor:
     """``ActorWorker.forward`` in virtual time: the forward's price runs on the lane's device; each sampled
     row gets EOS once its sequence's response reaches ``target(seq)`` tokens. With a ``stride``
     (:class:`~oppo_engine.sim.stride.DecodeStride`), a decode forward is followed by as many more as can run
-    before the engine's loop would do anything else (``sim/stride.py``)."""
+    before the engine's loop would do anything else (``sim/stride.py``). ``switched(work, threads)``: the
+    forward's price given the other models' forwards on its device since its last (the world's
+    ``_switch``; a stride's forwards follow the actor's own, and are not passed to it)."""
 
     def __init__(
         self,
@@ -104,10 +106,11 @@ class TwinActor:
         threads: Callable[[], int],
         stride=None,
         packed: bool = False,
+        switched: Callable | None = None,
     ) -> None:
         self.shape, self.cost, self.cache, self.seqs = shape, cost, cache, seqs
         self.target, self.run, self.captured, self.threads = target, run, captured, threads
-        self.stride, self.packed = stride, packed
+        self.stride, self.packed, self.switched = stride, packed, switched
         self.stale = packed  # the packs are made at the first forward, and again after each weight update
 
     def weights_updated(self) -> None:
@@ -132,7 +135,8 @@ class TwinActor:
         if self.stale:
             self.stale = False
             self.run(self.cost.repack(self.shape, threads))
-        self.run(self.price(batch, captured, threads))
+        work = self.price(batch, captured, threads)
+        self.run(work if self.switched is None else self.switched(work, threads))
         by_id = self.seqs()
         extra = 0
         if stride is not None and decode and len(samples.rows) == len(chunks):

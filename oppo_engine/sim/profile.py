@@ -41,9 +41,12 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # (``Profile.from_json`` warns). 9: the engine's host time per step outside its forwards
 # (``HostCosts.per_step_s``), the repacking timed after a weight update's stream through the caches, and
 # the cores fitted in twentieths; a version 8 CPU profile loads with no cost per step, its steps priced
-# short by it (``Profile.from_json`` warns).
-VERSION = 9
-READS = (1, 2, 3, 4, 5, 6, 7, 8, VERSION)
+# short by it (``Profile.from_json`` warns). 10: a forward's excess right after another model's on its
+# device (``switched``: ``calibration.py::_time_switch``), priced where ``intra`` and
+# ``oppo`` alternate the models; a version 9 CPU profile loads without it, pricing every forward as if its
+# weights were still in the cache (``Profile.from_json`` warns).
+VERSION = 10
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -121,7 +124,12 @@ class ThreadCosts:
     past the largest size timed, 128 MiB, the charge is flat anyway), since its products stream them between
     its Python. Measured on the actor's copies and charged to every role's forward: the scorers' copies were
     not timed after a stream (an assumption, stated). Empty where not timed (a GPU; version 7 and older):
-    nothing charged."""
+    nothing charged. ``switched``: ``[(bytes, seconds), ...]``, how much longer a sweep of a decode's
+    products over that many bytes of weights takes right after a sweep over as many other bytes than back to
+    back (``calibration.py::_time_switch``): charged to a forward when another model's forward started on its
+    device since its own model's last one did (``switched_s`` at its weight bytes; the twin's
+    ``World._switch``), as ``intra`` and ``oppo`` alternate the models on a shared cache. Empty where not
+    timed (a GPU; version 9 and older): nothing charged."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -145,6 +153,20 @@ class ThreadCosts:
     streaming_products: list[tuple[float, int, float]] = field(default_factory=list)
     streaming_products_packed: list[tuple[float, int, float]] = field(default_factory=list)
     evicted: list[tuple[float, float, float, int]] = field(default_factory=list)
+    switched: list[tuple[float, float]] = field(default_factory=list)
+
+    def switched_s(self, weight_bytes: float) -> float:
+        """How much longer a forward of a model of ``weight_bytes`` takes when another model's forward started
+        on its device since its own last one did, the other's weights having taken the shared cache
+        (``switched``: ``[(weight bytes, seconds), ...]``, a sweep of products of that many bytes right after
+        a sweep of as many other bytes against back to back; interpolated in log bytes, held flat past the
+        largest, in proportion to the bytes below the smallest). 0 where not measured."""
+        if not self.switched or weight_bytes <= 0.0:
+            return 0.0
+        points = sorted(self.switched)
+        if weight_bytes < points[0][0]:
+            return max(0.0, points[0][1]) * weight_bytes / points[0][0]
+        return max(0.0, log_interp(points, weight_bytes))
 
     def evicted_s(self, weight_bytes: float, layers: int) -> float:
         """The fixed costs' excess in a forward of ``layers`` layers whose products stream ``weight_bytes``
@@ -330,6 +352,7 @@ class Profile:
                         "evicted": [
                             (float(b), float(f), float(lay), int(d)) for b, f, lay, d in c.get("evicted", [])
                         ],
+                        "switched": [(float(b), float(t)) for b, t in c.get("switched", [])],
                     }
                 )
                 for t, c in data["threads"].items()
@@ -488,6 +511,11 @@ class Calibrated:
         c = self.profile.costs_at(threads)
         return c.repack_s * shape.packs() + c.repack_byte_s * shape.packed_bytes()
 
+    def switched_s(self, shape: ModelShape, threads: int = 1) -> float:
+        """A forward's excess when another model ran on its device since this model last did
+        (``ThreadCosts.switched_s`` at the model's weight bytes)."""
+        return self.profile.costs_at(threads).switched_s(shape.weight_bytes)
+
     def training_s(self, flops: float) -> float:
         return flops / self.profile.training_flops
 
@@ -528,6 +556,12 @@ def _older_cpu_profile(version: int, packed: bool) -> list[str]:
     """What a CPU profile of format ``version`` measured that this one does differently, one message per
     change since (``packed``: the profile has packed tables), newest first."""
     out = []
+    if version <= 9:
+        out.append(
+            f"format version {version} timed no forward right after another model's, so a streamed step's "
+            "forwards, which alternate the models on the shared cache, are priced as if back to back (0.6-1.1"
+            " ms a forward faster than measured on models of 12-70 MiB)"
+        )
     if version <= 8:
         out.append(
             f"format version {version} measured no host time per step outside the forwards (0.25-0.36 ms a "

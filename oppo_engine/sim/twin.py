@@ -213,6 +213,10 @@ class World:
         self.ex = TwinExecutor(self.clock, self.fabric, self.service, unit_cost=unit_cost)
         self.models = tiny_models(s.shapes, s.config.page_size, s.max_model_len)
         self._targets: list[list[int]] = [[] for _ in range(s.ranks)]
+        # Per device, per role: the count of forward starts on the world at its last forward's start
+        # (``_switch``: a forward after another model's is priced with its weights out of the cache).
+        self._starts: dict[str, dict[str, int]] = {}
+        self._started = 0
         cfg = self._engine_config(mode, chunk_size, delta)
         self.engines = [self._build(r, cfg, prior, steps) for r in range(s.ranks)]
         self.records: list[StepRecord] = []
@@ -270,7 +274,7 @@ class World:
             s.shapes[ACTOR], s.cost, sched.cache, lambda: {q.seq_id: q for q in sched.running},
             lambda seq: targets[seq.prompt_index][seq.sample_index], self.ex.work,
             captured=gpu and s.config.graph in ("auto", True), threads=threads, stride=stride,
-            packed=s.actor_packed,
+            packed=s.actor_packed, switched=lambda work, t: self._switch(ACTOR, device, work, t),
         )  # fmt: skip
         if stride is not None:
             stride.price = loop.actor.price
@@ -293,9 +297,22 @@ class World:
         threads = (lambda: 1) if self.setting.placement != "cpu" else torch.get_num_threads
 
         def run(role: str, batch: Batch) -> None:
-            ex.work(cost.forward(shape, batch, threads=threads()), device)
+            t = threads()
+            ex.work(self._switch(role, device, cost.forward(shape, batch, threads=t), t), device)
 
         return run
+
+    def _switch(self, role: str, device: str, work: Work, threads: int) -> Work:
+        """``work``, a forward of ``role``'s model starting now on ``device``: priced with its weights out of
+        the cache (``CostModel.switched``) where another model's forward started there since this model's
+        last one did. The first forward of a model after none of another's is priced as timed."""
+        starts = self._starts.setdefault(device, {})
+        mine = starts.get(role, -1)
+        self._started += 1
+        starts[role] = self._started
+        if any(n > mine for other, n in starts.items() if other != role):
+            return self.setting.cost.switched(work, self.setting.shapes[role], threads)
+        return work
 
     def _remote_run(self, role: str, batch: Batch) -> None:
         self.ex.serve(role, batch)
@@ -544,6 +561,9 @@ class _Free:
 
     def fixed(self, *a, **k):
         return 0.0, 0.0
+
+    def switched_s(self, *a, **k):
+        return 0.0
 
     def host_s(self, rows):
         return 0.0

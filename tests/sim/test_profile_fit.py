@@ -97,11 +97,12 @@ def test_a_feature_no_timed_forward_had_is_marked_and_a_model_with_it_refused_na
 
 
 def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its_version(tmp_path):
-    """Profiles are format version 9 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
+    """Profiles are format version 10 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
     repacking since 4, the actor's own fixed costs since 5, the packed products' in-forward ratios since 6,
     the interpreter's hand-overs since 7: a version-6 CPU one loads with none, and warns; the streaming by
     product size and the fixed costs after the caches are taken since 8: a version-7 CPU one loads without
-    them, and warns; the host time per step since 9: a version-8 CPU one loads with none, and warns;
+    them, and warns; the host time per step since 9: a version-8 CPU one loads with none, and warns; a
+    forward's excess after another model's since 10: a version-9 CPU one loads with none, and warns;
     a version-5 file is checked in ``test_in_forward_products.py``): an older reader refuses them by version
     ("calibrate again") instead of failing on the new fields; version-1 and version-2 files still load, with
     no packed tables, and a CPU one warns that the engine's packed actor is priced unpacked; a version-3 CPU
@@ -109,8 +110,18 @@ def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its
     scorers', and warns."""
     profile = _profile(fitted())
     data = profile.to_json()
-    assert VERSION == 9 and data["version"] == 9
+    assert VERSION == 10 and data["version"] == 10
     path = tmp_path / "old.json"
+    # Version 10 keeps a forward's excess after another model's; version 9 had none, and loads with none.
+    switched = {t: dataclasses.replace(c, switched=[(4.0 * 2**20, 1e-4), (32.0 * 2**20, 2e-4)])
+                for t, c in profile.threads.items()}  # fmt: skip
+    path.write_text(json.dumps(dataclasses.replace(profile, threads=switched).to_json()))
+    assert Profile.load(path) == dataclasses.replace(profile, threads=switched)
+    data = {**data, "threads": {t: {k: v for k, v in c.items() if k != "switched"}
+                                for t, c in data["threads"].items()}}  # fmt: skip
+    path.write_text(json.dumps({**data, "version": 9}))
+    with pytest.warns(UserWarning, match="version 9 timed no forward right after another model's"):
+        assert Profile.load(path) == profile
     # Version 9 keeps the host time per step; version 8 had none, and loads with none.
     stepped = dataclasses.replace(profile, host=dataclasses.replace(profile.host, per_step_s=4e-4))
     path.write_text(json.dumps(stepped.to_json()))
