@@ -344,10 +344,12 @@ def _matrix_run(args, shapes: list[str], run: int) -> dict[tuple[str, str], list
         with OtherCPU() as other:
             profiles[shape] = calibrate(actor, reward, path=path, threads=(1,))
         p = profiles[shape]
+        table = p.costs_at(1).switched
+        switch = "/".join(f"{t * 1e3:.2f}" for _, t in table) + " ms" if table else "not timed"
         print(f"calibrated on {shape} in {time.perf_counter() - t0:.0f}s, load {os.getloadavg()[0]:.1f}, "
               f"{_other(other)}, {reference()}; cores {p.cores}, penalty "
-              f"{p.host.interpreter_penalty}, hand-overs {p.host.interpreter_handover}, a switch "
-              + "/".join(f"{t * 1e3:.2f}" for _, t in p.costs_at(1).switched) + " ms")  # fmt: skip
+              f"{p.host.interpreter_penalty}, hand-overs {p.host.interpreter_handover}, "
+              f"a switch {switch}")  # fmt: skip
     real = {}
     for shape in shapes:
         for w in matrix_workloads(shape):

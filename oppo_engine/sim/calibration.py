@@ -18,12 +18,13 @@ What is timed, per thread count on the CPU (one and the machine's default) or on
   and its width ladder's call them (``_time_packed_calls``: how much longer a product takes there than bare,
   ``_packed_in_forward``);
 - on the CPU, sweeps of a decode's products over 4, 16 and 32 MiB of weights right after sweeps over as many
-  other bytes, against back to back (``_time_switch``: a forward after another model's, as ``intra`` and
-  ``oppo`` alternate the models on the shared cache);
+  other bytes, against back to back (``_time_switch``: a forward after another model's, charged in every
+  mode; it matters where ``intra`` and ``oppo`` alternate the models on the shared cache);
 - the engine's host time per iteration (its scheduler and bookkeeping around forwards that cost nothing);
 - pairs of its forwards run at once on two threads, each pair three times, and on the CPU pairs of its
   one-layer shrunk copies' and a pair of bare projections (the cores two lanes get and the interpreter's
-  hand-overs between them, ``_fit_contention``), and one streamed step (the interpreter penalty,
+  hand-overs between them, ``_fit_contention``; the models' pairs read with the forwards that follow the
+  other's start switched, ``_alternating``), and one streamed step (the interpreter penalty,
   ``_fit_interpreter``; on the CPU of the models' one-layer shrunk copies, whose forwards are mostly Python:
   ``_interpreter_pair``);
 - one training step (forward, backward, AdamW) of the actor.
@@ -330,15 +331,16 @@ def _alternating(
     shapes ``a`` and ``b``) as the pair loops them at once on one device's shared cache, and their measured
     slowdowns ``s_a`` and ``s_b`` against those forwards' time alone. A call follows another model's start
     (``CostModel.switched``) in the share of its calls during whose predecessor the other started one,
-    about ``min(1, its time / the other's)`` (a decode beside a chunk three times its length: a third of the
-    decodes, every chunk). Alone, each was timed back to back: the slowdowns are scaled to the switched
-    forwards' time alone (the rule's ``contended_s / alone_s``)."""
+    about ``min(1, its length / the other's)``, each at its length in the pair (a decode beside a chunk
+    three times as long: a third of the decodes, every chunk). Alone, each was timed back to back: the
+    slowdowns are scaled to the switched forwards' time alone (the rule's ``contended_s / alone_s``)."""
     ta, tb = wa.alone_s, wb.alone_s
     if ta <= 0.0 or tb <= 0.0:
         return wa, wb, s_a, s_b
-    ca = cost.switched(wa, a, share=min(1.0, ta / tb))
-    cb = cost.switched(wb, b, share=min(1.0, tb / ta))
-    return ca, cb, s_a * ta / ca.alone_s, s_b * tb / cb.alone_s
+    la, lb = s_a * ta, s_b * tb  # each call's length in the pair, as measured
+    ca = cost.switched(wa, a, share=min(1.0, la / lb))
+    cb = cost.switched(wb, b, share=min(1.0, lb / la))
+    return ca, cb, la / ca.alone_s, lb / cb.alone_s
 
 
 def _pair_slowdowns(fa, fb, timed, device) -> tuple[float, float]:
@@ -513,26 +515,27 @@ SWITCH_REPEATS = 9
 
 def _time_switch(device, dtype) -> list[tuple[float, float]]:
     """``ThreadCosts.switched``: ``(bytes, seconds)`` for each of ``SWITCH_MB``: how much longer a sweep of
-    ``SWITCH_ROWS``-row products over that many bytes of weights (2 MiB products) takes right after a
+    ``SWITCH_ROWS``-row products over that many bytes of weights (512 x 1024 products) takes right after a
     sweep over as many other bytes than back to back (the median of ``SWITCH_REPEATS`` calls of each order,
     interleaved; never below 0). Why: in ``intra`` and ``oppo`` two models' forwards alternate on one
     device's shared cache, and every forward the calibration times runs back to back. Bare sweeps, not the
     calibration's models: a model's own forwards would give it at one size only, and ``tiny``'s 0.5 MiB show
-    nothing but noise (its fitted rate per byte, 0 in one calibration and 53 ps in the next, priced a
-    switch of a 38 MiB model at 1.8 ms). Measured 2026-12-07, one thread: the models' forwards after the other
-    model's, the actor's 8-row decode and the reward's 8 x 16-token chunk averaged per byte, 12-15 ps a byte
-    on ``small`` (12 MiB: 0.15-0.18 ms) and ``mid`` (38 MiB, 32 of them in the cache: 0.4 ms), 6 on gqa8
-    (70 MiB: 0.19 ms); bare sweeps 0.03 ms at 2-4 MiB, 0.13-0.21 ms at 8-32 MiB (the 32 MiB cache does not
-    hold two sets), and nothing measurable at 48-64 MiB, where back to back reads from memory too, held flat
-    past 32 MiB all the same: a model's forward has more in the cache than its weights (its code,
-    activations and KV), and gqa8's own measured 0.19 ms. CPU only."""
+    nothing but noise (fitted per byte of its weights, 0 in one calibration and 53 ps in the next, which
+    priced a switch of a 38 MiB model at 1.8 ms). Measured 2026-12-07, one thread: the models' own forwards
+    after the other model's (the actor's 8-row decode and the reward's 8 x 16-token chunk, averaged per
+    byte held, ``min(weights, 32 MiB)``): 12.9-22.4 ps on ``small`` (12 MiB: 0.16-0.28 ms), 12.2-18.6 on
+    ``mid`` (0.41-0.62 ms), 5.7 on gqa8 (0.19 ms); these sweeps in the matrix's calibrations: 0.00 ms at 4
+    MiB, 0.15-0.29 at 16, 0.16-0.38 at 32 (a 32 MiB cache). Held flat past 32 MiB: a sweep after a 64 MiB
+    stream read no slower than back to back at 48-64 MiB, but a model's forward has more in the cache than
+    its weights (its code, activations and KV), and gqa8's own 70 MiB measured 0.19 ms. CPU only."""
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: N812, PLC0415
 
     out = []
     x = torch.randn(SWITCH_ROWS, 1024, dtype=dtype, device=device)
     for mib in SWITCH_MB:
-        sets = [[torch.randn(512, 1024, dtype=dtype, device=device) for _ in range(max(1, mib // 2))]
+        count = max(1, (mib << 20) // (512 * 1024 * dtype.itemsize))  # of 512 x 1024 products
+        sets = [[torch.randn(512, 1024, dtype=dtype, device=device) for _ in range(count)]
                 for _ in range(2)]  # fmt: skip
         sweeps = [lambda ws=ws: [F.linear(x, w) for w in ws] for ws in sets]
         nbytes = float(sum(w.numel() * w.element_size() for w in sets[0]))

@@ -89,9 +89,10 @@ class TwinActor:
     """``ActorWorker.forward`` in virtual time: the forward's price runs on the lane's device; each sampled
     row gets EOS once its sequence's response reaches ``target(seq)`` tokens. With a ``stride``
     (:class:`~oppo_engine.sim.stride.DecodeStride`), a decode forward is followed by as many more as can run
-    before the engine's loop would do anything else (``sim/stride.py``). ``switched(work, threads)``: the
-    forward's price given the other models' forwards on its device since its last (the world's
-    ``_switch``; a stride's forwards follow the actor's own, and are not passed to it)."""
+    before the engine's loop would do anything else (``sim/stride.py``). ``switched(work, threads,
+    charge=True)``: the forward's price given the other models' forwards on its device since its last (the
+    world's ``_switch``, which the stride's forwards go through too); the repacking is passed with
+    ``charge=False``: the actor's start, not priced so."""
 
     def __init__(
         self,
@@ -134,7 +135,8 @@ class TwinActor:
         stride = self.stride
         if self.stale:
             self.stale = False
-            self.run(self.cost.repack(self.shape, threads))
+            repack = self.cost.repack(self.shape, threads)
+            self.run(repack if self.switched is None else self.switched(repack, threads, charge=False))
         work = self.price(batch, captured, threads)
         self.run(work if self.switched is None else self.switched(work, threads))
         by_id = self.seqs()

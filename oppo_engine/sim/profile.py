@@ -42,9 +42,9 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # (``HostCosts.per_step_s``), the repacking timed after a weight update's stream through the caches, and
 # the cores fitted in twentieths; a version 8 CPU profile loads with no cost per step, its steps priced
 # short by it (``Profile.from_json`` warns). 10: a forward's excess right after another model's on its
-# device (``switched``: ``calibration.py::_time_switch``), priced where ``intra`` and
-# ``oppo`` alternate the models; a version 9 CPU profile loads without it, pricing every forward as if its
-# weights were still in the cache (``Profile.from_json`` warns).
+# device (``switched``: ``calibration.py::_time_switch``), charged in every mode (it matters where ``intra``
+# and ``oppo`` alternate the models); a version 9 CPU profile loads without it, pricing every forward as if
+# its weights were still in the cache (``Profile.from_json`` warns).
 VERSION = 10
 READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
@@ -128,8 +128,8 @@ class ThreadCosts:
     products over that many bytes of weights takes right after a sweep over as many other bytes than back to
     back (``calibration.py::_time_switch``): charged to a forward when another model's forward started on its
     device since its own model's last one did (``switched_s`` at its weight bytes; the twin's
-    ``World._switch``), as ``intra`` and ``oppo`` alternate the models on a shared cache. Empty where not
-    timed (a GPU; version 9 and older): nothing charged."""
+    ``World._switch``), in every mode; it matters where ``intra`` and ``oppo`` alternate the models on a
+    shared cache. Empty where not timed (a GPU; version 9 and older): nothing charged."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -558,9 +558,9 @@ def _older_cpu_profile(version: int, packed: bool) -> list[str]:
     out = []
     if version <= 9:
         out.append(
-            f"format version {version} timed no forward right after another model's, so a streamed step's "
-            "forwards, which alternate the models on the shared cache, are priced as if back to back (0.6-1.1"
-            " ms a forward faster than measured on models of 12-70 MiB)"
+            f"format version {version} timed no forward right after another model's, so every forward is "
+            "priced as if back to back, most of all a streamed step's, which alternate the models on the "
+            "shared cache (version 10 charges 0.15-0.38 ms such a forward on models of 12-70 MiB here)"
         )
     if version <= 8:
         out.append(

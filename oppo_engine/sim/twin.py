@@ -269,12 +269,15 @@ class World:
         gpu = s.placement != "cpu"
         threads = (lambda: 1) if gpu else torch.get_num_threads
         targets = self._targets[rank]
-        stride = DecodeStride(loop, None, self.ex.work, self.clock, TOKEN) if self.stride else None
+        # a stride's decodes run as the engine's own would: each one after another model's start is charged
+        strided = lambda work: self.ex.work(self._switch(ACTOR, device, work, work.threads))  # noqa: E731
+        stride = DecodeStride(loop, None, strided, self.clock, TOKEN) if self.stride else None
         loop.actor = TwinActor(
             s.shapes[ACTOR], s.cost, sched.cache, lambda: {q.seq_id: q for q in sched.running},
             lambda seq: targets[seq.prompt_index][seq.sample_index], self.ex.work,
             captured=gpu and s.config.graph in ("auto", True), threads=threads, stride=stride,
-            packed=s.actor_packed, switched=lambda work, t: self._switch(ACTOR, device, work, t),
+            packed=s.actor_packed,
+            switched=lambda work, t, charge=True: self._switch(ACTOR, device, work, t, charge),
         )  # fmt: skip
         if stride is not None:
             stride.price = loop.actor.price
@@ -302,15 +305,17 @@ class World:
 
         return run
 
-    def _switch(self, role: str, device: str, work: Work, threads: int) -> Work:
+    def _switch(self, role: str, device: str, work: Work, threads: int, charge: bool = True) -> Work:
         """``work``, a forward of ``role``'s model starting now on ``device``: priced with its weights out of
         the cache (``CostModel.switched``) where another model's forward started there since this model's
-        last one did. The first forward of a model after none of another's is priced as timed."""
+        last one did. The first forward of a model after none of another's is priced as timed. ``charge``
+        False: work of the model that is not priced so (the actor's repacking, timed after a stream, which
+        leaves its packs in the cache), recorded as its start all the same."""
         starts = self._starts.setdefault(device, {})
         mine = starts.get(role, -1)
         self._started += 1
         starts[role] = self._started
-        if any(n > mine for other, n in starts.items() if other != role):
+        if charge and any(n > mine for other, n in starts.items() if other != role):
             return self.setting.cost.switched(work, self.setting.shapes[role], threads)
         return work
 
@@ -579,6 +584,7 @@ class _RealTimeWorld(World):
         from oppo_engine.sched.runtime import THREADS  # noqa: PLC0415
 
         loop.use_runtime(time.perf_counter, THREADS)
+        self._switch = lambda role, device, work, threads, charge=True: work  # host time only: no pricing
         loop.actor.run = lambda work: None
         for sched in loop.scorer_lane.scheds.values():
             sched.scorer.run = lambda role, batch: None

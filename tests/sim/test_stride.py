@@ -21,9 +21,12 @@ H100 = roofline(device("h100"))
 
 
 def _cpu_cost() -> CostModel:
-    """A CPU profile with made-up constants (a test input, not a measurement), as test_twin's."""
+    """A CPU profile with made-up constants (a test input, not a measurement), as test_twin's, and a switch
+    after another model's forward (so a strided decode after a scorer's start must be charged as the
+    engine's own)."""
     gemm = {kn: [(1, 2e9), (16, 2e10), (256, 5e10)] for kn in (16384, 1048576)}
-    costs = ThreadCosts(gemm, 1e10, 1e-4, 2e-5, 1e-10, 1e-11, 1e-9, 1e-9, 0.05)
+    switched = [(4.0 * 2**20, 1e-4), (32.0 * 2**20, 3e-4)]
+    costs = ThreadCosts(gemm, 1e10, 1e-4, 2e-5, 1e-10, 1e-11, 1e-9, 1e-9, 0.05, switched=switched)
     return CostModel(
         Calibrated(Profile("cpu:test", "cpu", {1: costs}, HostCosts(2e-5, 3e-6, 5e-6), 5e9, cores=2))
     )

@@ -1,5 +1,5 @@
 """A forward right after another model's on its device: the cache the two share held the other's weights, so
-it reads its own again from memory (``ThreadCosts.switch_byte_s``, profile format version 10). The twin
+it reads its own again from memory (``ThreadCosts.switched``, profile format version 10). The twin
 charges that excess exactly where another model's forward started on the device since this model's last
 one did; the contention pairs are read with the share of their calls it falls on; the calibration times it
 as the difference of the two orders. Made-up costs and sleeps stand in for measurements (test inputs)."""
@@ -33,11 +33,11 @@ def _profile(rate: float = 0.0) -> Profile:
     return Profile("cpu:test", "cpu", {1: costs}, HostCosts(2e-5, 3e-6, 5e-6), 5e9, cores=2)
 
 
-def _world(profile: Profile, mode: str = "sequential", steps: int = 3) -> World:
+def _world(profile: Profile, mode: str = "sequential", steps: int = 3, packed: bool = True) -> World:
     setting = Setting(
         shapes={"actor": ACTOR, "reward": REWARD}, cost=CostModel(Calibrated(profile)), placement="cpu",
         gpus=1, batch_size=4, lengths=parse_lengths([12, 30, 7, 20]), prompt_lengths=parse_lengths(8),
-        config=EngineConfig(),
+        config=EngineConfig(packed_weights=packed),
     )  # fmt: skip
     chunk = 8 if mode in ("intra", "oppo") else None
     return World(setting, mode, chunk_size=chunk, steps=steps)
@@ -65,26 +65,32 @@ def test_a_forward_is_charged_only_after_another_models_start_on_its_device():
         assert len(world._switch("actor", "cpu", work, 1).phases) == 1
         excess = world._switch("reward", "cpu", work, 1).phases[-1]
         assert excess == (0.0, pytest.approx(1e-9 * REWARD.weight_bytes))
+        # work of the actor not priced so (its repacking) is its start all the same
+        assert len(world._switch("actor", "cpu", work, 1, charge=False).phases) == 1
+        assert len(world._switch("actor", "cpu", work, 1).phases) == 1
     finally:
         world.close()
 
 
-def test_a_sequential_step_pays_one_switch_per_model_and_the_first_step_the_scorers_only():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_sequential_step_pays_one_switch_per_model_and_the_first_step_the_scorers_only(packed):
     """In ``sequential`` the models run one after the other: the step's first actor forward follows the
     last step's scoring and its first reward forward follows the decodes; nothing overlaps, so each switch
-    adds its excess to the step exactly."""
+    adds its excess to the step exactly. A packed actor repacks after each update, before its first
+    forward: the repacking is its start, uncharged, so its forward after it is not switched."""
     rate = 2e-9
     rollouts = {}
     for k in (0.0, rate):
-        world = _world(_profile(k))
+        world = _world(_profile(k), packed=packed)
         try:
             rollouts[k] = [r.rollout_s for r in world.run(3)]
         finally:
             world.close()
     extra = [b - a for a, b in zip(rollouts[0.0], rollouts[rate], strict=True)]
     assert extra[0] == pytest.approx(rate * REWARD.weight_bytes, rel=1e-9)
+    actor = 0 if packed else ACTOR.weight_bytes
     for step in extra[1:]:
-        assert step == pytest.approx(rate * (ACTOR.weight_bytes + REWARD.weight_bytes), rel=1e-9)
+        assert step == pytest.approx(rate * (actor + REWARD.weight_bytes), rel=1e-9)
 
 
 def test_a_streamed_step_pays_more_switches_than_a_sequential_one():
@@ -103,14 +109,15 @@ def test_a_streamed_step_pays_more_switches_than_a_sequential_one():
 
 
 def test_a_contention_pair_is_read_with_the_share_of_its_calls_that_follow_the_other():
-    """A 1 ms decode looped beside a 3 ms chunk: a third of the decodes follow a chunk's start, every chunk
-    a decode's; the measured slowdowns (against the forwards back to back) are scaled to the switched ones."""
+    """A decode looped beside a chunk three times as long in the pair (1.2 ms beside 3.6): a third of the
+    decodes follow a chunk's start, every chunk a decode's; the measured slowdowns (against the forwards back
+    to back) are scaled to the switched ones."""
     cost = CostModel(Calibrated(_profile(1e-9)))
     wa, wb = Work(0.0, 0.0, ((0.0, 1e-3),), 1), Work(0.0, 0.0, ((0.0, 3e-3),), 1)
-    ca, cb, s_a, s_b = _alternating(cost, wa, wb, ACTOR, REWARD, 1.3, 1.1)
+    ca, cb, s_a, s_b = _alternating(cost, wa, wb, ACTOR, REWARD, 1.2, 1.2)
     ea, eb = 1e-9 * ACTOR.weight_bytes, 1e-9 * REWARD.weight_bytes
     assert ca.alone_s == pytest.approx(1e-3 + ea / 3) and cb.alone_s == pytest.approx(3e-3 + eb)
-    assert s_a == pytest.approx(1.3 * 1e-3 / ca.alone_s) and s_b == pytest.approx(1.1 * 3e-3 / cb.alone_s)
+    assert s_a == pytest.approx(1.2e-3 / ca.alone_s) and s_b == pytest.approx(3.6e-3 / cb.alone_s)
     # nothing measured: the pair as it was
     plain = CostModel(Calibrated(_profile()))
     assert _alternating(plain, wa, wb, ACTOR, REWARD, 1.3, 1.1) == (wa, wb, 1.3, 1.1)
@@ -141,8 +148,8 @@ def test_the_calibrations_sweeps_are_of_the_sizes_it_names(monkeypatch):
     monkeypatch.setattr(calibration, "SWITCH_REPEATS", 1)
     import torch
 
-    got = _time_switch(torch.device("cpu"), torch.float32)
-    assert [b for b, _ in got] == [2.0 * MIB, 4.0 * MIB] and all(t >= 0.0 for _, t in got)
+    assert [b for b, _ in _time_switch(torch.device("cpu"), torch.float32)] == [2.0 * MIB, 4.0 * MIB]
+    assert [b for b, _ in _time_switch(torch.device("cpu"), torch.bfloat16)] == [2.0 * MIB, 4.0 * MIB]
 
 
 def test_the_profile_keeps_the_switch_through_its_json(tmp_path):
