@@ -65,16 +65,17 @@ def predicted_profile(
     handoff = max(0.0, t_small - per_token * small * running) + cost.handoff().alone_s
     alone = decode.alone_s
     slowdown = {}
+    beside_actor = [r for r in scorers if r in local]  # the scorers that contend with the actor's decode
     for c in candidates:
-        beside = [(prefill(r, c), True) for r in scorers if r in local]
+        beside = [(prefill(r, c), True) for r in beside_actor]
         host = cost.source.host
         # Streamed, the two alternate on the device's cache: a decode follows a chunk's start in the share
         # of its time the chunks start in, and every chunk follows a decode (``CostModel.switched``, read as
         # the calibration's pairs are: ``calibration.py::_alternating``); none on a GPU.
         chunks = sum(w.alone_s for w, _ in beside)
         switched = cost.switched(decode, actor, threads, share=min(1.0, alone / chunks)) if chunks else decode
-        beside = [(cost.switched(w, shapes[r], threads), same) for (w, same), r in
-                  zip(beside, [r for r in scorers if r in local], strict=True)]  # fmt: skip
+        beside = [(cost.switched(w, shapes[r], threads), same)
+                  for (w, same), r in zip(beside, beside_actor, strict=True)]  # fmt: skip
         contended = contended_s(switched, beside, cores, host.interpreter_penalty, cost.kind == "cpu",
                                 host.interpreter_handover)  # fmt: skip
         slow = contended / alone if beside else 1.0
