@@ -157,3 +157,20 @@ def test_the_profile_keeps_the_switch_through_its_json(tmp_path):
     path = profile.save(tmp_path / "p.json")
     loaded = Profile.load(path)
     assert loaded == profile and loaded.threads[1].switched == profile.threads[1].switched != []
+
+
+def test_the_chunk_prior_prices_a_decode_beside_chunks_with_the_switch_and_not_alone():
+    """The controller's prior reads a decode beside a scorer's chunk as the pairs are read: each forward
+    after the other model's start pays the switch, so its slowdowns grow with the table; its decode alone
+    (``decode_iter_s``, back to back) does not."""
+    from oppo_engine.sim.prior import predicted_profile
+
+    def prior(rate: float):
+        cost = CostModel(Calibrated(_profile(rate)))
+        return predicted_profile(cost, {"actor": ACTOR, "reward": REWARD}, (8, 32), batch_size=4, running=4,
+                                 prompt_len=16, response_len=16, local={"reward"})  # fmt: skip
+
+    plain, switched = prior(0.0), prior(1e-8)
+    assert switched.decode_iter_s == plain.decode_iter_s
+    for c in (8, 32):
+        assert switched.slowdown[c] > plain.slowdown[c]
