@@ -838,6 +838,7 @@ class _RoleBench:
         self.vocab = model.config.vocab_size
         self._torch = torch
         self._contexts: dict[int, tuple] = {}  # ctx -> the sequence holding ctx cached tokens, forked per row
+        self._made: dict[tuple[int, int, int], tuple[list, object]] = {}  # (rows, new, ctx) -> _rows' rows
 
     def _context(self, ctx: int) -> tuple:
         """The sequence whose first ``ctx`` tokens every timed row shares (``KVCacheManager.fork``), made
@@ -857,39 +858,85 @@ class _RoleBench:
 
     def call(self, rows: int, new: int, ctx: int) -> Callable[[], object]:
         """A function running one forward of ``rows`` chunks of ``new`` tokens after ``ctx`` cached ones (a
-        context of whole pages shared with ``_context``'s sequence; another appended to each row)."""
+        context of whole pages shared with ``_context``'s sequence; another appended to each row): the
+        forward alone, on rows the bench made once for the point (``_rows``)."""
+        forward = self.actor.forward if self.actor is not None else None
+        prefill = self.scorer.prefill if self.scorer is not None else None
+
+        def run() -> None:
+            chunks, batch = self._rows(rows, new, ctx)
+            if forward is not None:
+                forward(chunks, batch)
+            else:
+                prefill(chunks)
+
+        return run
+
+    def _rows(self, rows: int, new: int, ctx: int) -> tuple[list, object]:
+        """The rows of a point (their chunks and the actor's sampling batch), made at its first forward and
+        kept: each row's sequence forked from the point's context (appended where the context ends inside a
+        page), its ``new`` tokens' slots appended and, for a scorer, begun. Every later forward of the point
+        writes the same slots again and attends over the same context, as the first did.
+
+        Why kept: the engine's forward finds its rows made (its scheduler's bookkeeping -- slots, pages,
+        a sequence's start and end -- is priced apart: ``HostCosts``, measured with the engine's own steps).
+        Made inside each timed call, they cost 7 us a row and 0.17 us a context page on ``tiny``'s copies
+        (a fork, an append, a free, a scorer's start and release: 227 us of a 1.23 ms forward of 32 rows,
+        2026-12-07), which the fit read as per-context costs: with them the profiles priced ``small``'s
+        decode at 512 context tokens 14-127% high. Where the arena cannot hold another point's rows, the
+        rows kept so far are released first (the bench's arena holds any one point of its grid)."""
+        key = (rows, new, ctx)
+        made = self._made.get(key)
+        if made is not None:
+            return made
         from oppo_engine.model.runner import SeqChunk  # noqa: PLC0415
         from oppo_engine.model.sampler import SampleBatch  # noqa: PLC0415
 
-        counter = [0]
-
-        def run() -> None:
-            counter[0] += 1
-            ids = [(counter[0], i) for i in range(rows)]
-            chunks = []
+        size = self.cache.page_size
+        forked = ctx % size == 0
+        pages = rows * (-(-(new + (0 if forked else ctx)) // size) + 1)
+        pages += ctx // size if forked and ctx not in self._contexts else 0
+        if pages > self.cache.num_available_pages():
+            self.release()
+        ids = [("rows", *key, i) for i in range(rows)]
+        chunks = []
+        try:
             for sid in ids:
-                if ctx and ctx % self.cache.page_size == 0:  # new tokens start a page: nothing is copied
+                if ctx and forked:  # new tokens start a page: nothing is copied
                     self.cache.fork(self._context(ctx), sid, ctx)
                 elif ctx:
-                    self.cache.append_slots(sid, ctx)
-                slots = self.cache.append_slots(sid, new)
+                    self._append(sid, ctx)
+                slots = self._append(sid, new)
                 chunks.append(SeqChunk(sid, [5 + (j % (self.vocab - 5)) for j in range(new)], slots))
                 if self.scorer is not None:
                     self.scorer.begin(sid, ctx + 1, 1.0)
-            try:
-                if self.actor is not None:
-                    batch = SampleBatch(list(range(rows)), [1.0] * rows, [0] * rows, [1.0] * rows,
-                                        list(range(rows)), [ctx + new] * rows)  # fmt: skip
-                    self.actor.forward(chunks, batch)
-                else:
-                    self.scorer.prefill(chunks)
-            finally:
-                for sid in ids:
-                    if self.scorer is not None:
-                        self.scorer.release(sid)
-                    self.cache.free(sid)
+        except BaseException:
+            for sid in ids:  # nothing of a point half made is kept
+                if self.scorer is not None:
+                    self.scorer.release(sid)
+                self.cache.free(sid)
+            raise
+        batch = None
+        if self.actor is not None:
+            batch = SampleBatch(list(range(rows)), [1.0] * rows, [0] * rows, [1.0] * rows,
+                                list(range(rows)), [ctx + new] * rows)  # fmt: skip
+        made = self._made[key] = (chunks, batch)
+        return made
 
-        return run
+    def _append(self, sid, count: int) -> list[int]:
+        slots = self.cache.append_slots(sid, count)
+        if slots is None:
+            raise RuntimeError(f"calibrate: the bench's arena cannot hold {count} more tokens of {sid}")
+        return slots
+
+    def release(self) -> None:
+        """Free every point's rows (the contexts stay: ``_context``)."""
+        for chunks, _ in self._made.values():
+            for chunk in chunks:
+                if self.scorer is not None:
+                    self.scorer.release(chunk.seq_id)
+                self.cache.free(chunk.seq_id)
+        self._made.clear()
 
 
 # The shrunk copies (CPU only: ``calibrate``): each timed model's architecture class at two depths, with

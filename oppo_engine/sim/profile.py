@@ -44,9 +44,12 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # short by it (``Profile.from_json`` warns). 10: a forward's excess right after another model's on its
 # device (``switched``: ``calibration.py::_time_switch``), charged in every mode (it matters where ``intra``
 # and ``oppo`` alternate the models); a version 9 CPU profile loads without it, pricing every forward as if
-# its weights were still in the cache (``Profile.from_json`` warns).
-VERSION = 10
-READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, VERSION)
+# its weights were still in the cache (``Profile.from_json`` warns). 11: the timed forwards run on rows made
+# once per point (``calibration.py::_RoleBench._rows``), not made and freed inside each timed call; a
+# version 10 CPU profile loads as written, its per-context constants fitted with that bookkeeping read as
+# attention (``Profile.from_json`` warns).
+VERSION = 11
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -556,6 +559,13 @@ def _older_cpu_profile(version: int, packed: bool) -> list[str]:
     """What a CPU profile of format ``version`` measured that this one does differently, one message per
     change since (``packed``: the profile has packed tables), newest first."""
     out = []
+    if version <= 10:
+        out.append(
+            f"format version {version} timed its forwards with the bench's own bookkeeping inside each call "
+            "(every row made and freed: 7 us a row and 0.17 us a context page here), which the fit read as "
+            "attention, so a long context is priced high (a decode at 512 context tokens 14-127% high, "
+            "measured on the small models here) and many rows at a short one low"
+        )
     if version <= 9:
         out.append(
             f"format version {version} timed no forward right after another model's, so every forward is "

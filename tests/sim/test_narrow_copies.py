@@ -213,11 +213,13 @@ class _Stop(Exception):
 
 
 @pytest.mark.parametrize("role", ["actor", "reward"])
-def test_the_timed_rows_share_their_context_and_append_only_their_new_tokens(role):
-    """The engine's rows come to a forward with their context cached; the bench used to append each row's
-    ``ctx`` slots inside the timed call (a Python list of them: 48-52 ns per row and context token, which
-    the fit read as KV bytes). Now a context of whole pages is made once and forked to every row (a
-    reference per page); the call appends only the new tokens, and leaves the cache as it found it."""
+def test_the_timed_rows_share_their_context_and_are_made_once(role):
+    """The engine's rows come to a forward with their context cached and their slots appended by the
+    scheduler (priced apart). The bench used to append each row's ``ctx`` slots inside the timed call (48-52
+    ns per row and context token, which the fit read as KV bytes), then made and freed each row in it (7 us a
+    row, 0.17 us a context page on ``tiny``'s copies, read as per-context costs). Now a context of whole pages
+    is made once and forked to every row, and a point's rows are made at its first forward and kept: a
+    later forward, from any callable of the point, appends nothing, and takes no page."""
     models = _pair(SHRUNK_HEAD_DIM)
     bench = calibration._RoleBench(role, models[role], torch.device("cpu"), grid=((4, 1, 64), (2, 3, 5)))
     appended = []
@@ -231,13 +233,36 @@ def test_the_timed_rows_share_their_context_and_append_only_their_new_tokens(rol
     run = bench.call(4, 1, 64)
     run()
     assert appended == [64, 1, 1, 1, 1]  # the context once, then each row's one new token
-    used = bench.cache.num_pages_used
-    for _ in range(3):
+    used, sequences = bench.cache.num_pages_used, bench.cache.num_sequences
+    assert sequences == 5  # the context and the point's four rows
+    for again in (run, bench.call(4, 1, 64), run):
         appended.clear()
-        run()
-        assert appended == [1, 1, 1, 1]
-        assert bench.cache.num_sequences == 1 and bench.cache.num_pages_used == used  # the context alone
+        again()
+        assert appended == []
+        assert (bench.cache.num_sequences, bench.cache.num_pages_used) == (sequences, used)
     # a context that ends inside a page is appended to each row (a fork would copy its last page)
     appended.clear()
     bench.call(2, 3, 5)()
     assert appended == [5, 3, 5, 3]
+    bench.release()  # every point's rows freed; the context kept for the next
+    assert bench.cache.num_sequences == 1
+
+
+def test_a_point_that_does_not_fit_beside_the_kept_rows_releases_them_first():
+    """The bench's arena is sized for any one point of its grid, not all of them kept at once: a point
+    whose rows do not fit beside the kept ones frees those first (the callables of the freed points make
+    theirs again at their next forward); one that cannot fit alone is refused by name."""
+    models = _pair(SHRUNK_HEAD_DIM)
+    bench = calibration._RoleBench("reward", models["reward"], torch.device("cpu"), grid=((8, 64, 0),))
+    free = bench.cache.num_available_pages()
+    first = bench.call(8, 64, 0)
+    first()
+    assert bench.cache.num_available_pages() == free - 8 * 4
+    big = (free - 8 * 4) // 4 + 1  # rows of 64 tokens (4 pages each) that fit only without the kept ones
+    bench.call(big, 64, 0)()
+    assert bench.cache.num_available_pages() == free - big * 4
+    first()  # made again, the big point's rows released
+    assert bench.cache.num_available_pages() == free - 8 * 4
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        bench.call(free // 4 + 1, 64, 0)()
+    assert bench.cache.num_sequences == 0 and bench.cache.num_available_pages() == free  # nothing kept

@@ -97,12 +97,13 @@ def test_a_feature_no_timed_forward_had_is_marked_and_a_model_with_it_refused_na
 
 
 def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its_version(tmp_path):
-    """Profiles are format version 10 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
+    """Profiles are format version 11 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
     repacking since 4, the actor's own fixed costs since 5, the packed products' in-forward ratios since 6,
     the interpreter's hand-overs since 7: a version-6 CPU one loads with none, and warns; the streaming by
     product size and the fixed costs after the caches are taken since 8: a version-7 CPU one loads without
     them, and warns; the host time per step since 9: a version-8 CPU one loads with none, and warns; a
-    forward's excess after another model's since 10: a version-9 CPU one loads with none, and warns;
+    forward's excess after another model's since 10: a version-9 CPU one loads with none, and warns; the
+    forwards timed on rows made once since 11: a version-10 CPU one loads as written, and warns;
     a version-5 file is checked in ``test_in_forward_products.py``): an older reader refuses them by version
     ("calibrate again") instead of failing on the new fields; version-1 and version-2 files still load, with
     no packed tables, and a CPU one warns that the engine's packed actor is priced unpacked; a version-3 CPU
@@ -110,8 +111,12 @@ def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its
     scorers', and warns."""
     profile = _profile(fitted())
     data = profile.to_json()
-    assert VERSION == 10 and data["version"] == 10
+    assert VERSION == 11 and data["version"] == 11
     path = tmp_path / "old.json"
+    # Version 11 changed how the forwards are timed, not what is kept: a version-10 file loads as written.
+    path.write_text(json.dumps({**data, "version": 10}))
+    with pytest.warns(UserWarning, match="version 10 timed its forwards with the bench's own bookkeeping"):
+        assert Profile.load(path) == profile
     # Version 10 keeps a forward's excess after another model's; version 9 had none, and loads with none.
     switched = {t: dataclasses.replace(c, switched=[(4.0 * 2**20, 1e-4), (32.0 * 2**20, 2e-4)])
                 for t, c in profile.threads.items()}  # fmt: skip
