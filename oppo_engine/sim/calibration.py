@@ -804,6 +804,10 @@ def _time_bandwidth(device, timed) -> float:
     return 2 * src.numel() * 4 / seconds  # read and write
 
 
+class _ArenaShort(RuntimeError):
+    """A bench's arena cannot hold a point's rows (``_RoleBench._make``)."""
+
+
 class _RoleBench:
     """The engine's forward path of one role over its own small arena (room for the forwards of ``grid``),
     for timing."""
@@ -852,8 +856,9 @@ class _RoleBench:
         the context's pages: a reference per page, no per-token work."""
         sid = self._contexts.get(ctx)
         if sid is None:
-            sid = self._contexts[ctx] = ("context", ctx)
-            self.cache.append_slots(sid, ctx)
+            sid = ("context", ctx)
+            self._append(sid, ctx)  # recorded once its pages are held
+            self._contexts[ctx] = sid
         return sid
 
     def call(self, rows: int, new: int, ctx: int) -> Callable[[], object]:
@@ -880,29 +885,36 @@ class _RoleBench:
 
         Why kept: the engine's forward finds its rows made (its scheduler's bookkeeping -- slots, pages,
         a sequence's start and end -- is priced apart: ``HostCosts``, measured with the engine's own steps).
-        Made inside each timed call, they cost 7 us a row and 0.17 us a context page on ``tiny``'s copies
-        (a fork, an append, a free, a scorer's start and release: 227 us of a 1.23 ms forward of 32 rows,
-        2026-12-07), which the fit read as per-context costs: with them the profiles priced ``small``'s
-        decode at 512 context tokens 14-127% high. Where the arena cannot hold another point's rows, the
-        rows kept so far are released first (the bench's arena holds any one point of its grid)."""
+        Made inside each timed call, they cost 7 us a row and 0.18 us a context page on ``tiny``'s models
+        (a fork, an append, a free, a scorer's start and release: 221 us of a 1.17 ms actor forward of 32
+        rows; bench/results/twin_v11_probes_zen5_2026-12-07.txt), which the fit read as per-context costs:
+        with them the profiles priced ``small``'s decode at 512 context tokens 27-156% high
+        (twin_v11_forwards_zen5_2026-12-07.txt). Where the arena cannot hold another point's rows beside
+        the kept ones, those are released and the point made again; a point the arena cannot hold alone
+        is refused (``RuntimeError``)."""
         key = (rows, new, ctx)
         made = self._made.get(key)
-        if made is not None:
-            return made
+        if made is None:
+            try:
+                made = self._make(rows, new, ctx)
+            except _ArenaShort:
+                if not self._made:
+                    raise
+                self.release()  # the kept rows make room, and are made again at their next forward
+                made = self._make(rows, new, ctx)
+            self._made[key] = made
+        return made
+
+    def _make(self, rows: int, new: int, ctx: int) -> tuple[list, object]:
+        """``_rows``' rows of a point, made now; nothing of them kept where the arena runs short."""
         from oppo_engine.model.runner import SeqChunk  # noqa: PLC0415
         from oppo_engine.model.sampler import SampleBatch  # noqa: PLC0415
 
-        size = self.cache.page_size
-        forked = ctx % size == 0
-        pages = rows * (-(-(new + (0 if forked else ctx)) // size) + 1)
-        pages += ctx // size if forked and ctx not in self._contexts else 0
-        if pages > self.cache.num_available_pages():
-            self.release()
-        ids = [("rows", *key, i) for i in range(rows)]
+        ids = [("rows", rows, new, ctx, i) for i in range(rows)]
         chunks = []
         try:
             for sid in ids:
-                if ctx and forked:  # new tokens start a page: nothing is copied
+                if ctx and ctx % self.cache.page_size == 0:  # new tokens start a page: nothing is copied
                     self.cache.fork(self._context(ctx), sid, ctx)
                 elif ctx:
                     self._append(sid, ctx)
@@ -920,13 +932,12 @@ class _RoleBench:
         if self.actor is not None:
             batch = SampleBatch(list(range(rows)), [1.0] * rows, [0] * rows, [1.0] * rows,
                                 list(range(rows)), [ctx + new] * rows)  # fmt: skip
-        made = self._made[key] = (chunks, batch)
-        return made
+        return chunks, batch
 
     def _append(self, sid, count: int) -> list[int]:
         slots = self.cache.append_slots(sid, count)
         if slots is None:
-            raise RuntimeError(f"calibrate: the bench's arena cannot hold {count} more tokens of {sid}")
+            raise _ArenaShort(f"calibrate: the bench's arena cannot hold {count} more tokens of {sid}")
         return slots
 
     def release(self) -> None:

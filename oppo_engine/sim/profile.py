@@ -562,9 +562,9 @@ def _older_cpu_profile(version: int, packed: bool) -> list[str]:
     if version <= 10:
         out.append(
             f"format version {version} timed its forwards with the bench's own bookkeeping inside each call "
-            "(every row made and freed: 7 us a row and 0.17 us a context page here), which the fit read as "
-            "attention, so a long context is priced high (a decode at 512 context tokens 14-127% high, "
-            "measured on the small models here) and many rows at a short one low"
+            "(every row made and freed), which the fit read as attention, so a long context is priced high "
+            "(a decode of a 12 MiB model at 512 context tokens 27-156% high, on the machine where version "
+            "11 was made)"
         )
     if version <= 9:
         out.append(

@@ -266,3 +266,9 @@ def test_a_point_that_does_not_fit_beside_the_kept_rows_releases_them_first():
     with pytest.raises(RuntimeError, match="cannot hold"):
         bench.call(free // 4 + 1, 64, 0)()
     assert bench.cache.num_sequences == 0 and bench.cache.num_available_pages() == free  # nothing kept
+    # so is a context too long for the arena, and nothing of it is kept for the next call to trust
+    too_long = (free + 1) * bench.cache.page_size
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="cannot hold"):
+            bench.call(1, 1, too_long)()
+        assert bench.cache.num_sequences == 0 and bench.cache.num_available_pages() == free
