@@ -923,10 +923,7 @@ class _RoleBench:
                 if self.scorer is not None:
                     self.scorer.begin(sid, ctx + 1, 1.0)
         except BaseException:
-            for sid in ids:  # nothing of a point half made is kept
-                if self.scorer is not None:
-                    self.scorer.release(sid)
-                self.cache.free(sid)
+            self._drop(ids)  # nothing of a point half made is kept
             raise
         batch = None
         if self.actor is not None:
@@ -942,12 +939,15 @@ class _RoleBench:
 
     def release(self) -> None:
         """Free every point's rows (the contexts stay: ``_context``)."""
-        for chunks, _ in self._made.values():
-            for chunk in chunks:
-                if self.scorer is not None:
-                    self.scorer.release(chunk.seq_id)
-                self.cache.free(chunk.seq_id)
+        self._drop([chunk.seq_id for chunks, _ in self._made.values() for chunk in chunks])
         self._made.clear()
+
+    def _drop(self, ids) -> None:
+        """The scorer's state and the pages of these rows, freed (unknown ids are ignored)."""
+        for sid in ids:
+            if self.scorer is not None:
+                self.scorer.release(sid)
+            self.cache.free(sid)
 
 
 # The shrunk copies (CPU only: ``calibrate``): each timed model's architecture class at two depths, with
