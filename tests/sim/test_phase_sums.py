@@ -1,10 +1,10 @@
 """``bench_twin.phase_sums``: a step's seconds by phase, from its lane spans (the ``--phases`` diagnosis); the
 neighbour's CPU that ``calibrate`` and the matrix report (``OtherCPU``, ``neighbour_warning``); the matrix's
-medians over its runs (``median_errors``)."""
+medians over its runs (``median_errors``) and its real figures' two statistics (``real_figures``)."""
 
 import pytest
 
-from bench.bench_twin import median_errors, phase_sums
+from bench.bench_twin import STATISTICS, median_errors, phase_sums, real_figures
 from oppo_engine.sim.calibration import NEIGHBOUR_CORES, OtherCPU, neighbour_warning
 
 
@@ -51,3 +51,17 @@ def test_median_errors_takes_each_workload_and_arm_over_the_runs():
     # per position, not the median of the run's medians nor of its worst
     assert out["tiny", "small"] == pytest.approx([0.2, -0.2, 0.0])
     assert out["small", "tiny"] is None
+
+
+def test_real_figures_are_the_median_and_the_fastest_of_the_rounds():
+    seq, oppo = ("sequential", None, None), ("oppo", 16, "half")
+    rounds = [  # measure()'s per round: {arm: (median step s, exposed scoring s)}
+        {seq: (0.30, 0.1), oppo: (0.20, 0.0)},
+        {seq: (0.24, 0.1), oppo: (0.26, 0.0)},  # a round of each arm in a spell
+        {seq: (0.27, 0.1), oppo: (0.21, 0.0)},
+    ]
+    out = real_figures(rounds, (seq, oppo))
+    assert set(out) == set(STATISTICS)
+    assert out["median"] == {seq: 0.27, oppo: 0.21}
+    # per arm: its own fastest round, whichever round that was, and never the exposed scoring
+    assert out["fastest"] == {seq: 0.24, oppo: 0.20}
