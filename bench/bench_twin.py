@@ -260,7 +260,8 @@ def matrix(args) -> int:
     diagonal, shapes it never timed), against the real engine measured here: per cell the median and worst
     signed s/step error over its workloads and arms (the goal of each cell: median <= 10%, worst <= 20%).
     Each real number is the median of ``--steps`` steps interleaved across the arms, ``--rounds`` times (the
-    median of the rounds); the load is printed beside each.
+    median of the rounds, and, in a second table, the fastest round: below); the load is printed beside
+    each.
 
     ``--runs`` whole runs, one after another (each calibrates every shape again and measures every workload
     again, so the runs interleave the calibrations and the measurements): each run's table, then the
@@ -271,10 +272,12 @@ def matrix(args) -> int:
     Each table is printed twice: with the real figure the median of the rounds (the goal's), and with it
     the fastest round, the statistic ``calibrate`` keeps of its own timings (the fastest of its rounds).
     Why both: this machine's speed comes and goes in spells of 10-30 s (a time series of one process,
-    2026-12-07: ``bench/results/twin_spells_zen5_2026-12-07.txt``: the memory-bound sweeps 15-35% slower
-    in a spell, the ``small`` and gqa8 decodes' median 1.12-1.13x their fastest over 4 minutes); a
-    calibration of some 30 s keeps its fastest rounds, the median of a workload's rounds takes its spells,
-    so the first table also measures the spells, the second the twin."""
+    2026-12-07: ``bench/results/twin_spells_zen5_2026-12-07.txt``: the 24 and 96 MiB sweeps' rates up to
+    35% and 30% below their medians in a spell, the ``small`` and gqa8 decodes' median 1.12-1.13x their
+    fastest over 4 minutes); a calibration keeps the fastest of its rounds of each timing, and a spell that
+    covers two of a workload's rounds sets their median. The second table is read beside the first, never
+    instead of it: a spell over every round still shows in it, and where the twin's errors are negative
+    (as they have mostly been) the fastest round moves them toward zero by construction."""
     import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
@@ -325,10 +328,11 @@ def reference() -> str:
     cache: GB/s, the second of two sweeps back to back). Neither the load average nor other processes' CPU
     sees a virtual machine's host slowing it (runs whose real steps all took 10-15% longer than the same
     code's runs before and after, at load 1.1 and no other process, 2026-12-07, while the product and the
-    sum held); the sweep follows the spells that slow the models whose weights are about the cache's size
-    and larger (its rate against the ``small`` and gqa8 decodes' times, correlation -0.50 and -0.53 over 4
-    minutes, 2026-12-07: ``bench/results/twin_spells_zen5_2026-12-07.txt``). Read only by people: nothing
-    is scaled by it."""
+    sum held). In a time series of such sweeps (the fastest of 3 medians of back-to-back sweeps, no other
+    work between), their rate moved against the ``small`` and gqa8 decodes' times (correlation -0.50 and
+    -0.53 over 4 minutes, 2026-12-07: ``bench/results/twin_spells_zen5_2026-12-07.txt``); here it follows
+    a 256 MiB sum and reads lower (30-40 GB/s in the matrix's logs against 46 there), so it is comparable
+    between these lines only. Read only by people: nothing is scaled by it."""
     import torch.nn.functional as F  # noqa: N812, PLC0415
 
     from oppo_engine.sim.calibration import _linear, packing  # noqa: PLC0415
