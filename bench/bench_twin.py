@@ -331,7 +331,7 @@ def reference() -> str:
     sum held). In a time series of such sweeps (the fastest of 3 medians of back-to-back sweeps, no other
     work between), their rate moved against the ``small`` and gqa8 decodes' times (correlation -0.50 and
     -0.53 over 4 minutes, 2026-12-07: ``bench/results/twin_spells_zen5_2026-12-07.txt``); here it follows
-    a 256 MiB sum and reads lower (30-40 GB/s in the matrix's logs against 46 there), so it is comparable
+    a 256 MiB sum and reads lower (28-40 GB/s in the matrix's logs against 46 there), so it is comparable
     between these lines only. Read only by people: nothing is scaled by it."""
     import torch.nn.functional as F  # noqa: N812, PLC0415
 
