@@ -33,6 +33,7 @@ import gc
 import random
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,26 +294,27 @@ def matrix(args) -> int:
             print(f"\n## run {run + 1} of {args.runs}")
         runs.append(_matrix_run(args, shapes, run))
     if args.runs > 1:
-        for statistic, title in STATISTICS.items():
+        for statistic, (title, _) in STATISTICS.items():
             print(f"\n## the medians of the {args.runs} runs, per cell, workload and arm; {title}")
             _matrix_table(shapes, median_errors([r[statistic] for r in runs]),
                           f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
     return 0
 
 
-# The real figure of a workload's arm from its rounds (each the median of its steps): the goal's, and the
-# statistic ``calibrate`` keeps of its own rounds (``matrix``'s docstring: why both).
-STATISTICS = {
-    "median": "the real figure the median of the rounds (the goal's)",
-    "fastest": "the real figure the fastest round (calibrate's statistic of its own rounds)",
+# The real figure of a workload's arm from its rounds (each the median of its steps), by name: its title and
+# how the rounds reduce to it -- the goal's, and the statistic ``calibrate`` keeps of its own rounds
+# (``matrix``'s docstring: why both).
+STATISTICS: dict[str, tuple[str, Callable]] = {
+    "median": ("the real figure the median of the rounds (the goal's)", statistics.median),
+    "fastest": ("the real figure the fastest round (calibrate's statistic of its own rounds)", min),
 }
 
 
 def real_figures(rounds: list[dict], arms) -> dict[str, dict]:
     """``{statistic: {arm: seconds}}`` (``STATISTICS``) from ``rounds``, each ``measure``'s result."""
     return {
-        "median": {arm: statistics.median(r[arm][0] for r in rounds) for arm in arms},
-        "fastest": {arm: min(r[arm][0] for r in rounds) for arm in arms},
+        name: {arm: reduce([r[arm][0] for r in rounds]) for arm in arms}
+        for name, (_, reduce) in STATISTICS.items()
     }
 
 
@@ -430,7 +432,7 @@ def _matrix_run(args, shapes: list[str], run: int) -> dict[str, dict[tuple[str, 
                 print(f"  {cal} -> {target}: refused: {e}")
                 for k in STATISTICS:
                     errors[k][cal, target] = None
-    for k, title in STATISTICS.items():
+    for k, (title, _) in STATISTICS.items():
         print(f"\n# {title}")
         _matrix_table(shapes, errors[k], f"load {os.getloadavg()[0]:.1f}")
     return errors
