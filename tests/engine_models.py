@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config
 
+from oppo_engine import ops
+
 VOCAB = 128
 EOS = 3
 
@@ -44,3 +46,19 @@ def random_prompts(n: int, *, seed: int, min_len: int = 2, max_len: int = 12) ->
     lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
     # Ids from 4 up: never the EOS or pad ids, so prompts stay what they claim to be.
     return [torch.randint(4, VOCAB, (k,), generator=g).tolist() for k in lens]
+
+
+def small_linear_reproduces_onednn() -> bool:
+    """Whether ``ops.small_linear`` runs here: the CPU has AVX-512 BF16 and its probe finds the order in which
+    this CPU's oneDNN sums a few bf16 rows' products (``ops.small_linear_kblock``, on a plain 576 x 576
+    product). Not on a CPU where oneDNN multiplies with AMX tiles (a Xeon with AMX-BF16, 2026-12-07: no run
+    found at any row count; with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` the same probe found its runs):
+    there the engine leaves every product to oneDNN, and the tests of the op and of the decoder layer run as
+    one op (which multiplies with it) have nothing to run."""
+    return ops.SMALL_LINEAR_AVAILABLE and ops.small_linear_kblock(4, 576, 576, 1) is not None
+
+
+SMALL_LINEAR_SKIP = (
+    "needs ops.small_linear: a CPU with AVX-512 BF16 whose oneDNN sums bf16 products in an order it "
+    "reproduces (not AMX tiles)"
+)

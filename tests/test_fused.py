@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from engine_models import SMALL_LINEAR_SKIP, small_linear_reproduces_onednn
 from families import FAMILIES, ROUTED, build_actor, prompts
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -675,8 +676,8 @@ def test_a_layer_called_with_past_key_values_gets_hfs_renaming(monkeypatch):
 # -- A decoder layer of a few bf16 rows as one op -------------------------------------------------------
 
 needs_layer_op = pytest.mark.skipif(
-    not (ops.SMALL_LINEAR_AVAILABLE and ops.SILU_MUL_AVAILABLE),
-    reason="the layer op runs small_linear (AVX-512 BF16) and silu_mul (torch's AVX-512 kernels)",
+    not (small_linear_reproduces_onednn() and ops.SILU_MUL_AVAILABLE),
+    reason="the layer op runs small_linear and silu_mul (torch's AVX-512 kernels); " + SMALL_LINEAR_SKIP,
 )
 
 

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_models import EOS, VOCAB, make_actor, random_prompts
+from engine_models import (
+    EOS,
+    SMALL_LINEAR_SKIP,
+    VOCAB,
+    make_actor,
+    random_prompts,
+    small_linear_reproduces_onednn,
+)
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from oppo_engine import EngineConfig, RolloutEngine, SamplingParams, ops
 from oppo_engine.model import fused, packed
 
 pytestmark = pytest.mark.skipif(not ops.SMALL_LINEAR_AVAILABLE, reason="needs a CPU with AVX-512 BF16")
+needs_small_linear = pytest.mark.skipif(not small_linear_reproduces_onednn(), reason=SMALL_LINEAR_SKIP)
 
 # SmolLM2-135M's products (q|k|v, o, gate|up, down) and a wider one.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 512)]
@@ -27,6 +35,7 @@ def _rows(rows: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randn(rows, k, generator=g) * scale).bfloat16()
 
 
+@needs_small_linear
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("hint", [1, 16])
 def test_small_linear_is_onednns_packed_product_to_the_bit(n, k, hint):
@@ -42,6 +51,7 @@ def test_small_linear_is_onednns_packed_product_to_the_bit(n, k, hint):
             )
 
 
+@needs_small_linear
 def test_the_run_decides_the_bits_so_a_wrong_one_is_declined():
     """The probe has power: where the runs differ (K above 512), the other candidate's sums differ from
     oneDNN's in the last bit somewhere on the probe's kind of input, so it can never pass for oneDNN's."""
@@ -104,7 +114,10 @@ def test_rollouts_with_small_products_are_onednns_to_the_bit(model, monkeypatch)
     """bf16 rollouts at 1-20 sequences a batch (one pass of the op and two), greedy and sampled, with the
     small products on and off: the same tokens and log-probs, bit for bit. The op ran (a spy around the real
     op), on Llama's grouped q|k|v and gate|up and its lone products; Qwen2's q|k|v have biases and stay
-    oneDNN's. The blocked copies are held with the packs and counted in ``nbytes``."""
+    oneDNN's. The blocked copies are held with the packs and counted in ``nbytes``. On a CPU where oneDNN
+    multiplies bf16 with AMX tiles the op runs only where the probe found oneDNN's order (Qwen2's 48-wide
+    products here, not Llama's 64-wide ones, on a Xeon, 2026-12-07), and the rollouts are still oneDNN's to
+    the bit."""
     actor = _llama() if model == "llama" else make_actor().to(torch.bfloat16)
     prompts = random_prompts(20, seed=2)
     monkeypatch.setattr(fused, "DECODE_LAYERS", False)  # each product through ops' name, where the spy is
@@ -122,6 +135,8 @@ def test_rollouts_with_small_products_are_onednns_to_the_bit(model, monkeypatch)
             off, held_off = _rollouts(actor, prompts, batch_size, temperature)
             assert not calls
             assert on == off
+            if not small_linear_reproduces_onednn():  # AMX tiles: the op runs where the probe found a run
+                continue
             assert held_on > held_off
             h, i = actor.config.hidden_size, actor.config.intermediate_size
             panels = {(n // 16, k // 2, 16, 2) for n, k in ((h, h), (2 * i, h), (h, i), (VOCAB, h))}
@@ -213,6 +228,7 @@ def test_a_write_past_the_version_counter_reaches_neither_copy_until_both_are_ma
         assert torch.equal(model(x[:, :1]), -many[:, :1])
 
 
+@needs_small_linear
 def test_a_product_too_narrow_to_probe_or_with_runs_too_alike_is_left_to_onednn():
     """The probe needs 2^19 outputs within 8192 draws, and one candidate left: a 16-column product of one row
     (8192 draws of 16 outputs: half) is declined, and so is K = 514, where a run of 512 and one run over all
@@ -231,3 +247,19 @@ def test_the_probe_runs_the_band_of_rows_asked_for(monkeypatch):
     ops.small_linear_kblock(3, 576, 576, 16)
     assert sorted(key[0] for key in ops._small_verdicts) == list(range(1, 17))
     assert packed.SMALL_ROWS == ops.SMALL_LINEAR_ROWS == ops._SMALL_LINEAR_BANDS[-1][1]
+
+
+def test_the_probe_finds_onednns_order_except_where_onednn_multiplies_with_amx_tiles():
+    """The probe finds a run for a plain product on a CPU with AVX-512 BF16 and no AMX-BF16 (Zen 5: every
+    shape here), and none at any band of rows where oneDNN multiplies bf16 with AMX tiles (a Xeon with
+    AMX-BF16, 2026-12-07), where every product is left to oneDNN: so a skip of the op's tests names the CPU,
+    never a probe that stopped finding runs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    amx = "amx_bf16" in flags
+    assert small_linear_reproduces_onednn() is (not amx)
+    if amx:
+        assert all(ops.small_linear_kblock(rows, 576, 576, 1) is None for rows in (1, 9, 17, 33))
