@@ -113,26 +113,27 @@ class ThreadCosts:
     interpreter's work between two products has taken them), measured on the products of the actor's own
     forwards and its shrunk copies' where the bare price is the product's compute term
     (``calibration.py::_packed_in_forward``); it scales that term (linear in rows at a size, in log size
-    across sizes, held flat past the ends). Empty where the calibration did not pack or in a profile written
-    before (version 5 and older): the bare price. ``streaming_products`` (``streaming_products_packed``:
-    packed once, as above): ``[(product bytes, rows, bytes/s), ...]``, the bandwidth at which a sweep of
-    products of one size and that many rows reads their weights out of a working set far larger than the
-    cache; a product streams at least that fast (``streaming_bandwidth``): the ``streaming`` tables sweep a
-    layer's mix of small products, and a product of many megabytes reads its weights faster (measured
-    2026-12-07: 19 GB/s at 0.56 MiB, 40-44 at 16-32 MiB, one row, one thread). ``evicted``: ``[(bytes, per
-    forward s, per layer s, deepest layers), ...]``, how much longer the actor's shrunk copies' forwards take
-    (their fixed costs: the interpreter, dispatch) after that many bytes streamed through the caches than hot,
-    fitted over their two depths (``calibration.py::_time_evicted``); a forward's fixed costs are charged it
-    at its model's weight bytes (``evicted_s``; the embedding's included, which a forward does not stream:
-    past the largest size timed, 128 MiB, the charge is flat anyway), since its products stream them between
-    its Python. Measured on the actor's copies and charged to every role's forward: the scorers' copies were
-    not timed after a stream (an assumption, stated). Empty where not timed (a GPU; version 7 and older):
-    nothing charged. ``switched``: ``[(bytes, seconds), ...]``, how much longer a sweep of a decode's
-    products over that many bytes of weights takes right after a sweep over as many other bytes than back to
-    back (``calibration.py::_time_switch``): charged to a forward when another model's forward started on its
-    device since its own model's last one did (``switched_s`` at its weight bytes; the twin's
-    ``World._switch``), in every mode; it matters where ``intra`` and ``oppo`` alternate the models on a
-    shared cache. Empty where not timed (a GPU; version 9 and older): nothing charged."""
+    across sizes, held flat past the ends; a product larger than every size measured is charged the largest
+    one's excess in seconds: ``Calibrated._in_forward_s``). Empty where the calibration did not pack or in a
+    profile written before (version 5 and older): the bare price. ``streaming_products``
+    (``streaming_products_packed``: packed once, as above): ``[(product bytes, rows, bytes/s), ...]``, the
+    bandwidth at which a sweep of products of one size and that many rows reads their weights out of a working
+    set far larger than the cache; a product streams at least that fast (``streaming_bandwidth``): the
+    ``streaming`` tables sweep a layer's mix of small products, and a product of many megabytes reads its
+    weights faster (measured 2026-12-07: 19 GB/s at 0.56 MiB, 40-44 at 16-32 MiB, one row, one thread).
+    ``evicted``: ``[(bytes, per forward s, per layer s, deepest layers), ...]``, how much longer the actor's
+    shrunk copies' forwards take (their fixed costs: the interpreter, dispatch) after that many bytes streamed
+    through the caches than hot, fitted over their two depths (``calibration.py::_time_evicted``); a forward's
+    fixed costs are charged it at its model's weight bytes (``evicted_s``; the embedding's included, which a
+    forward does not stream: past the largest size timed, 128 MiB, the charge is flat anyway), since its
+    products stream them between its Python. Measured on the actor's copies and charged to every role's
+    forward: the scorers' copies were not timed after a stream (an assumption, stated). Empty where not timed
+    (a GPU; version 7 and older): nothing charged. ``switched``: ``[(bytes, seconds), ...]``, how much longer
+    a sweep of a decode's products over that many bytes of weights takes right after a sweep over as many
+    other bytes than back to back (``calibration.py::_time_switch``): charged to a forward when another
+    model's forward started on its device since its own model's last one did (``switched_s`` at its weight
+    bytes; the twin's ``World._switch``), in every mode; it matters where ``intra`` and ``oppo`` alternate the
+    models on a shared cache. Empty where not timed (a GPU; version 9 and older): nothing charged."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -450,9 +451,27 @@ class Calibrated:
         ``in_forward``, never less for more rows. The ratio falls with rows faster than the bare price grows
         at a few rows (measured: 1.2-2.0x at 1-32 rows, 1.04-1.2x at 128-512), so the product alone can
         price four rows below one; the running maximum over the rows up to ``m`` keeps the order ``gemm_s``
-        keeps. Past the last rows a ratio was measured at, the ratio is held and the product grows."""
+        keeps. Past the last rows a ratio was measured at, the ratio is held and the product grows.
+
+        A product larger than every size the ratio was measured at (another model's, say) is charged the
+        excess in seconds of the largest measured size at its rows, not that size's ratio. The excess (what
+        the forward's interpreter and cache traffic add to a product) grows far slower than the product:
+        where gqa8's profile measured it, its ratio falls from 1.36x at 128 K elements to 1.09x at 4 M (128
+        rows; the excess about 8x for 32x the weights). So the ratio held is an upper bound, the excess held a
+        lower one; this takes the lower. Why: the ratio, measured where the products are compute-bound
+        (small weights, or many rows), was held across sizes -- ``tiny``'s 32 K-element products' 1.5-2.7x
+        at 1-16 rows priced gqa8's 1-4 M-element decode products (memory-bound inside the forward, 1.6-1.7x
+        their bare time at 8 rows) as compute-bound, and gqa8's steps 9-18% high in the medians of a 3-run
+        matrix from ``tiny``'s, ``small``'s and ``mid``'s profiles (2026-12-07,
+        ``bench/results/twin_in_forward_sizes_xeon_2026-12-07.txt``)."""
+
+        top_kn = max(c.packed_in_forward)  # the largest size a ratio was measured at
 
         def scaled(rows: int) -> float:
+            if kn > top_kn:
+                return c.gemm_s(rows, kn, True) + (c.in_forward(rows, top_kn) - 1.0) * c.gemm_s(
+                    rows, top_kn, True
+                )
             return c.gemm_s(rows, kn, True) * c.in_forward(rows, kn)
 
         rows_in = int(m)
