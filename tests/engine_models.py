@@ -53,8 +53,8 @@ def small_linear_reproduces_onednn() -> bool:
     this CPU's oneDNN sums a few bf16 rows' products (``ops.small_linear_kblock``, on a plain 576 x 576
     product). Not on a CPU where oneDNN multiplies with AMX tiles (a Xeon with AMX-BF16, 2026-12-07: no run
     found at any row count; with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` the same probe found its runs):
-    there the engine leaves every product to oneDNN, and the tests of the op and of the decoder layer run as
-    one op (which multiplies with it) have nothing to run."""
+    there the engine leaves such products to oneDNN (a few narrow ones, 48 wide, the probe did match), and
+    the tests of the op and of the decoder layer run as one op, written for products it runs, skip."""
     return ops.SMALL_LINEAR_AVAILABLE and ops.small_linear_kblock(4, 576, 576, 1) is not None
 
 

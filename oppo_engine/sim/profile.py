@@ -114,26 +114,27 @@ class ThreadCosts:
     forwards and its shrunk copies' where the bare price is the product's compute term
     (``calibration.py::_packed_in_forward``); it scales that term (linear in rows at a size, in log size
     across sizes, held flat past the ends; a product larger than every size measured is charged the largest
-    one's excess in seconds: ``Calibrated._in_forward_s``). Empty where the calibration did not pack or in a
-    profile written before (version 5 and older): the bare price. ``streaming_products``
-    (``streaming_products_packed``: packed once, as above): ``[(product bytes, rows, bytes/s), ...]``, the
-    bandwidth at which a sweep of products of one size and that many rows reads their weights out of a working
-    set far larger than the cache; a product streams at least that fast (``streaming_bandwidth``): the
-    ``streaming`` tables sweep a layer's mix of small products, and a product of many megabytes reads its
-    weights faster (measured 2026-12-07: 19 GB/s at 0.56 MiB, 40-44 at 16-32 MiB, one row, one thread).
-    ``evicted``: ``[(bytes, per forward s, per layer s, deepest layers), ...]``, how much longer the actor's
-    shrunk copies' forwards take (their fixed costs: the interpreter, dispatch) after that many bytes streamed
-    through the caches than hot, fitted over their two depths (``calibration.py::_time_evicted``); a forward's
-    fixed costs are charged it at its model's weight bytes (``evicted_s``; the embedding's included, which a
-    forward does not stream: past the largest size timed, 128 MiB, the charge is flat anyway), since its
-    products stream them between its Python. Measured on the actor's copies and charged to every role's
-    forward: the scorers' copies were not timed after a stream (an assumption, stated). Empty where not timed
-    (a GPU; version 7 and older): nothing charged. ``switched``: ``[(bytes, seconds), ...]``, how much longer
-    a sweep of a decode's products over that many bytes of weights takes right after a sweep over as many
-    other bytes than back to back (``calibration.py::_time_switch``): charged to a forward when another
-    model's forward started on its device since its own model's last one did (``switched_s`` at its weight
-    bytes; the twin's ``World._switch``), in every mode; it matters where ``intra`` and ``oppo`` alternate the
-    models on a shared cache. Empty where not timed (a GPU; version 9 and older): nothing charged."""
+    one's excess in seconds, grown with the square root of its weights: ``Calibrated._in_forward_s``). Empty
+    where the calibration did not pack or in a profile written before (version 5 and older): the bare price.
+    ``streaming_products`` (``streaming_products_packed``: packed once, as above): ``[(product bytes, rows,
+    bytes/s), ...]``, the bandwidth at which a sweep of products of one size and that many rows reads their
+    weights out of a working set far larger than the cache; a product streams at least that fast
+    (``streaming_bandwidth``): the ``streaming`` tables sweep a layer's mix of small products, and a product
+    of many megabytes reads its weights faster (measured 2026-12-07: 19 GB/s at 0.56 MiB, 40-44 at 16-32 MiB,
+    one row, one thread). ``evicted``: ``[(bytes, per forward s, per layer s, deepest layers), ...]``, how
+    much longer the actor's shrunk copies' forwards take (their fixed costs: the interpreter, dispatch) after
+    that many bytes streamed through the caches than hot, fitted over their two depths
+    (``calibration.py::_time_evicted``); a forward's fixed costs are charged it at its model's weight bytes
+    (``evicted_s``; the embedding's included, which a forward does not stream: past the largest size timed,
+    128 MiB, the charge is flat anyway), since its products stream them between its Python. Measured on the
+    actor's copies and charged to every role's forward: the scorers' copies were not timed after a stream (an
+    assumption, stated). Empty where not timed (a GPU; version 7 and older): nothing charged. ``switched``:
+    ``[(bytes, seconds), ...]``, how much longer a sweep of a decode's products over that many bytes of
+    weights takes right after a sweep over as many other bytes than back to back
+    (``calibration.py::_time_switch``): charged to a forward when another model's forward started on its
+    device since its own model's last one did (``switched_s`` at its weight bytes; the twin's
+    ``World._switch``), in every mode; it matters where ``intra`` and ``oppo`` alternate the models on a
+    shared cache. Empty where not timed (a GPU; version 9 and older): nothing charged."""
 
     gemm: dict[int, list[tuple[int, float]]]
     bandwidth: float
@@ -410,6 +411,17 @@ class Profile:
         return profile
 
 
+# How a packed product's in-forward excess in seconds grows with its weights past the largest size a profile
+# measured it at (``Calibrated._in_forward_s``): excess ~ (K*N) ** this. Measured: the slope of log excess
+# against log size over the in-forward ratios of products of 64 K-4 M weights at 128, 256 and 512 rows
+# (where they are compute-bound and measured), one fit per profile and row count: 76 fits over the 27
+# profiles of gqa8, mid and small in three 3-run matrix sets on a Xeon (2026-12-07; tiny's products are all
+# smaller): median 0.475, quartiles 0.25 and 0.63 (by row count gqa8's medians 0.62-0.72, mid's 0.33-0.58,
+# small's 0.22-0.39); ``bench/results/twin_in_forward_sizes_xeon_2026-12-07.txt``. Applied at every row
+# count, decode rows included, where no large product is compute-bound to measure it.
+EXCESS_SIZE_EXPONENT = 0.5
+
+
 class Calibrated:
     """Prices a forward's kernels from a :class:`Profile` (``sim/cost.py``)."""
 
@@ -454,25 +466,26 @@ class Calibrated:
         keeps. Past the last rows a ratio was measured at, the ratio is held and the product grows.
 
         A product larger than every size the ratio was measured at (another model's, say) is charged the
-        excess in seconds of the largest measured size at its rows, not that size's ratio. The excess (what
-        the forward's interpreter and cache traffic add to a product) grows far slower than the product:
-        where gqa8's profile measured it, its ratio falls from 1.36x at 128 K elements to 1.09x at 4 M (128
-        rows; the excess about 8x for 32x the weights). So the ratio held is an upper bound, the excess held a
-        lower one; this takes the lower. Why: the ratio, measured where the products are compute-bound
-        (small weights, or many rows), was held across sizes -- ``tiny``'s 32 K-element products' 1.5-2.7x
-        at 1-16 rows priced gqa8's 1-4 M-element decode products (memory-bound inside the forward, 1.6-1.7x
-        their bare time at 8 rows) as compute-bound, and gqa8's steps 9-18% high in the medians of a 3-run
-        matrix from ``tiny``'s, ``small``'s and ``mid``'s profiles (2026-12-07,
+        largest measured size's excess in seconds at its rows, grown as the square root of the weights
+        (``EXCESS_SIZE_EXPONENT``), not that size's ratio; where the bare price grows slower than that (a
+        few-row product whose time is mostly the call), above what the ratio held charges. The excess (what
+        the forward's interpreter and cache traffic add to a product) grows far slower than a compute-bound
+        product: where gqa8's profile measured it, its ratio falls from 1.36x at 128 K elements to 1.09x at 4
+        M (128 rows; the excess about 8x for 32x the weights). Why: the ratio, measured where the products are
+        compute-bound (small weights, or many rows), was held across sizes -- ``tiny``'s 33 K-element
+        products' 1.5-2.7x at 1-16 rows priced gqa8's 1-4 M-element decode products (memory-bound inside the
+        forward, 1.6-1.7x their bare time at 8 rows) as compute-bound, and gqa8's steps 9-19% high in the
+        medians of a 3-run matrix from ``tiny``'s, ``small``'s and ``mid``'s profiles (2026-12-07,
         ``bench/results/twin_in_forward_sizes_xeon_2026-12-07.txt``)."""
 
-        top_kn = max(c.packed_in_forward)  # the largest size a ratio was measured at
+        top_kn = max((k for k, v in c.packed_in_forward.items() if v), default=kn)  # the largest measured
 
         def scaled(rows: int) -> float:
+            bare, ratio = c.gemm_s(rows, kn, True), c.in_forward(rows, kn)
             if kn > top_kn:
-                return c.gemm_s(rows, kn, True) + (c.in_forward(rows, top_kn) - 1.0) * c.gemm_s(
-                    rows, top_kn, True
-                )
-            return c.gemm_s(rows, kn, True) * c.in_forward(rows, kn)
+                grown = (kn / top_kn) ** EXCESS_SIZE_EXPONENT
+                return bare + (ratio - 1.0) * c.gemm_s(rows, top_kn, True) * grown
+            return bare * ratio
 
         rows_in = int(m)
         if rows_in < 1:
