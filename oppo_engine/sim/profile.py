@@ -466,7 +466,9 @@ class Calibrated:
         keeps. Past the last rows a ratio was measured at, the ratio is held and the product grows.
 
         A product larger than every size the ratio was measured at (another model's, say) is charged the
-        largest measured size's excess in seconds at its rows, grown as the square root of the weights
+        excess in seconds, at its rows, of the largest size measured (at any rows; its ratio at these rows is
+        what ``in_forward`` gives it: at decode rows, where a profile's largest products are memory-bound and
+        not measured, a smaller size's, held), grown as the square root of the weights
         (``EXCESS_SIZE_EXPONENT``), not that size's ratio; where the bare price grows slower than that (a
         few-row product whose time is mostly the call), above what the ratio held charges. The excess (what
         the forward's interpreter and cache traffic add to a product) grows far slower than a compute-bound
