@@ -432,6 +432,7 @@ class Calibrated:
         # Per (thread costs, K*N): the in-forward price's running maximum over rows 1.. up to the last rows
         # a ratio was measured at (``_in_forward_s``).
         self._floors: dict[tuple[int, int], list[float]] = {}
+        self._tops: dict[int, tuple[int, int]] = {}  # per thread costs: its ratios' last rows and size
 
     @property
     def name(self) -> str:
@@ -480,11 +481,18 @@ class Calibrated:
         medians of a 3-run matrix from ``tiny``'s, ``small``'s and ``mid``'s profiles (2026-12-07,
         ``bench/results/twin_in_forward_sizes_xeon_2026-12-07.txt``)."""
 
-        top_kn = max((k for k, v in c.packed_in_forward.items() if v), default=kn)  # the largest measured
+        tops = self._tops.get(id(c))
+        if tops is None:  # (the last rows, the largest size) a ratio was measured at, once per thread costs
+            ratios = c.packed_in_forward
+            tops = self._tops[id(c)] = (
+                max(r for points in ratios.values() for r, _ in points),
+                max((k for k, v in ratios.items() if v), default=0),
+            )
+        top_rows, top_kn = tops
 
         def scaled(rows: int) -> float:
             bare, ratio = c.gemm_s(rows, kn, True), c.in_forward(rows, kn)
-            if kn > top_kn:
+            if kn > top_kn > 0:
                 grown = (kn / top_kn) ** EXCESS_SIZE_EXPONENT
                 return bare + (ratio - 1.0) * c.gemm_s(rows, top_kn, True) * grown
             return bare * ratio
@@ -492,11 +500,10 @@ class Calibrated:
         rows_in = int(m)
         if rows_in < 1:
             return scaled(m)
-        top = max(r for points in c.packed_in_forward.values() for r, _ in points)
         floor = self._floors.get((id(c), kn))
         if floor is None:
             floor, best = [], 0.0
-            for rows in range(1, max(1, top) + 1):
+            for rows in range(1, max(1, top_rows) + 1):
                 best = max(best, scaled(rows))
                 floor.append(best)
             self._floors[(id(c), kn)] = floor
