@@ -270,15 +270,15 @@ def matrix(args) -> int:
     runs' (the twin's prediction and the real figure both move from run to run: a calibration's fitted
     hand-overs, the real steps' spells).
 
-    Each table is printed twice: with the real figure the median of the rounds (the goal's), and with it
-    the fastest round, the statistic ``calibrate`` keeps of its own timings (the fastest of its rounds).
-    Why both: this machine's speed comes and goes in spells of 10-30 s (a time series of one process,
-    2026-12-07: ``bench/results/twin_spells_zen5_2026-12-07.txt``: the 24 and 96 MiB sweeps' rates up to
-    35% and 30% below their medians in a spell, the ``small`` and gqa8 decodes' median 1.12-1.13x their
-    fastest over 4 minutes); a calibration keeps the fastest of its rounds of each timing, and a spell that
-    covers two of a workload's rounds sets their median. The second table is read beside the first, never
-    instead of it: a spell over every round still shows in it, and where the twin's errors are negative
-    (as they have mostly been) the fastest round moves them toward zero by construction."""
+    Each table is printed twice: with the real figure the median of the rounds (the goal's, and since
+    profile version 12 the statistic ``calibrate`` keeps of its own rounds: ``ROUND_STATISTIC``), and with
+    it the fastest round. Why both: this machine's speed comes and goes in spells of 10-30 s (a time series
+    of one process, 2026-12-07: ``bench/results/twin_spells_zen5_2026-12-07.txt``: the 24 and 96 MiB
+    sweeps' rates up to 35% and 30% below their medians in a spell, the ``small`` and gqa8 decodes' median
+    1.12-1.13x their fastest over 4 minutes), and a spell that covers two of a workload's rounds sets their
+    median. The second table shows how far the spells moved the first; it is read beside the first, never
+    instead of it: a spell over every round still shows in it, and where the twin's errors are negative the
+    fastest round moves them toward zero by construction."""
     import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
@@ -302,11 +302,14 @@ def matrix(args) -> int:
 
 
 # The real figure of a workload's arm from its rounds (each the median of its steps), by name: its title and
-# how the rounds reduce to it -- the goal's, and the statistic ``calibrate`` keeps of its own rounds
-# (``matrix``'s docstring: why both).
+# how the rounds reduce to it -- the goal's (``calibrate``'s of its own rounds too, since profile version 12),
+# and the fastest round (``matrix``'s docstring: why both).
 STATISTICS: dict[str, tuple[str, Callable]] = {
-    "median": ("the real figure the median of the rounds (the goal's)", statistics.median),
-    "fastest": ("the real figure the fastest round (calibrate's statistic of its own rounds)", min),
+    "median": (
+        "the real figure the median of the rounds (the goal's; calibrate's of its own rounds)",
+        statistics.median,
+    ),
+    "fastest": ("the real figure the fastest round (how far the machine's spells moved the first)", min),
 }
 
 
@@ -650,7 +653,7 @@ FORWARD_TERM_POINTS = ((1, 1, 16), (1, 1, 48), (8, 1, 64), (8, 64, 0))  # (rows,
 
 def forward_terms(args) -> int:
     """The actor's forward on each of ``--forward-terms``' shapes, term by term, real against priced: the
-    forward (the median of a point's timed calls, the fastest of 3 rounds, as ``calibrate`` times its grid),
+    forward (the median of a point's timed calls, the median of 3 rounds, as ``calibrate`` times its grid),
     its packed products timed call by call inside 5 more forwards (``calibration._time_packed_calls``; per
     product shape the median call, times the calls a forward makes, beside the profile's compute and memory
     terms, the price being their ``max``), and the rest of the forward (the interpreter, the attention, the
@@ -692,7 +695,7 @@ def forward_terms(args) -> int:
             work = cost.forward(actor_shape, batch, packed=packed, actor=True)
             scheduler = priced.host_s(len(batch.chunks))  # priced in every forward, run by no timed call
             forward, fixed = work.alone_s - scheduler, work.host_s - scheduler
-            real = min(timed(bench.call(*point), 5) for _ in range(cal.ROUNDS))
+            real = cal.ROUND_STATISTIC([timed(bench.call(*point), 5) for _ in range(cal.ROUNDS)])
             calls = cal._time_packed_calls([(bench, actor_shape.weight_bytes, [point])])
             real_products = priced_products = 0.0
             lines = []

@@ -78,8 +78,8 @@ def nnls(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 def _timer(device) -> Callable[[Callable[[], object], int], float]:
     """``timed(fn, reps)``: the median of at least ``reps`` calls of ``fn`` (more, up to 50, until they
-    add up to 20 ms), after one warm-up call. Callers time in rounds and keep the fastest round: a burst of
-    other load slows a round, not the median of every one."""
+    add up to 20 ms), after one warm-up call. Callers time in ``ROUNDS`` rounds and keep their median
+    (``ROUND_STATISTIC``): a burst of other load slows a round, not the figure kept."""
     import torch  # noqa: PLC0415
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -108,6 +108,21 @@ GEMM_SHAPES_CPU = ((32, 64), (64, 32), (64, 64), (128, 128), (256, 256), (256, 7
 GEMM_ROWS_GPU = (1, 16, 64, 256, 1024, 4096)
 GEMM_SHAPES_GPU = ((896, 896), (896, 4864), (4864, 896), (3584, 3584), (3584, 18944), (18944, 3584))
 ROUNDS = 3
+# How the ``ROUNDS`` rounds of one timing reduce to the figure a profile keeps: their median, the statistic
+# the twin's steps are checked against (``bench_twin --matrix``'s real figure is the median of its rounds).
+# Format version 11 and older kept the fastest round, which prices the machine at its fastest moments. On
+# a Zen 5 VM whose speed comes and goes in spells, each shape calibrated both ways side by side and checked
+# against the same real steps: the matrix's cells meeting its goal 6 of 16 with the fastest, 12 with the
+# median (the medians of 3 runs; runs 9, 6, 2 against 14, 14, 1, the third in a slow spell;
+# ``bench/results/twin_matrix_zen5_round_statistic_2026-12-07.txt``).
+ROUND_STATISTIC: Callable[[list[float]], float] = statistics.median
+
+
+def _of_rounds(rounds: dict) -> dict:
+    """``{key: seconds}`` from ``{key: [seconds of each round]}`` (``ROUND_STATISTIC``)."""
+    return {key: ROUND_STATISTIC(values) for key, values in rounds.items()}
+
+
 FORWARD_GRID = (
     (1, 1, 16), (4, 1, 64), (16, 1, 256), (32, 1, 128), (1, 16, 0), (4, 16, 128),
     (8, 64, 0), (4, 64, 256), (16, 16, 64), (1, 128, 256),
@@ -162,17 +177,16 @@ def _time_gemms(device, dtype, timed, gpu: bool, packed: bool = False) -> dict[i
     weights packed once into oneDNN's layout (``ops.packed_linear``, the engine's actor on the CPU)."""
     import torch  # noqa: PLC0415
 
-    best: dict[tuple[int, int, int], float] = {}
+    rounds: dict[tuple[int, int, int], list[float]] = {}
     shapes = GEMM_SHAPES_GPU if gpu else GEMM_SHAPES_CPU
     weights = {(k, n): _linear(torch.randn(n, k, device=device, dtype=dtype), packed) for k, n in shapes}
-    for _ in range(ROUNDS):  # rounds, the fastest kept (as for the forwards)
+    for _ in range(ROUNDS):  # rounds, their median kept (as for the forwards)
         for (k, n), w in weights.items():
             for m in GEMM_ROWS_GPU if gpu else GEMM_ROWS:
                 x = torch.randn(1, m, k, device=device, dtype=dtype)
-                seconds = timed(lambda x=x, w=w: w(x), 3)
-                best[m, k, n] = min(seconds, best.get((m, k, n), seconds))
+                rounds.setdefault((m, k, n), []).append(timed(lambda x=x, w=w: w(x), 3))
     by_size: dict[tuple[int, int], list[float]] = {}
-    for (m, k, n), seconds in best.items():
+    for (m, k, n), seconds in _of_rounds(rounds).items():
         by_size.setdefault((k * n, m), []).append(seconds)
     out: dict[int, list[tuple[int, float]]] = {}
     for (kn, m), times in sorted(by_size.items()):
@@ -443,7 +457,7 @@ def _time_streaming(device, dtype, timed, gpu: bool, packed: bool = False) -> li
 
 def _swept_rate(weights: list[tuple[int, Callable]], nbytes: int, rows: int, device, dtype, timed) -> float:
     """Bytes/s of one sweep through ``weights`` (``(K, x -> product)`` pairs, ``nbytes`` of weights in all)
-    at ``rows`` rows: the fastest of ``ROUNDS`` of ``timed``'s timings (``_time_streaming``,
+    at ``rows`` rows: the median of ``ROUNDS`` of ``timed``'s timings (``_time_streaming``,
     ``_time_streaming_products``)."""
     import torch  # noqa: PLC0415
 
@@ -453,7 +467,7 @@ def _swept_rate(weights: list[tuple[int, Callable]], nbytes: int, rows: int, dev
         for k, w in weights:
             w(xs[k])
 
-    return nbytes / min(timed(sweep, 2) for _ in range(ROUNDS))
+    return nbytes / ROUND_STATISTIC([timed(sweep, 2) for _ in range(ROUNDS)])
 
 
 # The products of ``_time_streaming_products``: (K, N) of 0.56, 1.5, 4 and 16 MiB of float32 weights (a
@@ -562,7 +576,7 @@ def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, f
     """``ThreadCosts.evicted``: ``(bytes, per forward s, per layer s, deepest layers)`` for each of
     ``EVICTED_MB``: how much longer the actor's shrunk copies' one-token forwards take after that many bytes
     streamed through the caches than back to back (the median of ``EVICTED_CALLS`` calls, each after its own
-    stream, the fastest of ``ROUNDS`` rounds over every pair), fitted as a cost per forward and per layer over
+    stream, the median of ``ROUNDS`` rounds over every pair), fitted as a cost per forward and per layer over
     the copies' two depths (``benches``: depth -> bench; ``_fit_evicted``). Why: the fixed costs are fitted on
     copies whose weights never leave a core's caches, while a model's products stream its weights through them
     between its Python; measured on ``tiny``, ``small``, ``mid`` and gqa8's copies alike (2026-12-07, one
@@ -579,15 +593,14 @@ def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, f
     (d1, b1), (d2, b2) = sorted(benches.items())
     calls = {d1: b1.call(1, 1, 0), d2: b2.call(1, 1, 0)}
     pairs = [(d, mib) for d in calls for mib in (0, *EVICTED_MB)]
-    best: dict[tuple[int, int], float] = {}
-    # NOTE: rounds over every (depth, bytes) pair, the fastest of each kept: the back-to-back reference and
+    rounds: dict[tuple[int, int], list[float]] = {}
+    # NOTE: rounds over every (depth, bytes) pair, the median of each kept: the back-to-back reference and
     # each streamed timing come from every moment of the run alike (one pair timed in a burst of other load
     # would otherwise move a difference, not both of its terms).
     for _ in range(ROUNDS):
         for d, mib in pairs:
-            seconds = median_after(calls[d], mib)
-            best[d, mib] = min(seconds, best.get((d, mib), seconds))
-    return _fit_evicted(best, d1, d2)
+            rounds.setdefault((d, mib), []).append(median_after(calls[d], mib))
+    return _fit_evicted(_of_rounds(rounds), d1, d2)
 
 
 def _fit_evicted(
@@ -703,7 +716,7 @@ def _time_repack(packs, timed, stream=None) -> tuple[int, int, float]:
     by the next forward's refresh, as after every weight update (the grouped products' stacked copies
     included; their bitwise probe runs once per process, in the warm-up call). ``stream`` (a tensor larger
     than the caches): each timed repacking comes after it has passed through them, as one comes after the
-    update's optimizer streamed the weights and moments (the median of ``EVICTED_CALLS``, the fastest of
+    update's optimizer streamed the weights and moments (the median of ``EVICTED_CALLS``, the median of
     ``ROUNDS`` rounds); back to back, the weights read hot, measured 7-13% faster on ``tiny``, ``small`` and
     ``mid`` than after a 128 MiB stream (2026-12-07)."""
 
@@ -713,10 +726,10 @@ def _time_repack(packs, timed, stream=None) -> tuple[int, int, float]:
             pass
 
     if stream is None:
-        seconds = min(timed(repack, 3) for _ in range(ROUNDS))
+        seconds = ROUND_STATISTIC([timed(repack, 3) for _ in range(ROUNDS)])
         return packs.held, packs.nbytes, seconds
     # each round's first call untimed (the first of all: the bitwise probes)
-    seconds = min(_median_after_stream(repack, stream) for _ in range(ROUNDS))
+    seconds = ROUND_STATISTIC([_median_after_stream(repack, stream) for _ in range(ROUNDS)])
     return packs.held, packs.nbytes, seconds
 
 
@@ -1381,14 +1394,14 @@ def calibrate(
             runs = [(role, bench, FORWARD_GRID) for role, bench in benches.items()]
             runs += [(key, bench, SHRUNK_GRID) for key, bench in copies.items()]
             runs += [(("narrow", key), rungs[key], FORWARD_GRID) for key in narrow]
-            best: dict = {}
-            # NOTE: rounds over the whole grid, the fastest of each point kept: a burst of other load on
-            # the machine then slows one round of a point, not all of them.
+            rounds: dict = {}
+            # NOTE: rounds over the whole grid, the median of each point kept: a burst of other load on
+            # the machine then slows one round of a point, not the figure kept.
             for _ in range(ROUNDS):
                 for key, bench, grid in runs:
                     for point in grid:
-                        seconds = timed(bench.call(*point), 2)
-                        best[key, point] = min(seconds, best.get((key, point), seconds))
+                        rounds.setdefault((key, point), []).append(timed(bench.call(*point), 2))
+            best = _of_rounds(rounds)
             points = [(shapes[key], key, point, s) for (key, point), s in best.items() if key in benches]
             shrunk_points = [(shrunk_shapes[key], key[0], point, s)
                              for (key, point), s in best.items() if key in copies]  # fmt: skip

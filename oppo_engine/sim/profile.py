@@ -47,9 +47,11 @@ from oppo_engine.sim.shapes import ModelShape, attention_pairs, log_interp
 # its weights were still in the cache (``Profile.from_json`` warns). 11: the timed forwards run on rows made
 # once per point (``calibration.py::_RoleBench._rows``), not made and freed inside each timed call; a
 # version 10 CPU profile loads as written, its per-context constants fitted with that bookkeeping read as
-# attention (``Profile.from_json`` warns).
-VERSION = 11
-READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, VERSION)
+# attention (``Profile.from_json`` warns). 12: each timing the median of its rounds, not the fastest
+# (``calibration.py::ROUND_STATISTIC``); a version 11 CPU profile loads as written, pricing the machine at
+# its fastest moments (``Profile.from_json`` warns).
+VERSION = 12
+READS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, VERSION)
 ROLES = ("actor", "reward", "reference", "critic")
 
 # The per-forward constants a calibration fits (``ThreadCosts``) and what each is charged per, as an amount
@@ -600,6 +602,13 @@ def _older_cpu_profile(version: int, packed: bool) -> list[str]:
     """What a CPU profile of format ``version`` measured that this one does differently, one message per
     change since (``packed``: the profile has packed tables), newest first."""
     out = []
+    if version <= 11:
+        out.append(
+            f"format version {version} kept the fastest of each timing's rounds, which prices the machine at "
+            "its fastest moments (calibrated side by side on a virtual machine whose speed comes in spells, "
+            "the matrix's cells priced the median of their real steps -12% on average, against -7% with "
+            "version 12's median of the rounds)"
+        )
     if version <= 10:
         out.append(
             f"format version {version} timed its forwards with the bench's own bookkeeping inside each call "

@@ -97,13 +97,14 @@ def test_a_feature_no_timed_forward_had_is_marked_and_a_model_with_it_refused_na
 
 
 def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its_version(tmp_path):
-    """Profiles are format version 11 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
+    """Profiles are format version 12 (``ThreadCosts.unfitted`` since 2, the packed tables since 3, the
     repacking since 4, the actor's own fixed costs since 5, the packed products' in-forward ratios since 6,
     the interpreter's hand-overs since 7: a version-6 CPU one loads with none, and warns; the streaming by
     product size and the fixed costs after the caches are taken since 8: a version-7 CPU one loads without
     them, and warns; the host time per step since 9: a version-8 CPU one loads with none, and warns; a
     forward's excess after another model's since 10: a version-9 CPU one loads with none, and warns; the
-    forwards timed on rows made once since 11: a version-10 CPU one loads as written, and warns;
+    forwards timed on rows made once since 11: a version-10 CPU one loads as written, and warns; each
+    timing the median of its rounds since 12: a version-11 CPU one loads as written, and warns;
     a version-5 file is checked in ``test_in_forward_products.py``): an older reader refuses them by version
     ("calibrate again") instead of failing on the new fields; version-1 and version-2 files still load, with
     no packed tables, and a CPU one warns that the engine's packed actor is priced unpacked; a version-3 CPU
@@ -111,8 +112,14 @@ def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its
     scorers', and warns."""
     profile = _profile(fitted())
     data = profile.to_json()
-    assert VERSION == 11 and data["version"] == 11
+    assert VERSION == 12 and data["version"] == 12
     path = tmp_path / "old.json"
+    # Version 12 changed which of a timing's rounds is kept, not what is kept: a version-11 file loads as
+    # written, and says it priced the machine at its fastest.
+    path.write_text(json.dumps({**data, "version": 11}))
+    with pytest.warns(UserWarning, match="version 11 kept the fastest of each timing's rounds") as caught:
+        assert Profile.load(path) == profile
+    assert not any("version 10" in str(w.message) for w in caught)
     # Version 11 changed how the forwards are timed, not what is kept: a version-10 file loads as written.
     path.write_text(json.dumps({**data, "version": 10}))
     with pytest.warns(UserWarning, match="version 10 timed its forwards with the bench's own bookkeeping"):
@@ -170,3 +177,39 @@ def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its
         path.write_text(json.dumps({**old, "version": version}))
         with pytest.warns(UserWarning, match=f"version {version} timed no packed weights"):
             assert Profile.load(path) == profile
+
+
+def _rounds_timer(per_round: int, seconds=(1.0, 3.0, 2.0)):
+    """A ``timed(fn, reps)`` that times nothing: every call of round ``r`` (``per_round`` calls a round)
+    takes ``seconds[r]``; the calls counted."""
+    calls = []
+
+    def timed(fn, reps):
+        calls.append(reps)
+        return seconds[(len(calls) - 1) // per_round]
+
+    return timed, calls
+
+
+def test_each_timing_keeps_the_median_of_its_rounds_not_the_fastest():
+    """Profile version 12: the bare products, the weights' sweeps and the repacking each keep the median of
+    their ``ROUNDS`` rounds (``ROUND_STATISTIC``), the statistic the twin's steps are checked against, not
+    the fastest round (rounds scripted at 1, 3 and 2 s: kept 2, where the fastest would be 1)."""
+    import torch  # noqa: PLC0415
+
+    from oppo_engine.sim import calibration  # noqa: PLC0415
+
+    assert calibration.ROUNDS == 3
+    cpu = torch.device("cpu")
+    per_round = len(calibration.GEMM_SHAPES_CPU) * len(calibration.GEMM_ROWS)
+    timed, calls = _rounds_timer(per_round)
+    rates = calibration._time_gemms(cpu, torch.float32, timed, gpu=False)
+    assert len(calls) == 3 * per_round
+    for kn, points in rates.items():
+        assert [rate for _, rate in points] == [2.0 * m * kn / 2.0 for m in calibration.GEMM_ROWS]
+    timed, _ = _rounds_timer(1)
+    weights = [(8, lambda x: x), (8, lambda x: x)]
+    assert calibration._swept_rate(weights, 1000, 1, cpu, torch.float32, timed) == 1000 / 2.0
+    timed, _ = _rounds_timer(1)
+    packs = type("Packs", (), {"held": 3, "nbytes": 64, "drop": None, "applied": None})()
+    assert calibration._time_repack(packs, timed) == (3, 64, 2.0)
