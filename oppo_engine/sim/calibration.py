@@ -604,9 +604,9 @@ def _time_evicted(benches: dict[int, _RoleBench], device) -> list[tuple[float, f
 
 
 def _fit_evicted(
-    best: dict[tuple[int, int], float], d1: int, d2: int
+    kept: dict[tuple[int, int], float], d1: int, d2: int
 ) -> list[tuple[float, float, float, int]]:
-    """``ThreadCosts.evicted`` from the copies' timings ``best[depth, MiB]`` (0 MiB: back to back) at the
+    """``ThreadCosts.evicted`` from the copies' timings ``kept[depth, MiB]`` (0 MiB: back to back) at the
     depths ``d1 < d2``: at each streamed size, the excess over back to back split into a cost per forward
     and per layer along the line through the two depths, the per-layer part at least 0 (a copy's layers do
     not run faster after a stream: a negative slope is the two timings' noise, and the per-forward part is
@@ -614,7 +614,7 @@ def _fit_evicted(
     charged the per-layer part up to it only (``ThreadCosts.evicted_s``)."""
     out = []
     for mib in EVICTED_MB:
-        e1, e2 = best[d1, mib] - best[d1, 0], best[d2, mib] - best[d2, 0]
+        e1, e2 = kept[d1, mib] - kept[d1, 0], kept[d2, mib] - kept[d2, 0]
         per_layer = max(0.0, (e2 - e1) / (d2 - d1))
         per_forward = e1 - per_layer * d1 if per_layer > 0 else (e1 + e2) / 2
         out.append((float(mib << 20), per_forward, per_layer, d2))
@@ -1401,12 +1401,12 @@ def calibrate(
                 for key, bench, grid in runs:
                     for point in grid:
                         rounds.setdefault((key, point), []).append(timed(bench.call(*point), 2))
-            best = _of_rounds(rounds)
-            points = [(shapes[key], key, point, s) for (key, point), s in best.items() if key in benches]
+            kept = _of_rounds(rounds)
+            points = [(shapes[key], key, point, s) for (key, point), s in kept.items() if key in benches]
             shrunk_points = [(shrunk_shapes[key], key[0], point, s)
-                             for (key, point), s in best.items() if key in copies]  # fmt: skip
+                             for (key, point), s in kept.items() if key in copies]  # fmt: skip
             narrow_points = [(ladder_shapes[key[1]], key[1][0], point, s)
-                             for (key, point), s in best.items() if key[0] == "narrow"]  # fmt: skip
+                             for (key, point), s in kept.items() if key[0] == "narrow"]  # fmt: skip
             if packs:  # the actor's packed products as its forwards call them (ThreadCosts.packed_in_forward)
                 calls = [(benches["actor"], shapes["actor"].weight_bytes, FORWARD_GRID)]
                 calls += [(b, shrunk_shapes[key].weight_bytes, SHRUNK_GRID)

@@ -179,7 +179,7 @@ def test_a_version_1_profile_loads_with_nothing_unfitted_and_a_new_one_names_its
             assert Profile.load(path) == profile
 
 
-def _rounds_timer(per_round: int, seconds=(1.0, 3.0, 2.0)):
+def _rounds_timer(per_round: int, seconds=(1.0, 4.0, 2.0)):
     """A ``timed(fn, reps)`` that times nothing: every call of round ``r`` (``per_round`` calls a round)
     takes ``seconds[r]``; the calls counted."""
     calls = []
@@ -191,10 +191,11 @@ def _rounds_timer(per_round: int, seconds=(1.0, 3.0, 2.0)):
     return timed, calls
 
 
-def test_each_timing_keeps_the_median_of_its_rounds_not_the_fastest():
+def test_each_timing_keeps_the_median_of_its_rounds_not_the_fastest(monkeypatch):
     """Profile version 12: the bare products, the weights' sweeps and the repacking each keep the median of
     their ``ROUNDS`` rounds (``ROUND_STATISTIC``), the statistic the twin's steps are checked against, not
-    the fastest round (rounds scripted at 1, 3 and 2 s: kept 2, where the fastest would be 1)."""
+    the fastest round (rounds scripted at 1, 4 and 2 s: kept 2, where the fastest would be 1 and the mean
+    7/3); the forwards after a stream (``_time_evicted``) and the repacking after one likewise."""
     import torch  # noqa: PLC0415
 
     from oppo_engine.sim import calibration  # noqa: PLC0415
@@ -213,3 +214,15 @@ def test_each_timing_keeps_the_median_of_its_rounds_not_the_fastest():
     timed, _ = _rounds_timer(1)
     packs = type("Packs", (), {"held": 3, "nbytes": 64, "drop": None, "applied": None})()
     assert calibration._time_repack(packs, timed) == (3, 64, 2.0)
+    # after a stream: each round one ``_median_after_stream`` per timing, scripted the same way
+    after, _ = _rounds_timer(1)
+    monkeypatch.setattr(calibration, "_median_after_stream", lambda fn, stream: after(fn, 0))
+    assert calibration._time_repack(packs, timed, stream=object()) == (3, 64, 2.0)
+    pairs = 2 * (1 + len(calibration.EVICTED_MB))
+    after, _ = _rounds_timer(pairs)
+    monkeypatch.setattr(calibration, "_median_after_stream", lambda fn, stream: after(fn, 0))
+    kept = {}
+    monkeypatch.setattr(calibration, "_fit_evicted", lambda k, d1, d2: kept.update(k) or [])
+    bench = type("Bench", (), {"call": lambda self, *point: None})()
+    calibration._time_evicted({1: bench, 2: bench}, cpu)
+    assert len(kept) == pairs and set(kept.values()) == {2.0}
