@@ -112,9 +112,9 @@ ROUNDS = 3
 # the twin's steps are checked against (``bench_twin --matrix``'s real figure is the median of its rounds).
 # Format version 11 and older kept the fastest round, which prices the machine at its fastest moments. On
 # a Zen 5 VM whose speed comes and goes in spells, each shape calibrated both ways side by side and checked
-# against the same real steps: the matrix's cells meeting its goal 6 of 16 with the fastest, 12 with the
-# median (the medians of 3 runs; runs 9, 6, 2 against 14, 14, 1, the third in a slow spell;
-# ``bench/results/twin_matrix_zen5_round_statistic_2026-12-07.txt``).
+# against the same real steps, in two sets of 3 runs: the matrix's cells meeting its goal 6 and 3 of 16
+# with the fastest, 12 and 7 with the median (the medians of the runs; the second set mostly in a slow
+# period; ``bench/results/twin_matrix_zen5_round_statistic_2026-12-07.txt``, ``..._2_2026-12-07.txt``).
 ROUND_STATISTIC: Callable[[list[float]], float] = statistics.median
 
 
