@@ -65,3 +65,51 @@ def test_real_figures_are_the_median_and_the_fastest_of_the_rounds():
     assert out["median"] == {seq: 0.27, oppo: 0.21}
     # per arm: its own fastest round, whichever round that was, and never the exposed scoring
     assert out["fastest"] == {seq: 0.24, oppo: 0.20}
+
+
+def test_carry_sets_each_prediction_against_the_columns_own_calibration():
+    from bench.bench_twin import carry_errors
+
+    shapes = ["tiny", "small", "mid"]
+    twins = {  # predicted s/step per cell, in the order of its errors (workload x arm)
+        ("tiny", "tiny"): [0.10, 0.05],
+        ("tiny", "small"): [0.33, 0.11],
+        ("tiny", "mid"): [0.50, 0.20],
+        ("small", "tiny"): [0.12, 0.04],
+        ("small", "small"): [0.30, 0.10],
+        ("small", "mid"): None,  # refused
+        ("mid", "tiny"): [0.09, 0.05],
+        ("mid", "small"): [0.27, 0.12],
+        ("mid", "mid"): None,  # the column's own calibration refused: nothing to set the column against
+    }
+    out = carry_errors(twins, shapes)
+    assert out["tiny", "tiny"] == [0.0, 0.0] and out["small", "small"] == [0.0, 0.0]
+    # over the column's diagonal (small's own), not the row's (tiny's), position by position
+    assert out["tiny", "small"] == pytest.approx([0.10, 0.10])
+    assert out["small", "tiny"] == pytest.approx([0.20, -0.20])
+    assert out["mid", "small"] == pytest.approx([-0.10, 0.20])
+    assert out["small", "mid"] is None
+    assert out["tiny", "mid"] is None and out["mid", "mid"] is None
+
+
+def test_drift_summary_sets_one_fixed_prediction_against_every_round():
+    from bench.bench_twin import drift_summary
+
+    seq, oppo = ("sequential", None, None), ("oppo", 16, "half")
+    first = {seq: (0.10, 0.0), oppo: (0.08, 0.0)}  # predict()'s: {arm: (step s, exposed s)}
+    last = {seq: (0.11, 0.0), oppo: (0.08, 0.0)}
+    rounds = [  # measure()'s, one per round
+        {seq: (0.10, 0.01), oppo: (0.08, 0.0)},
+        {seq: (0.20, 0.01), oppo: (0.16, 0.0)},  # a spell: twice as slow
+        {seq: (0.095, 0.01), oppo: (0.10, 0.0)},
+    ]
+    out = drift_summary(first, last, rounds)
+    s, o = out[seq], out[oppo]
+    assert (s["min"], s["median"], s["max"]) == (0.095, 0.10, 0.20)
+    assert s["twin"] == 0.10 and s["twin last"] == 0.11
+    # the first prediction against each round, never against the rounds' median or the last prediction
+    assert s["error min"] == pytest.approx(-0.5) and s["error max"] == pytest.approx(0.10 / 0.095 - 1)
+    assert s["error median"] == pytest.approx(0.0)
+    assert s["within 10%"] == pytest.approx(2 / 3)  # +5.3% and 0 in, -50% out
+    assert s["last error median"] == pytest.approx(0.10)
+    assert o["error median"] == pytest.approx(-0.2) and o["within 10%"] == pytest.approx(1 / 3)
