@@ -455,9 +455,10 @@ def _matrix_run(args, shapes: list[str], run: int) -> dict[str, dict[tuple[str, 
 
 
 # The matrix's third table: each cell's predictions against those of the column's own calibration, in the same
-# run -- how far a calibration carries to another shape, apart from the real steps (which the machine's spells
-# move 2x within minutes while two calibrations minutes apart agree within a few percent:
-# bench/results/twin_drift_zen5_2026-12-08.txt). It is not the goal: the goal compares with the real steps.
+# run -- how far a calibration carries to another shape, apart from the real steps (one workload's rounds
+# spanned 1.7-2.7x within minutes on the development VM, idle, while two calibrations minutes apart agreed
+# within 5%, or 10-28% where one landed in a slow spell: bench/results/twin_drift_zen5_2026-12-08.txt,
+# ..._drift_2_zen5_2026-12-08.txt). It is not the goal: the goal compares with the real steps.
 CARRY = "carry"
 CARRY_TITLE = "the carry: each prediction against the column's own calibration's, same run (not the goal's)"
 
@@ -558,7 +559,7 @@ def drift(args) -> int:
     import os  # noqa: PLC0415
 
     torch.set_num_threads(1)
-    shapes = args.drift_shapes.split(",")
+    shapes = list(dict.fromkeys(args.drift_shapes.split(",")))  # each once, in the order given
     bad = [s for s in shapes if s not in MATRIX_SHAPES]
     if bad:
         raise SystemExit(f"--drift-shapes: each one of {MATRIX_SHAPES}, got {bad}")
