@@ -8,6 +8,7 @@ prediction; the real ones are measured here, side by side in one run.
     python -m bench.bench_twin --long       # long reasoning runs: DAPO-like and GRPO with a reference, 8xH200
     python -m bench.bench_twin --matrix     # calibrate on each shape, predict the others' workloads (long)
     python -m bench.bench_twin --phases-profile P --phases-shape S   # one matrix cell's step by phase
+    python -m bench.bench_twin --drift 540  # one fixed prediction of tiny and small against 9 min of rounds
     python -m bench.bench_twin --forward-terms tiny,mid --out DIR  # a forward's terms, real vs priced
     python -m bench.bench_twin --drain      # inter vs oppo with chunk_size="auto" on a long-tail drain
     python -m bench.bench_twin --drain --drain-workloads   # ... and on drains of the workloads below
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import math
 import random
 import statistics
 import time
@@ -563,8 +565,8 @@ def drift(args) -> int:
     bad = [s for s in shapes if s not in MATRIX_SHAPES]
     if bad:
         raise SystemExit(f"--drift-shapes: each one of {MATRIX_SHAPES}, got {bad}")
-    if args.drift <= 0:
-        raise SystemExit(f"--drift: seconds of real rounds, more than 0, got {args.drift}")
+    if not (math.isfinite(args.drift) and args.drift > 0):
+        raise SystemExit(f"--drift: seconds of real rounds, finite and more than 0, got {args.drift}")
     workloads = {s: matrix_workloads(s)[0] for s in shapes}
     t_start = time.perf_counter()
 

@@ -1,6 +1,7 @@
 """``bench_twin.phase_sums``: a step's seconds by phase, from its lane spans (the ``--phases`` diagnosis); the
 neighbour's CPU that ``calibrate`` and the matrix report (``OtherCPU``, ``neighbour_warning``); the matrix's
-medians over its runs (``median_errors``) and its real figures' two statistics (``real_figures``)."""
+medians over its runs (``median_errors``), its real figures' two statistics (``real_figures``) and its carry
+table (``carry_errors``); ``--drift``'s summary (``drift_summary``)."""
 
 import pytest
 
