@@ -526,11 +526,12 @@ def _matrix_table(shapes: list[str], errors: dict, load: str, carry: bool = Fals
 
 
 def drift_summary(first: dict, last: dict, rounds: list[dict]) -> dict[tuple, dict[str, float]]:
-    """Per arm of ``rounds`` (each ``measure``'s result: ``{arm: (step s, exposed s)}``): the real rounds'
-    ``min``, ``median`` and ``max`` step seconds; the ``first`` calibration's fixed prediction (``predict``'s
-    result) ``twin`` and its signed error against each round (``error min``, ``error median``, ``error max``)
-    with the share of rounds it is within 10% of (``within 10%``); and the ``last`` calibration's
-    prediction ``twin last`` with its median error ``last error median``."""
+    """Per arm of ``first`` (each of ``rounds`` is ``measure``'s result, ``{arm: (step s, exposed s)}``,
+    with the same arms): the real rounds' ``min``, ``median`` and ``max`` step seconds; the ``first``
+    calibration's fixed prediction (``predict``'s result) ``twin`` and its signed error against each round
+    (``error min``, ``error median``, ``error max``) with the share of rounds it is within 10% of
+    (``within 10%``); and the ``last`` calibration's prediction ``twin last`` with its median error
+    ``last error median``."""
     out = {}
     for arm in first:
         real = [r[arm][0] for r in rounds]
@@ -1401,8 +1402,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="0.5b", help="bench_e2e's --preset (--device-check)")
     p.add_argument("--batch-size", type=int, default=8, help="bench_e2e's --batch-size (--device-check)")
     p.add_argument("--response-len-cap", type=int, default=256, help="bench_e2e's cap (--device-check)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per arm (accuracy)")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up steps per arm (accuracy)")
+    p.add_argument(
+        "--steps", type=int, default=3, help="measured steps per arm (accuracy, --matrix, --drift)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="warm-up steps per arm (accuracy, --matrix, --drift)"
+    )
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="where the CPU profile is written")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
